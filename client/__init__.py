@@ -1,0 +1,77 @@
+"""pjrt-rendezvous client: ordinals, tagged rendezvous and a key-value store per thread.
+
+Every thread of every process calls :func:`bind_thread` with its device index; from then
+on the plain calls answer for that thread::
+
+    import pjrt_rendezvous.client as pr
+
+    pr.init()                       # address, job and topology from the environment
+    with pr.bind_thread(index):
+        ordinal = pr.get_ordinal()  # task id x devices per process + index
+        payloads = pr.rendezvous("checkpoint", b"...")   # ordinal order
+"""
+
+from ._api import (
+    barrier,
+    bind_thread,
+    get_client,
+    get_local_ordinal,
+    get_ordinal,
+    get_world_size,
+    init,
+    is_master_ordinal,
+    rendezvous,
+    shutdown,
+)
+from ._client import Binding, Client, current_binding
+from ._config import DEFAULT, Settings
+from ._errors import (
+    AuthenticationError,
+    CoordinatorUnavailableError,
+    DuplicateOrdinalError,
+    InvalidArgumentError,
+    LimitExceededError,
+    MismatchError,
+    ParticipantFailedError,
+    RemoteError,
+    RendezvousError,
+    RendezvousTimeout,
+    TopologyError,
+    UnknownJobError,
+    UsageError,
+)
+from ._topology import DEFAULT_PORT, Topology, detect_topology
+
+__all__ = [
+    "DEFAULT",
+    "DEFAULT_PORT",
+    "AuthenticationError",
+    "Binding",
+    "Client",
+    "CoordinatorUnavailableError",
+    "DuplicateOrdinalError",
+    "InvalidArgumentError",
+    "LimitExceededError",
+    "MismatchError",
+    "ParticipantFailedError",
+    "RemoteError",
+    "RendezvousError",
+    "RendezvousTimeout",
+    "Settings",
+    "Topology",
+    "TopologyError",
+    "UnknownJobError",
+    "UsageError",
+    "barrier",
+    "bind_thread",
+    "current_binding",
+    "detect_topology",
+    "get_client",
+    "get_local_ordinal",
+    "get_ordinal",
+    "get_world_size",
+    "init",
+    "is_master_ordinal",
+    "rendezvous",
+    "shutdown",
+]

@@ -1,0 +1,187 @@
+"""The module-level API: one client per process, one binding per thread.
+
+Thread safety: ``init`` and ``shutdown`` take ``_lock``; everything else reads the
+process client (set once) and the calling thread's binding.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Mapping, Sequence
+
+from ._client import Binding, Client, _payload_bytes, current_binding
+from ._config import DEFAULT, Settings, check_timeout
+from ._errors import UsageError
+from ._topology import Topology, detect_topology, metadata_fetcher
+
+_lock = threading.Lock()
+_client: Client | None = None
+_init_args: dict | None = None
+
+_METADATA_URL = "http://metadata.google.internal/computeMetadata/v1/instance/attributes"
+
+
+def _detect(env: Mapping[str, str], address: str | None) -> Topology:
+    # The metadata server exists only on Cloud TPU VMs; ask it only there (PJRT_DEVICE=TPU)
+    # or when a test points PJRT_RENDEZVOUS_METADATA_URL at its own server.
+    url = env.get("PJRT_RENDEZVOUS_METADATA_URL")
+    if url is None and env.get("PJRT_DEVICE", "").upper() == "TPU":
+        url = _METADATA_URL
+    return detect_topology(env, address=address, metadata=metadata_fetcher(url) if url else None)
+
+
+def init(
+    address: str | None = None,
+    *,
+    job: str | None = None,
+    timeout=DEFAULT,
+    topology: Topology | None = None,
+    env: Mapping[str, str] | None = None,
+    **settings,
+) -> Client:
+    """Creates this process's client, or returns the one already created.
+
+    Args:
+        address: the coordinator as ``host:port``. Default: ``PJRT_RENDEZVOUS_ADDRESS``,
+            else TPU worker 0 of ``TPU_WORKER_HOSTNAMES`` at the default port, else
+            ``localhost``.
+        job: the job on the coordinator (default ``PJRT_RENDEZVOUS_JOB``, else ``default``).
+        timeout: default deadline in seconds for every wait; None waits forever. Default
+            ``PJRT_RENDEZVOUS_TIMEOUT``, else 600.
+        topology: the process's place in the pod; detected from ``env`` when left out.
+        env: the environment to read (default ``os.environ``).
+        **settings: further :class:`Settings` fields (``connect_timeout``, ``batch_window``).
+
+    Returns:
+        The process-wide :class:`Client`.
+
+    Raises:
+        UsageError: called again with different arguments, or bad settings.
+        TopologyError: the environment does not describe a valid topology.
+    """
+    global _client, _init_args
+    args = dict(address=address, job=job, timeout=timeout, topology=topology, env=env, **settings)
+    with _lock:
+        if _client is not None:
+            if args != _init_args and any(v is not None and v is not DEFAULT for v in args.values()):
+                raise UsageError(
+                    "init() was already called in this process with different arguments; "
+                    "call shutdown() first to change them"
+                )
+            return _client
+        env = os.environ if env is None else env
+        topology = topology or _detect(env, address)
+        given = {k: v for k, v in settings.items()}
+        if job is not None:
+            given["job"] = job
+        given["timeout"] = timeout
+        _client = Client(Settings.resolve(env, address=topology.address, **given), topology)
+        _init_args = args
+        return _client
+
+
+def shutdown() -> None:
+    """Closes the process client (the next :func:`init` creates a new one)."""
+    global _client, _init_args
+    with _lock:
+        client, _client, _init_args = _client, None, None
+    if client is not None:
+        client.close()
+
+
+def get_client() -> Client:
+    """The process client, created from the environment on first use."""
+    return _client or init()
+
+
+def bind_thread(thread_index: int, **kwargs) -> Binding:
+    """Registers the calling thread as device ``thread_index`` of this process.
+
+    Returns the :class:`Binding`, usable as a context manager::
+
+        with pjrt_rendezvous.client.bind_thread(index):
+            ordinal = pjrt_rendezvous.client.get_ordinal()
+
+    See :meth:`Client.bind_thread` for the keyword arguments and errors.
+    """
+    return get_client().bind_thread(thread_index, **kwargs)
+
+
+def _world_of_one() -> bool:
+    topology = _client.topology if _client is not None else _detect(os.environ, None)
+    return topology.world_size == 1
+
+
+def _binding(what: str) -> Binding | None:
+    binding = current_binding()
+    if binding is None and not _world_of_one():
+        raise UsageError(
+            f"{what}() needs a bound thread: call pjrt_rendezvous.client.bind_thread(index) in "
+            "this thread first (pjrt_rendezvous.client.xla.spawn does it for you)"
+        )
+    return binding
+
+
+def get_ordinal() -> int:
+    """The calling thread's global ordinal: task id x devices per process + thread index."""
+    binding = _binding("get_ordinal")
+    return 0 if binding is None else binding.ordinal
+
+
+def get_local_ordinal() -> int:
+    """The calling thread's ordinal within its host: local rank x devices + thread index."""
+    binding = _binding("get_local_ordinal")
+    return 0 if binding is None else binding.local_ordinal
+
+
+def get_world_size() -> int:
+    """Number of ordinals in the job: tasks x devices per process."""
+    binding = _binding("get_world_size")
+    return 1 if binding is None else binding.world_size
+
+
+def is_master_ordinal(local: bool = True) -> bool:
+    """True for local ordinal 0 (``local=True``) or global ordinal 0."""
+    return (get_local_ordinal() if local else get_ordinal()) == 0
+
+
+def rendezvous(
+    tag: str, payload: bytes = b"", replicas: Sequence[int] = (), *, timeout=DEFAULT
+) -> list[bytes]:
+    """Waits until every ordinal in ``replicas`` (default: all) made its matching call;
+    returns their payloads in ascending ordinal order.
+
+    A participant's k-th call on a replica group is round k of that group; every member
+    must bring the same tag to a round.
+
+    Args:
+        tag: names the round; a mismatch fails the round for every member.
+        payload: this ordinal's bytes.
+        replicas: the participating ordinals; empty means all.
+        timeout: seconds to wait (default: the configured one); None waits forever.
+
+    Returns:
+        ``list[bytes]``, one payload per participating ordinal, ordered by ordinal.
+
+    Raises:
+        TypeError: ``payload`` is not bytes.
+        UsageError: the calling thread is not bound (in a world of more than one).
+        MismatchError: members brought different tags, or disagree on replicas.
+        InvalidArgumentError: the caller is not in ``replicas``, or replicas repeat.
+        RendezvousTimeout: the deadline passed; the message names every missing
+            ordinal with its host and when it was last seen.
+    """
+    binding = _binding("rendezvous")
+    if binding is None:  # a world of one needs no coordinator
+        if timeout is not DEFAULT:
+            check_timeout(timeout)
+        if list(replicas) not in ([], [0]):
+            raise UsageError(f"replicas {list(replicas)} are out of range for a world of one")
+        return [_payload_bytes(payload)]
+    return binding.client.rendezvous(binding, tag, payload, replicas, timeout=timeout)
+
+
+def barrier(tag: str, *, replicas: Sequence[int] = (), timeout=DEFAULT) -> None:
+    """A rendezvous with an empty payload: returns once every member arrived."""
+    rendezvous(tag, b"", replicas, timeout=timeout)

@@ -1,0 +1,447 @@
+"""The process-wide client: one channel, thread bindings, combined rendezvous calls, key-value.
+
+Thread safety: a :class:`Client` is shared by every thread of a process. ``_lock`` guards
+the binding table and the open rendezvous batches; it is held only to read or change them,
+never across an RPC.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+import uuid
+from typing import Callable, Iterable, Sequence, TypeVar
+
+import grpc
+import tenacity
+
+from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
+from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
+
+from ._config import DEFAULT, Settings, check_timeout
+from ._errors import (
+    CoordinatorUnavailableError,
+    RendezvousError,
+    UsageError,
+    from_rpc_error,
+)
+from ._topology import Topology
+
+log = logging.getLogger("pjrt_rendezvous.client")
+
+T = TypeVar("T")
+
+ALL: tuple[int, ...] = ()
+# The server answers a timed-out wait with the list of missing ordinals; the transport
+# deadline is this much later so that answer, not a bare DEADLINE_EXCEEDED, arrives.
+_TRANSPORT_GRACE = 10.0
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+]
+
+_bound = threading.local()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Binding:
+    """A thread's place in the world. Usable as a context manager that unbinds on exit."""
+
+    client: "Client" = dataclasses.field(repr=False)
+    thread_index: int
+    ordinal: int
+    local_ordinal: int
+    world_size: int
+    device_index: int
+
+    def __enter__(self) -> "Binding":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.client.unbind_thread()
+
+
+def current_binding() -> Binding | None:
+    """The calling thread's binding, or None."""
+    return getattr(_bound, "binding", None)
+
+
+def _payload_bytes(payload) -> bytes:
+    # torch_xla's xm.rendezvous raises TypeError for str payloads; so do we.
+    if isinstance(payload, bytes):
+        return payload
+    if isinstance(payload, (bytearray, memoryview)):
+        return bytes(payload)
+    raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
+
+
+class _Batch:
+    """One process's arrivals at one round; the first thread (leader) sends them all."""
+
+    def __init__(self, members: frozenset[int] | None) -> None:
+        self.members = members  # local ordinals expected; None = every local ordinal
+        self.contributions: dict[int, pb.Contribution] = {}
+        self.deadline: float | None = None
+        self.done = threading.Event()
+        self.payloads: list[bytes] | None = None
+        self.error: BaseException | None = None
+
+
+class Client:
+    """Talks to the coordinator for every thread of one process.
+
+    Create it through :func:`pjrt_rendezvous.client.init`; it is cheap until first used
+    (the channel connects lazily).
+    """
+
+    def __init__(self, settings: Settings, topology: Topology) -> None:
+        self.settings = settings
+        self.topology = topology
+        self.incarnation = uuid.uuid4().hex
+        self._channel = grpc.insecure_channel(settings.address, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+        self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
+        self._bindings: dict[int, Binding] = {}  # thread index -> binding
+        self._batches: dict[tuple[tuple[int, ...], int], _Batch] = {}
+        self._rounds: dict[tuple[int, tuple[int, ...]], int] = {}  # (ordinal, group) -> next round
+        self._inside: set[int] = set()  # ordinals whose thread is inside a rendezvous call
+        self._closed = False
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def _deadline(self, timeout) -> float | None:
+        timeout = self.settings.timeout if timeout is DEFAULT else check_timeout(timeout)
+        return None if timeout is None else time.monotonic() + timeout
+
+    def _call(self, method: str, request, deadline: float | None = None, *, waits: bool = False):
+        """Sends one RPC, retrying transient failures, and maps errors (the one place).
+
+        Retries stop at ``connect_timeout`` or at ``deadline``, whichever is first. Every
+        request is safe to resend: rounds carry (group, round), non-idempotent key-value
+        changes carry a request id.
+        """
+        if self._closed:
+            raise UsageError("this client was closed; call init() again")
+        rpc = getattr(self._stub, method)
+        budget = self.settings.connect_timeout
+        if deadline is not None:
+            budget = min(budget, max(0.0, deadline - time.monotonic()))
+
+        def attempt():
+            transport = None
+            if deadline is not None:
+                transport = max(0.0, deadline - time.monotonic()) + (_TRANSPORT_GRACE if waits else 0)
+            elif not waits:
+                transport = max(self.settings.connect_timeout, 30.0)
+            return rpc(request, timeout=transport)
+
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(
+                lambda e: isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNAVAILABLE
+            ),
+            wait=tenacity.wait_exponential_jitter(initial=0.05, max=2.0, jitter=0.2),
+            stop=tenacity.stop_after_delay(budget),
+            reraise=True,
+            before_sleep=lambda state: log.debug(
+                "%s to %s failed (%s); retry %d", method, self.settings.address,
+                state.outcome.exception(), state.attempt_number,
+            ),
+        )
+        try:
+            return retrying(attempt)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, address=self.settings.address, method=method) from exc
+
+    def close(self) -> None:
+        """Closes the channel; bound threads of this client become unbound."""
+        self._closed = True
+        self._channel.close()
+
+    # -- binding --------------------------------------------------------------------------
+
+    def bind_thread(
+        self,
+        thread_index: int,
+        *,
+        runtime_ordinal: int | None = None,
+        runtime_world_size: int = 0,
+    ) -> Binding:
+        """Registers the calling thread as device ``thread_index`` of this process.
+
+        Args:
+            thread_index: the thread's device index within the process, in
+                ``[0, devices per process)``.
+            runtime_ordinal: the XLA runtime's global ordinal of the thread's device, if
+                known; the coordinator cross-checks it against the rank table.
+            runtime_world_size: the XLA runtime's world size, if known.
+
+        Returns:
+            The :class:`Binding`; also a context manager that unbinds on exit.
+
+        Raises:
+            UsageError: the thread is already bound, or another thread holds the index.
+            DuplicateOrdinalError: another process holds the ordinal.
+            MismatchError: world size or runtime ordinal disagrees with the job.
+        """
+        if not isinstance(thread_index, int) or isinstance(thread_index, bool):
+            raise UsageError(f"thread_index must be an int, got {thread_index!r}")
+        self.topology.ordinal(thread_index)  # validates the range with a clear message
+        existing = current_binding()
+        if existing is not None:
+            raise UsageError(
+                f"this thread is already bound to thread index {existing.thread_index} "
+                f"(ordinal {existing.ordinal}); unbind it first"
+            )
+        with self._lock:
+            if thread_index in self._bindings:
+                raise UsageError(
+                    f"thread index {thread_index} is already bound by another thread of this "
+                    "process; each thread binds its own index"
+                )
+            self._bindings[thread_index] = None  # reserved while registering
+        try:
+            topo = self.topology
+            thread = pb.ThreadSpec(thread_index=thread_index)
+            if runtime_ordinal is not None:
+                thread.runtime_ordinal = runtime_ordinal
+            response = self._call(
+                "Register",
+                pb.RegisterRequest(
+                    job=self.settings.job,
+                    incarnation=self.incarnation,
+                    host=topo.host,
+                    pid=os.getpid(),
+                    task_id=topo.task_id,
+                    num_tasks=topo.num_tasks,
+                    devices_per_task=topo.devices_per_process,
+                    local_rank=topo.local_rank,
+                    threads=[thread],
+                    runtime_world_size=runtime_world_size,
+                ),
+            )
+        except BaseException:
+            with self._lock:
+                del self._bindings[thread_index]
+            raise
+        (assignment,) = response.assignments
+        binding = Binding(
+            client=self,
+            thread_index=thread_index,
+            ordinal=assignment.ordinal,
+            local_ordinal=assignment.local_ordinal,
+            world_size=response.world_size,
+            device_index=thread_index,
+        )
+        with self._lock:
+            self._bindings[thread_index] = binding
+        _bound.binding = binding
+        return binding
+
+    def unbind_thread(self) -> None:
+        """Forgets the calling thread's binding (its ordinal stays registered)."""
+        binding = current_binding()
+        if binding is None or binding.client is not self:
+            return
+        with self._lock:
+            self._bindings.pop(binding.thread_index, None)
+        _bound.binding = None
+
+    def _local_ordinals(self) -> set[int]:
+        return {b.ordinal for b in self._bindings.values() if b is not None}
+
+    def wait_world(self, *, timeout=DEFAULT) -> list[pb.Participant]:
+        """Blocks until every ordinal of the job is registered; returns the rank table."""
+        deadline = self._deadline(timeout)
+        request = pb.WaitWorldRequest(job=self.settings.job)
+        if deadline is not None:
+            request.timeout = max(1e-3, deadline - time.monotonic())
+        return list(self._call("WaitWorld", request, deadline, waits=True).participants)
+
+    # -- rendezvous -----------------------------------------------------------------------
+
+    def rendezvous(
+        self,
+        binding: Binding,
+        tag: str,
+        payload: bytes = b"",
+        replicas: Sequence[int] = (),
+        *,
+        timeout=DEFAULT,
+    ) -> list[bytes]:
+        """One rendezvous round for the ordinal of ``binding``; see the module-level
+        :func:`pjrt_rendezvous.client.rendezvous` for the contract."""
+        payload = _payload_bytes(payload)
+        if not isinstance(tag, str):
+            raise TypeError(f"tag must be str, got {type(tag).__name__}")
+        replicas = list(replicas)
+        if any(isinstance(r, bool) or not isinstance(r, int) for r in replicas):
+            raise TypeError(f"replicas must be ints, got {replicas!r}")
+        deadline = self._deadline(timeout)
+        world = binding.world_size
+        if world == 1 and (not replicas or replicas == [binding.ordinal]):
+            return [payload]
+        members = sorted(set(replicas))
+        group = ALL if not replicas or members == list(range(world)) else tuple(members)
+        ordinal = binding.ordinal
+        contribution = pb.Contribution(ordinal=ordinal, tag=tag, payload=payload)
+
+        with self._lock:
+            round_number = self._rounds.get((ordinal, group), 0)
+            self._rounds[(ordinal, group)] = round_number + 1
+            key = (group, round_number)
+            batch = self._batches.get(key)
+            leader = batch is None
+            if leader:
+                batch = self._batches[key] = _Batch(None if group == ALL else frozenset(group))
+            batch.contributions[ordinal] = contribution
+            if deadline is not None and (batch.deadline is None or deadline < batch.deadline):
+                batch.deadline = deadline
+            self._inside.add(ordinal)
+            self._arrived.notify_all()
+            if leader:
+                self._gather_siblings(group, round_number, batch)
+                del self._batches[key]
+        try:
+            if leader:
+                try:
+                    batch.payloads = self._send_round(replicas, round_number, batch)
+                except BaseException as exc:
+                    batch.error = exc
+                finally:
+                    batch.done.set()
+            else:
+                batch.done.wait()
+        finally:
+            with self._lock:
+                self._inside.discard(ordinal)
+        if batch.error is not None:
+            if leader or not isinstance(batch.error, RendezvousError):
+                raise batch.error
+            raise _copy_error(batch.error) from batch.error.__cause__
+        return list(batch.payloads)
+
+    def _gather_siblings(self, group: tuple[int, ...], round_number: int, batch: _Batch) -> None:
+        """With the lock held: waits briefly for this process's other members of the round.
+
+        A sibling is awaited only while it has not reached this round yet (its round counter
+        for the group is not past it) and is not blocked in another rendezvous.
+        """
+
+        def awaited() -> bool:
+            return any(
+                self._rounds.get((o, group), 0) <= round_number and o not in self._inside
+                for o in self._local_ordinals()
+                if batch.members is None or o in batch.members
+            )
+
+        window_end = time.monotonic() + self.settings.batch_window
+        while awaited():
+            remaining = window_end - time.monotonic()
+            if batch.deadline is not None:
+                remaining = min(remaining, batch.deadline - time.monotonic())
+            if remaining <= 0:
+                return
+            self._arrived.wait(remaining)
+
+    def _send_round(self, replicas: list[int], round_number: int, batch: _Batch) -> list[bytes]:
+        request = pb.RendezvousRequest(
+            job=self.settings.job,
+            incarnation=self.incarnation,
+            replicas=replicas,
+            round=round_number,
+            contributions=[batch.contributions[o] for o in sorted(batch.contributions)],
+        )
+        if batch.deadline is not None:
+            request.timeout = max(1e-3, batch.deadline - time.monotonic())
+        return list(self._call("Rendezvous", request, batch.deadline, waits=True).payloads)
+
+    # -- key-value ------------------------------------------------------------------------
+
+    def set(self, key: str, value: bytes) -> None:
+        """Sets ``key`` to ``value`` (bytes), waking every waiting get."""
+        self.multi_set([key], [value])
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[bytes]) -> None:
+        if len(keys) != len(values):
+            raise UsageError(f"multi_set got {len(keys)} keys but {len(values)} values")
+        entries = [pb.KvEntry(key=k, value=_payload_bytes(v)) for k, v in zip(keys, values)]
+        self._call("KvSet", pb.KvSetRequest(job=self.settings.job, entries=entries))
+
+    def get(self, key: str, *, wait: bool = True, timeout=DEFAULT) -> bytes | None:
+        """The value of ``key``. With ``wait`` (default) blocks until it is set, up to
+        ``timeout``; without, returns None when it is missing."""
+        return self.multi_get([key], wait=wait, timeout=timeout)[0]
+
+    def multi_get(self, keys: Sequence[str], *, wait: bool = True, timeout=DEFAULT) -> list[bytes | None]:
+        deadline = self._deadline(timeout) if wait else None
+        request = pb.KvGetRequest(job=self.settings.job, keys=list(keys), wait=wait)
+        if deadline is not None:
+            request.timeout = max(1e-3, deadline - time.monotonic())
+        response = self._call("KvGet", request, deadline, waits=wait)
+        return [v.value if v.found else None for v in response.values]
+
+    def check(self, keys: Sequence[str]) -> bool:
+        """True when every key exists (no waiting)."""
+        return all(v is not None for v in self.multi_get(keys, wait=False))
+
+    def wait(self, keys: Sequence[str], *, timeout=DEFAULT) -> None:
+        """Blocks until every key exists; RendezvousTimeout names those still missing."""
+        self.multi_get(keys, wait=True, timeout=timeout)
+
+    def add(self, key: str, delta: int = 1) -> int:
+        """Adds ``delta`` to the integer at ``key`` (missing counts as 0); returns the sum.
+        Applied once even when the call is retried."""
+        request = pb.KvAddRequest(job=self.settings.job, key=key, delta=delta, request_id=uuid.uuid4().hex)
+        return self._call("KvAdd", request).value
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        """Sets ``key`` to ``desired`` if it holds ``expected`` (a missing key matches b'');
+        returns the value after the call (torch.distributed.Store semantics)."""
+        request = pb.KvCompareSetRequest(
+            job=self.settings.job,
+            key=key,
+            expected=_payload_bytes(expected),
+            desired=_payload_bytes(desired),
+            request_id=uuid.uuid4().hex,
+        )
+        return self._call("KvCompareSet", request).value
+
+    def append(self, key: str, value: bytes) -> None:
+        """Appends ``value`` to ``key`` (creating it). Applied once even when retried."""
+        request = pb.KvAppendRequest(
+            job=self.settings.job, key=key, value=_payload_bytes(value), request_id=uuid.uuid4().hex
+        )
+        self._call("KvAppend", request)
+
+    def delete(self, key: str) -> bool:
+        """Deletes ``key``; True if it existed."""
+        return self._call("KvDelete", pb.KvDeleteRequest(job=self.settings.job, key=key)).deleted
+
+    def list(self, prefix: str = "") -> dict[str, bytes]:
+        """Every key starting with ``prefix`` and its value."""
+        response = self._call("KvList", pb.KvListRequest(job=self.settings.job, prefix=prefix))
+        return {e.key: e.value for e in response.entries}
+
+    def count(self, prefix: str = "") -> int:
+        """How many keys start with ``prefix``."""
+        request = pb.KvListRequest(job=self.settings.job, prefix=prefix, count_only=True)
+        return self._call("KvList", request).count
+
+    # -- status ---------------------------------------------------------------------------
+
+    def status(self, job: str | None = None) -> pb.StatusResponse:
+        """The coordinator's view of ``job`` (default: this client's job; '' for all jobs)."""
+        return self._call("Status", pb.StatusRequest(job=self.settings.job if job is None else job))
+
+
+def _copy_error(error: RendezvousError) -> RendezvousError:
+    """A fresh exception of the same type and message for each waiting thread, so one
+    thread's traceback does not grow from another's raise."""
+    copy = type(error).__new__(type(error))
+    copy.__dict__.update(error.__dict__)
+    copy.args = error.args
+    return copy

@@ -1,0 +1,113 @@
+"""Client settings: keyword arguments, then ``PJRT_RENDEZVOUS_*`` variables, then defaults.
+
+Times are seconds. ``None`` disables a timeout (wait forever); ``0`` is never "forever"
+and is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+from ._errors import UsageError
+
+DEFAULT_JOB = "default"
+
+
+class _Default:
+    """Marker for "use the configured default" where ``None`` already means "forever"."""
+
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+
+DEFAULT: Any = _Default()
+
+# name -> (environment variable, default, parser)
+_TABLE: dict[str, tuple[str, Any]] = {
+    "job": ("PJRT_RENDEZVOUS_JOB", DEFAULT_JOB),
+    "timeout": ("PJRT_RENDEZVOUS_TIMEOUT", 600.0),
+    "connect_timeout": ("PJRT_RENDEZVOUS_CONNECT_TIMEOUT", 60.0),
+    "batch_window": ("PJRT_RENDEZVOUS_BATCH_WINDOW", 1.0),
+}
+
+
+def check_timeout(value: Any, what: str = "timeout") -> float | None:
+    """Validates a timeout: a positive number of seconds, or None for no limit."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UsageError(f"{what} must be a number of seconds or None, got {value!r}")
+    if not value > 0 or math.isnan(value):
+        raise UsageError(f"{what} must be > 0 seconds (None waits forever), got {value!r}")
+    return None if math.isinf(value) else float(value)
+
+
+def _parse_number(variable: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise UsageError(f"{variable}={text!r} is not a number of seconds") from None
+
+
+def _parse_seconds(variable: str, text: str) -> float | None:
+    if text.strip().lower() in ("none", "inf", "infinity", "forever"):
+        return None
+    return check_timeout(_parse_number(variable, text), variable)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Settings:
+    """Everything a :class:`Client` is configured with.
+
+    Attributes:
+        address: the coordinator, ``host:port``.
+        job: the job namespace on the coordinator.
+        timeout: default deadline of rendezvous, barrier, world and blocking key-value
+            waits; None waits forever.
+        connect_timeout: how long transient failures (coordinator unreachable) are retried,
+            with exponential backoff and jitter, before a call fails; always also bounded
+            by the call's own deadline.
+        batch_window: how long the first thread of a process to reach a round waits for its
+            sibling threads, so one RPC carries them all. Costs no latency: the round cannot
+            finish without them anyway.
+    """
+
+    address: str
+    job: str = DEFAULT_JOB
+    timeout: float | None = 600.0
+    connect_timeout: float = 60.0
+    batch_window: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.address or not isinstance(self.address, str):
+            raise UsageError(f"address must be 'host:port', got {self.address!r}")
+        if not self.job or not isinstance(self.job, str):
+            raise UsageError(f"job must be a non-empty string, got {self.job!r}")
+        object.__setattr__(self, "timeout", check_timeout(self.timeout))
+        if check_timeout(self.connect_timeout, "connect_timeout") is None:
+            raise UsageError("connect_timeout must be finite")
+        if not isinstance(self.batch_window, (int, float)) or self.batch_window < 0:
+            raise UsageError(f"batch_window must be >= 0 seconds, got {self.batch_window!r}")
+
+    @classmethod
+    def resolve(cls, env: Mapping[str, str], *, address: str, **given: Any) -> "Settings":
+        """Builds settings from keyword arguments (values other than DEFAULT win), then
+        ``env``, then defaults."""
+        unknown = set(given) - set(_TABLE)
+        if unknown:
+            raise UsageError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(_TABLE)}")
+        values: dict[str, Any] = {}
+        for name, (variable, default) in _TABLE.items():
+            value = given.get(name, DEFAULT)
+            if value is DEFAULT and env.get(variable):
+                text = env[variable]
+                if name == "job":
+                    value = text
+                elif name == "batch_window":
+                    value = _parse_number(variable, text)
+                else:
+                    value = _parse_seconds(variable, text)
+            values[name] = default if value is DEFAULT else value
+        return cls(address=address, **values)

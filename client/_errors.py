@@ -1,0 +1,112 @@
+"""The client's exceptions: one root, a shallow tree.
+
+::
+
+    RendezvousError
+    ├── UsageError (ValueError)            the caller misused the API; nothing was sent
+    │   └── TopologyError                  the environment does not describe a valid topology
+    └── RemoteError                        the coordinator refused a call or a round failed
+        ├── InvalidArgumentError           INVALID_ARGUMENT: bad input (replicas, sizes, names)
+        ├── MismatchError                  FAILED_PRECONDITION: tag / replicas mismatch, world
+        │                                  size conflict, unknown incarnation
+        ├── DuplicateOrdinalError          ALREADY_EXISTS: another process holds the ordinal
+        ├── UnknownJobError                NOT_FOUND: the job does not exist
+        ├── RendezvousTimeout (TimeoutError) DEADLINE_EXCEEDED: names every missing ordinal
+        ├── ParticipantFailedError         ABORTED: a participant died or restarted
+        ├── LimitExceededError             RESOURCE_EXHAUSTED: a size or count limit
+        ├── AuthenticationError            UNAUTHENTICATED / PERMISSION_DENIED
+        └── CoordinatorUnavailableError    UNAVAILABLE after every retry
+
+``payload`` that is not bytes raises ``TypeError``, as torch_xla's ``xm.rendezvous`` does.
+No ``grpc.RpcError`` escapes the public API: :func:`from_rpc_error` is the one translation.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class RendezvousError(Exception):
+    """Root of every error this library raises (apart from TypeError for non-bytes payloads)."""
+
+
+class UsageError(RendezvousError, ValueError):
+    """The caller misused the API (unbound thread, bad argument, bad configuration)."""
+
+
+class TopologyError(UsageError):
+    """The environment does not describe a valid TPU topology; the message names the variable."""
+
+
+class RemoteError(RendezvousError):
+    """The coordinator refused a call or a round failed. ``code`` is the gRPC status name."""
+
+    code: str = "UNKNOWN"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class InvalidArgumentError(RemoteError):
+    code = "INVALID_ARGUMENT"
+
+
+class MismatchError(RemoteError):
+    code = "FAILED_PRECONDITION"
+
+
+class DuplicateOrdinalError(RemoteError):
+    code = "ALREADY_EXISTS"
+
+
+class UnknownJobError(RemoteError):
+    code = "NOT_FOUND"
+
+
+class RendezvousTimeout(RemoteError, TimeoutError):
+    code = "DEADLINE_EXCEEDED"
+
+
+class ParticipantFailedError(RemoteError):
+    code = "ABORTED"
+
+
+class LimitExceededError(RemoteError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+class AuthenticationError(RemoteError):
+    code = "UNAUTHENTICATED"
+
+
+class CoordinatorUnavailableError(RemoteError):
+    code = "UNAVAILABLE"
+
+
+_BY_CODE: dict[grpc.StatusCode, type[RemoteError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.FAILED_PRECONDITION: MismatchError,
+    grpc.StatusCode.ALREADY_EXISTS: DuplicateOrdinalError,
+    grpc.StatusCode.NOT_FOUND: UnknownJobError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: RendezvousTimeout,
+    grpc.StatusCode.ABORTED: ParticipantFailedError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: LimitExceededError,
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
+    grpc.StatusCode.PERMISSION_DENIED: AuthenticationError,
+    grpc.StatusCode.UNAVAILABLE: CoordinatorUnavailableError,
+}
+
+
+def from_rpc_error(exc: grpc.RpcError, *, address: str, method: str) -> RemoteError:
+    """The one place a gRPC error becomes ours; callers ``raise ... from exc``."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
+    cls = _BY_CODE.get(code, RemoteError)
+    if cls is CoordinatorUnavailableError:
+        details = (
+            f"coordinator at {address} unavailable for {method}: {details}. Is "
+            "`pjrt-rendezvous serve` running there, and does PJRT_RENDEZVOUS_ADDRESS point at it?"
+        )
+    return cls(details, code=code.name)

@@ -1,0 +1,466 @@
+"""Topology detection: which process, host and ordinals this is, from an environment mapping.
+
+Each value is taken from the first source that has it:
+
+1. the ``address`` argument and the ``PJRT_RENDEZVOUS_*`` overrides;
+2. the variables torch_xla and the TPU VM set (``CLOUD_TPU_TASK_ID``, ``TPU_WORKER_ID``,
+   ``PJRT_LOCAL_PROCESS_RANK``/``_COUNT``, ``TPU_ACCELERATOR_TYPE``, ``TPU_*_BOUNDS``,
+   ``TPU_WORKER_HOSTNAMES``);
+3. the GCE metadata server (``tpu-env``, ``worker-network-endpoints``), only when a fetcher is
+   passed and ``TPU_SKIP_MDS_QUERY`` is not set; ``tpu-env`` is read only when
+   ``TPU_ACCELERATOR_TYPE`` is unset, and a fetch that fails with ``OSError`` counts as absent;
+4. defaults for a single process off TPU: a world of one at ``localhost:7481``.
+
+``detect_topology`` never reads ``os.environ``: the caller passes the mapping.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import operator
+import re
+import socket
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from ._errors import TopologyError
+
+DEFAULT_PORT = 7481
+
+_CORES_PER_CHIP = {"v2": 2, "v3": 2, "v4": 1, "v5litepod": 1, "v5e": 1, "v5p": 1, "v6e": 1}
+_ACCELERATOR_RE = re.compile(r"(?P<family>[a-z][a-z0-9]*)-(?P<size>[0-9]+)")
+_INT_RE = re.compile(r"[+-]?[0-9]+")
+_YAML_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Topology:
+    """Where this process sits in the job; ordinals are derived from it, never stored."""
+
+    accelerator_type: str | None
+    cores_per_chip: int
+    chips_per_process: int
+    task_id: int
+    num_tasks: int
+    local_rank: int
+    local_world_size: int
+    worker_id: int
+    worker_hostnames: tuple[str, ...]
+    host: str
+    address: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "worker_hostnames", tuple(self.worker_hostnames))
+        for name in ("cores_per_chip", "chips_per_process", "num_tasks", "local_world_size"):
+            if getattr(self, name) < 1:
+                raise TopologyError(f"Topology.{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("task_id", "local_rank", "worker_id"):
+            if getattr(self, name) < 0:
+                raise TopologyError(f"Topology.{name} must not be negative, got {getattr(self, name)}")
+        if self.task_id >= self.num_tasks:
+            raise TopologyError(
+                f"Topology.task_id {self.task_id} must be less than num_tasks {self.num_tasks}"
+            )
+        if self.local_rank >= self.local_world_size:
+            raise TopologyError(
+                f"Topology.local_rank {self.local_rank} must be less than "
+                f"local_world_size {self.local_world_size}"
+            )
+        if self.worker_hostnames and self.worker_id >= len(self.worker_hostnames):
+            raise TopologyError(
+                f"Topology.worker_id {self.worker_id} is out of range for "
+                f"{len(self.worker_hostnames)} worker hostnames"
+            )
+
+    @property
+    def devices_per_process(self) -> int:
+        """PJRT devices (threads) this process drives: cores per chip × chips per process."""
+        return self.cores_per_chip * self.chips_per_process
+
+    @property
+    def world_size(self) -> int:
+        """Devices in the whole job: tasks × devices per process."""
+        return self.num_tasks * self.devices_per_process
+
+    def ordinal(self, thread_index: int) -> int:
+        """Global ordinal of this process's ``thread_index``-th device."""
+        return self.task_id * self.devices_per_process + self._check_thread(thread_index)
+
+    def local_ordinal(self, thread_index: int) -> int:
+        """Ordinal of this process's ``thread_index``-th device among this host's devices."""
+        return self.local_rank * self.devices_per_process + self._check_thread(thread_index)
+
+    def _check_thread(self, thread_index: int) -> int:
+        if isinstance(thread_index, bool):
+            raise TypeError(f"thread index must be an int, got {thread_index!r}")
+        try:
+            index = operator.index(thread_index)
+        except TypeError:
+            raise TypeError(f"thread index must be an int, got {thread_index!r}") from None
+        n = self.devices_per_process
+        if not 0 <= index < n:
+            raise TopologyError(
+                f"thread index {index} is out of range [0, {n}): this process drives {n} "
+                f"device(s) ({self.cores_per_chip} core(s) per chip × "
+                f"{self.chips_per_process} chip(s) per process)"
+            )
+        return index
+
+
+def cores_per_chip(accelerator_type: str) -> int:
+    """PJRT devices per chip for a TPU accelerator type such as ``"v3-8"``; never guesses."""
+    if not isinstance(accelerator_type, str):
+        raise TypeError(f"accelerator type must be a str, got {accelerator_type!r}")
+    match = _ACCELERATOR_RE.fullmatch(accelerator_type.strip().lower())
+    if match and match["family"] in _CORES_PER_CHIP and int(match["size"]) > 0:
+        return _CORES_PER_CHIP[match["family"]]
+    raise TopologyError(
+        f"unknown TPU accelerator type {accelerator_type!r}: cores per chip is known only for "
+        "v2-*, v3-* (2) and v4-*, v5litepod-*, v5e-*, v5p-*, v6e-* (1); set "
+        "PJRT_RENDEZVOUS_CORES_PER_CHIP explicitly to the number of PJRT devices per chip"
+    )
+
+
+def metadata_fetcher(base_url: str, timeout: float = 2.0) -> Callable[[str], str]:
+    """A ``metadata(key) -> str`` for detect_topology: GET ``base_url/key`` from a GCE metadata server.
+
+    Errors (unreachable server, HTTP 404, timeout) are raised as ``OSError``; detect_topology
+    treats them as "no metadata". Proxies are bypassed: the metadata server is link-local.
+    """
+    base = base_url.rstrip("/")
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def fetch(key: str) -> str:
+        request = urllib.request.Request(
+            f"{base}/{urllib.parse.quote(key, safe='')}", headers={"Metadata-Flavor": "Google"}
+        )
+        try:
+            with opener.open(request, timeout=timeout) as response:
+                return response.read().decode("utf-8")
+        except urllib.error.HTTPError as error:
+            error.close()  # it holds the response open; the status and message stay readable
+            raise
+
+    return fetch
+
+
+# --- detection -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Raw:
+    """A raw text value, where it came from, and the variable a user sets to fix or override it."""
+
+    text: str
+    source: str
+    fix: str
+
+    def hint(self) -> str:
+        return "" if self.fix == self.source else f"; set {self.fix} to override it"
+
+
+@dataclass(frozen=True)
+class _Known:
+    """A parsed integer with a description of its origin for error messages."""
+
+    value: int
+    source: str
+    fix: str
+
+
+def _from_env(env: Mapping[str, str], *names: str) -> _Raw | None:
+    for name in names:
+        value = env.get(name)
+        if value is not None and value.strip():
+            return _Raw(value.strip(), name, name)
+    return None
+
+
+def _int(raw: _Raw | None, *, what: str, minimum: int, default: int, default_fix: str) -> _Known:
+    if raw is None:
+        return _Known(default, "default", default_fix)
+    if not _INT_RE.fullmatch(raw.text):
+        raise TopologyError(
+            f"{raw.source} ({what}) must be an integer, got {raw.text!r}{raw.hint()}"
+        )
+    value = int(raw.text)
+    if value < minimum:
+        rule = "must not be negative" if minimum == 0 else f"must be at least {minimum}"
+        raise TopologyError(f"{raw.source} ({what}) {rule}, got {value}{raw.hint()}")
+    return _Known(value, raw.source, raw.fix)
+
+
+def _bounds(raw: _Raw) -> int:
+    parts = [part.strip() for part in raw.text.split(",")]
+    if len(parts) != 3 or not all(part.isascii() and part.isdigit() and int(part) > 0 for part in parts):
+        raise TopologyError(
+            f"{raw.source} must be 3 comma-separated positive integers like '2,2,1', "
+            f"got {raw.text!r}{raw.hint()}"
+        )
+    return math.prod(int(part) for part in parts)
+
+
+def _skip_mds(value: str | None) -> bool:
+    return value is not None and value.strip().lower() not in ("", "0", "false")
+
+
+def _parse_tpu_env(text: str) -> dict[str, str]:
+    """Parse the flat YAML of ``tpu-env``: lines of ``KEY: 'value'`` or ``KEY: value``."""
+    result: dict[str, str] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition(":")
+        key, value = key.strip(), value.strip()
+        if not sep or not _YAML_KEY_RE.fullmatch(key):
+            continue
+        if len(value) >= 2 and value[0] == value[-1] == "'":
+            value = value[1:-1].replace("''", "'")
+        elif len(value) >= 2 and value[0] == value[-1] == '"':
+            value = value[1:-1]
+        else:
+            value = re.split(r"\s+#", value, maxsplit=1)[0].strip()
+        result[key] = value
+    return result
+
+
+def _parse_endpoints(text: str) -> tuple[str, ...]:
+    """``hostname:uid:ip,hostname:uid:ip`` -> the ips, in worker order."""
+    hosts = []
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            continue
+        fields = entry.split(":", 2)
+        if len(fields) < 3 or not fields[2].strip():
+            raise TopologyError(
+                f"metadata worker-network-endpoints entry {entry!r} is not 'hostname:uid:ip' "
+                f"(in {text.strip()!r}); set TPU_WORKER_HOSTNAMES to override it"
+            )
+        hosts.append(fields[2].strip())
+    return tuple(hosts)
+
+
+def _host_port(host: str, port: int) -> str:
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]:{port}"
+    return f"{host}:{port}"
+
+
+def _normalize_address(raw: _Raw) -> str:
+    """``host``, ``host:port``, ``[v6]``, ``[v6]:port`` or a bare IPv6 literal -> ``host:port``."""
+    text = raw.text.strip()
+
+    def bad(reason: str) -> TopologyError:
+        return TopologyError(
+            f"{raw.source} {reason}, got {raw.text!r}; expected 'host', 'host:port', "
+            f"'[ipv6]' or '[ipv6]:port' (default port {DEFAULT_PORT})"
+        )
+
+    def port_of(port_text: str) -> int:
+        if not (port_text.isascii() and port_text.isdigit()) or not 0 < int(port_text) < 65536:
+            raise bad("has an invalid port (must be an integer in 1..65535)")
+        return int(port_text)
+
+    def ipv6(host: str) -> str:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise bad("is not a valid address") from None
+        return host
+
+    if not text:
+        raise bad("must not be empty")
+    if text.startswith("["):
+        end = text.find("]")
+        if end == -1:
+            raise bad("has an unclosed '['")
+        host, rest = ipv6(text[1:end]), text[end + 1 :]
+        if not rest:
+            return f"[{host}]:{DEFAULT_PORT}"
+        if not rest.startswith(":"):
+            raise bad("has text after ']' that is not ':port'")
+        return f"[{host}]:{port_of(rest[1:])}"
+    if text.count(":") > 1:
+        return f"[{ipv6(text)}]:{DEFAULT_PORT}"
+    host, sep, port_text = text.partition(":")
+    if not host or any(c.isspace() or c in "/@[]" for c in host):
+        raise bad("is not a valid address")
+    return f"{host}:{port_of(port_text) if sep else DEFAULT_PORT}"
+
+
+def detect_topology(
+    env: Mapping[str, str],
+    *,
+    address: str | None = None,
+    metadata: Callable[[str], str] | None = None,
+    hostname: Callable[[], str] = socket.gethostname,
+) -> Topology:
+    """Work out this process's Topology from ``env`` (and ``metadata``, see the module docstring)."""
+    use_mds = metadata is not None and not _skip_mds(env.get("TPU_SKIP_MDS_QUERY"))
+    fetched: dict[str, str | None] = {}
+
+    def fetch(key: str) -> str | None:
+        if key not in fetched:
+            try:
+                fetched[key] = metadata(key)  # type: ignore[misc]  # only called when use_mds
+            except OSError as error:
+                if isinstance(error, urllib.error.HTTPError):
+                    error.close()
+                fetched[key] = None
+        return fetched[key]
+
+    tpu_env: dict[str, str] = {}
+
+    def from_tpu_env(fix: str, *keys: str) -> _Raw | None:
+        for key in keys:
+            value = tpu_env.get(key, "").strip()
+            if value:
+                return _Raw(value, f"metadata tpu-env {key}", fix)
+        return None
+
+    # Processes on this host.
+    local_rank = _int(
+        _from_env(env, "PJRT_RENDEZVOUS_LOCAL_RANK", "PJRT_LOCAL_PROCESS_RANK"),
+        what="local rank", minimum=0, default=0, default_fix="PJRT_RENDEZVOUS_LOCAL_RANK",
+    )
+    local_world = _int(
+        _from_env(env, "PJRT_RENDEZVOUS_LOCAL_WORLD_SIZE", "PJRT_LOCAL_PROCESS_COUNT"),
+        what="local world size", minimum=1, default=1,
+        default_fix="PJRT_RENDEZVOUS_LOCAL_WORLD_SIZE or PJRT_LOCAL_PROCESS_COUNT",
+    )
+
+    # Accelerator type, with the metadata server's tpu-env as the fallback for the TPU variables.
+    accelerator = _from_env(env, "TPU_ACCELERATOR_TYPE")
+    if accelerator is None and use_mds:
+        text = fetch("tpu-env")
+        tpu_env = _parse_tpu_env(text) if text else {}
+        accelerator = from_tpu_env("TPU_ACCELERATOR_TYPE", "ACCELERATOR_TYPE")
+    accelerator_type = accelerator.text if accelerator else None
+
+    # Cores per chip: override, else from the type, else (no TPU) 1.
+    cores_override = _from_env(env, "PJRT_RENDEZVOUS_CORES_PER_CHIP")
+    if cores_override is not None:
+        cores = _int(cores_override, what="cores per chip", minimum=1, default=1, default_fix="").value
+    elif accelerator is not None:
+        try:
+            cores = cores_per_chip(accelerator.text)
+        except TopologyError as error:
+            raise TopologyError(f"{error} (accelerator type from {accelerator.source})") from None
+    else:
+        cores = 1
+
+    # Chips per process. Metadata bounds describe one process per host: split them among local processes.
+    chips_raw = _from_env(env, "TPU_CHIPS_PER_PROCESS_BOUNDS")
+    if chips_raw is not None:
+        chips = _bounds(chips_raw)
+    else:
+        per_host = from_tpu_env(
+            "TPU_CHIPS_PER_PROCESS_BOUNDS",
+            "TPU_CHIPS_PER_PROCESS_BOUNDS", "TPU_CHIPS_PER_HOST_BOUNDS", "CHIPS_PER_HOST_BOUNDS",
+        )
+        chips = 1
+        if per_host is not None:
+            host_chips = _bounds(per_host)
+            if host_chips % local_world.value:
+                raise TopologyError(
+                    f"{per_host.source}={per_host.text!r} gives {host_chips} chip(s) per host, which "
+                    f"do not divide evenly among local world size {local_world.value} "
+                    f"({local_world.source}); set TPU_CHIPS_PER_PROCESS_BOUNDS"
+                )
+            chips = host_chips // local_world.value
+
+    # Worker hostnames and this host's index.
+    hostnames: tuple[str, ...] = ()
+    hostnames_source = "TPU_WORKER_HOSTNAMES"
+    hostnames_raw = _from_env(env, "TPU_WORKER_HOSTNAMES")
+    if hostnames_raw is not None:
+        hostnames = tuple(h.strip() for h in hostnames_raw.text.split(",") if h.strip())
+    elif use_mds and accelerator is not None:
+        text = fetch("worker-network-endpoints")
+        hostnames = _parse_endpoints(text) if text else ()
+        hostnames_source = "metadata worker-network-endpoints"
+    worker = _int(
+        _from_env(env, "TPU_WORKER_ID") or from_tpu_env("TPU_WORKER_ID", "WORKER_ID"),
+        what="worker id", minimum=0, default=0, default_fix="TPU_WORKER_ID",
+    )
+    if hostnames and worker.value >= len(hostnames):
+        raise TopologyError(
+            f"worker id {worker.value} ({worker.source}) is out of range for the {len(hostnames)} "
+            f"worker hostnames in {hostnames_source} (valid: 0..{len(hostnames) - 1}); "
+            f"fix {worker.fix} or TPU_WORKER_HOSTNAMES"
+        )
+
+    # Task id and count.
+    task_raw = _from_env(env, "PJRT_RENDEZVOUS_TASK_ID", "CLOUD_TPU_TASK_ID")
+    if task_raw is not None:
+        task = _int(task_raw, what="task id", minimum=0, default=0, default_fix="")
+    else:
+        task = _Known(
+            worker.value * local_world.value + local_rank.value,
+            f"derived: worker id {worker.value} ({worker.source}) × local world size "
+            f"{local_world.value} ({local_world.source}) + local rank {local_rank.value} "
+            f"({local_rank.source})",
+            f"{worker.fix} or CLOUD_TPU_TASK_ID",
+        )
+    num_raw = _from_env(env, "PJRT_RENDEZVOUS_NUM_TASKS")
+    process_bounds = _from_env(env, "TPU_PROCESS_BOUNDS")
+    metadata_bounds = from_tpu_env("TPU_PROCESS_BOUNDS", "TPU_PROCESS_BOUNDS")
+    if num_raw is not None:
+        num = _int(num_raw, what="number of tasks", minimum=1, default=1, default_fix="")
+    elif process_bounds is not None:
+        num = _Known(_bounds(process_bounds), "TPU_PROCESS_BOUNDS", "TPU_PROCESS_BOUNDS")
+    elif metadata_bounds is not None:
+        num = _Known(
+            _bounds(metadata_bounds) * local_world.value,
+            f"derived: {metadata_bounds.source} × local world size {local_world.value}",
+            "PJRT_RENDEZVOUS_NUM_TASKS or TPU_PROCESS_BOUNDS",
+        )
+    else:
+        num = _Known(
+            max(1, len(hostnames)) * local_world.value,
+            f"derived: {len(hostnames)} worker hostname(s) in {hostnames_source} × local world "
+            f"size {local_world.value}",
+            "PJRT_RENDEZVOUS_NUM_TASKS or TPU_PROCESS_BOUNDS",
+        )
+
+    if local_rank.value >= local_world.value:
+        raise TopologyError(
+            f"local rank {local_rank.value} ({local_rank.source}) must be less than the local world "
+            f"size {local_world.value} ({local_world.source}); fix {local_rank.fix} or {local_world.fix}"
+        )
+    if task.value >= num.value:
+        raise TopologyError(
+            f"task id {task.value} ({task.source}) must be less than the number of tasks "
+            f"{num.value} ({num.source}); fix {task.fix} or {num.fix}"
+        )
+
+    # Coordinator address.
+    if address is not None:
+        address_raw: _Raw | None = _Raw(address, "the address argument", "the address argument")
+    else:
+        address_raw = _from_env(env, "PJRT_RENDEZVOUS_ADDRESS")
+    if address_raw is not None:
+        resolved = _normalize_address(address_raw)
+    elif hostnames:
+        resolved = _host_port(hostnames[0], DEFAULT_PORT)
+    else:
+        resolved = f"localhost:{DEFAULT_PORT}"
+
+    return Topology(
+        accelerator_type=accelerator_type,
+        cores_per_chip=cores,
+        chips_per_process=chips,
+        task_id=task.value,
+        num_tasks=num.value,
+        local_rank=local_rank.value,
+        local_world_size=local_world.value,
+        worker_id=worker.value,
+        worker_hostnames=hostnames,
+        host=hostnames[worker.value] if hostnames else hostname(),
+        address=resolved,
+    )

@@ -1,0 +1,26 @@
+"""pjrt-rendezvous coordinator: a gRPC service issuing ordinals, running tagged rendezvous
+rounds and a key-value store per job. It needs neither torch nor torch_xla.
+
+Run it with ``pjrt-rendezvous serve``, or embed it::
+
+    from pjrt_rendezvous.coordinator import Coordinator
+
+    with Coordinator(port=0) as coordinator:
+        print(coordinator.address)
+"""
+
+from ._core import ALL, Code, Core, CoreError, Limits, format_ranges
+from ._server import DEFAULT_JOB, Coordinator, serve_forever, start_server
+
+__all__ = [
+    "ALL",
+    "DEFAULT_JOB",
+    "Code",
+    "Coordinator",
+    "Core",
+    "CoreError",
+    "Limits",
+    "format_ranges",
+    "serve_forever",
+    "start_server",
+]

@@ -1,0 +1,1042 @@
+"""The coordinator's pure core: rank tables, rendezvous rounds and key-value data per job.
+
+No grpc, no asyncio, no clock: every call that depends on time takes ``now`` (seconds on
+any monotonic scale) and every decision is returned or raised as :class:`CoreError`. The
+servicer translates requests into these calls, and waits on the *wake keys* the core
+queues whenever something a waiter may be blocked on changes (see :meth:`Core.take_wakeups`):
+
+- ``("world", job)``               the job's world became complete
+- ``("round", job, group, number)`` a rendezvous round finished (completed or failed)
+- ``("kv", job, key)``             a key was written
+
+Rounds, not tags, match calls (DESIGN "Rendezvous semantics"): a participant's k-th call
+on a replica group is round k of that group. A group is the sorted tuple of its ordinals,
+or ``ALL`` (the empty tuple) for every ordinal of the job.
+
+Thread safety: none. The servicer calls the core from one event loop thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import itertools
+from typing import Iterable, Iterator, Sequence
+
+ALL: tuple[int, ...] = ()
+"""The group key of a rendezvous over every ordinal of the job."""
+
+GroupKey = tuple[int, ...]
+RoundKey = tuple[GroupKey, int]
+
+# A finished round is kept so a retried call can fetch its result. A member can be at
+# most one round behind the others of its group (they cannot finish round k+1 without
+# it), so two finished rounds per group are enough.
+_FINISHED_ROUNDS_KEPT = 2
+_REQUEST_IDS_KEPT = 100_000
+
+
+class Code(enum.Enum):
+    """Status codes of core decisions; the servicer maps them 1:1 onto gRPC codes."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    NOT_FOUND = "NOT_FOUND"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    ABORTED = "ABORTED"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+
+
+class CoreError(Exception):
+    """A request the core refuses, or a round that failed: a code and a full message."""
+
+    def __init__(self, code: Code, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"CoreError({self.code.name}, {self.message!r})"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Limits:
+    """Size and count limits; breaching one is RESOURCE_EXHAUSTED or INVALID_ARGUMENT."""
+
+    max_payload_bytes: int = 64 * 1024 * 1024
+    max_tag_length: int = 1024
+    max_key_length: int = 4096
+    max_value_bytes: int = 64 * 1024 * 1024
+    max_job_name_length: int = 256
+    max_world_size: int = 65_536
+    max_jobs: int = 1024
+    max_pending_rounds: int = 65_536
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"limit {field.name} must be a positive integer, got {value!r}")
+
+
+def format_ranges(ordinals: Iterable[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"`` (sorted, duplicates dropped)."""
+    parts = []
+    for _, run in itertools.groupby(enumerate(sorted(set(ordinals))), lambda p: p[1] - p[0]):
+        values = [v for _, v in run]
+        parts.append(str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}")
+    return ", ".join(parts)
+
+
+def describe_group(group: GroupKey) -> str:
+    return "all ordinals" if group == ALL else f"replicas [{format_ranges(group)}]"
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}" if count == 1 else f"{count} {word}s"
+
+
+def _ordinals_word(ordinals: Sequence[int]) -> str:
+    return f"ordinal{'s' if len(ordinals) != 1 else ''} {format_ranges(ordinals)}"
+
+
+@dataclasses.dataclass(kw_only=True)
+class Process:
+    incarnation: str
+    host: str
+    pid: int
+    task_id: int
+    local_rank: int
+    registered_at: float
+    last_seen: float
+    ordinals: set[int] = dataclasses.field(default_factory=set)
+
+    def label(self) -> str:
+        return f"{self.host} pid {self.pid}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Member:
+    ordinal: int
+    local_ordinal: int
+    thread_index: int
+    incarnation: str
+    runtime_ordinal: int | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ThreadRequest:
+    thread_index: int
+    runtime_ordinal: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Registration:
+    """What a process asks for when it registers threads."""
+
+    job: str
+    incarnation: str
+    host: str
+    pid: int
+    task_id: int
+    num_tasks: int
+    devices_per_task: int
+    local_rank: int
+    threads: tuple[ThreadRequest, ...]
+    runtime_world_size: int = 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Assignment:
+    thread_index: int
+    ordinal: int
+    local_ordinal: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Registered:
+    world_size: int
+    assignments: tuple[Assignment, ...]
+    generation: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParticipantView:
+    ordinal: int
+    local_ordinal: int
+    task_id: int
+    thread_index: int
+    host: str
+    pid: int
+    incarnation: str
+    last_seen_age: float
+    runtime_ordinal: int | None
+    alive: bool
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PendingRoundView:
+    group: GroupKey
+    number: int
+    tags: dict[str, list[int]]
+    arrived: list[int]
+    missing: list[int]
+    waiting_seconds: float
+    missing_summary: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JobView:
+    job: str
+    world_size: int
+    registered: int
+    generation: int
+    participants: list[ParticipantView]
+    pending_rounds: list[PendingRoundView]
+    rounds_completed: int
+    kv_keys: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Contribution:
+    ordinal: int
+    tag: str
+    payload: bytes
+
+
+@dataclasses.dataclass(kw_only=True)
+class Round:
+    group: GroupKey
+    number: int
+    started: float
+    members: frozenset[int] | None  # None: every ordinal of the job
+    size: int
+    deadline: float | None = None
+    arrivals: dict[int, Contribution] = dataclasses.field(default_factory=dict)
+    result: list[bytes] | None = None
+    error: CoreError | None = None
+    # The servicer's response message, built once and shared by every waiter.
+    response: object = None
+
+    @property
+    def key(self) -> RoundKey:
+        return (self.group, self.number)
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None or self.error is not None
+
+    def has_member(self, ordinal: int) -> bool:
+        return ordinal < self.size if self.members is None else ordinal in self.members
+
+    def missing(self) -> list[int]:
+        candidates: Iterable[int] = range(self.size) if self.members is None else sorted(self.members)
+        return [o for o in candidates if o not in self.arrivals]
+
+    def describe(self) -> str:
+        tags = sorted({c.tag for c in self.arrivals.values()})
+        tag = repr(tags[0]) if len(tags) == 1 else "/".join(map(repr, tags)) or "?"
+        return f"rendezvous {tag} on {describe_group(self.group)} (round {self.number})"
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Group:
+    next_round: int = 0  # the lowest round number not yet finished
+    finished: collections.OrderedDict[int, Round] = dataclasses.field(
+        default_factory=collections.OrderedDict
+    )
+
+
+@dataclasses.dataclass(kw_only=True)
+class Job:
+    name: str
+    world_size: int | None = None
+    world_fixed_by: str = ""
+    devices_per_task: int | None = None
+    generation: int = 0
+    processes: dict[str, Process] = dataclasses.field(default_factory=dict)
+    tasks: dict[int, str] = dataclasses.field(default_factory=dict)  # task id -> incarnation
+    members: dict[int, Member] = dataclasses.field(default_factory=dict)
+    groups: dict[GroupKey, _Group] = dataclasses.field(default_factory=dict)
+    pending: dict[RoundKey, Round] = dataclasses.field(default_factory=dict)
+    blocked: dict[int, RoundKey] = dataclasses.field(default_factory=dict)  # ordinal -> its pending round
+    rounds_completed: int = 0
+    kv: dict[str, bytes] = dataclasses.field(default_factory=dict)
+    request_results: collections.OrderedDict[str, object] = dataclasses.field(
+        default_factory=collections.OrderedDict
+    )
+
+    @property
+    def complete(self) -> bool:
+        return self.world_size is not None and len(self.members) == self.world_size
+
+
+class Core:
+    """All jobs of one coordinator. See the module docstring for the contract."""
+
+    def __init__(self, limits: Limits | None = None) -> None:
+        self.limits = limits or Limits()
+        self.jobs: dict[str, Job] = {}
+        self._wakeups: list[tuple] = []
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def take_wakeups(self) -> list[tuple]:
+        """Returns and clears the wake keys queued since the last call."""
+        wakeups, self._wakeups = self._wakeups, []
+        return wakeups
+
+    def _job(self, name: str) -> Job:
+        job = self.jobs.get(name)
+        if job is None:
+            known = ", ".join(repr(j) for j in sorted(self.jobs)[:10]) or "none"
+            raise CoreError(
+                Code.NOT_FOUND,
+                f"job {name!r} is not known to this coordinator (known jobs: {known}); "
+                "processes create a job by registering, or start the coordinator with --world-size",
+            )
+        return job
+
+    def _new_job(self, name: str) -> Job:
+        if not name:
+            raise CoreError(Code.INVALID_ARGUMENT, "job name must not be empty")
+        if len(name) > self.limits.max_job_name_length:
+            raise CoreError(
+                Code.INVALID_ARGUMENT,
+                f"job name of {len(name)} characters exceeds the limit of "
+                f"{self.limits.max_job_name_length}",
+            )
+        if len(self.jobs) >= self.limits.max_jobs:
+            raise CoreError(
+                Code.RESOURCE_EXHAUSTED,
+                f"this coordinator already serves {len(self.jobs)} jobs, the limit "
+                f"(max_jobs={self.limits.max_jobs}); job {name!r} cannot be created",
+            )
+        job = self.jobs[name] = Job(name=name)
+        return job
+
+    def _job_or_create(self, name: str) -> Job:
+        return self.jobs.get(name) or self._new_job(name)
+
+    def _process(self, job: Job, incarnation: str, now: float) -> Process:
+        process = job.processes.get(incarnation)
+        if process is None:
+            raise CoreError(
+                Code.FAILED_PRECONDITION,
+                f"process incarnation {incarnation!r} is not registered in job {job.name!r}; "
+                "register its threads first (after a coordinator restart without a state file, "
+                "processes must register again)",
+            )
+        process.last_seen = now
+        return process
+
+    # -- world ----------------------------------------------------------------------------
+
+    def declare_job(self, name: str, world_size: int) -> None:
+        """Creates a job whose world size is fixed up front (``serve --world-size``)."""
+        if world_size < 1 or world_size > self.limits.max_world_size:
+            raise CoreError(
+                Code.INVALID_ARGUMENT,
+                f"world size must be in [1, {self.limits.max_world_size}], got {world_size}",
+            )
+        job = self._job_or_create(name)
+        if job.world_size is not None and job.world_size != world_size:
+            raise CoreError(
+                Code.FAILED_PRECONDITION,
+                f"job {name!r} already has world size {job.world_size}, cannot declare {world_size}",
+            )
+        job.world_size = world_size
+        job.world_fixed_by = "the coordinator's --world-size"
+
+    def register(self, now: float, request: Registration) -> Registered:
+        """Registers threads of one process and assigns their ordinals.
+
+        ``ordinal = task_id * devices_per_task + thread_index`` and
+        ``local_ordinal = local_rank * devices_per_task + thread_index``. Registering the
+        same threads again from the same incarnation is a no-op (idempotent retry).
+        """
+        r = request
+        if not r.incarnation:
+            raise CoreError(Code.INVALID_ARGUMENT, "incarnation must not be empty")
+        if r.num_tasks < 1 or r.devices_per_task < 1:
+            raise CoreError(
+                Code.INVALID_ARGUMENT,
+                f"num_tasks ({r.num_tasks}) and devices_per_task ({r.devices_per_task}) must be >= 1",
+            )
+        if not 0 <= r.task_id < r.num_tasks:
+            raise CoreError(
+                Code.INVALID_ARGUMENT,
+                f"task id {r.task_id} is out of range [0, {r.num_tasks}) for {r.num_tasks} tasks "
+                f"(host {r.host}, pid {r.pid}); check CLOUD_TPU_TASK_ID / PJRT_RENDEZVOUS_TASK_ID",
+            )
+        if not 0 <= r.local_rank:
+            raise CoreError(Code.INVALID_ARGUMENT, f"local rank must be >= 0, got {r.local_rank}")
+        if not r.threads:
+            raise CoreError(Code.INVALID_ARGUMENT, "a registration must name at least one thread")
+        world_size = r.num_tasks * r.devices_per_task
+        if world_size > self.limits.max_world_size:
+            raise CoreError(
+                Code.RESOURCE_EXHAUSTED,
+                f"world size {r.num_tasks} tasks x {r.devices_per_task} devices = {world_size} "
+                f"exceeds the limit (max_world_size={self.limits.max_world_size})",
+            )
+        seen_threads: set[int] = set()
+        for thread in r.threads:
+            if not 0 <= thread.thread_index < r.devices_per_task:
+                raise CoreError(
+                    Code.INVALID_ARGUMENT,
+                    f"thread index {thread.thread_index} is out of range [0, {r.devices_per_task}) "
+                    f"for {r.devices_per_task} devices per task: its ordinal "
+                    f"{r.task_id * r.devices_per_task + thread.thread_index} would fall outside "
+                    f"task {r.task_id}",
+                )
+            if thread.thread_index in seen_threads:
+                raise CoreError(
+                    Code.INVALID_ARGUMENT,
+                    f"thread index {thread.thread_index} appears twice in one registration",
+                )
+            seen_threads.add(thread.thread_index)
+
+        job = self._job_or_create(r.job)
+        declared = f"{r.num_tasks} tasks x {r.devices_per_task} devices = {world_size}"
+        if job.world_size is not None and job.world_size != world_size:
+            raise CoreError(
+                Code.FAILED_PRECONDITION,
+                f"job {job.name!r} has world size {job.world_size} (fixed by {job.world_fixed_by}), "
+                f"but task {r.task_id} on {r.host} pid {r.pid} declares {declared}; every process "
+                "of a job must agree on the number of tasks and devices per task",
+            )
+        if job.devices_per_task is not None and job.devices_per_task != r.devices_per_task:
+            raise CoreError(
+                Code.FAILED_PRECONDITION,
+                f"job {job.name!r} has {job.devices_per_task} devices per task, but task "
+                f"{r.task_id} on {r.host} pid {r.pid} declares {r.devices_per_task}; check "
+                "PJRT_RENDEZVOUS_CORES_PER_CHIP and TPU_ACCELERATOR_TYPE on every host",
+            )
+
+        owner = job.tasks.get(r.task_id)
+        process = job.processes.get(r.incarnation)
+        if owner is not None and owner != r.incarnation:
+            holder = job.processes[owner]
+            first = r.task_id * r.devices_per_task
+            raise CoreError(
+                Code.ALREADY_EXISTS,
+                f"ordinals {first}-{first + r.devices_per_task - 1} (task {r.task_id}) are already "
+                f"registered by {holder.label()} (local rank {holder.local_rank}); {r.host} pid "
+                f"{r.pid} (local rank {r.local_rank}) claims the same task: two processes share "
+                "one task id; check CLOUD_TPU_TASK_ID, TPU_WORKER_ID and PJRT_LOCAL_PROCESS_RANK",
+            )
+        if process is not None and process.task_id != r.task_id:
+            raise CoreError(
+                Code.INVALID_ARGUMENT,
+                f"incarnation {r.incarnation!r} registered task {process.task_id} before and now "
+                f"claims task {r.task_id}; one process is one task",
+            )
+
+        assignments = []
+        new_members = []
+        for thread in r.threads:
+            ordinal = r.task_id * r.devices_per_task + thread.thread_index
+            local_ordinal = r.local_rank * r.devices_per_task + thread.thread_index
+            self._check_runtime_ordinal(r, thread, ordinal, world_size)
+            existing = job.members.get(ordinal)
+            if existing is not None and existing.runtime_ordinal != thread.runtime_ordinal:
+                raise CoreError(
+                    Code.FAILED_PRECONDITION,
+                    f"ordinal {ordinal} was registered with runtime ordinal "
+                    f"{existing.runtime_ordinal} and is registered again with "
+                    f"{thread.runtime_ordinal}",
+                )
+            for other in job.members.values():
+                if (
+                    thread.runtime_ordinal is not None
+                    and r.runtime_world_size == world_size
+                    and other.ordinal != ordinal
+                    and other.runtime_ordinal == thread.runtime_ordinal
+                ):
+                    raise CoreError(
+                        Code.ALREADY_EXISTS,
+                        f"runtime ordinal {thread.runtime_ordinal} of ordinal {ordinal} collides "
+                        f"with ordinal {other.ordinal}, registered with the same runtime ordinal",
+                    )
+            if existing is None:
+                new_members.append(
+                    Member(
+                        ordinal=ordinal,
+                        local_ordinal=local_ordinal,
+                        thread_index=thread.thread_index,
+                        incarnation=r.incarnation,
+                        runtime_ordinal=thread.runtime_ordinal,
+                    )
+                )
+            assignments.append(
+                Assignment(thread_index=thread.thread_index, ordinal=ordinal, local_ordinal=local_ordinal)
+            )
+
+        # Every check passed: apply.
+        if job.world_size is None:
+            job.world_size = world_size
+            job.world_fixed_by = f"the first registration (task {r.task_id} on {r.host} pid {r.pid})"
+        job.devices_per_task = r.devices_per_task
+        if process is None:
+            process = job.processes[r.incarnation] = Process(
+                incarnation=r.incarnation,
+                host=r.host,
+                pid=r.pid,
+                task_id=r.task_id,
+                local_rank=r.local_rank,
+                registered_at=now,
+                last_seen=now,
+            )
+            job.tasks[r.task_id] = r.incarnation
+        process.last_seen = now
+        for member in new_members:
+            job.members[member.ordinal] = member
+            process.ordinals.add(member.ordinal)
+        if new_members and job.complete:
+            self._wakeups.append(("world", job.name))
+        return Registered(world_size=world_size, assignments=tuple(assignments), generation=job.generation)
+
+    @staticmethod
+    def _check_runtime_ordinal(r: Registration, thread: ThreadRequest, ordinal: int, world_size: int) -> None:
+        # DESIGN "Ordinals": where the runtime's world is ours, its ordinal is the authority
+        # and must equal the rank table's; where it only sees this process (PJRT on CPU),
+        # its device index is the thread index.
+        if thread.runtime_ordinal is None:
+            return
+        if r.runtime_world_size == world_size and thread.runtime_ordinal != ordinal:
+            raise CoreError(
+                Code.FAILED_PRECONDITION,
+                f"the XLA runtime numbers the device of task {r.task_id} thread "
+                f"{thread.thread_index} as global ordinal {thread.runtime_ordinal}, but the rank "
+                f"table gives ordinal {ordinal} (task {r.task_id} x {r.devices_per_task} + thread "
+                f"{thread.thread_index}); collectives would order by {thread.runtime_ordinal}: fix "
+                "CLOUD_TPU_TASK_ID / TPU_WORKER_ID so both agree",
+            )
+        if (
+            r.runtime_world_size == r.devices_per_task
+            and r.runtime_world_size != world_size
+            and thread.runtime_ordinal != thread.thread_index
+        ):
+            raise CoreError(
+                Code.FAILED_PRECONDITION,
+                f"thread {thread.thread_index} of task {r.task_id} is bound to local device "
+                f"{thread.runtime_ordinal}; a thread must drive the device of its own index",
+            )
+
+    def world(self, job_name: str) -> list[ParticipantView] | None:
+        """The full rank table once every ordinal is registered, else None."""
+        job = self._job(job_name)
+        return self._participants(job, now=None) if job.complete else None
+
+    def describe_missing(self, job: Job, ordinals: Sequence[int], now: float) -> str:
+        """Missing ordinals as ranges with their hosts and how long ago each was seen."""
+        by_where: dict[str, list[int]] = collections.defaultdict(list)
+        ages: dict[str, float] = {}
+        for ordinal in ordinals:
+            member = job.members.get(ordinal)
+            if member is None:
+                by_where["never registered"].append(ordinal)
+                continue
+            process = job.processes[member.incarnation]
+            where = f"on {process.host}"
+            by_where[where].append(ordinal)
+            ages[where] = max(ages.get(where, 0.0), now - process.last_seen)
+        parts = []
+        for where, group in sorted(by_where.items(), key=lambda item: min(item[1])):
+            text = f"{format_ranges(group)} {where}"
+            if where in ages:
+                text += f" (last seen {ages[where]:.1f} s ago)"
+            parts.append(text)
+        return "; ".join(parts)
+
+    def world_timeout(self, job_name: str, now: float, waited: float) -> CoreError:
+        job = self._job(job_name)
+        if job.world_size is None:
+            return CoreError(
+                Code.DEADLINE_EXCEEDED,
+                f"job {job_name!r} was still empty after {waited:.1f} s: no process registered",
+            )
+        missing = [o for o in range(job.world_size) if o not in job.members]
+        return CoreError(
+            Code.DEADLINE_EXCEEDED,
+            f"job {job_name!r} world incomplete after {waited:.1f} s: "
+            f"{len(job.members)} of {job.world_size} ordinals registered; missing "
+            f"{_ordinals_word(missing)} ({self.describe_missing(job, missing, now)})",
+        )
+
+    # -- rendezvous -----------------------------------------------------------------------
+
+    def arrive(
+        self,
+        now: float,
+        *,
+        job: str,
+        incarnation: str,
+        replicas: Sequence[int],
+        round_number: int,
+        contributions: Sequence[Contribution],
+        deadline: float | None,
+    ) -> RoundKey:
+        """Adds one process's contributions to a round; returns the round's key.
+
+        Request-level errors raise :class:`CoreError` and leave the round untouched, except
+        for bad replica lists, which fail the round they name for every member, as does a
+        tag mismatch. Use :meth:`outcome` to read a finished round.
+        """
+        state = self._job(job)
+        process = self._process(state, incarnation, now)
+        if state.world_size is None:  # unreachable while a process is registered; kept as a guard
+            raise CoreError(Code.FAILED_PRECONDITION, f"job {job!r} has no world size yet")
+        world = state.world_size
+        if round_number < 0:
+            raise CoreError(Code.INVALID_ARGUMENT, f"round number must be >= 0, got {round_number}")
+        if not contributions:
+            raise CoreError(Code.INVALID_ARGUMENT, "a rendezvous call needs at least one contribution")
+        ordinals = [c.ordinal for c in contributions]
+        if len(set(ordinals)) != len(ordinals):
+            raise CoreError(
+                Code.INVALID_ARGUMENT, f"ordinals {format_ranges(ordinals)} contribute twice in one call"
+            )
+        for c in contributions:
+            member = state.members.get(c.ordinal)
+            if member is None or member.incarnation != incarnation:
+                owner = "not registered" if member is None else (
+                    f"registered by {state.processes[member.incarnation].label()}"
+                )
+                raise CoreError(
+                    Code.FAILED_PRECONDITION,
+                    f"ordinal {c.ordinal} is {owner}, not by the calling process "
+                    f"({process.label()}); bind the thread first",
+                )
+            if len(c.tag) > self.limits.max_tag_length:
+                raise CoreError(
+                    Code.INVALID_ARGUMENT,
+                    f"tag of {len(c.tag)} characters exceeds the limit of "
+                    f"{self.limits.max_tag_length} (max_tag_length)",
+                )
+            if len(c.payload) > self.limits.max_payload_bytes:
+                raise CoreError(
+                    Code.RESOURCE_EXHAUSTED,
+                    f"payload of ordinal {c.ordinal} is {len(c.payload)} bytes, over the limit of "
+                    f"{self.limits.max_payload_bytes} bytes (max_payload_bytes)",
+                )
+        out_of_range = [o for o in replicas if not 0 <= o < world]
+        if out_of_range:
+            raise CoreError(
+                Code.INVALID_ARGUMENT,
+                f"replicas {sorted(out_of_range)} are out of range [0, {world}) for job {job!r} "
+                f"(called by {_ordinals_word(ordinals)} with tag {contributions[0].tag!r})",
+            )
+        members = sorted(set(replicas))
+        group: GroupKey = ALL if not replicas or len(members) == world else tuple(members)
+
+        problem = None
+        if len(members) != len(replicas):
+            dupes = sorted(o for o, n in collections.Counter(replicas).items() if n > 1)
+            problem = CoreError(
+                Code.INVALID_ARGUMENT,
+                f"{_ordinals_word(ordinals)} called rendezvous({contributions[0].tag!r}) with "
+                f"replicas listing {_ordinals_word(dupes)} more than once",
+            )
+        else:
+            outsiders = [o for o in ordinals if replicas and o not in set(members)]
+            if outsiders:
+                problem = CoreError(
+                    Code.INVALID_ARGUMENT,
+                    f"{_ordinals_word(outsiders)} called rendezvous({contributions[0].tag!r}) with "
+                    f"{describe_group(group)} but {'is' if len(outsiders) == 1 else 'are'} not "
+                    "among them",
+                )
+        if problem is not None:
+            # Fail the round the callers' peers are on (or are about to start), so they learn
+            # of the mistake at once instead of waiting for a caller that will never come.
+            target = self._current_round(state, group, now)
+            if not target.finished:
+                self._fail(state, target, problem)
+            raise problem
+
+        rnd = self._round(state, group, round_number, now)
+        if rnd.finished:
+            return rnd.key
+        for c in contributions:
+            previous = rnd.arrivals.get(c.ordinal)
+            if previous is not None and previous != c:
+                raise CoreError(
+                    Code.INVALID_ARGUMENT,
+                    f"ordinal {c.ordinal} resent {rnd.describe()} with a different tag or payload; "
+                    "a retried call must carry the same content",
+                )
+        for c in contributions:
+            rnd.arrivals[c.ordinal] = c
+            state.blocked[c.ordinal] = rnd.key
+        if deadline is not None and (rnd.deadline is None or deadline < rnd.deadline):
+            rnd.deadline = deadline
+
+        tags: dict[str, list[int]] = collections.defaultdict(list)
+        for c in rnd.arrivals.values():
+            tags[c.tag].append(c.ordinal)
+        if len(tags) > 1:
+            described = "; ".join(
+                f"{_ordinals_word(o)} called rendezvous({t!r})"
+                for t, o in sorted(tags.items(), key=lambda item: min(item[1]))
+            )
+            missing = rnd.missing()
+            if missing:
+                described += f"; {_ordinals_word(missing)} had not arrived"
+            self._fail(
+                state,
+                rnd,
+                CoreError(
+                    Code.FAILED_PRECONDITION,
+                    f"tag mismatch in round {rnd.number} of {describe_group(group)}: {described}. "
+                    "Every member must make the same sequence of rendezvous calls; one of them "
+                    "skipped or added a call",
+                ),
+            )
+        elif len(rnd.arrivals) == rnd.size:
+            self._complete(state, rnd)
+        elif len(state.pending) > 1:
+            self._fail_if_deadlocked(state, rnd)
+        return rnd.key
+
+    def outcome(self, job_name: str, key: RoundKey) -> Round | None:
+        """The round if it has finished (``result`` or ``error`` set), else None."""
+        job = self._job(job_name)
+        group, number = key
+        if key in job.pending:
+            return None
+        return job.groups[group].finished.get(number)
+
+    def _current_round(self, job: Job, group: GroupKey, now: float) -> Round:
+        pending = [r for k, r in job.pending.items() if k[0] == group]
+        if pending:
+            return min(pending, key=lambda r: r.number)
+        return self._round(job, group, job.groups.get(group, _Group()).next_round, now)
+
+    def _round(self, job: Job, group: GroupKey, number: int, now: float) -> Round:
+        state = job.groups.get(group)
+        if state is None:
+            state = job.groups[group] = _Group()
+        finished = state.finished.get(number)
+        if finished is not None:
+            return finished
+        if number < state.next_round and (group, number) not in job.pending:
+            raise CoreError(
+                Code.FAILED_PRECONDITION,
+                f"round {number} of {describe_group(group)} finished long ago and its result "
+                f"is gone (the group is at round {state.next_round}); this caller's round "
+                "counter fell behind its peers",
+            )
+        rnd = job.pending.get((group, number))
+        if rnd is None:
+            if len(job.pending) >= self.limits.max_pending_rounds:
+                raise CoreError(
+                    Code.RESOURCE_EXHAUSTED,
+                    f"job {job.name!r} has {len(job.pending)} pending rounds, the limit "
+                    f"(max_pending_rounds={self.limits.max_pending_rounds})",
+                )
+            assert job.world_size is not None
+            rnd = Round(
+                group=group,
+                number=number,
+                started=now,
+                members=None if group == ALL else frozenset(group),
+                size=job.world_size if group == ALL else len(group),
+            )
+            job.pending[rnd.key] = rnd
+        return rnd
+
+    def _finish(self, job: Job, rnd: Round) -> None:
+        del job.pending[rnd.key]
+        for ordinal in rnd.arrivals:
+            if job.blocked.get(ordinal) == rnd.key:
+                del job.blocked[ordinal]
+        state = job.groups[rnd.group]
+        state.finished[rnd.number] = rnd
+        while len(state.finished) > _FINISHED_ROUNDS_KEPT:
+            state.finished.popitem(last=False)
+        while state.next_round in state.finished:
+            state.next_round += 1
+        self._wakeups.append(("round", job.name, rnd.group, rnd.number))
+
+    def _complete(self, job: Job, rnd: Round) -> None:
+        # The XRT mesh service returned payloads sorted by ordinal; torch_xla's docstring
+        # promises index == ordinal for the full group.
+        rnd.result = [rnd.arrivals[o].payload for o in sorted(rnd.arrivals)]
+        job.rounds_completed += 1
+        self._finish(job, rnd)
+
+    def _fail(self, job: Job, rnd: Round, error: CoreError) -> None:
+        rnd.error = error
+        self._finish(job, rnd)
+        rnd.arrivals = {}  # payloads are no longer needed; the message names the tags
+
+    def _fail_if_deadlocked(self, job: Job, start: Round) -> None:
+        """Fails every round of a wait cycle through ``start``.
+
+        Each member blocks in one round at a time, so round R waits for round Q when a
+        member R still lacks is blocked in Q. A cycle can never finish: members disagree
+        on replicas or on the order of their calls.
+        """
+
+        def waits_for(rnd: Round) -> dict[RoundKey, list[int]]:
+            edges: dict[RoundKey, list[int]] = collections.defaultdict(list)
+            for ordinal, key in job.blocked.items():
+                if key != rnd.key and rnd.has_member(ordinal) and ordinal not in rnd.arrivals:
+                    edges[key].append(ordinal)
+            return edges
+
+        path: list[tuple[Round, list[int]]] = []
+        on_path: set[RoundKey] = set()
+        visited: set[RoundKey] = set()
+
+        def dfs(rnd: Round) -> list[tuple[Round, list[int]]] | None:
+            visited.add(rnd.key)
+            on_path.add(rnd.key)
+            for key, blockers in waits_for(rnd).items():
+                path.append((rnd, blockers))
+                if key == start.key:
+                    return list(path)
+                if key not in visited:
+                    found = dfs(job.pending[key])
+                    if found:
+                        return found
+                path.pop()
+            on_path.discard(rnd.key)
+            return None
+
+        cycle = dfs(start)
+        if not cycle:
+            return
+        steps = "; ".join(
+            f"{_ordinals_word(sorted(rnd.arrivals))} wait in {rnd.describe()} for "
+            f"{_ordinals_word(blockers)}"
+            for rnd, blockers in cycle
+        )
+        error = CoreError(
+            Code.FAILED_PRECONDITION,
+            f"rendezvous calls wait on each other and can never complete: {steps}. Members "
+            "disagree on replicas or on the order of their calls",
+        )
+        for rnd, _ in cycle:
+            self._fail(job, rnd, error)
+
+    def expire(self, now: float) -> None:
+        """Fails every pending round whose earliest member deadline has passed."""
+        for job in self.jobs.values():
+            overdue = [r for r in job.pending.values() if r.deadline is not None and r.deadline <= now]
+            for rnd in overdue:
+                missing = rnd.missing()
+                self._fail(
+                    job,
+                    rnd,
+                    CoreError(
+                        Code.DEADLINE_EXCEEDED,
+                        f"{rnd.describe()} timed out after {now - rnd.started:.1f} s with "
+                        f"{len(rnd.arrivals)} of {rnd.size} arrived; missing "
+                        f"{_ordinals_word(missing)} ({self.describe_missing(job, missing, now)})",
+                    ),
+                )
+
+    def deadline(self, job_name: str, key: RoundKey) -> float | None:
+        """When the pending round ``key`` fails unless complete (None: no deadline)."""
+        rnd = self._job(job_name).pending.get(key)
+        return None if rnd is None else rnd.deadline
+
+    # -- key-value ------------------------------------------------------------------------
+
+    def _check_key(self, key: str) -> None:
+        if not key:
+            raise CoreError(Code.INVALID_ARGUMENT, "key must not be empty")
+        if len(key) > self.limits.max_key_length:
+            raise CoreError(
+                Code.INVALID_ARGUMENT,
+                f"key of {len(key)} characters exceeds the limit of {self.limits.max_key_length} "
+                "(max_key_length)",
+            )
+
+    def _check_value(self, key: str, value: bytes) -> None:
+        if len(value) > self.limits.max_value_bytes:
+            raise CoreError(
+                Code.RESOURCE_EXHAUSTED,
+                f"value for key {key!r} is {len(value)} bytes, over the limit of "
+                f"{self.limits.max_value_bytes} bytes (max_value_bytes)",
+            )
+
+    def _write(self, job: Job, key: str, value: bytes) -> None:
+        job.kv[key] = value
+        self._wakeups.append(("kv", job.name, key))
+
+    def _once(self, job: Job, request_id: str, apply):
+        """Applies a non-idempotent change once per request id (retries get the first result)."""
+        if request_id and request_id in job.request_results:
+            return job.request_results[request_id]
+        result = apply()
+        if request_id:
+            job.request_results[request_id] = result
+            while len(job.request_results) > _REQUEST_IDS_KEPT:
+                job.request_results.popitem(last=False)
+        return result
+
+    def kv_set(self, job_name: str, entries: Sequence[tuple[str, bytes]]) -> None:
+        for key, value in entries:
+            self._check_key(key)
+            self._check_value(key, value)
+        job = self._job_or_create(job_name)
+        for key, value in entries:
+            self._write(job, key, value)
+
+    def kv_get(self, job_name: str, keys: Sequence[str]) -> list[bytes | None]:
+        for key in keys:
+            self._check_key(key)
+        job = self._job_or_create(job_name)
+        return [job.kv.get(key) for key in keys]
+
+    def kv_add(self, job_name: str, key: str, delta: int, request_id: str = "") -> int:
+        self._check_key(key)
+        job = self._job_or_create(job_name)
+
+        def apply() -> int:
+            current = job.kv.get(key, b"0")
+            try:
+                value = int(current) + delta
+            except ValueError:
+                raise CoreError(
+                    Code.INVALID_ARGUMENT,
+                    f"cannot add to key {key!r}: its value {current[:64]!r} is not an integer",
+                ) from None
+            self._write(job, key, str(value).encode())
+            return value
+
+        return self._once(job, request_id, apply)
+
+    def kv_compare_set(
+        self, job_name: str, key: str, expected: bytes, desired: bytes, request_id: str = ""
+    ) -> bytes:
+        """torch.distributed.Store.compare_set: swaps when the value equals ``expected``
+        (a missing key matches an empty ``expected``); returns the value after the call,
+        or ``expected`` when the key is missing and ``expected`` is not empty."""
+        self._check_key(key)
+        self._check_value(key, desired)
+        job = self._job_or_create(job_name)
+
+        def apply() -> bytes:
+            current = job.kv.get(key)
+            if current is None:
+                if expected:
+                    return expected
+                self._write(job, key, desired)
+                return desired
+            if current == expected:
+                self._write(job, key, desired)
+                return desired
+            return current
+
+        return self._once(job, request_id, apply)
+
+    def kv_append(self, job_name: str, key: str, value: bytes, request_id: str = "") -> None:
+        self._check_key(key)
+        job = self._job_or_create(job_name)
+
+        def apply() -> None:
+            combined = job.kv.get(key, b"") + value
+            self._check_value(key, combined)
+            self._write(job, key, combined)
+
+        self._once(job, request_id, apply)
+
+    def kv_delete(self, job_name: str, key: str) -> bool:
+        self._check_key(key)
+        job = self._job_or_create(job_name)
+        return job.kv.pop(key, None) is not None
+
+    def kv_list(self, job_name: str, prefix: str = "") -> list[tuple[str, bytes]]:
+        job = self._job_or_create(job_name)
+        return sorted((k, v) for k, v in job.kv.items() if k.startswith(prefix))
+
+    def kv_count(self, job_name: str, prefix: str = "") -> int:
+        job = self._job_or_create(job_name)
+        if not prefix:
+            return len(job.kv)
+        return sum(1 for k in job.kv if k.startswith(prefix))
+
+    def kv_timeout(self, job_name: str, keys: Sequence[str], waited: float) -> CoreError:
+        job = self._job_or_create(job_name)
+        missing = [k for k in keys if k not in job.kv]
+        shown = ", ".join(repr(k) for k in missing[:20]) + (" ..." if len(missing) > 20 else "")
+        return CoreError(
+            Code.DEADLINE_EXCEEDED,
+            f"{_plural(len(missing), 'key')} of job {job_name!r} still not set after "
+            f"{waited:.1f} s: {shown}",
+        )
+
+    # -- status ---------------------------------------------------------------------------
+
+    def touch(self, job_name: str, incarnation: str, now: float) -> None:
+        self._process(self._job(job_name), incarnation, now)
+
+    def _participants(self, job: Job, now: float | None) -> list[ParticipantView]:
+        views = []
+        for ordinal in sorted(job.members):
+            m = job.members[ordinal]
+            p = job.processes[m.incarnation]
+            views.append(
+                ParticipantView(
+                    ordinal=ordinal,
+                    local_ordinal=m.local_ordinal,
+                    task_id=p.task_id,
+                    thread_index=m.thread_index,
+                    host=p.host,
+                    pid=p.pid,
+                    incarnation=p.incarnation,
+                    last_seen_age=0.0 if now is None else max(0.0, now - p.last_seen),
+                    runtime_ordinal=m.runtime_ordinal,
+                    alive=True,
+                )
+            )
+        return views
+
+    def status(self, now: float, job_name: str = "") -> list[JobView]:
+        jobs = [self._job(job_name)] if job_name else [self.jobs[n] for n in sorted(self.jobs)]
+        views = []
+        for job in jobs:
+            pending = []
+            for rnd in sorted(job.pending.values(), key=lambda r: r.started):
+                tags: dict[str, list[int]] = collections.defaultdict(list)
+                for c in rnd.arrivals.values():
+                    tags[c.tag].append(c.ordinal)
+                missing = rnd.missing()
+                pending.append(
+                    PendingRoundView(
+                        group=rnd.group,
+                        number=rnd.number,
+                        tags={t: sorted(o) for t, o in tags.items()},
+                        arrived=sorted(rnd.arrivals),
+                        missing=missing,
+                        waiting_seconds=now - rnd.started,
+                        missing_summary=self.describe_missing(job, missing, now),
+                    )
+                )
+            views.append(
+                JobView(
+                    job=job.name,
+                    world_size=job.world_size or 0,
+                    registered=len(job.members),
+                    generation=job.generation,
+                    participants=self._participants(job, now),
+                    pending_rounds=pending,
+                    rounds_completed=job.rounds_completed,
+                    kv_keys=len(job.kv),
+                )
+            )
+        return views
+
+
+def iter_ranges(text: str) -> Iterator[int]:
+    """Inverse of :func:`format_ranges` (for tests and the CLI)."""
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        first, _, last = part.partition("-")
+        yield from range(int(first), int(last or first) + 1)

@@ -1,0 +1,283 @@
+"""The gRPC servicer: translates messages into core calls and carries out the decisions.
+
+It owns the only I/O-side state: futures of calls waiting on a wake key (see
+``_core``). Everything runs on one asyncio event loop, so the core needs no lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import logging
+import time
+from typing import Callable
+
+import grpc
+
+from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
+from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
+
+from ._core import ALL, Code, Contribution, Core, CoreError, Registration, ThreadRequest
+
+log = logging.getLogger("pjrt_rendezvous.coordinator")
+
+# The one place core codes become wire codes.
+_STATUS = {code: getattr(grpc.StatusCode, code.name) for code in Code}
+
+
+def _translated(method):
+    """Turns a CoreError raised by a handler into a gRPC status with its full message."""
+
+    @functools.wraps(method)
+    async def handler(self, request, context):
+        try:
+            return await method(self, request, context)
+        except CoreError as exc:
+            await context.abort(_STATUS[exc.code], exc.message)
+
+    return handler
+
+
+def _timeout(request) -> float | None:
+    """An absent timeout waits forever; zero or negative is refused (never 'forever')."""
+    if not request.HasField("timeout"):
+        return None
+    if not request.timeout > 0:
+        raise CoreError(
+            Code.INVALID_ARGUMENT,
+            f"timeout must be a positive number of seconds, got {request.timeout}; "
+            "leave it out to wait forever",
+        )
+    return request.timeout
+
+
+class Servicer(pb_grpc.CoordinatorServicer):
+    """Implements ``pjrt_rendezvous.v1.Coordinator`` over a :class:`Core`."""
+
+    def __init__(self, core: Core, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._core = core
+        self._clock = clock
+        self._waiters: dict[tuple, set[asyncio.Future]] = collections.defaultdict(set)
+
+    # -- waiting --------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        for key in self._core.take_wakeups():
+            for future in self._waiters.pop(key, ()):
+                if not future.done():
+                    future.set_result(None)
+
+    async def _wait(self, key: tuple, deadline: float | None) -> bool:
+        """Waits until ``key`` is woken (True) or ``deadline`` passes (False)."""
+        future = asyncio.get_running_loop().create_future()
+        waiters = self._waiters[key]
+        waiters.add(future)
+        try:
+            timeout = None if deadline is None else max(0.0, deadline - self._clock())
+            done, _ = await asyncio.wait((future,), timeout=timeout)
+            return bool(done)
+        finally:
+            waiters.discard(future)
+            if not waiters and self._waiters.get(key) is waiters:
+                del self._waiters[key]
+
+    # -- ranks ----------------------------------------------------------------------------
+
+    @_translated
+    async def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
+        registered = self._core.register(
+            self._clock(),
+            Registration(
+                job=request.job,
+                incarnation=request.incarnation,
+                host=request.host,
+                pid=request.pid,
+                task_id=request.task_id,
+                num_tasks=request.num_tasks,
+                devices_per_task=request.devices_per_task,
+                local_rank=request.local_rank,
+                threads=tuple(
+                    ThreadRequest(
+                        thread_index=t.thread_index,
+                        runtime_ordinal=t.runtime_ordinal if t.HasField("runtime_ordinal") else None,
+                    )
+                    for t in request.threads
+                ),
+                runtime_world_size=request.runtime_world_size,
+            ),
+        )
+        self._wake()
+        log.info(
+            "registered job=%s task=%d host=%s pid=%d ordinals=%s",
+            request.job,
+            request.task_id,
+            request.host,
+            request.pid,
+            [a.ordinal for a in registered.assignments],
+        )
+        return pb.RegisterResponse(
+            world_size=registered.world_size,
+            generation=registered.generation,
+            assignments=[
+                pb.Assignment(thread_index=a.thread_index, ordinal=a.ordinal, local_ordinal=a.local_ordinal)
+                for a in registered.assignments
+            ],
+        )
+
+    @_translated
+    async def WaitWorld(self, request: pb.WaitWorldRequest, context) -> pb.WaitWorldResponse:
+        timeout = _timeout(request)
+        start = self._clock()
+        deadline = None if timeout is None else start + timeout
+        while (table := self._core.world(request.job)) is None:
+            if not await self._wait(("world", request.job), deadline) and (
+                deadline is not None and self._clock() >= deadline
+            ):
+                raise self._core.world_timeout(request.job, self._clock(), self._clock() - start)
+        world_size = self._core.jobs[request.job].world_size
+        log.info("world of job %s complete: %d ordinals", request.job, world_size)
+        return pb.WaitWorldResponse(world_size=world_size, participants=[_participant(p) for p in table])
+
+    # -- rendezvous -----------------------------------------------------------------------
+
+    @_translated
+    async def Rendezvous(self, request: pb.RendezvousRequest, context) -> pb.RendezvousResponse:
+        timeout = _timeout(request)
+        now = self._clock()
+        key = self._core.arrive(
+            now,
+            job=request.job,
+            incarnation=request.incarnation,
+            replicas=request.replicas,
+            round_number=request.round,
+            contributions=[
+                Contribution(ordinal=c.ordinal, tag=c.tag, payload=c.payload) for c in request.contributions
+            ],
+            deadline=None if timeout is None else now + timeout,
+        )
+        self._wake()
+        while (rnd := self._core.outcome(request.job, key)) is None:
+            if not await self._wait(("round", request.job, *key), self._core.deadline(request.job, key)):
+                self._core.expire(self._clock())
+                self._wake()
+        if rnd.error is not None:
+            raise rnd.error
+        if rnd.response is None:
+            rnd.response = pb.RendezvousResponse(payloads=rnd.result)
+        return rnd.response
+
+    # -- liveness (heartbeats keep last-seen times fresh) -------------------------------------
+
+    @_translated
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
+        self._core.touch(request.job, request.incarnation, self._clock())
+        return pb.HeartbeatResponse(generation=self._core.jobs[request.job].generation)
+
+    # -- key-value ------------------------------------------------------------------------
+
+    @_translated
+    async def KvSet(self, request: pb.KvSetRequest, context) -> pb.KvSetResponse:
+        self._core.kv_set(request.job, [(e.key, e.value) for e in request.entries])
+        self._wake()
+        return pb.KvSetResponse()
+
+    @_translated
+    async def KvGet(self, request: pb.KvGetRequest, context) -> pb.KvGetResponse:
+        timeout = _timeout(request)
+        start = self._clock()
+        deadline = None if timeout is None else start + timeout
+        while True:
+            values = self._core.kv_get(request.job, request.keys)
+            missing = [k for k, v in zip(request.keys, values) if v is None]
+            if not request.wait or not missing:
+                break
+            if not await self._wait(("kv", request.job, missing[0]), deadline) and (
+                deadline is not None and self._clock() >= deadline
+            ):
+                raise self._core.kv_timeout(request.job, request.keys, self._clock() - start)
+        return pb.KvGetResponse(
+            values=[pb.KvValue(found=v is not None, value=v or b"") for v in values]
+        )
+
+    @_translated
+    async def KvAdd(self, request: pb.KvAddRequest, context) -> pb.KvAddResponse:
+        value = self._core.kv_add(request.job, request.key, request.delta, request.request_id)
+        self._wake()
+        return pb.KvAddResponse(value=value)
+
+    @_translated
+    async def KvCompareSet(self, request: pb.KvCompareSetRequest, context) -> pb.KvCompareSetResponse:
+        value = self._core.kv_compare_set(
+            request.job, request.key, request.expected, request.desired, request.request_id
+        )
+        self._wake()
+        return pb.KvCompareSetResponse(value=value)
+
+    @_translated
+    async def KvAppend(self, request: pb.KvAppendRequest, context) -> pb.KvAppendResponse:
+        self._core.kv_append(request.job, request.key, request.value, request.request_id)
+        self._wake()
+        return pb.KvAppendResponse()
+
+    @_translated
+    async def KvDelete(self, request: pb.KvDeleteRequest, context) -> pb.KvDeleteResponse:
+        return pb.KvDeleteResponse(deleted=self._core.kv_delete(request.job, request.key))
+
+    @_translated
+    async def KvList(self, request: pb.KvListRequest, context) -> pb.KvListResponse:
+        if request.count_only:
+            return pb.KvListResponse(count=self._core.kv_count(request.job, request.prefix))
+        entries = self._core.kv_list(request.job, request.prefix)
+        return pb.KvListResponse(
+            count=len(entries), entries=[pb.KvEntry(key=k, value=v) for k, v in entries]
+        )
+
+    # -- status ---------------------------------------------------------------------------
+
+    @_translated
+    async def Status(self, request: pb.StatusRequest, context) -> pb.StatusResponse:
+        views = self._core.status(self._clock(), request.job)
+        return pb.StatusResponse(
+            jobs=[
+                pb.JobStatus(
+                    job=v.job,
+                    world_size=v.world_size,
+                    registered=v.registered,
+                    generation=v.generation,
+                    rounds_completed=v.rounds_completed,
+                    kv_keys=v.kv_keys,
+                    participants=[_participant(p) for p in v.participants],
+                    pending_rounds=[
+                        pb.PendingRound(
+                            replicas=[] if r.group == ALL else r.group,
+                            round=r.number,
+                            tags=[pb.TagGroup(tag=t, ordinals=o) for t, o in r.tags.items()],
+                            arrived=r.arrived,
+                            missing=r.missing,
+                            waiting_seconds=r.waiting_seconds,
+                            missing_summary=r.missing_summary,
+                        )
+                        for r in v.pending_rounds
+                    ],
+                )
+                for v in views
+            ]
+        )
+
+
+def _participant(view) -> pb.Participant:
+    message = pb.Participant(
+        ordinal=view.ordinal,
+        local_ordinal=view.local_ordinal,
+        task_id=view.task_id,
+        thread_index=view.thread_index,
+        host=view.host,
+        pid=view.pid,
+        incarnation=view.incarnation,
+        last_seen_age=view.last_seen_age,
+        alive=view.alive,
+    )
+    if view.runtime_ordinal is not None:
+        message.runtime_ordinal = view.runtime_ordinal
+    return message

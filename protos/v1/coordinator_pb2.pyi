@@ -1,0 +1,370 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ThreadSpec(_message.Message):
+    __slots__ = ("thread_index", "runtime_ordinal")
+    THREAD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_ORDINAL_FIELD_NUMBER: _ClassVar[int]
+    thread_index: int
+    runtime_ordinal: int
+    def __init__(self, thread_index: _Optional[int] = ..., runtime_ordinal: _Optional[int] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("job", "incarnation", "host", "pid", "task_id", "num_tasks", "devices_per_task", "local_rank", "threads", "runtime_world_size")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TASKS_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_PER_TASK_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    incarnation: str
+    host: str
+    pid: int
+    task_id: int
+    num_tasks: int
+    devices_per_task: int
+    local_rank: int
+    threads: _containers.RepeatedCompositeFieldContainer[ThreadSpec]
+    runtime_world_size: int
+    def __init__(self, job: _Optional[str] = ..., incarnation: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., task_id: _Optional[int] = ..., num_tasks: _Optional[int] = ..., devices_per_task: _Optional[int] = ..., local_rank: _Optional[int] = ..., threads: _Optional[_Iterable[_Union[ThreadSpec, _Mapping]]] = ..., runtime_world_size: _Optional[int] = ...) -> None: ...
+
+class Assignment(_message.Message):
+    __slots__ = ("thread_index", "ordinal", "local_ordinal")
+    THREAD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ORDINAL_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ORDINAL_FIELD_NUMBER: _ClassVar[int]
+    thread_index: int
+    ordinal: int
+    local_ordinal: int
+    def __init__(self, thread_index: _Optional[int] = ..., ordinal: _Optional[int] = ..., local_ordinal: _Optional[int] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("world_size", "assignments", "generation")
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENTS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    world_size: int
+    assignments: _containers.RepeatedCompositeFieldContainer[Assignment]
+    generation: int
+    def __init__(self, world_size: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class WaitWorldRequest(_message.Message):
+    __slots__ = ("job", "timeout")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    timeout: float
+    def __init__(self, job: _Optional[str] = ..., timeout: _Optional[float] = ...) -> None: ...
+
+class Participant(_message.Message):
+    __slots__ = ("ordinal", "local_ordinal", "task_id", "thread_index", "host", "pid", "incarnation", "last_seen_age", "runtime_ordinal", "alive")
+    ORDINAL_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ORDINAL_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    THREAD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_AGE_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_ORDINAL_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    ordinal: int
+    local_ordinal: int
+    task_id: int
+    thread_index: int
+    host: str
+    pid: int
+    incarnation: str
+    last_seen_age: float
+    runtime_ordinal: int
+    alive: bool
+    def __init__(self, ordinal: _Optional[int] = ..., local_ordinal: _Optional[int] = ..., task_id: _Optional[int] = ..., thread_index: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., incarnation: _Optional[str] = ..., last_seen_age: _Optional[float] = ..., runtime_ordinal: _Optional[int] = ..., alive: _Optional[bool] = ...) -> None: ...
+
+class WaitWorldResponse(_message.Message):
+    __slots__ = ("world_size", "participants")
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    world_size: int
+    participants: _containers.RepeatedCompositeFieldContainer[Participant]
+    def __init__(self, world_size: _Optional[int] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ...) -> None: ...
+
+class Contribution(_message.Message):
+    __slots__ = ("ordinal", "tag", "payload")
+    ORDINAL_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    ordinal: int
+    tag: str
+    payload: bytes
+    def __init__(self, ordinal: _Optional[int] = ..., tag: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class RendezvousRequest(_message.Message):
+    __slots__ = ("job", "incarnation", "replicas", "round", "contributions", "timeout")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    incarnation: str
+    replicas: _containers.RepeatedScalarFieldContainer[int]
+    round: int
+    contributions: _containers.RepeatedCompositeFieldContainer[Contribution]
+    timeout: float
+    def __init__(self, job: _Optional[str] = ..., incarnation: _Optional[str] = ..., replicas: _Optional[_Iterable[int]] = ..., round: _Optional[int] = ..., contributions: _Optional[_Iterable[_Union[Contribution, _Mapping]]] = ..., timeout: _Optional[float] = ...) -> None: ...
+
+class RendezvousResponse(_message.Message):
+    __slots__ = ("payloads",)
+    PAYLOADS_FIELD_NUMBER: _ClassVar[int]
+    payloads: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, payloads: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("job", "incarnation")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    incarnation: str
+    def __init__(self, job: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("generation", "heartbeat_timeout")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    heartbeat_timeout: float
+    def __init__(self, generation: _Optional[int] = ..., heartbeat_timeout: _Optional[float] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("job", "incarnation")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    incarnation: str
+    def __init__(self, job: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class WatchEvent(_message.Message):
+    __slots__ = ("kind", "generation", "ordinals", "host", "message")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[WatchEvent.Kind]
+        PROCESS_DEAD: _ClassVar[WatchEvent.Kind]
+        PROCESS_RESTARTED: _ClassVar[WatchEvent.Kind]
+        WORLD_COMPLETE: _ClassVar[WatchEvent.Kind]
+    KIND_UNSPECIFIED: WatchEvent.Kind
+    PROCESS_DEAD: WatchEvent.Kind
+    PROCESS_RESTARTED: WatchEvent.Kind
+    WORLD_COMPLETE: WatchEvent.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ORDINALS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    kind: WatchEvent.Kind
+    generation: int
+    ordinals: _containers.RepeatedScalarFieldContainer[int]
+    host: str
+    message: str
+    def __init__(self, kind: _Optional[_Union[WatchEvent.Kind, str]] = ..., generation: _Optional[int] = ..., ordinals: _Optional[_Iterable[int]] = ..., host: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class KvEntry(_message.Message):
+    __slots__ = ("key", "value")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value: bytes
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+
+class KvSetRequest(_message.Message):
+    __slots__ = ("job", "entries")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    entries: _containers.RepeatedCompositeFieldContainer[KvEntry]
+    def __init__(self, job: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[KvEntry, _Mapping]]] = ...) -> None: ...
+
+class KvSetResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvGetRequest(_message.Message):
+    __slots__ = ("job", "keys", "wait", "timeout")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    wait: bool
+    timeout: float
+    def __init__(self, job: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., wait: _Optional[bool] = ..., timeout: _Optional[float] = ...) -> None: ...
+
+class KvGetResponse(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedCompositeFieldContainer[KvValue]
+    def __init__(self, values: _Optional[_Iterable[_Union[KvValue, _Mapping]]] = ...) -> None: ...
+
+class KvValue(_message.Message):
+    __slots__ = ("found", "value")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    value: bytes
+    def __init__(self, found: _Optional[bool] = ..., value: _Optional[bytes] = ...) -> None: ...
+
+class KvAddRequest(_message.Message):
+    __slots__ = ("job", "key", "delta", "request_id")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    key: str
+    delta: int
+    request_id: str
+    def __init__(self, job: _Optional[str] = ..., key: _Optional[str] = ..., delta: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class KvAddResponse(_message.Message):
+    __slots__ = ("value",)
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    value: int
+    def __init__(self, value: _Optional[int] = ...) -> None: ...
+
+class KvCompareSetRequest(_message.Message):
+    __slots__ = ("job", "key", "expected", "desired", "request_id")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    DESIRED_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    key: str
+    expected: bytes
+    desired: bytes
+    request_id: str
+    def __init__(self, job: _Optional[str] = ..., key: _Optional[str] = ..., expected: _Optional[bytes] = ..., desired: _Optional[bytes] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class KvCompareSetResponse(_message.Message):
+    __slots__ = ("value",)
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    value: bytes
+    def __init__(self, value: _Optional[bytes] = ...) -> None: ...
+
+class KvAppendRequest(_message.Message):
+    __slots__ = ("job", "key", "value", "request_id")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    key: str
+    value: bytes
+    request_id: str
+    def __init__(self, job: _Optional[str] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class KvAppendResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvDeleteRequest(_message.Message):
+    __slots__ = ("job", "key")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    key: str
+    def __init__(self, job: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
+
+class KvDeleteResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: bool
+    def __init__(self, deleted: _Optional[bool] = ...) -> None: ...
+
+class KvListRequest(_message.Message):
+    __slots__ = ("job", "prefix", "count_only")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    COUNT_ONLY_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    prefix: str
+    count_only: bool
+    def __init__(self, job: _Optional[str] = ..., prefix: _Optional[str] = ..., count_only: _Optional[bool] = ...) -> None: ...
+
+class KvListResponse(_message.Message):
+    __slots__ = ("entries", "count")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[KvEntry]
+    count: int
+    def __init__(self, entries: _Optional[_Iterable[_Union[KvEntry, _Mapping]]] = ..., count: _Optional[int] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class TagGroup(_message.Message):
+    __slots__ = ("tag", "ordinals")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    ORDINALS_FIELD_NUMBER: _ClassVar[int]
+    tag: str
+    ordinals: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tag: _Optional[str] = ..., ordinals: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PendingRound(_message.Message):
+    __slots__ = ("replicas", "round", "tags", "arrived", "missing", "waiting_seconds", "missing_summary")
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    ARRIVED_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedScalarFieldContainer[int]
+    round: int
+    tags: _containers.RepeatedCompositeFieldContainer[TagGroup]
+    arrived: _containers.RepeatedScalarFieldContainer[int]
+    missing: _containers.RepeatedScalarFieldContainer[int]
+    waiting_seconds: float
+    missing_summary: str
+    def __init__(self, replicas: _Optional[_Iterable[int]] = ..., round: _Optional[int] = ..., tags: _Optional[_Iterable[_Union[TagGroup, _Mapping]]] = ..., arrived: _Optional[_Iterable[int]] = ..., missing: _Optional[_Iterable[int]] = ..., waiting_seconds: _Optional[float] = ..., missing_summary: _Optional[str] = ...) -> None: ...
+
+class JobStatus(_message.Message):
+    __slots__ = ("job", "world_size", "registered", "generation", "participants", "pending_rounds", "rounds_completed", "kv_keys")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    KV_KEYS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    world_size: int
+    registered: int
+    generation: int
+    participants: _containers.RepeatedCompositeFieldContainer[Participant]
+    pending_rounds: _containers.RepeatedCompositeFieldContainer[PendingRound]
+    rounds_completed: int
+    kv_keys: int
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., registered: _Optional[int] = ..., generation: _Optional[int] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., pending_rounds: _Optional[_Iterable[_Union[PendingRound, _Mapping]]] = ..., rounds_completed: _Optional[int] = ..., kv_keys: _Optional[int] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ...) -> None: ...
