@@ -108,7 +108,7 @@ class Client:
         self._bindings: dict[int, Binding] = {}  # thread index -> binding
         self._batches: dict[tuple[tuple[int, ...], int], _Batch] = {}
         self._rounds: dict[tuple[int, tuple[int, ...]], int] = {}  # (ordinal, group) -> next round
-        self._inside: set[int] = set()  # ordinals whose thread is inside a rendezvous call
+        self._inside: dict[int, tuple] = {}  # ordinal -> round key its thread is inside
         self._closed = False
 
     # -- plumbing -------------------------------------------------------------------------
@@ -143,7 +143,7 @@ class Client:
             retry=tenacity.retry_if_exception(
                 lambda e: isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNAVAILABLE
             ),
-            wait=tenacity.wait_exponential_jitter(initial=0.05, max=2.0, jitter=0.2),
+            wait=tenacity.wait_random_exponential(multiplier=0.05, max=2.0),
             stop=tenacity.stop_after_delay(budget),
             reraise=True,
             before_sleep=lambda state: log.debug(
@@ -300,7 +300,7 @@ class Client:
             batch.contributions[ordinal] = contribution
             if deadline is not None and (batch.deadline is None or deadline < batch.deadline):
                 batch.deadline = deadline
-            self._inside.add(ordinal)
+            self._inside[ordinal] = key
             self._arrived.notify_all()
             if leader:
                 self._gather_siblings(group, round_number, batch)
@@ -317,7 +317,7 @@ class Client:
                 batch.done.wait()
         finally:
             with self._lock:
-                self._inside.discard(ordinal)
+                self._inside.pop(ordinal, None)
         if batch.error is not None:
             if leader or not isinstance(batch.error, RendezvousError):
                 raise batch.error
@@ -331,15 +331,18 @@ class Client:
         for the group is not past it) and is not blocked in another rendezvous.
         """
 
-        def awaited() -> bool:
-            return any(
-                self._rounds.get((o, group), 0) <= round_number and o not in self._inside
-                for o in self._local_ordinals()
-                if batch.members is None or o in batch.members
-            )
+        def awaited(ordinal: int) -> bool:
+            if batch.members is not None and ordinal not in batch.members:
+                return False
+            if self._rounds.get((ordinal, group), 0) > round_number:
+                return False  # already arrived at this round
+            inside = self._inside.get(ordinal)
+            # Blocked in another group's round, it cannot come now; still finishing an
+            # earlier round of this group (its result is on the way), it will.
+            return inside is None or inside[0] == group
 
         window_end = time.monotonic() + self.settings.batch_window
-        while awaited():
+        while any(awaited(o) for o in self._local_ordinals()):
             remaining = window_end - time.monotonic()
             if batch.deadline is not None:
                 remaining = min(remaining, batch.deadline - time.monotonic())

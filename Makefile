@@ -1,0 +1,46 @@
+# Two environments:
+#   .venv                  the package alone (grpc, protobuf, tenacity): enough for `make demo`
+#   $(TEST_VENV)           + test tools + torch 2.9.0 + torch_xla 2.9.0 (about 7 GB, 3 min the
+#                          first time); kept in ~/.cache keyed by pyproject.toml so CI reuses it
+PYTHON ?= python3
+DEPS_HASH := $(shell cat pyproject.toml .ci/requirements-test.txt | sha256sum | cut -c1-12)
+CACHE ?= $(HOME)/.cache/pjrt-rendezvous
+TEST_VENV ?= $(CACHE)/venv-$(DEPS_HASH)
+
+.PHONY: demo test test-fast protos clean
+
+.venv/.installed: pyproject.toml
+	$(PYTHON) -m venv .venv
+	.venv/bin/pip install -q --upgrade pip
+	.venv/bin/pip install -q -e .
+	touch $@
+
+## demo: run a coordinator and a simulated TPU v3-8 (4 processes x 2 threads) on this machine
+demo: .venv/.installed
+	.venv/bin/pjrt-rendezvous demo
+
+$(TEST_VENV)/.installed: pyproject.toml .ci/requirements-test.txt
+	rm -rf $(TEST_VENV)
+	@# older environments of this project (other dependency hashes) only take disk space
+	rm -rf $(filter-out $(TEST_VENV),$(wildcard $(CACHE)/venv-*))
+	$(PYTHON) -m venv $(TEST_VENV)
+	$(TEST_VENV)/bin/pip install -q --upgrade pip
+	$(TEST_VENV)/bin/pip install -q -r .ci/requirements-test.txt
+	touch $@
+
+## test: the whole suite (unit, property, integration with real processes, torch and torch_xla)
+test: $(TEST_VENV)/.installed
+	@# re-point the editable install at this checkout (CI clones to a new folder each run)
+	$(TEST_VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
+	$(TEST_VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+## test-fast: everything except the torch_xla tests
+test-fast: PYTEST_ARGS = -m "not xla"
+test-fast: test
+
+## protos: regenerate protos/v1 from protos/pjrt_rendezvous/v1/*.proto
+protos: $(TEST_VENV)/.installed
+	$(TEST_VENV)/bin/python protos/generate.py
+
+clean:
+	rm -rf .venv build *.egg-info .pytest_cache .hypothesis

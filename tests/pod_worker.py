@@ -1,0 +1,104 @@
+"""A simulated TPU process for the integration tests: ``python pod_worker.py SCENARIO``.
+
+Its topology comes from the environment (see ``pjrt_rendezvous.client._demo.simulated_env``);
+each thread prints one JSON line: ``{"thread": i, "ordinal": o, ...}`` or ``{"error": ...}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+import pjrt_rendezvous.client as pr
+
+_print_lock = threading.Lock()
+
+
+def emit(**record) -> None:
+    with _print_lock:
+        print(json.dumps(record), flush=True)
+
+
+def error_record(exc: BaseException) -> dict:
+    return dict(error=type(exc).__name__, message=str(exc), code=getattr(exc, "code", None))
+
+
+def full_and_subsets(b: pr.Binding) -> dict:
+    world = b.world_size
+    everyone = pr.rendezvous("all", f"p{b.ordinal}".encode())
+    firsts = list(range(min(3, world)))
+    first = pr.rendezvous("firsts", b"f%d" % b.ordinal, replicas=firsts) if b.ordinal in firsts else None
+    again = [pr.rendezvous("all", b"r%d-%d" % (b.ordinal, k)) for k in range(3)]
+    pairs = [b.ordinal - b.ordinal % 2, b.ordinal - b.ordinal % 2 + 1]
+    pair = pr.rendezvous("pair", b"x%d" % b.ordinal, replicas=pairs) if pairs[1] < world else None
+    return dict(
+        everyone=[p.decode() for p in everyone],
+        first=None if first is None else [p.decode() for p in first],
+        again=[[p.decode() for p in r] for r in again],
+        pair=None if pair is None else [p.decode() for p in pair],
+    )
+
+
+def timeout_missing(b: pr.Binding) -> dict:
+    # The process of task 1 never calls; everybody else must time out naming its ordinals.
+    if pr.get_client().topology.task_id == 1:
+        return {}
+    pr.rendezvous("lonely", b"", timeout=1.5)
+    return {}
+
+
+def tag_mismatch(b: pr.Binding) -> dict:
+    tag = "save" if b.ordinal != 3 else "step"
+    pr.rendezvous(tag, b"", timeout=30)
+    return {}
+
+
+def not_in_replicas(b: pr.Binding) -> dict:
+    # Ordinal 3 wrongly calls on replicas [0, 1]; ordinals 0 and 1 must fail at once.
+    if b.ordinal in (0, 1, 3):
+        pr.rendezvous("sub", b"", replicas=[0, 1], timeout=30)
+    return {}
+
+
+def kv_wait(b: pr.Binding) -> dict:
+    client = pr.get_client()
+    total = client.add("counter", 1)
+    if b.ordinal == 0:
+        client.set("waiter-ready", b"1")
+        started = time.monotonic()
+        value = client.get("late-key", timeout=30)  # released by the last ordinal's set
+        return dict(total=total, value=value.decode(), waited=time.monotonic() - started)
+    if b.ordinal == b.world_size - 1:
+        client.wait(["waiter-ready"], timeout=30)
+        time.sleep(0.5)  # let ordinal 0's get block on the coordinator
+        client.set("late-key", b"from %d" % b.ordinal)
+    return dict(total=total)
+
+
+SCENARIOS = {f.__name__: f for f in (full_and_subsets, timeout_missing, tag_mismatch, not_in_replicas, kv_wait)}
+
+
+def main(scenario: str) -> int:
+    client = pr.init()
+    run = SCENARIOS[scenario]
+
+    def thread_main(index: int) -> None:
+        try:
+            with pr.bind_thread(index) as b:
+                emit(thread=index, ordinal=b.ordinal, local_ordinal=b.local_ordinal, pid=os.getpid(), **run(b))
+        except Exception as exc:
+            emit(thread=index, **error_record(exc))
+
+    threads = [threading.Thread(target=thread_main, args=(i,)) for i in range(client.topology.devices_per_process)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,287 @@
+"""End to end over real gRPC on loopback: a real coordinator, real processes x threads."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import pjrt_rendezvous.client as pr
+from pjrt_rendezvous.client._demo import run_demo, simulated_env
+from pjrt_rendezvous.coordinator import Coordinator
+
+WORKER = pathlib.Path(__file__).with_name("pod_worker.py")
+
+
+@pytest.fixture
+def coordinator():
+    with Coordinator(port=0) as c:
+        yield c
+
+
+def run_pod(address, scenario, *, processes, hosts=1, accelerator="v3-8", threads=None, timeout=60, env_patch=None):
+    """Runs ``processes`` simulated TPU processes; returns their JSON records sorted by ordinal."""
+    children = []
+    for task in range(processes):
+        env = simulated_env(
+            address=address, accelerator=accelerator, task=task, processes=processes, hosts=hosts, threads=threads
+        )
+        env.update((env_patch or {}).get(task, {}))
+        children.append(
+            subprocess.Popen([sys.executable, str(WORKER), scenario], env=env, stdout=subprocess.PIPE, text=True)
+        )
+    records = []
+    deadline = time.monotonic() + timeout
+    for child in children:
+        try:
+            out, _ = child.communicate(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for c in children:
+                c.kill()
+            pytest.fail(f"simulated pod hung in scenario {scenario!r}")
+        assert child.returncode == 0
+        records += [json.loads(line) for line in out.splitlines()]
+    return sorted(records, key=lambda r: r.get("ordinal", -1))
+
+
+def test_demo_simulates_a_v3_8():
+    """The README's main job: 4 processes x 2 threads get ordinals 0-7 and correct rounds."""
+    out = io.StringIO()
+    assert run_demo(processes=4, out=out) == 0, out.getvalue()
+    text = out.getvalue()
+    assert "8 ordinals, world size 8" in text and text.rstrip().endswith("ok")
+    assert len(re.findall(r"^\d+ +\d+ +\d+ +\d+ +sim-host-0 .* ok$", text, re.M)) == 8
+
+
+def test_multi_host_v3_32_full_world_subsets_and_repeated_tags(coordinator):
+    """16 processes x 2 threads on 4 simulated hosts: ordinals from the TPU variables, results in ordinal order."""
+    records = run_pod(coordinator.address, "full_and_subsets", processes=16, hosts=4, accelerator="v3-32", timeout=120)
+    assert [r.get("error") for r in records] == [None] * 32
+    assert [r["ordinal"] for r in records] == list(range(32))
+    for r in records:
+        task, thread = divmod(r["ordinal"], 2)
+        assert r["local_ordinal"] == (task % 4) * 2 + thread
+        assert r["everyone"] == [f"p{o}" for o in range(32)]
+        assert r["again"] == [[f"r{o}-{k}" for o in range(32)] for k in range(3)]
+        if r["ordinal"] < 3:
+            assert r["first"] == ["f0", "f1", "f2"]
+        base = r["ordinal"] - r["ordinal"] % 2
+        assert r["pair"] == [f"x{base}", f"x{base + 1}"]
+    status = pr.Client(pr.Settings(address=coordinator.address), pr.detect_topology({})).status()
+    (job,) = status.jobs
+    assert (job.world_size, job.registered, len(job.pending_rounds)) == (32, 32, 0)
+    assert {p.host for p in job.participants} == {f"sim-host-{h}" for h in range(4)}
+    # 4 full-world rounds + 1 'firsts' + 16 pairs
+    assert job.rounds_completed == 4 + 1 + 16
+
+
+def test_timeout_names_missing_ordinals_with_host(coordinator):
+    """When one process never arrives, every other thread times out with its ordinals, host and last-seen time."""
+    records = run_pod(coordinator.address, "timeout_missing", processes=3, hosts=3, threads=2)
+    errors = [r for r in records if "error" in r]
+    assert len(errors) == 4
+    for e in errors:
+        assert e["error"] == "RendezvousTimeout" and e["code"] == "DEADLINE_EXCEEDED"
+        assert "missing ordinals 2-3 (2-3 on sim-host-1 (last seen" in e["message"], e["message"]
+
+
+def test_tag_mismatch_fails_every_member_promptly(coordinator):
+    """One ordinal bringing another tag fails the round for all, naming who brought which tag."""
+    started = time.monotonic()
+    records = run_pod(coordinator.address, "tag_mismatch", processes=2, threads=2)
+    assert time.monotonic() - started < 25  # well before the 30 s deadline
+    assert {r["error"] for r in records} == {"MismatchError"}
+    for r in records:  # the round fails at the first arrival of the other tag
+        assert re.search(r"ordinals? [0-9, -]+ called rendezvous\('save'\)", r["message"]), r["message"]
+        assert "ordinal 3 called rendezvous('step')" in r["message"]
+
+
+def test_caller_outside_replicas_fails_the_round_for_its_members(coordinator):
+    """Ordinal 3 calling on replicas [0, 1] gets INVALID_ARGUMENT and releases 0 and 1 with the same error."""
+    records = run_pod(coordinator.address, "not_in_replicas", processes=2, threads=2)
+    by_ordinal = {r["thread"] + 2 * (r.get("ordinal", 0) // 2): r for r in records}
+    errors = [r for r in records if "error" in r]
+    assert len(errors) == 3, records
+    for e in errors:
+        assert e["error"] == "InvalidArgumentError"
+        assert "ordinal 3 called rendezvous('sub') with replicas [0-1] but is not among them" in e["message"]
+    assert "error" not in by_ordinal.get(2, {"error": None}) or by_ordinal[2]["error"] is None
+
+
+def test_key_value_waiting_get_is_released_by_a_later_set(coordinator):
+    """A blocking get in one process returns once another process sets the key; add counts every thread once."""
+    records = run_pod(coordinator.address, "kv_wait", processes=2, threads=2)
+    assert [r.get("error") for r in records] == [None] * 4
+    assert sorted(r["total"] for r in records) == [1, 2, 3, 4]
+    first = records[0]
+    assert first["value"] == "from 3" and first["waited"] >= 0.4
+
+
+def test_duplicate_ordinal_is_refused(coordinator):
+    """Two processes claiming the same task get ALREADY_EXISTS naming both."""
+    records = run_pod(
+        coordinator.address,
+        "full_and_subsets",
+        processes=2,
+        threads=1,
+        timeout=60,
+        env_patch={
+            0: {"PJRT_RENDEZVOUS_TIMEOUT": "3"},
+            1: {"PJRT_RENDEZVOUS_TASK_ID": "0", "PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TIMEOUT": "3"},
+        },
+    )
+    duplicate = [r for r in records if r.get("error") == "DuplicateOrdinalError"]
+    assert len(duplicate) == 1, records
+    assert "already registered by sim-host-0 pid" in duplicate[0]["message"]
+    assert "two processes share one task id" in duplicate[0]["message"]
+    # The rightful owner is not disturbed; its round then times out naming the absent task.
+    (stuck,) = [r for r in records if r.get("error") == "RendezvousTimeout"]
+    assert "missing ordinal 1 (1 never registered)" in stuck["message"]
+
+
+def test_world_of_one_needs_no_coordinator():
+    """A single process off TPU is a world of one: rendezvous returns [payload] with no server."""
+    code = (
+        "import pjrt_rendezvous.client as pr;"
+        "assert pr.get_world_size() == 1 and pr.get_ordinal() == 0 and pr.is_master_ordinal();"
+        "print(pr.rendezvous('t', b'solo'))"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TPU_", "PJRT_", "CLOUD_TPU"))}
+    env["PJRT_RENDEZVOUS_ADDRESS"] = "127.0.0.1:1"  # nothing listens: it must not be asked
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[b'solo']"
+
+
+def test_unbound_thread_gets_a_clear_error(coordinator):
+    """Outside a bound thread, in a world larger than one, the xm-style calls say how to bind."""
+    topology = pr.detect_topology({"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_ADDRESS": coordinator.address})
+    pr.shutdown()
+    pr.init(topology=topology)
+    try:
+        with pytest.raises(pr.UsageError, match="bind_thread"):
+            pr.get_ordinal()
+        with pytest.raises(pr.UsageError, match="needs a bound thread"):
+            pr.rendezvous("t", b"")
+    finally:
+        pr.shutdown()
+
+
+def test_threads_of_one_process_share_one_rpc_per_round(coordinator):
+    """Two threads of a process arriving at a round produce one Rendezvous RPC carrying both ordinals."""
+    calls = []
+    topology = pr.detect_topology({"PJRT_RENDEZVOUS_CORES_PER_CHIP": "2"}, address=coordinator.address)
+    client = pr.Client(pr.Settings(address=coordinator.address, timeout=30), topology)
+    original = client._send_round
+
+    def counting(replicas, round_number, batch):
+        calls.append(sorted(batch.contributions))
+        return original(replicas, round_number, batch)
+
+    client._send_round = counting  # observation only: the real RPC still goes out
+    results = {}
+
+    bound = threading.Barrier(2)
+
+    def thread_main(index):
+        binding = client.bind_thread(index)
+        bound.wait()  # as spawn does: every thread bound before user code runs
+        try:
+            for k in range(5):
+                results[(index, k)] = client.rendezvous(binding, f"step{k}", b"%d" % index)
+        finally:
+            client.unbind_thread()
+
+    threads = [threading.Thread(target=thread_main, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    client.close()
+    assert all(results[(i, k)] == [b"0", b"1"] for i in range(2) for k in range(5))
+    assert calls == [[0, 1]] * 5
+
+
+def test_serve_cli_health_reflection_and_status():
+    """`pjrt-rendezvous serve --port 0` prints its port, answers health and reflection, and `status` reads it."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "pjrt_rendezvous.coordinator", "serve", "--port", "0", "--world-size", "4"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = server.stdout.readline()
+        match = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+        assert match, line
+        address = f"127.0.0.1:{match.group(1)}"
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            reply = health.Check(health_pb2.HealthCheckRequest(service="pjrt_rendezvous.v1.Coordinator"), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+            names = {s.name for r in responses for s in r.list_services_response.service}
+            assert "pjrt_rendezvous.v1.Coordinator" in names and "grpc.health.v1.Health" in names
+        status = subprocess.run(
+            [sys.executable, "-m", "pjrt_rendezvous.coordinator", "status", "--address", address],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert status.returncode == 0, status.stderr
+        assert "job 'default': 0/4 ordinals registered" in status.stdout
+        as_json = subprocess.run(
+            [sys.executable, "-m", "pjrt_rendezvous.coordinator", "status", "--address", address, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert json.loads(as_json.stdout)["jobs"][0]["worldSize"] == 4
+    finally:
+        server.terminate()
+        server.wait(10)
+    assert server.returncode == 0
+
+
+def test_status_shows_a_stuck_round(coordinator):
+    """While a round waits, status names its tag, who arrived and who is missing (with host)."""
+    topology = pr.detect_topology(
+        {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "TPU_WORKER_HOSTNAMES": "h0,h1"}, address=coordinator.address
+    )
+    client = pr.Client(pr.Settings(address=coordinator.address, timeout=30), topology)
+    done = threading.Event()
+
+    def waiter():
+        binding = client.bind_thread(0)
+        try:
+            client.rendezvous(binding, "stuck", b"", timeout=2)
+        except pr.RendezvousTimeout:
+            done.set()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        (job,) = client.status().jobs
+        if job.pending_rounds:
+            break
+        time.sleep(0.05)
+    (r,) = job.pending_rounds
+    assert [(g.tag, list(g.ordinals)) for g in r.tags] == [("stuck", [0])]
+    assert list(r.missing) == [1] and r.missing_summary == "1 never registered"
+    t.join(10)
+    assert done.is_set()
+    client.close()
