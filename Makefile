@@ -5,7 +5,7 @@
 PYTHON ?= python3
 DEPS_HASH := $(shell cat pyproject.toml .ci/requirements-test.txt | sha256sum | cut -c1-12)
 CACHE ?= $(HOME)/.cache/pjrt-rendezvous
-TEST_VENV ?= $(CACHE)/venv-$(DEPS_HASH)
+TEST_VENV ?= $(CACHE)/test-venv-$(DEPS_HASH)
 
 .PHONY: demo test test-fast protos clean
 
@@ -22,7 +22,7 @@ demo: .venv/.installed
 $(TEST_VENV)/.installed: pyproject.toml .ci/requirements-test.txt
 	rm -rf $(TEST_VENV)
 	@# older environments of this project (other dependency hashes) only take disk space
-	rm -rf $(filter-out $(TEST_VENV),$(wildcard $(CACHE)/venv-*))
+	rm -rf $(filter-out $(TEST_VENV),$(wildcard $(CACHE)/test-venv-*))
 	$(PYTHON) -m venv $(TEST_VENV)
 	$(TEST_VENV)/bin/pip install -q --upgrade pip
 	$(TEST_VENV)/bin/pip install -q -r .ci/requirements-test.txt

@@ -1,0 +1,193 @@
+"""The client against a real coordinator on loopback: key-value, errors, retries, settings."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+import pjrt_rendezvous.client as pr
+from pjrt_rendezvous.client._config import Settings
+from pjrt_rendezvous.coordinator import Coordinator, Limits
+
+
+@pytest.fixture
+def coordinator():
+    with Coordinator(port=0, limits=Limits(max_payload_bytes=1024)) as c:
+        yield c
+
+
+def make_client(address, *, tasks=1, devices=1, task=0, **settings):
+    topology = pr.detect_topology(
+        {
+            "PJRT_RENDEZVOUS_NUM_TASKS": str(tasks),
+            "PJRT_RENDEZVOUS_TASK_ID": str(task),
+            "PJRT_RENDEZVOUS_CORES_PER_CHIP": str(devices),
+        },
+        address=address,
+    )
+    return pr.Client(Settings(address=address, **settings), topology)
+
+
+@pytest.fixture
+def client(coordinator):
+    c = make_client(coordinator.address, timeout=10)
+    yield c
+    c.close()
+
+
+def test_key_value_operations(client):
+    """set/get/multi, add, compare_set, append, delete, list and count behave like torch's Store."""
+    client.set("a", b"1")
+    client.multi_set(["b/x", "b/y"], [b"2", b"3"])
+    assert client.get("a") == b"1"
+    assert client.multi_get(["a", "b/x", "b/y"]) == [b"1", b"2", b"3"]
+    assert client.get("missing", wait=False) is None
+    assert client.check(["a", "b/x"]) and not client.check(["a", "missing"])
+    assert client.add("n", 5) == 5 and client.add("n", -2) == 3 and client.get("n") == b"3"
+    assert client.compare_set("cas", b"", b"v1") == b"v1"  # missing key + empty expected: set
+    assert client.compare_set("cas", b"nope", b"v2") == b"v1"  # mismatch: current value
+    assert client.compare_set("cas", b"v1", b"v2") == b"v2"
+    assert client.compare_set("absent", b"x", b"y") == b"x"  # missing key + expected: expected back
+    client.append("log", b"ab")
+    client.append("log", b"cd")
+    assert client.get("log") == b"abcd"
+    assert client.list("b/") == {"b/x": b"2", "b/y": b"3"}
+    assert client.count("b/") == 2 and client.count() == 6
+    assert client.delete("a") is True and client.delete("a") is False
+
+
+def test_blocking_get_is_released_by_a_later_set(client, coordinator):
+    """A waiting get returns the value set afterwards by another client."""
+    other = make_client(coordinator.address)
+    result = {}
+    waiter = threading.Thread(target=lambda: result.setdefault("v", client.get("late", timeout=10)))
+    waiter.start()
+    time.sleep(0.3)
+    assert waiter.is_alive()
+    other.set("late", b"here")
+    waiter.join(10)
+    assert result["v"] == b"here"
+    other.close()
+
+
+def test_get_timeout_names_missing_keys(client):
+    """A blocking get that times out says which keys are still missing."""
+    client.set("k1", b"")
+    with pytest.raises(pr.RendezvousTimeout, match=r"1 key of job 'default' still not set after .* 'k2'"):
+        client.wait(["k1", "k2"], timeout=0.3)
+
+
+def test_add_on_non_integer_is_invalid(client):
+    """Adding to a non-integer value is INVALID_ARGUMENT naming the key and value."""
+    client.set("text", b"abc")
+    with pytest.raises(pr.InvalidArgumentError, match="cannot add to key 'text'"):
+        client.add("text", 1)
+
+
+def test_bad_arguments_are_refused_locally(client, coordinator):
+    """Zero timeouts, str payloads and unknown settings fail before anything is sent."""
+    binding = client.bind_thread(0)
+    try:
+        with pytest.raises(TypeError, match="payload must be bytes"):
+            client.rendezvous(binding, "t", "text")
+        with pytest.raises(pr.UsageError, match="timeout must be > 0"):
+            client.rendezvous(binding, "t", b"", timeout=0)
+        with pytest.raises(pr.UsageError, match="already bound"):
+            client.bind_thread(0)
+    finally:
+        client.unbind_thread()
+    with pytest.raises(pr.UsageError, match="unknown setting"):
+        Settings.resolve({}, address="x:1", colour="blue")
+
+
+def test_world_of_one_binding_returns_own_payload(client):
+    """A bound thread in a world of one gets [payload] back."""
+    with client.bind_thread(0) as binding:
+        assert binding.world_size == 1
+        assert client.rendezvous(binding, "solo", b"me") == [b"me"]
+
+
+def test_payload_over_limit_is_resource_exhausted(coordinator):
+    """A payload over the coordinator's limit fails with the limit and the size in the message."""
+    client = make_client(coordinator.address, tasks=2, timeout=5)
+    with client.bind_thread(0) as binding:
+        with pytest.raises(pr.LimitExceededError, match=r"2000 bytes, over the limit of 1024 bytes"):
+            client.rendezvous(binding, "big", b"x" * 2000)
+    client.close()
+
+
+def test_unknown_job_is_not_found(client):
+    """Asking for a job nobody created is NOT_FOUND, naming the job."""
+    with pytest.raises(pr.UnknownJobError, match="job 'nope' is not known"):
+        client.status("nope")
+
+
+def test_conflicting_world_size_is_a_mismatch(coordinator):
+    """A process declaring another world size than the job's is refused, naming both numbers."""
+    first = make_client(coordinator.address, tasks=2)
+    second = make_client(coordinator.address, tasks=3, task=1)
+    first.bind_thread(0)
+    first.unbind_thread()
+    with pytest.raises(pr.MismatchError, match=r"has world size 2 .* declares 3 tasks x 1 devices = 3"):
+        second.bind_thread(0)
+    first.close()
+    second.close()
+
+
+def test_unreachable_coordinator_is_retried_then_reported():
+    """With nothing listening, calls retry until connect_timeout and then name the address."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = make_client(f"127.0.0.1:{port}", connect_timeout=0.5)
+    started = time.monotonic()
+    with pytest.raises(pr.CoordinatorUnavailableError, match=f"127.0.0.1:{port} unavailable"):
+        client.set("k", b"v")
+    assert time.monotonic() - started >= 0.4
+    client.close()
+
+
+def test_calls_wait_for_a_coordinator_that_starts_late():
+    """A client started before its coordinator retries until the coordinator is up, then succeeds."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = make_client(f"127.0.0.1:{port}", connect_timeout=20)
+    late = Coordinator(port=port)
+    timer = threading.Timer(1.0, late.start)
+    timer.start()
+    try:
+        client.set("k", b"v")
+        assert client.get("k") == b"v"
+    finally:
+        timer.join()
+        late.stop()
+        client.close()
+
+
+def test_settings_from_environment():
+    """Keyword arguments win over PJRT_RENDEZVOUS_* variables, which win over defaults."""
+    env = {"PJRT_RENDEZVOUS_JOB": "envjob", "PJRT_RENDEZVOUS_TIMEOUT": "none", "PJRT_RENDEZVOUS_BATCH_WINDOW": "0"}
+    s = Settings.resolve(env, address="h:1")
+    assert (s.job, s.timeout, s.batch_window, s.connect_timeout) == ("envjob", None, 0.0, 60.0)
+    s = Settings.resolve(env, address="h:1", job="kw", timeout=5)
+    assert (s.job, s.timeout) == ("kw", 5.0)
+    with pytest.raises(pr.UsageError, match="PJRT_RENDEZVOUS_TIMEOUT must be > 0"):
+        Settings.resolve({"PJRT_RENDEZVOUS_TIMEOUT": "0"}, address="h:1")
+    with pytest.raises(pr.UsageError, match="not a number"):
+        Settings.resolve({"PJRT_RENDEZVOUS_TIMEOUT": "soon"}, address="h:1")
+
+
+def test_init_is_idempotent_and_refuses_different_arguments(coordinator):
+    """init() returns the same client; different arguments need shutdown() first."""
+    pr.shutdown()
+    try:
+        first = pr.init(coordinator.address, env={})
+        assert pr.init() is first and pr.init(coordinator.address, env={}) is first
+        with pytest.raises(pr.UsageError, match="already called"):
+            pr.init("127.0.0.1:1", env={})
+    finally:
+        pr.shutdown()
