@@ -108,6 +108,11 @@ class Client:
         self._bindings: dict[int, Binding] = {}  # thread index -> binding
         self._batches: dict[tuple[tuple[int, ...], int], _Batch] = {}
         self._rounds: dict[tuple[int, tuple[int, ...]], int] = {}  # (ordinal, group) -> next round
+        self._generation = 0  # the job generation our round counters belong to
+        self._heartbeat_timeout = 0.0
+        self._background_started = False
+        self._stopped = threading.Event()
+        self.events: list[pb.WatchEvent] = []  # deaths and restarts in the job, as streamed
         self._inside: dict[int, tuple] = {}  # ordinal -> round key its thread is inside
         self._closed = False
 
@@ -117,12 +122,21 @@ class Client:
         timeout = self.settings.timeout if timeout is DEFAULT else check_timeout(timeout)
         return None if timeout is None else time.monotonic() + timeout
 
-    def _call(self, method: str, request, deadline: float | None = None, *, waits: bool = False):
+    def _call(
+        self,
+        method: str,
+        request,
+        deadline: float | None = None,
+        *,
+        waits: bool = False,
+        progress: Callable[[float], None] | None = None,
+    ):
         """Sends one RPC, retrying transient failures, and maps errors (the one place).
 
         Retries stop at ``connect_timeout`` or at ``deadline``, whichever is first. Every
         request is safe to resend: rounds carry (group, round), non-idempotent key-value
-        changes carry a request id.
+        changes carry a request id. While a call waits, ``progress(seconds waited)`` runs
+        every ``progress_interval``.
         """
         if self._closed:
             raise UsageError("this client was closed; call init() again")
@@ -137,7 +151,19 @@ class Client:
                 transport = max(0.0, deadline - time.monotonic()) + (_TRANSPORT_GRACE if waits else 0)
             elif not waits:
                 transport = max(self.settings.connect_timeout, 30.0)
-            return rpc(request, timeout=transport)
+            interval = self.settings.progress_interval
+            if progress is None or interval is None:
+                return rpc(request, timeout=transport)
+            call = rpc.future(request, timeout=transport)
+            started = time.monotonic()
+            try:
+                while True:
+                    try:
+                        return call.result(timeout=interval)
+                    except grpc.FutureTimeoutError:
+                        progress(time.monotonic() - started)
+            finally:
+                call.cancel()  # a no-op once finished; stops the call if we leave early
 
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(
@@ -157,9 +183,62 @@ class Client:
             raise from_rpc_error(exc, address=self.settings.address, method=method) from exc
 
     def close(self) -> None:
-        """Closes the channel; bound threads of this client become unbound."""
+        """Stops heartbeats and the event watch, and closes the channel."""
         self._closed = True
+        self._stopped.set()
         self._channel.close()
+
+    # -- liveness -------------------------------------------------------------------------
+
+    def _adopt_generation(self, generation: int) -> None:
+        """A new job generation (a process restarted): round counters start again."""
+        with self._lock:
+            if generation > self._generation:
+                if self._generation:
+                    log.warning("job %s moved to generation %d; round numbers restart", self.settings.job, generation)
+                    self._rounds.clear()
+                self._generation = generation
+
+    def _start_background(self) -> None:
+        """Heartbeats and the event watch run once this process has registered."""
+        with self._lock:
+            if self._background_started:
+                return
+            self._background_started = True
+        for target, name in ((self._heartbeat_loop, "heartbeat"), (self._watch_loop, "watch")):
+            threading.Thread(target=target, name=f"pjrt-rendezvous-{name}", daemon=True).start()
+
+    def _heartbeat_loop(self) -> None:
+        request = pb.HeartbeatRequest(job=self.settings.job, incarnation=self.incarnation)
+        interval = self.settings.heartbeat_interval
+        if self._heartbeat_timeout:
+            interval = min(interval, self._heartbeat_timeout / 3)
+        while not self._stopped.wait(interval):
+            try:
+                response = self._call("Heartbeat", request)
+            except RendezvousError as exc:
+                if self._stopped.is_set():
+                    return
+                log.warning("heartbeat to %s failed: %s", self.settings.address, exc)
+                if isinstance(exc, (UsageError,)) or getattr(exc, "code", "") == "ABORTED":
+                    return  # declared dead or closed: nothing left to keep alive
+                continue
+            self._adopt_generation(response.generation)
+
+    def _watch_loop(self) -> None:
+        request = pb.WatchRequest(job=self.settings.job, incarnation=self.incarnation)
+        while not self._stopped.is_set():
+            try:
+                for event in self._stub.Watch(request):
+                    self.events.append(event)
+                    log.warning("job %s: %s", self.settings.job, event.message)
+                    self._adopt_generation(event.generation)
+            except grpc.RpcError as exc:
+                if self._stopped.is_set() or exc.code() in (
+                    grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED, grpc.StatusCode.FAILED_PRECONDITION
+                ):
+                    return
+                self._stopped.wait(1.0)  # the coordinator went away; try again
 
     # -- binding --------------------------------------------------------------------------
 
@@ -228,6 +307,9 @@ class Client:
                 del self._bindings[thread_index]
             raise
         (assignment,) = response.assignments
+        self._heartbeat_timeout = response.heartbeat_timeout
+        self._adopt_generation(response.generation)
+        self._start_background()
         binding = Binding(
             client=self,
             thread_index=thread_index,
@@ -360,7 +442,30 @@ class Client:
         )
         if batch.deadline is not None:
             request.timeout = max(1e-3, batch.deadline - time.monotonic())
-        return list(self._call("Rendezvous", request, batch.deadline, waits=True).payloads)
+        request.generation = self._generation
+        key = (tuple(sorted(set(replicas))), round_number)
+
+        def progress(waited: float) -> None:
+            log.warning(
+                "still waiting after %.0f s in round %d of %s (ordinals %s here): %s",
+                waited, round_number, f"replicas {key[0]}" if replicas else "all ordinals",
+                sorted(batch.contributions), self._describe_wait(key),
+            )
+
+        response = self._call("Rendezvous", request, batch.deadline, waits=True, progress=progress)
+        return list(response.payloads)
+
+    def _describe_wait(self, key: tuple) -> str:
+        """What the coordinator says a pending round waits for (best effort)."""
+        try:
+            (job,) = self.status().jobs
+        except RendezvousError as exc:
+            return f"(status unavailable: {exc})"
+        for r in job.pending_rounds:
+            if (tuple(r.replicas), r.round) == key:
+                tags = ", ".join(f"{t.tag!r}" for t in r.tags)
+                return f"tag {tags}, missing {len(r.missing)} of {len(r.missing) + len(r.arrived)}: {r.missing_summary}"
+        return "the round is not pending on the coordinator (its answer is on the way)"
 
     # -- key-value ------------------------------------------------------------------------
 

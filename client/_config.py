@@ -24,12 +24,14 @@ class _Default:
 
 DEFAULT: Any = _Default()
 
-# name -> (environment variable, default, parser)
-_TABLE: dict[str, tuple[str, Any]] = {
-    "job": ("PJRT_RENDEZVOUS_JOB", DEFAULT_JOB),
-    "timeout": ("PJRT_RENDEZVOUS_TIMEOUT", 600.0),
-    "connect_timeout": ("PJRT_RENDEZVOUS_CONNECT_TIMEOUT", 60.0),
-    "batch_window": ("PJRT_RENDEZVOUS_BATCH_WINDOW", 1.0),
+# setting -> the environment variable that sets it (defaults: the Settings fields)
+_VARIABLES: dict[str, str] = {
+    "job": "PJRT_RENDEZVOUS_JOB",
+    "timeout": "PJRT_RENDEZVOUS_TIMEOUT",
+    "connect_timeout": "PJRT_RENDEZVOUS_CONNECT_TIMEOUT",
+    "batch_window": "PJRT_RENDEZVOUS_BATCH_WINDOW",
+    "heartbeat_interval": "PJRT_RENDEZVOUS_HEARTBEAT_INTERVAL",
+    "progress_interval": "PJRT_RENDEZVOUS_PROGRESS_INTERVAL",
 }
 
 
@@ -72,6 +74,10 @@ class Settings:
         batch_window: how long the first thread of a process to reach a round waits for its
             sibling threads, so one RPC carries them all. Costs no latency: the round cannot
             finish without them anyway.
+        heartbeat_interval: seconds between heartbeats (shortened to a third of the
+            coordinator's heartbeat timeout when that is smaller).
+        progress_interval: while blocked, log a "still waiting for ..." line naming the
+            missing ordinals this often; None never logs.
     """
 
     address: str
@@ -79,6 +85,8 @@ class Settings:
     timeout: float | None = 600.0
     connect_timeout: float = 60.0
     batch_window: float = 1.0
+    heartbeat_interval: float = 5.0
+    progress_interval: float | None = 60.0
 
     def __post_init__(self) -> None:
         if not self.address or not isinstance(self.address, str):
@@ -90,16 +98,19 @@ class Settings:
             raise UsageError("connect_timeout must be finite")
         if not isinstance(self.batch_window, (int, float)) or self.batch_window < 0:
             raise UsageError(f"batch_window must be >= 0 seconds, got {self.batch_window!r}")
+        if check_timeout(self.heartbeat_interval, "heartbeat_interval") is None:
+            raise UsageError("heartbeat_interval must be finite")
+        object.__setattr__(self, "progress_interval", check_timeout(self.progress_interval, "progress_interval"))
 
     @classmethod
     def resolve(cls, env: Mapping[str, str], *, address: str, **given: Any) -> "Settings":
         """Builds settings from keyword arguments (values other than DEFAULT win), then
         ``env``, then defaults."""
-        unknown = set(given) - set(_TABLE)
+        unknown = set(given) - set(_VARIABLES)
         if unknown:
-            raise UsageError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(_TABLE)}")
+            raise UsageError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(_VARIABLES)}")
         values: dict[str, Any] = {}
-        for name, (variable, default) in _TABLE.items():
+        for name, variable in _VARIABLES.items():
             value = given.get(name, DEFAULT)
             if value is DEFAULT and env.get(variable):
                 text = env[variable]
@@ -109,5 +120,6 @@ class Settings:
                     value = _parse_number(variable, text)
                 else:
                     value = _parse_seconds(variable, text)
-            values[name] = default if value is DEFAULT else value
+            if value is not DEFAULT:
+                values[name] = value
         return cls(address=address, **values)

@@ -6,12 +6,19 @@ servicer translates requests into these calls, and waits on the *wake keys* the 
 queues whenever something a waiter may be blocked on changes (see :meth:`Core.take_wakeups`):
 
 - ``("world", job)``               the job's world became complete
-- ``("round", job, group, number)`` a rendezvous round finished (completed or failed)
+- ``("round", job, generation, group, number)`` a rendezvous round finished
 - ``("kv", job, key)``             a key was written
+- ``("events", job)``              a job event (a process died or restarted) was recorded
 
 Rounds, not tags, match calls (DESIGN "Rendezvous semantics"): a participant's k-th call
 on a replica group is round k of that group. A group is the sorted tuple of its ordinals,
 or ``ALL`` (the empty tuple) for every ordinal of the job.
+
+Liveness: with a heartbeat timeout, :meth:`Core.check_liveness` declares processes dead
+that were not heard from in time; every pending and later round needing their ordinals
+fails with ABORTED. A dead process's task may be registered again by a new incarnation:
+the job then moves to a new *generation*, failing every pending round, and round numbers
+start again from 0, so old and new rounds never mix.
 
 Thread safety: none. The servicer calls the core from one event loop thread.
 """
@@ -28,7 +35,7 @@ ALL: tuple[int, ...] = ()
 """The group key of a rendezvous over every ordinal of the job."""
 
 GroupKey = tuple[int, ...]
-RoundKey = tuple[GroupKey, int]
+RoundKey = tuple[int, GroupKey, int]  # (generation, group, number)
 
 # A finished round is kept so a retried call can fetch its result. A member can be at
 # most one round behind the others of its group (they cannot finish round k+1 without
@@ -112,9 +119,22 @@ class Process:
     registered_at: float
     last_seen: float
     ordinals: set[int] = dataclasses.field(default_factory=set)
+    alive: bool = True
+    death: str = ""
 
     def label(self) -> str:
         return f"{self.host} pid {self.pid}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Event:
+    """Something every process of a job should hear about (streamed by Watch)."""
+
+    kind: str  # "PROCESS_DEAD" or "PROCESS_RESTARTED"
+    generation: int
+    ordinals: tuple[int, ...]
+    host: str
+    message: str
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -208,6 +228,7 @@ class Contribution:
 
 @dataclasses.dataclass(kw_only=True)
 class Round:
+    generation: int
     group: GroupKey
     number: int
     started: float
@@ -222,7 +243,7 @@ class Round:
 
     @property
     def key(self) -> RoundKey:
-        return (self.group, self.number)
+        return (self.generation, self.group, self.number)
 
     @property
     def finished(self) -> bool:
@@ -255,14 +276,16 @@ class Job:
     world_size: int | None = None
     world_fixed_by: str = ""
     devices_per_task: int | None = None
-    generation: int = 0
+    generation: int = 1  # 0 on the wire means "not said"
     processes: dict[str, Process] = dataclasses.field(default_factory=dict)
     tasks: dict[int, str] = dataclasses.field(default_factory=dict)  # task id -> incarnation
     members: dict[int, Member] = dataclasses.field(default_factory=dict)
-    groups: dict[GroupKey, _Group] = dataclasses.field(default_factory=dict)
+    groups: dict[tuple[int, GroupKey], _Group] = dataclasses.field(default_factory=dict)
     pending: dict[RoundKey, Round] = dataclasses.field(default_factory=dict)
     blocked: dict[int, RoundKey] = dataclasses.field(default_factory=dict)  # ordinal -> its pending round
     rounds_completed: int = 0
+    events: list[Event] = dataclasses.field(default_factory=list)
+    dead: set[int] = dataclasses.field(default_factory=set)  # ordinals of dead processes
     kv: dict[str, bytes] = dataclasses.field(default_factory=dict)
     request_results: collections.OrderedDict[str, object] = dataclasses.field(
         default_factory=collections.OrderedDict
@@ -276,8 +299,11 @@ class Job:
 class Core:
     """All jobs of one coordinator. See the module docstring for the contract."""
 
-    def __init__(self, limits: Limits | None = None) -> None:
+    def __init__(self, limits: Limits | None = None, *, heartbeat_timeout: float | None = None) -> None:
+        if heartbeat_timeout is not None and not heartbeat_timeout > 0:
+            raise ValueError(f"heartbeat_timeout must be > 0 seconds or None, got {heartbeat_timeout!r}")
         self.limits = limits or Limits()
+        self.heartbeat_timeout = heartbeat_timeout
         self.jobs: dict[str, Job] = {}
         self._wakeups: list[tuple] = []
 
@@ -328,6 +354,12 @@ class Core:
                 f"process incarnation {incarnation!r} is not registered in job {job.name!r}; "
                 "register its threads first (after a coordinator restart without a state file, "
                 "processes must register again)",
+            )
+        if not process.alive:
+            raise CoreError(
+                Code.ABORTED,
+                f"this process ({process.label()}, task {process.task_id}) was declared dead: "
+                f"{process.death}; its ordinals are lost to job {job.name!r}; start a new process",
             )
         process.last_seen = now
         return process
@@ -418,16 +450,26 @@ class Core:
 
         owner = job.tasks.get(r.task_id)
         process = job.processes.get(r.incarnation)
+        replaced = None
         if owner is not None and owner != r.incarnation:
             holder = job.processes[owner]
-            first = r.task_id * r.devices_per_task
-            raise CoreError(
-                Code.ALREADY_EXISTS,
-                f"ordinals {first}-{first + r.devices_per_task - 1} (task {r.task_id}) are already "
-                f"registered by {holder.label()} (local rank {holder.local_rank}); {r.host} pid "
-                f"{r.pid} (local rank {r.local_rank}) claims the same task: two processes share "
-                "one task id; check CLOUD_TPU_TASK_ID, TPU_WORKER_ID and PJRT_LOCAL_PROCESS_RANK",
-            )
+            if holder.alive:
+                first = r.task_id * r.devices_per_task
+                hint = (
+                    f"; if that process exited, a replacement can register once it is declared "
+                    f"dead ({self.heartbeat_timeout:g} s without heartbeat)"
+                    if self.heartbeat_timeout
+                    else ""
+                )
+                raise CoreError(
+                    Code.ALREADY_EXISTS,
+                    f"ordinals {first}-{first + r.devices_per_task - 1} (task {r.task_id}) are "
+                    f"already registered by {holder.label()} (local rank {holder.local_rank}); "
+                    f"{r.host} pid {r.pid} (local rank {r.local_rank}) claims the same task: two "
+                    "processes share one task id; check CLOUD_TPU_TASK_ID, TPU_WORKER_ID and "
+                    f"PJRT_LOCAL_PROCESS_RANK{hint}",
+                )
+            replaced = holder
         if process is not None and process.task_id != r.task_id:
             raise CoreError(
                 Code.INVALID_ARGUMENT,
@@ -442,6 +484,8 @@ class Core:
             local_ordinal = r.local_rank * r.devices_per_task + thread.thread_index
             self._check_runtime_ordinal(r, thread, ordinal, world_size)
             existing = job.members.get(ordinal)
+            if existing is not None and replaced is not None and existing.incarnation == replaced.incarnation:
+                existing = None  # the dead predecessor's entry is replaced below
             if existing is not None and existing.runtime_ordinal != thread.runtime_ordinal:
                 raise CoreError(
                     Code.FAILED_PRECONDITION,
@@ -449,18 +493,6 @@ class Core:
                     f"{existing.runtime_ordinal} and is registered again with "
                     f"{thread.runtime_ordinal}",
                 )
-            for other in job.members.values():
-                if (
-                    thread.runtime_ordinal is not None
-                    and r.runtime_world_size == world_size
-                    and other.ordinal != ordinal
-                    and other.runtime_ordinal == thread.runtime_ordinal
-                ):
-                    raise CoreError(
-                        Code.ALREADY_EXISTS,
-                        f"runtime ordinal {thread.runtime_ordinal} of ordinal {ordinal} collides "
-                        f"with ordinal {other.ordinal}, registered with the same runtime ordinal",
-                    )
             if existing is None:
                 new_members.append(
                     Member(
@@ -476,6 +508,8 @@ class Core:
             )
 
         # Every check passed: apply.
+        if replaced is not None:
+            self._replace(job, replaced, f"{r.host} pid {r.pid}", now)
         if job.world_size is None:
             job.world_size = world_size
             job.world_fixed_by = f"the first registration (task {r.task_id} on {r.host} pid {r.pid})"
@@ -541,7 +575,7 @@ class Core:
                 by_where["never registered"].append(ordinal)
                 continue
             process = job.processes[member.incarnation]
-            where = f"on {process.host}"
+            where = f"on {process.host}" + ("" if process.alive else " (dead)")
             by_where[where].append(ordinal)
             ages[where] = max(ages.get(where, 0.0), now - process.last_seen)
         parts = []
@@ -579,6 +613,7 @@ class Core:
         round_number: int,
         contributions: Sequence[Contribution],
         deadline: float | None,
+        generation: int = 0,
     ) -> RoundKey:
         """Adds one process's contributions to a round; returns the round's key.
 
@@ -588,6 +623,12 @@ class Core:
         """
         state = self._job(job)
         process = self._process(state, incarnation, now)
+        if generation and generation != state.generation:
+            raise CoreError(
+                Code.ABORTED,
+                f"job {job!r} moved from generation {generation} to {state.generation} "
+                f"({self._generation_reason(state)}); rounds of the old generation are void",
+            )
         if state.world_size is None:  # unreachable while a process is registered; kept as a guard
             raise CoreError(Code.FAILED_PRECONDITION, f"job {job!r} has no world size yet")
         world = state.world_size
@@ -661,6 +702,10 @@ class Core:
         rnd = self._round(state, group, round_number, now)
         if rnd.finished:
             return rnd.key
+        dead = self._dead_members(state, rnd)
+        if dead:
+            self._fail(state, rnd, self._death_error(state, rnd, dead))
+            return rnd.key
         for c in contributions:
             previous = rnd.arrivals.get(c.ordinal)
             if previous is not None and previous != c:
@@ -705,32 +750,32 @@ class Core:
     def outcome(self, job_name: str, key: RoundKey) -> Round | None:
         """The round if it has finished (``result`` or ``error`` set), else None."""
         job = self._job(job_name)
-        group, number = key
+        generation, group, number = key
         if key in job.pending:
             return None
-        return job.groups[group].finished.get(number)
+        return job.groups[(generation, group)].finished.get(number)
 
     def _current_round(self, job: Job, group: GroupKey, now: float) -> Round:
-        pending = [r for k, r in job.pending.items() if k[0] == group]
+        pending = [r for k, r in job.pending.items() if k[:2] == (job.generation, group)]
         if pending:
             return min(pending, key=lambda r: r.number)
-        return self._round(job, group, job.groups.get(group, _Group()).next_round, now)
+        return self._round(job, group, job.groups.get((job.generation, group), _Group()).next_round, now)
 
     def _round(self, job: Job, group: GroupKey, number: int, now: float) -> Round:
-        state = job.groups.get(group)
+        state = job.groups.get((job.generation, group))
         if state is None:
-            state = job.groups[group] = _Group()
+            state = job.groups[(job.generation, group)] = _Group()
         finished = state.finished.get(number)
         if finished is not None:
             return finished
-        if number < state.next_round and (group, number) not in job.pending:
+        if number < state.next_round and (job.generation, group, number) not in job.pending:
             raise CoreError(
                 Code.FAILED_PRECONDITION,
                 f"round {number} of {describe_group(group)} finished long ago and its result "
                 f"is gone (the group is at round {state.next_round}); this caller's round "
                 "counter fell behind its peers",
             )
-        rnd = job.pending.get((group, number))
+        rnd = job.pending.get((job.generation, group, number))
         if rnd is None:
             if len(job.pending) >= self.limits.max_pending_rounds:
                 raise CoreError(
@@ -740,6 +785,7 @@ class Core:
                 )
             assert job.world_size is not None
             rnd = Round(
+                generation=job.generation,
                 group=group,
                 number=number,
                 started=now,
@@ -754,13 +800,13 @@ class Core:
         for ordinal in rnd.arrivals:
             if job.blocked.get(ordinal) == rnd.key:
                 del job.blocked[ordinal]
-        state = job.groups[rnd.group]
+        state = job.groups[(rnd.generation, rnd.group)]
         state.finished[rnd.number] = rnd
         while len(state.finished) > _FINISHED_ROUNDS_KEPT:
             state.finished.popitem(last=False)
         while state.next_round in state.finished:
             state.next_round += 1
-        self._wakeups.append(("round", job.name, rnd.group, rnd.number))
+        self._wakeups.append(("round", job.name, *rnd.key))
 
     def _complete(self, job: Job, rnd: Round) -> None:
         # The XRT mesh service returned payloads sorted by ordinal; torch_xla's docstring
@@ -845,6 +891,91 @@ class Core:
         """When the pending round ``key`` fails unless complete (None: no deadline)."""
         rnd = self._job(job_name).pending.get(key)
         return None if rnd is None else rnd.deadline
+
+    # -- liveness and generations --------------------------------------------------------
+
+    def check_liveness(self, now: float) -> None:
+        """Declares dead every process not heard from within the heartbeat timeout."""
+        if self.heartbeat_timeout is None:
+            return
+        for job in self.jobs.values():
+            for process in list(job.processes.values()):
+                silent = now - process.last_seen
+                if process.alive and silent > self.heartbeat_timeout:
+                    self.declare_dead(
+                        job.name,
+                        process.incarnation,
+                        f"no heartbeat for {silent:.1f} s (heartbeat timeout {self.heartbeat_timeout:g} s)",
+                    )
+
+    def declare_dead(self, job_name: str, incarnation: str, reason: str) -> None:
+        """Marks a process dead and fails every pending round that needs its ordinals."""
+        job = self._job(job_name)
+        process = job.processes[incarnation]
+        if not process.alive:
+            return
+        process.alive = False
+        process.death = reason
+        job.dead |= process.ordinals
+        message = (
+            f"{_ordinals_word(sorted(process.ordinals))} ({process.label()}, task "
+            f"{process.task_id}) died: {reason}"
+        )
+        self._event(job, "PROCESS_DEAD", process, message)
+        for rnd in list(job.pending.values()):
+            dead = self._dead_members(job, rnd)
+            if dead:
+                self._fail(job, rnd, self._death_error(job, rnd, dead))
+
+    @staticmethod
+    def _dead_members(job: Job, rnd: Round) -> list[int]:
+        return sorted(o for o in job.dead if rnd.has_member(o))
+
+    def _death_error(self, job: Job, rnd: Round, dead: list[int]) -> CoreError:
+        deaths = "; ".join(
+            f"{_ordinals_word(sorted(p.ordinals))} on {p.label()}: {p.death}"
+            for p in job.processes.values()
+            if not p.alive and p.ordinals & set(dead)
+        )
+        return CoreError(Code.ABORTED, f"{rnd.describe()} cannot complete: a member died ({deaths})")
+
+    def _replace(self, job: Job, old: Process, newcomer: str, now: float) -> None:
+        """A new incarnation takes over a dead process's task: a new generation begins."""
+        for ordinal in old.ordinals:
+            job.members.pop(ordinal, None)
+        job.dead -= old.ordinals
+        del job.processes[old.incarnation]
+        job.generation += 1
+        message = (
+            f"task {old.task_id} ({_ordinals_word(sorted(old.ordinals))}) restarted: {newcomer} "
+            f"replaces {old.label()}, which {old.death or 'stopped'}"
+        )
+        error = CoreError(
+            Code.ABORTED, f"job {job.name!r} moved to generation {job.generation}: {message}"
+        )
+        for rnd in list(job.pending.values()):
+            self._fail(job, rnd, error)
+        self._event(job, "PROCESS_RESTARTED", old, message)
+
+    def _event(self, job: Job, kind: str, process: Process, message: str) -> None:
+        job.events.append(
+            Event(
+                kind=kind,
+                generation=job.generation,
+                ordinals=tuple(sorted(process.ordinals)),
+                host=process.host,
+                message=message,
+            )
+        )
+        self._wakeups.append(("events", job.name))
+
+    def _generation_reason(self, job: Job) -> str:
+        restarts = [e for e in job.events if e.kind == "PROCESS_RESTARTED"]
+        return restarts[-1].message if restarts else "restart"
+
+    def events(self, job_name: str, since: int) -> list[Event]:
+        """The job's events from index ``since`` on."""
+        return self._job(job_name).events[since:]
 
     # -- key-value ------------------------------------------------------------------------
 
@@ -975,8 +1106,11 @@ class Core:
 
     # -- status ---------------------------------------------------------------------------
 
-    def touch(self, job_name: str, incarnation: str, now: float) -> None:
-        self._process(self._job(job_name), incarnation, now)
+    def touch(self, job_name: str, incarnation: str, now: float) -> int:
+        """A heartbeat: the process is alive now. Returns the job's generation."""
+        job = self._job(job_name)
+        self._process(job, incarnation, now)
+        return job.generation
 
     def _participants(self, job: Job, now: float | None) -> list[ParticipantView]:
         views = []
@@ -994,7 +1128,7 @@ class Core:
                     incarnation=p.incarnation,
                     last_seen_age=0.0 if now is None else max(0.0, now - p.last_seen),
                     runtime_ordinal=m.runtime_ordinal,
-                    alive=True,
+                    alive=p.alive,
                 )
             )
         return views

@@ -44,15 +44,20 @@ async def start_server(
     *,
     core: Core | None = None,
     limits: Limits | None = None,
+    heartbeat_timeout: float | None = None,
     world_size: int | None = None,
     job: str = DEFAULT_JOB,
 ) -> tuple[grpc.aio.Server, int, Core]:
-    """Starts a server on ``host:port`` (0 picks a free port); returns it, the port and the core."""
-    core = core or Core(limits)
+    """Starts a server on ``host:port`` (0 picks a free port); returns it, the port and the core.
+
+    The liveness watcher runs as a task of the calling event loop until the server stops.
+    """
+    core = core or Core(limits, heartbeat_timeout=heartbeat_timeout)
     if world_size is not None:
         core.declare_job(job, world_size)
     server = grpc.aio.server(options=_OPTIONS)
-    pb_grpc.add_CoordinatorServicer_to_server(Servicer(core), server)
+    servicer = Servicer(core)
+    pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -63,6 +68,15 @@ async def start_server(
     await server.start()
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    liveness = asyncio.get_running_loop().create_task(servicer.watch_liveness())
+    original_stop = server.stop
+
+    async def stop(grace):
+        liveness.cancel()
+        await health_servicer.enter_graceful_shutdown()
+        return await original_stop(grace)
+
+    server.stop = stop
     return server, bound, core
 
 
@@ -81,8 +95,11 @@ class Coordinator:
         world_size: int | None = None,
         job: str = DEFAULT_JOB,
         limits: Limits | None = None,
+        heartbeat_timeout: float | None = None,
     ) -> None:
-        self._args = dict(host=host, port=port, world_size=world_size, job=job, limits=limits)
+        self._args = dict(
+            host=host, port=port, world_size=world_size, job=job, limits=limits, heartbeat_timeout=heartbeat_timeout
+        )
         self._host = host
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -153,6 +170,7 @@ def serve_forever(
     world_size: int | None = None,
     job: str = DEFAULT_JOB,
     limits: Limits | None = None,
+    heartbeat_timeout: float | None = None,
     grace: float = 5.0,
     on_ready=None,
 ) -> None:
@@ -160,7 +178,7 @@ def serve_forever(
 
     async def main() -> None:
         server, bound, _ = await start_server(
-            host, port, world_size=world_size, job=job, limits=limits
+            host, port, world_size=world_size, job=job, limits=limits, heartbeat_timeout=heartbeat_timeout
         )
         if on_ready is not None:
             on_ready(bound)

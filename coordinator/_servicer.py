@@ -119,6 +119,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
         return pb.RegisterResponse(
             world_size=registered.world_size,
             generation=registered.generation,
+            heartbeat_timeout=self._core.heartbeat_timeout or 0.0,
             assignments=[
                 pb.Assignment(thread_index=a.thread_index, ordinal=a.ordinal, local_ordinal=a.local_ordinal)
                 for a in registered.assignments
@@ -155,6 +156,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 Contribution(ordinal=c.ordinal, tag=c.tag, payload=c.payload) for c in request.contributions
             ],
             deadline=None if timeout is None else now + timeout,
+            generation=request.generation,
         )
         self._wake()
         while (rnd := self._core.outcome(request.job, key)) is None:
@@ -167,12 +169,43 @@ class Servicer(pb_grpc.CoordinatorServicer):
             rnd.response = pb.RendezvousResponse(payloads=rnd.result)
         return rnd.response
 
-    # -- liveness (heartbeats keep last-seen times fresh) -------------------------------------
+    # -- liveness -------------------------------------------------------------------------
+
+    async def watch_liveness(self) -> None:
+        """Runs until cancelled: declares silent processes dead, a few times per timeout."""
+        timeout = self._core.heartbeat_timeout
+        if timeout is None:
+            return
+        while True:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            self._core.check_liveness(self._clock())
+            self._wake()
 
     @_translated
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
-        self._core.touch(request.job, request.incarnation, self._clock())
-        return pb.HeartbeatResponse(generation=self._core.jobs[request.job].generation)
+        generation = self._core.touch(request.job, request.incarnation, self._clock())
+        return pb.HeartbeatResponse(
+            generation=generation, heartbeat_timeout=self._core.heartbeat_timeout or 0.0
+        )
+
+    async def Watch(self, request: pb.WatchRequest, context):
+        """Streams the job's events (deaths, restarts) from the moment of the call on."""
+        try:
+            self._core.touch(request.job, request.incarnation, self._clock())
+            seen = len(self._core.events(request.job, 0))
+        except CoreError as exc:
+            await context.abort(_STATUS[exc.code], exc.message)
+        while True:
+            for event in self._core.events(request.job, seen):
+                seen += 1
+                yield pb.WatchEvent(
+                    kind=pb.WatchEvent.Kind.Value(event.kind),
+                    generation=event.generation,
+                    ordinals=event.ordinals,
+                    host=event.host,
+                    message=event.message,
+                )
+            await self._wait(("events", request.job), None)
 
     # -- key-value ------------------------------------------------------------------------
 

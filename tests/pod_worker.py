@@ -57,8 +57,15 @@ def tag_mismatch(b: pr.Binding) -> dict:
 
 
 def not_in_replicas(b: pr.Binding) -> dict:
-    # Ordinal 3 wrongly calls on replicas [0, 1]; ordinals 0 and 1 must fail at once.
-    if b.ordinal in (0, 1, 3):
+    # Ordinal 3 wrongly calls on replicas [0, 1] first; ordinals 0 and 1 then fail at once.
+    client = pr.get_client()
+    if b.ordinal == 3:
+        try:
+            pr.rendezvous("sub", b"", replicas=[0, 1], timeout=30)
+        finally:
+            client.set("bad-call-made", b"")
+    elif b.ordinal in (0, 1):
+        client.wait(["bad-call-made"], timeout=30)
         pr.rendezvous("sub", b"", replicas=[0, 1], timeout=30)
     return {}
 

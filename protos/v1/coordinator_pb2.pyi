@@ -50,14 +50,16 @@ class Assignment(_message.Message):
     def __init__(self, thread_index: _Optional[int] = ..., ordinal: _Optional[int] = ..., local_ordinal: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("world_size", "assignments", "generation")
+    __slots__ = ("world_size", "assignments", "generation", "heartbeat_timeout")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENTS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     assignments: _containers.RepeatedCompositeFieldContainer[Assignment]
     generation: int
-    def __init__(self, world_size: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...
+    heartbeat_timeout: float
+    def __init__(self, world_size: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., generation: _Optional[int] = ..., heartbeat_timeout: _Optional[float] = ...) -> None: ...
 
 class WaitWorldRequest(_message.Message):
     __slots__ = ("job", "timeout")
@@ -110,20 +112,22 @@ class Contribution(_message.Message):
     def __init__(self, ordinal: _Optional[int] = ..., tag: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class RendezvousRequest(_message.Message):
-    __slots__ = ("job", "incarnation", "replicas", "round", "contributions", "timeout")
+    __slots__ = ("job", "incarnation", "replicas", "round", "contributions", "timeout", "generation")
     JOB_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     job: str
     incarnation: str
     replicas: _containers.RepeatedScalarFieldContainer[int]
     round: int
     contributions: _containers.RepeatedCompositeFieldContainer[Contribution]
     timeout: float
-    def __init__(self, job: _Optional[str] = ..., incarnation: _Optional[str] = ..., replicas: _Optional[_Iterable[int]] = ..., round: _Optional[int] = ..., contributions: _Optional[_Iterable[_Union[Contribution, _Mapping]]] = ..., timeout: _Optional[float] = ...) -> None: ...
+    generation: int
+    def __init__(self, job: _Optional[str] = ..., incarnation: _Optional[str] = ..., replicas: _Optional[_Iterable[int]] = ..., round: _Optional[int] = ..., contributions: _Optional[_Iterable[_Union[Contribution, _Mapping]]] = ..., timeout: _Optional[float] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class RendezvousResponse(_message.Message):
     __slots__ = ("payloads",)
