@@ -190,6 +190,12 @@ class Client:
 
     # -- liveness -------------------------------------------------------------------------
 
+    @property
+    def generation(self) -> int:
+        """The job generation this client's rounds belong to (it grows when a process of
+        the job restarts; 0 before the first registration)."""
+        return self._generation
+
     def _adopt_generation(self, generation: int) -> None:
         """A new job generation (a process restarted): round counters start again."""
         with self._lock:

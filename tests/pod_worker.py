@@ -85,7 +85,42 @@ def kv_wait(b: pr.Binding) -> dict:
     return dict(total=total)
 
 
-SCENARIOS = {f.__name__: f for f in (full_and_subsets, timeout_missing, tag_mismatch, not_in_replicas, kv_wait)}
+def hang(b: pr.Binding) -> dict:
+    # Registers, says so, and then does nothing until killed.
+    pr.get_client().set(f"ready/{b.ordinal}", b"")
+    time.sleep(600)
+    return {}
+
+
+def survivor(b: pr.Binding) -> dict:
+    # Waits in a round while a peer is killed, then meets the peer's replacement.
+    client = pr.get_client()
+    client.set(f"ready/{b.ordinal}", b"")
+    started = time.monotonic()
+    try:
+        pr.rendezvous("before-death", b"", timeout=60)
+        first = "completed"
+    except pr.ParticipantFailedError as exc:
+        first = f"{type(exc).__name__}: {exc}"
+    aborted_after = time.monotonic() - started
+    client.wait(["restarted"], timeout=60)
+    while client.generation < 2:
+        time.sleep(0.05)
+    after = pr.rendezvous("after-restart", b"s%d" % b.ordinal, timeout=60)
+    return dict(first=first, aborted_after=aborted_after, after=[p.decode() for p in after],
+                events=[e.message for e in client.events])
+
+
+def replacement(b: pr.Binding) -> dict:
+    pr.get_client().set("restarted", b"")
+    after = pr.rendezvous("after-restart", b"r%d" % b.ordinal, timeout=60)
+    return dict(after=[p.decode() for p in after], generation=pr.get_client().generation)
+
+
+SCENARIOS = {
+    f.__name__: f
+    for f in (full_and_subsets, timeout_missing, tag_mismatch, not_in_replicas, kv_wait, hang, survivor, replacement)
+}
 
 
 def main(scenario: str) -> int:

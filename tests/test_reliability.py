@@ -1,0 +1,110 @@
+"""Chaos with real processes: killed participants, restarts, and the coordinator's answers."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import pjrt_rendezvous.client as pr
+from pjrt_rendezvous.client._demo import simulated_env
+from pjrt_rendezvous.coordinator import Coordinator
+
+WORKER = pathlib.Path(__file__).with_name("pod_worker.py")
+HEARTBEAT_TIMEOUT = 1.0
+KILL_TRIALS = int(os.environ.get("PJRT_RENDEZVOUS_KILL_TRIALS", "5"))
+
+
+def start(address, scenario, task, *, processes):
+    env = simulated_env(address=address, accelerator="v4-8", task=task, processes=processes, hosts=processes, threads=1)
+    return subprocess.Popen([sys.executable, str(WORKER), scenario], env=env, stdout=subprocess.PIPE, text=True)
+
+
+def observer(address):
+    topology = pr.detect_topology({}, address=address)
+    return pr.Client(pr.Settings(address=address, timeout=30), topology)
+
+
+def finish(child, timeout=60):
+    out, _ = child.communicate(timeout=timeout)
+    return [json.loads(line) for line in out.splitlines()]
+
+
+@pytest.mark.parametrize("trial", range(KILL_TRIALS))
+def test_killed_process_aborts_the_round_and_its_replacement_starts_a_new_generation(trial):
+    """SIGKILL of a participant mid-round: its peer gets ABORTED naming it within the heartbeat
+    timeout; a replacement process takes over the task in a new generation and the job goes on."""
+    with Coordinator(port=0, heartbeat_timeout=HEARTBEAT_TIMEOUT) as coordinator:
+        watcher = observer(coordinator.address)
+        survivor = start(coordinator.address, "survivor", 0, processes=2)
+        victim = start(coordinator.address, "hang", 1, processes=2)
+        try:
+            watcher.wait(["ready/0", "ready/1"], timeout=30)
+            deadline = time.monotonic() + 10
+            while not watcher.status().jobs[0].pending_rounds and time.monotonic() < deadline:
+                time.sleep(0.02)  # the survivor is now waiting in 'before-death'
+            victim.send_signal(signal.SIGKILL)
+            killed_at = time.monotonic()
+            victim.wait(10)
+            deadline = time.monotonic() + 10
+            while watcher.status().jobs[0].participants[1].alive and time.monotonic() < deadline:
+                time.sleep(0.05)
+            detected = time.monotonic() - killed_at
+            replacement = start(coordinator.address, "replacement", 1, processes=2)
+            (after,) = finish(replacement)
+            (record,) = finish(survivor)
+        finally:
+            for child in (survivor, victim):
+                child.kill()
+        watcher.close()
+    assert detected < HEARTBEAT_TIMEOUT + 2.0
+    assert record["first"].startswith("ParticipantFailedError: rendezvous 'before-death' on all ordinals")
+    assert "ordinal 1 on sim-host-1 pid" in record["first"] and "no heartbeat for" in record["first"]
+    assert record["aborted_after"] < 30
+    assert after == dict(thread=0, ordinal=1, local_ordinal=0, pid=after["pid"], after=["s0", "r1"], generation=2)
+    assert record["after"] == ["s0", "r1"]
+    assert any("died: no heartbeat" in e for e in record["events"])
+    assert any("restarted" in e for e in record["events"])
+
+
+def test_watch_stream_reports_deaths_to_idle_processes():
+    """A process that is not waiting still learns of a peer's death through the watch stream."""
+    with Coordinator(port=0, heartbeat_timeout=HEARTBEAT_TIMEOUT) as coordinator:
+        topology = pr.detect_topology({"PJRT_RENDEZVOUS_NUM_TASKS": "2"}, address=coordinator.address)
+        idle = pr.Client(pr.Settings(address=coordinator.address, timeout=30), topology)
+        idle.bind_thread(0)
+        victim = start(coordinator.address, "hang", 1, processes=2)
+        try:
+            idle.wait(["ready/1"], timeout=30)
+            victim.send_signal(signal.SIGKILL)
+            deadline = time.monotonic() + HEARTBEAT_TIMEOUT + 5
+            while not idle.events and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            victim.kill()
+        (event,) = idle.events
+        assert event.kind == event.PROCESS_DEAD and list(event.ordinals) == [1] and event.host == "sim-host-1"
+        with pytest.raises(pr.ParticipantFailedError, match="a member died"):
+            idle.rendezvous(pr.current_binding(), "later", b"", timeout=5)
+        idle.unbind_thread()
+        idle.close()
+
+
+def test_duplicate_task_while_holder_lives_hints_at_heartbeat_timeout():
+    """A second process claiming a live task is refused; the message says when a replacement may register."""
+    with Coordinator(port=0, heartbeat_timeout=30) as coordinator:
+        topology = pr.detect_topology({"PJRT_RENDEZVOUS_NUM_TASKS": "2"}, address=coordinator.address)
+        first = pr.Client(pr.Settings(address=coordinator.address), topology)
+        second = pr.Client(pr.Settings(address=coordinator.address), topology)
+        first.bind_thread(0)
+        first.unbind_thread()
+        with pytest.raises(pr.DuplicateOrdinalError, match=r"declared dead \(30 s without heartbeat\)"):
+            second.bind_thread(0)
+        first.close()
+        second.close()
