@@ -325,7 +325,7 @@ class Core:
             )
         return job
 
-    def _new_job(self, name: str) -> Job:
+    def _new_job(self, name: str, *, insert: bool = True) -> Job:
         if not name:
             raise CoreError(Code.INVALID_ARGUMENT, "job name must not be empty")
         if len(name) > self.limits.max_job_name_length:
@@ -340,7 +340,9 @@ class Core:
                 f"this coordinator already serves {len(self.jobs)} jobs, the limit "
                 f"(max_jobs={self.limits.max_jobs}); job {name!r} cannot be created",
             )
-        job = self.jobs[name] = Job(name=name)
+        job = Job(name=name)
+        if insert:
+            self.jobs[name] = job
         return job
 
     def _job_or_create(self, name: str) -> Job:
@@ -368,10 +370,12 @@ class Core:
 
     def declare_job(self, name: str, world_size: int) -> None:
         """Creates a job whose world size is fixed up front (``serve --world-size``)."""
-        if world_size < 1 or world_size > self.limits.max_world_size:
+        if world_size < 1:
+            raise CoreError(Code.INVALID_ARGUMENT, f"world size must be >= 1, got {world_size}")
+        if world_size > self.limits.max_world_size:
             raise CoreError(
-                Code.INVALID_ARGUMENT,
-                f"world size must be in [1, {self.limits.max_world_size}], got {world_size}",
+                Code.RESOURCE_EXHAUSTED,
+                f"world size {world_size} exceeds the limit (max_world_size={self.limits.max_world_size})",
             )
         job = self._job_or_create(name)
         if job.world_size is not None and job.world_size != world_size:
@@ -431,7 +435,8 @@ class Core:
                 )
             seen_threads.add(thread.thread_index)
 
-        job = self._job_or_create(r.job)
+        # A refused first registration must not leave an empty job behind.
+        job = self.jobs.get(r.job) or self._new_job(r.job, insert=False)
         declared = f"{r.num_tasks} tasks x {r.devices_per_task} devices = {world_size}"
         if job.world_size is not None and job.world_size != world_size:
             raise CoreError(
@@ -508,6 +513,7 @@ class Core:
             )
 
         # Every check passed: apply.
+        self.jobs.setdefault(job.name, job)
         if replaced is not None:
             self._replace(job, replaced, f"{r.host} pid {r.pid}", now)
         if job.world_size is None:
@@ -571,10 +577,11 @@ class Core:
         ages: dict[str, float] = {}
         for ordinal in ordinals:
             member = job.members.get(ordinal)
-            if member is None:
+            owner = job.tasks.get(ordinal // job.devices_per_task) if job.devices_per_task else None
+            if member is None and owner is None:
                 by_where["never registered"].append(ordinal)
                 continue
-            process = job.processes[member.incarnation]
+            process = job.processes[member.incarnation if member else owner]
             where = f"on {process.host}" + ("" if process.alive else " (dead)")
             by_where[where].append(ordinal)
             ages[where] = max(ages.get(where, 0.0), now - process.last_seen)
@@ -700,20 +707,21 @@ class Core:
             raise problem
 
         rnd = self._round(state, group, round_number, now)
-        if rnd.finished:
-            return rnd.key
-        dead = self._dead_members(state, rnd)
-        if dead:
-            self._fail(state, rnd, self._death_error(state, rnd, dead))
-            return rnd.key
         for c in contributions:
             previous = rnd.arrivals.get(c.ordinal)
             if previous is not None and previous != c:
                 raise CoreError(
                     Code.INVALID_ARGUMENT,
                     f"ordinal {c.ordinal} resent {rnd.describe()} with a different tag or payload; "
-                    "a retried call must carry the same content",
+                    "a retried call must carry the same content (or this caller's round counter "
+                    "fell behind its peers)",
                 )
+        if rnd.finished:
+            return rnd.key
+        dead = self._dead_members(state, rnd)
+        if dead:
+            self._fail(state, rnd, self._death_error(state, rnd, dead))
+            return rnd.key
         for c in contributions:
             rnd.arrivals[c.ordinal] = c
             state.blocked[c.ordinal] = rnd.key
@@ -753,7 +761,8 @@ class Core:
         generation, group, number = key
         if key in job.pending:
             return None
-        return job.groups[(generation, group)].finished.get(number)
+        state = job.groups.get((generation, group))
+        return None if state is None else state.finished.get(number)
 
     def _current_round(self, job: Job, group: GroupKey, now: float) -> Round:
         pending = [r for k, r in job.pending.items() if k[:2] == (job.generation, group)]
@@ -858,7 +867,8 @@ class Core:
         if not cycle:
             return
         steps = "; ".join(
-            f"{_ordinals_word(sorted(rnd.arrivals))} wait in {rnd.describe()} for "
+            f"{_ordinals_word(sorted(rnd.arrivals))} wait{'s' if len(rnd.arrivals) == 1 else ''} "
+            f"in {rnd.describe()} for "
             f"{_ordinals_word(blockers)}"
             for rnd, blockers in cycle
         )

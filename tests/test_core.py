@@ -132,6 +132,13 @@ class Pod:
             deadline=deadline,
         )
 
+    def key(self, group: tuple[int, ...], number: int = 0) -> tuple:
+        """The core's key of round ``number`` of ``group`` in the job's current generation."""
+        return (self.core.jobs[self.job].generation, group, number)
+
+    def round_wakeup(self, group: tuple[int, ...], number: int = 0) -> tuple:
+        return ("round", self.job, *self.key(group, number))
+
     def outcome(self, key):
         return self.core.outcome(self.job, key)
 
@@ -242,10 +249,13 @@ def test_declare_job_fixes_the_world_size_before_anyone_registers():
         core.declare_job(JOB, 6)
 
 
-@pytest.mark.parametrize("size", [0, 5])
-def test_declare_job_rejects_sizes_outside_the_limit(size):
-    """declare_job refuses a world size below 1 or above max_world_size, naming the bound."""
-    with raises(Code.INVALID_ARGUMENT, str(size), "[1, 4]"):
+@pytest.mark.parametrize(
+    "size, code, text",
+    [(0, Code.INVALID_ARGUMENT, "must be >= 1, got 0"), (5, Code.RESOURCE_EXHAUSTED, "max_world_size=4")],
+)
+def test_declare_job_rejects_sizes_outside_the_limit(size, code, text):
+    """declare_job refuses a world size below 1 (bad input) or above max_world_size (a limit), naming it."""
+    with raises(code, text):
         Core(Limits(max_world_size=4)).declare_job(JOB, size)
 
 
@@ -334,7 +344,7 @@ def test_malformed_registrations_are_invalid_argument_and_change_nothing(changes
 
 
 def test_world_over_max_world_size_is_resource_exhausted():
-    """A registration whose world exceeds max_world_size is RESOURCE_EXHAUSTED naming size and limit; the limit itself fits."""
+    """A world over max_world_size is RESOURCE_EXHAUSTED naming size and limit; the limit itself fits."""
     core = Core(Limits(max_world_size=4))
     with raises(Code.RESOURCE_EXHAUSTED, "= 6", "max_world_size=4"):
         core.register(0.0, registration(0, 3, 2))
@@ -370,7 +380,7 @@ def test_runtime_ordinal_equal_to_the_ordinal_passes_and_is_recorded():
 
 
 def test_runtime_ordinal_different_from_the_ordinal_fails_naming_both():
-    """With the runtime spanning our world, a runtime ordinal that disagrees is FAILED_PRECONDITION naming both numbers."""
+    """With the runtime spanning our world, a disagreeing runtime ordinal is FAILED_PRECONDITION naming both."""
     pod = make_pod(2, 2, register=False)
     pod.register(0, runtime={0: 0, 1: 1}, runtime_world_size=4)
     with raises(Code.FAILED_PRECONDITION, "global ordinal 0", "ordinal 3", "task 1", "thread 1"):
@@ -382,13 +392,14 @@ def test_local_only_runtime_must_match_the_thread_index():
     """When the runtime sees only its own process, its device index must be the thread index."""
     pod = make_pod(2, 2, register=False)
     pod.register(1, runtime={0: 0, 1: 1}, runtime_world_size=2)
-    assert [a.ordinal for a in pod.register(1, runtime={0: 0, 1: 1}, runtime_world_size=2).assignments] == [2, 3]
+    again = pod.register(1, runtime={0: 0, 1: 1}, runtime_world_size=2)
+    assert [a.ordinal for a in again.assignments] == [2, 3]
     with raises(Code.FAILED_PRECONDITION, "thread 0 of task 0", "local device 1"):
         pod.register(0, runtime={0: 1, 1: 0}, runtime_world_size=2)
 
 
 def test_reregistering_with_another_runtime_ordinal_fails():
-    """The same incarnation re-registering an ordinal with a different runtime ordinal is FAILED_PRECONDITION."""
+    """Re-registering an ordinal with a different runtime ordinal is FAILED_PRECONDITION."""
     pod = make_pod(1, 2, register=False)
     pod.register(0, runtime={0: 0}, runtime_world_size=2)
     with raises(Code.FAILED_PRECONDITION, "runtime ordinal 0", "with None"):
@@ -424,13 +435,14 @@ def test_world_timeout_lists_missing_ordinals_as_ranges():
         Code.DEADLINE_EXCEEDED,
         "5 of 8 ordinals registered",
         "missing ordinals 2-3, 7",
-        "2-3, 7 never registered",
+        "2-3 never registered",
+        "7 on host-0 (last seen 30.0 s ago)",
         "30.0 s",
     )
 
 
 def test_world_timeout_of_a_job_without_a_world_says_nobody_registered():
-    """A job that exists (through its key-value store) but has no world size times out saying no process registered."""
+    """A job that exists only through its key-value store times out saying no process registered."""
     core = Core()
     core.kv_set(JOB, [("k", b"v")])
     assert_message(core.world_timeout(JOB, now=5.0, waited=5.0), Code.DEADLINE_EXCEEDED, "no process registered")
@@ -456,9 +468,9 @@ def test_round_completes_exactly_when_every_member_arrived():
         assert pod.outcome(key) is None
         assert pod.wakeups("round") == []
     key = pod.arrive(2)
-    assert key == (ALL, 0)
+    assert key == pod.key(ALL, 0)
     assert pod.result(key) == [b"p0", b"p1", b"p2"]
-    assert pod.wakeups("round") == [("round", JOB, ALL, 0)]
+    assert pod.wakeups("round") == [pod.round_wakeup(ALL, 0)]
 
 
 def test_payloads_come_back_in_ordinal_order_whatever_the_arrival_order():
@@ -481,26 +493,26 @@ def test_subsets_are_independent_groups():
     """Rounds on disjoint replica subsets complete on their own and do not advance the ALL counter."""
     pod = make_pod(4)
     all_key = pod.arrive(0, tag="all")
-    assert pod.arrive(2, replicas=[2, 3]) == ((2, 3), 0)
-    assert pod.arrive(3, replicas=[3, 2]) == ((2, 3), 0)
-    assert pod.result(((2, 3), 0)) == [b"p2", b"p3"]
+    assert pod.arrive(2, replicas=[2, 3]) == pod.key((2, 3), 0)
+    assert pod.arrive(3, replicas=[3, 2]) == pod.key((2, 3), 0)
+    assert pod.result(pod.key((2, 3), 0)) == [b"p2", b"p3"]
     assert pod.outcome(all_key) is None
     for ordinal in (1, 2, 3):
         pod.arrive(ordinal, tag="all")
     assert pod.result(all_key) == [payload_of(o) for o in range(4)]
     pod.arrive(1, replicas=[0, 1], tag="sub")
-    assert pod.arrive(0, replicas=[0, 1], tag="sub") == ((0, 1), 0)
-    assert pod.result(((0, 1), 0)) == [b"p0", b"p1"]
-    assert pod.arrive(2, replicas=[2, 3], round_number=1) == ((2, 3), 1)
+    assert pod.arrive(0, replicas=[0, 1], tag="sub") == pod.key((0, 1), 0)
+    assert pod.result(pod.key((0, 1), 0)) == [b"p0", b"p1"]
+    assert pod.arrive(2, replicas=[2, 3], round_number=1) == pod.key((2, 3), 1)
 
 
 def test_explicit_full_replicas_are_the_same_group_as_all():
     """replicas listing every ordinal (in any order) joins the same round as an empty replicas list."""
     pod = make_pod(3)
-    assert pod.arrive(0) == (ALL, 0)
-    assert pod.arrive(1, replicas=[2, 0, 1]) == (ALL, 0)
+    assert pod.arrive(0) == pod.key(ALL, 0)
+    assert pod.arrive(1, replicas=[2, 0, 1]) == pod.key(ALL, 0)
     key = pod.arrive(2, replicas=[0, 1, 2])
-    assert key == (ALL, 0)
+    assert key == pod.key(ALL, 0)
     assert pod.result(key) == [b"p0", b"p1", b"p2"]
 
 
@@ -511,7 +523,7 @@ def test_the_same_tag_in_consecutive_rounds_makes_separate_rounds():
         payloads = {o: f"{o}@{number}".encode() for o in range(2)}
         pod.arrive(1, tag="same", round_number=number, payloads=payloads)
         key = pod.arrive(0, tag="same", round_number=number, payloads=payloads)
-        assert key == (ALL, number)
+        assert key == pod.key(ALL, number)
         assert pod.result(key) == [f"0@{number}".encode(), f"1@{number}".encode()]
     assert pod.core.status(0.0, JOB)[0].rounds_completed == 3
 
@@ -519,8 +531,8 @@ def test_the_same_tag_in_consecutive_rounds_makes_separate_rounds():
 def test_a_retried_arrival_is_idempotent():
     """Sending the same contribution twice counts it once and does not complete the round early."""
     pod = make_pod(2)
-    assert pod.arrive(0) == pod.arrive(0) == (ALL, 0)
-    assert pod.outcome((ALL, 0)) is None
+    assert pod.arrive(0) == pod.arrive(0) == pod.key(ALL, 0)
+    assert pod.outcome(pod.key(ALL, 0)) is None
     key = pod.arrive(1)
     assert pod.result(key) == [b"p0", b"p1"]
 
@@ -575,7 +587,7 @@ def test_a_round_long_finished_cannot_be_resent():
 
 
 def test_tag_mismatch_fails_the_round_for_everyone_naming_who_brought_what():
-    """Two tags in one round fail it at once, naming each tag's ordinals and who had not arrived, for all members."""
+    """Two tags in one round fail it at once for all members, naming who brought which tag and who is missing."""
     pod = make_pod(4)
     pod.arrive([0], tag="save")
     pod.arrive([2], tag="save")
@@ -589,7 +601,7 @@ def test_tag_mismatch_fails_the_round_for_everyone_naming_who_brought_what():
         "ordinal 1 called rendezvous('step')",
         "ordinal 3 had not arrived",
     )
-    assert pod.wakeups("round") == [("round", JOB, ALL, 0)]
+    assert pod.wakeups("round") == [pod.round_wakeup(ALL, 0)]
     assert pod.arrive(3, tag="save") == key
     assert pod.outcome(key).error is error
     assert pod.core.take_wakeups() == []
@@ -609,7 +621,7 @@ def test_duplicate_ordinals_in_replicas_fail_the_groups_round():
     with raises(Code.INVALID_ARGUMENT, "ordinal 1 called", "ordinal 2 more than once") as caught:
         pod.arrive(1, replicas=[0, 1, 2, 2])
     assert pod.error(waiting) is caught.error
-    assert pod.wakeups("round") == [("round", JOB, (0, 1, 2), 0)]
+    assert pod.wakeups("round") == [pod.round_wakeup((0, 1, 2), 0)]
     assert pod.arrive(2, replicas=[0, 1, 2]) == waiting
     assert pod.error(waiting) is caught.error
 
@@ -619,15 +631,17 @@ def test_duplicate_ordinals_fail_the_next_round_when_nobody_waits_yet():
     pod = make_pod(3)
     with raises(Code.INVALID_ARGUMENT, "more than once") as caught:
         pod.arrive(0, replicas=[0, 0, 1])
-    assert pod.arrive(1, replicas=[0, 1]) == ((0, 1), 0)
-    assert pod.error(((0, 1), 0)) is caught.error
+    assert pod.arrive(1, replicas=[0, 1]) == pod.key((0, 1), 0)
+    assert pod.error(pod.key((0, 1), 0)) is caught.error
 
 
 def test_a_caller_outside_its_replicas_fails_the_members_round():
     """A caller not among its replicas raises INVALID_ARGUMENT and fails the round its replicas wait in."""
     pod = make_pod(3)
     waiting = pod.arrive(0, replicas=[0, 1])
-    with raises(Code.INVALID_ARGUMENT, "ordinal 2 called rendezvous('t') with replicas [0-1]", "not among them") as caught:
+    with raises(
+        Code.INVALID_ARGUMENT, "ordinal 2 called rendezvous('t') with replicas [0-1]", "not among them"
+    ) as caught:
         pod.arrive(2, replicas=[1, 0])
     assert pod.error(waiting) is caught.error
 
@@ -659,7 +673,7 @@ def test_members_that_disagree_on_replicas_fail_promptly_as_a_wait_cycle():
         "rendezvous 'b' on replicas [0-2] (round 0)",
         "disagree on replicas",
     )
-    assert sorted(pod.wakeups("round")) == [("round", JOB, (0, 1), 0), ("round", JOB, (0, 1, 2), 0)]
+    assert sorted(pod.wakeups("round")) == [pod.round_wakeup((0, 1), 0), pod.round_wakeup((0, 1, 2), 0)]
 
 
 def test_a_wait_cycle_through_the_all_group_is_detected():
@@ -667,7 +681,7 @@ def test_a_wait_cycle_through_the_all_group_is_detected():
     pod = make_pod(3)
     first = pod.arrive(0, replicas=[0, 1])
     second = pod.arrive(1, replicas=[0, 1, 2])
-    assert second == (ALL, 0)
+    assert second == pod.key(ALL, 0)
     assert_message(pod.error(first), Code.FAILED_PRECONDITION, "all ordinals", "replicas [0-1]")
     assert pod.error(second) is pod.error(first)
 
@@ -696,7 +710,7 @@ def test_a_legitimate_overlap_of_groups_does_not_fail():
 
 
 def test_expire_fails_an_overdue_round_naming_missing_ordinals_hosts_and_ages():
-    """At its deadline, not before, a round fails with DEADLINE_EXCEEDED naming missing ranges, hosts and last-seen ages."""
+    """At its deadline, not before, a round fails with DEADLINE_EXCEEDED naming missing ranges, hosts and ages."""
     pod = make_pod(8, register=False)
     for task in range(8):
         if task != 6:
@@ -706,13 +720,13 @@ def test_expire_fails_an_overdue_round_naming_missing_ordinals_hosts_and_ages():
     pod.arrive(4, now=1.0, deadline=9.0)
     for task in (5, 7):
         pod.core.touch(JOB, incarnation_of(task), 5.0)
-    assert pod.core.deadline(JOB, (ALL, 0)) == 7.0
+    assert pod.core.deadline(JOB, pod.key(ALL, 0)) == 7.0
     pod.core.expire(6.999)
-    assert pod.outcome((ALL, 0)) is None
+    assert pod.outcome(pod.key(ALL, 0)) is None
     pod.core.take_wakeups()
     pod.core.expire(7.0)
     assert_message(
-        pod.error((ALL, 0)),
+        pod.error(pod.key(ALL, 0)),
         Code.DEADLINE_EXCEEDED,
         "rendezvous 't' on all ordinals (round 0) timed out after 6.0 s",
         "3 of 8 arrived",
@@ -721,8 +735,8 @@ def test_expire_fails_an_overdue_round_naming_missing_ordinals_hosts_and_ages():
         "5, 7 on host-1 (last seen 2.0 s ago)",
         "6 never registered",
     )
-    assert pod.wakeups("round") == [("round", JOB, ALL, 0)]
-    assert pod.core.deadline(JOB, (ALL, 0)) is None
+    assert pod.wakeups("round") == [pod.round_wakeup(ALL, 0)]
+    assert pod.core.deadline(JOB, pod.key(ALL, 0)) is None
 
 
 def test_the_round_deadline_is_the_earliest_member_deadline():
@@ -749,7 +763,7 @@ def test_rounds_without_a_deadline_never_expire():
 
 
 def test_payload_over_the_limit_is_resource_exhausted_naming_size_and_limit():
-    """A payload one byte over max_payload_bytes is RESOURCE_EXHAUSTED naming both numbers; at the limit it passes."""
+    """A payload over max_payload_bytes is RESOURCE_EXHAUSTED naming size and limit; at the limit it passes."""
     pod = make_pod(1, limits=Limits(max_payload_bytes=8))
     with raises(Code.RESOURCE_EXHAUSTED, "ordinal 0", "9 bytes", "limit of 8 bytes", "max_payload_bytes"):
         pod.arrive(0, payloads={0: b"x" * 9})
@@ -774,7 +788,7 @@ def test_unknown_job_is_not_found():
         lambda: pod.core.world("nope"),
         lambda: pod.core.touch("nope", "x", 0.0),
         lambda: pod.core.status(0.0, "nope"),
-        lambda: pod.core.outcome("nope", (ALL, 0)),
+        lambda: pod.core.outcome("nope", (1, ALL, 0)),
     ):
         with raises(Code.NOT_FOUND, "'nope'"):
             call()
@@ -788,7 +802,7 @@ def test_an_unregistered_incarnation_cannot_arrive():
 
 
 def test_a_process_cannot_contribute_for_another_process_or_an_unregistered_ordinal():
-    """Contributing an ordinal registered by another process, or by nobody, is FAILED_PRECONDITION naming the owner."""
+    """Contributing an ordinal of another process, or of nobody, is FAILED_PRECONDITION naming the owner."""
     pod = make_pod(2, 2, register=False)
     pod.register(0)
     pod.register(1, threads=[0])
@@ -811,6 +825,7 @@ def test_a_process_cannot_contribute_for_another_process_or_an_unregistered_ordi
 def test_malformed_arrivals_are_invalid_argument(kwargs, fragment):
     """Duplicate or missing contributions and negative round numbers are INVALID_ARGUMENT."""
     pod = make_pod(1, 2)
+    kwargs = dict(kwargs)
     ordinals = kwargs.pop("ordinals")
     with raises(Code.INVALID_ARGUMENT, fragment):
         pod.arrive(ordinals, incarnation=incarnation_of(0), **kwargs)
@@ -840,8 +855,8 @@ def test_wake_keys_name_world_rounds_and_keys():
     pod.core.kv_compare_set(JOB, "cas", b"wrong", b"w")  # no write, no wake
     assert pod.core.take_wakeups() == [
         ("world", JOB),
-        ("round", JOB, (0,), 0),
-        ("round", JOB, ALL, 0),
+        pod.round_wakeup((0,), 0),
+        pod.round_wakeup(ALL, 0),
         ("kv", JOB, "a"),
         ("kv", JOB, "b"),
         ("kv", JOB, "n"),
@@ -860,7 +875,7 @@ def test_jobs_are_separate_namespaces():
             pod.register(task)
     a.arrive(0)
     assert b.result(b.arrive(0)) == [b"p0"]
-    assert a.outcome((ALL, 0)) is None
+    assert a.outcome(a.key(ALL, 0)) is None
     core.kv_set("a", [("k", b"a")])
     assert core.kv_get("b", ["k"]) == [None]
 
@@ -1123,7 +1138,7 @@ def programs(draw, *, min_world: int = 1):
     world = tasks * devices
     counters: collections.Counter = collections.Counter()
     calls = []
-    for index in range(draw(st.integers(1, 8))):
+    for index in range(draw(st.integers(1, 10))):
         kind = draw(st.sampled_from(["all", "explicit-all", "subset", "subset"]))
         if kind == "subset":
             members = tuple(sorted(draw(st.sets(st.integers(0, world - 1), min_size=1, max_size=world))))
@@ -1151,7 +1166,9 @@ class Outcome:
     core: Core
 
 
-def simulate(tasks: int, devices: int, calls: list[Call], rng: random.Random, tags: dict | None = None) -> Outcome:
+def simulate(
+    tasks: int, devices: int, calls: list[Call], rng: random.Random, tags: dict | None = None
+) -> Outcome:
     """Runs the program with blocking members in a random interleaving, with batching and retries.
 
     Each ordinal is a thread that arrives at its next call only after fetching the outcome of
@@ -1173,9 +1190,8 @@ def simulate(tasks: int, devices: int, calls: list[Call], rng: random.Random, ta
     now = 0.0
 
     def contribution(ordinal: int, call: Call) -> Contribution:
-        return Contribution(
-            ordinal=ordinal, tag=tags.get((call.index, ordinal), call.tag), payload=program_payload(ordinal, call)
-        )
+        tag = tags.get((call.index, ordinal), call.tag)
+        return Contribution(ordinal=ordinal, tag=tag, payload=program_payload(ordinal, call))
 
     def send(ordinals: list[int], call: Call) -> tuple:
         contributions = [sent.setdefault((call.index, o), contribution(o, call)) for o in ordinals]
@@ -1191,13 +1207,17 @@ def simulate(tasks: int, devices: int, calls: list[Call], rng: random.Random, ta
             contributions=contributions,
             deadline=now + 1000.0,
         )
-        assert key == (call.group, call.number)
+        assert key[-2:] == (call.group, call.number)
         return key
 
     for _ in range(100_000):
         now += 0.01
         registered = set(range(tasks)) - set(unregistered)
-        ready = [o for o in range(world) if o not in waiting and pc[o] < len(scripts[o]) and o // devices in registered]
+        ready = [
+            o
+            for o in range(world)
+            if o not in waiting and pc[o] < len(scripts[o]) and o // devices in registered
+        ]
         if not ready and not waiting and not unregistered:
             break
         choice = rng.random()
@@ -1210,7 +1230,10 @@ def simulate(tasks: int, devices: int, calls: list[Call], rng: random.Random, ta
             batch = [ordinal] + [
                 o
                 for o in ready
-                if o != ordinal and o // devices == ordinal // devices and scripts[o][pc[o]] == call and rng.random() < 0.5
+                if o != ordinal
+                and o // devices == ordinal // devices
+                and scripts[o][pc[o]] == call
+                and rng.random() < 0.5
             ]
             key = send(batch, call)
             for o in batch:
@@ -1224,7 +1247,7 @@ def simulate(tasks: int, devices: int, calls: list[Call], rng: random.Random, ta
             if rnd is None:
                 if rng.random() < 0.3:
                     send([ordinal], call)
-                elif not ready and not unregistered and all(core.outcome(JOB, k) is None for k in waiting.values()):
+                elif not (ready or unregistered) and all(core.outcome(JOB, k) is None for k in waiting.values()):
                     raise AssertionError(f"stuck: {waiting} {core.status(now, JOB)}")
                 continue
             assert (call.index, ordinal) not in seen
@@ -1239,19 +1262,20 @@ def simulate(tasks: int, devices: int, calls: list[Call], rng: random.Random, ta
         wakeups.extend(core.take_wakeups())
     else:
         raise AssertionError("simulation did not finish")
+    wakeups.extend(core.take_wakeups())
     return Outcome(seen=seen, wakeups=wakeups, core=core)
 
 
 def round_wakeups(outcome: Outcome) -> collections.Counter:
-    return collections.Counter(w[2:] for w in outcome.wakeups if w[0] == "round")
+    return collections.Counter(w[-2:] for w in outcome.wakeups if w[0] == "round")  # (group, number)
 
 
 @settings(max_examples=200, deadline=None)
-@given(programs(), st.randoms(use_true_random=False))
-def test_every_round_completes_once_with_every_payload_in_ordinal_order(program, rng):
-    """Whatever the interleaving, batching and retries, every round completes once and all members see the same ordered payloads."""
+@given(programs(), st.integers(0, 2**32 - 1))
+def test_every_round_completes_once_with_every_payload_in_ordinal_order(program, seed):
+    """Whatever the interleaving, batching and retries, every round completes once, payloads in ordinal order."""
     tasks, devices, calls = program
-    outcome = simulate(tasks, devices, calls, rng)
+    outcome = simulate(tasks, devices, calls, random.Random(seed))
     for call in calls:
         expected = [program_payload(o, call) for o in call.members]
         for ordinal in call.members:
@@ -1273,7 +1297,7 @@ def deviating_programs(draw):
     if not candidates:
         number = sum(c.group == ALL for c in calls)
         members = tuple(range(tasks * devices))
-        calls = [*calls, Call(index=len(calls), group=ALL, number=number, members=members, explicit=False, tag="save")]
+        calls = [*calls, Call(len(calls), ALL, number, members, explicit=False, tag="save")]
         candidates = [calls[-1]]
     call = draw(st.sampled_from(candidates))
     deviant = draw(st.sampled_from(call.members))
@@ -1281,12 +1305,12 @@ def deviating_programs(draw):
 
 
 @settings(max_examples=200, deadline=None)
-@given(deviating_programs(), st.randoms(use_true_random=False))
-def test_a_single_tag_deviation_fails_that_round_for_every_member_alike(program, rng):
-    """One member bringing another tag to one round fails exactly that round with one FAILED_PRECONDITION for all its members."""
+@given(deviating_programs(), st.integers(0, 2**32 - 1))
+def test_a_single_tag_deviation_fails_that_round_for_every_member_alike(program, seed):
+    """One member bringing another tag fails exactly that round, with one FAILED_PRECONDITION for every member."""
     tasks, devices, calls, bad, deviant = program
     tag = bad.tag + "-skipped"
-    outcome = simulate(tasks, devices, calls, rng, tags={(bad.index, deviant): tag})
+    outcome = simulate(tasks, devices, calls, random.Random(seed), tags={(bad.index, deviant): tag})
     errors = [outcome.seen[(bad.index, o)] for o in bad.members]
     assert all(isinstance(e, CoreError) for e in errors), errors
     assert all(e is errors[0] for e in errors)
