@@ -406,11 +406,6 @@ def test_reregistering_with_another_runtime_ordinal_fails():
         pod.register(0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: register() creates the job before the runtime-ordinal check, so a "
-    "rejected first registration leaves an empty job behind that counts against max_jobs",
-)
 def test_rejected_first_registration_leaves_no_job_behind():
     """A first registration refused for its runtime ordinal creates no job and uses no job slot."""
     core = Core(Limits(max_jobs=1))
@@ -562,11 +557,6 @@ def test_a_resend_with_different_content_to_a_pending_round_is_invalid_argument(
     assert pod.result(pod.arrive(1)) == [b"p0", b"p1"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: arrive() returns a finished round's key before comparing contributions, "
-    "so a 'resend' with another tag/payload silently gets the old result",
-)
 def test_a_resend_with_different_content_to_a_completed_round_is_invalid_argument():
     """A call for a completed round whose tag or payload differs from what that ordinal sent is refused."""
     pod = make_pod(2)
