@@ -101,7 +101,12 @@ class Client:
         self.settings = settings
         self.topology = topology
         self.incarnation = uuid.uuid4().hex
-        self._channel = grpc.insecure_channel(settings.address, options=_CHANNEL_OPTIONS)
+        credentials = settings.credentials()
+        if credentials is None:
+            self._channel = grpc.insecure_channel(settings.address, options=_CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.secure_channel(settings.address, credentials, options=_CHANNEL_OPTIONS)
+        self._metadata = (("authorization", f"Bearer {settings.token}"),) if settings.token else None
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
@@ -153,8 +158,8 @@ class Client:
                 transport = max(self.settings.connect_timeout, 30.0)
             interval = self.settings.progress_interval
             if progress is None or interval is None:
-                return rpc(request, timeout=transport)
-            call = rpc.future(request, timeout=transport)
+                return rpc(request, timeout=transport, metadata=self._metadata)
+            call = rpc.future(request, timeout=transport, metadata=self._metadata)
             started = time.monotonic()
             try:
                 while True:
@@ -235,13 +240,16 @@ class Client:
         request = pb.WatchRequest(job=self.settings.job, incarnation=self.incarnation)
         while not self._stopped.is_set():
             try:
-                for event in self._stub.Watch(request):
+                for event in self._stub.Watch(request, metadata=self._metadata):
                     self.events.append(event)
                     log.warning("job %s: %s", self.settings.job, event.message)
                     self._adopt_generation(event.generation)
             except grpc.RpcError as exc:
                 if self._stopped.is_set() or exc.code() in (
-                    grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED, grpc.StatusCode.FAILED_PRECONDITION
+                    grpc.StatusCode.CANCELLED,
+                    grpc.StatusCode.ABORTED,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    grpc.StatusCode.UNAUTHENTICATED,
                 ):
                     return
                 self._stopped.wait(1.0)  # the coordinator went away; try again

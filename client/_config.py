@@ -32,7 +32,13 @@ _VARIABLES: dict[str, str] = {
     "batch_window": "PJRT_RENDEZVOUS_BATCH_WINDOW",
     "heartbeat_interval": "PJRT_RENDEZVOUS_HEARTBEAT_INTERVAL",
     "progress_interval": "PJRT_RENDEZVOUS_PROGRESS_INTERVAL",
+    "token": "PJRT_RENDEZVOUS_TOKEN",
+    "token_file": "PJRT_RENDEZVOUS_TOKEN_FILE",
+    "tls_ca": "PJRT_RENDEZVOUS_TLS_CA",
+    "tls_cert": "PJRT_RENDEZVOUS_TLS_CERT",
+    "tls_key": "PJRT_RENDEZVOUS_TLS_KEY",
 }
+_TEXT = {"job", "token", "token_file", "tls_ca", "tls_cert", "tls_key"}
 
 
 def check_timeout(value: Any, what: str = "timeout") -> float | None:
@@ -78,6 +84,9 @@ class Settings:
             coordinator's heartbeat timeout when that is smaller).
         progress_interval: while blocked, log a "still waiting for ..." line naming the
             missing ordinals this often; None never logs.
+        token: the coordinator's shared secret, sent with every call (never shown in repr).
+        tls_ca: PEM file of the CA that signed the coordinator's certificate; enables TLS.
+        tls_cert, tls_key: PEM client certificate and key, for mutual TLS.
     """
 
     address: str
@@ -87,6 +96,10 @@ class Settings:
     batch_window: float = 1.0
     heartbeat_interval: float = 5.0
     progress_interval: float | None = 60.0
+    token: str | None = dataclasses.field(default=None, repr=False)
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
     def __post_init__(self) -> None:
         if not self.address or not isinstance(self.address, str):
@@ -101,7 +114,31 @@ class Settings:
         if check_timeout(self.heartbeat_interval, "heartbeat_interval") is None:
             raise UsageError("heartbeat_interval must be finite")
         object.__setattr__(self, "progress_interval", check_timeout(self.progress_interval, "progress_interval"))
+        if self.token is not None and not self.token.strip():
+            raise UsageError("the token is empty")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise UsageError("mutual TLS needs both tls_cert and tls_key (PJRT_RENDEZVOUS_TLS_CERT / _TLS_KEY)")
+        if self.tls_cert is not None and self.tls_ca is None:
+            raise UsageError("a client certificate needs tls_ca too (PJRT_RENDEZVOUS_TLS_CA)")
 
+    def credentials(self):
+        """gRPC channel credentials when TLS is configured, else None."""
+        if self.tls_ca is None:
+            return None
+        import grpc
+
+        def read(path: str | None) -> bytes | None:
+            if path is None:
+                return None
+            try:
+                with open(path, "rb") as f:
+                    return f.read()
+            except OSError as exc:
+                raise UsageError(f"cannot read TLS file {path}: {exc.strerror}") from exc
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=read(self.tls_ca), private_key=read(self.tls_key), certificate_chain=read(self.tls_cert)
+        )
     @classmethod
     def resolve(cls, env: Mapping[str, str], *, address: str, **given: Any) -> "Settings":
         """Builds settings from keyword arguments (values other than DEFAULT win), then
@@ -114,7 +151,7 @@ class Settings:
             value = given.get(name, DEFAULT)
             if value is DEFAULT and env.get(variable):
                 text = env[variable]
-                if name == "job":
+                if name in _TEXT:
                     value = text
                 elif name == "batch_window":
                     value = _parse_number(variable, text)
@@ -122,4 +159,11 @@ class Settings:
                     value = _parse_seconds(variable, text)
             if value is not DEFAULT:
                 values[name] = value
+        token_file = values.pop("token_file", None)
+        if token_file is not None and "token" not in values:
+            try:
+                with open(token_file) as f:
+                    values["token"] = f.read().strip()
+            except OSError as exc:
+                raise UsageError(f"cannot read the token file {token_file}: {exc.strerror}") from exc
         return cls(address=address, **values)

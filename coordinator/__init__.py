@@ -10,7 +10,8 @@ Run it with ``pjrt-rendezvous serve``, or embed it::
 """
 
 from ._core import ALL, Code, Core, CoreError, Limits, format_ranges
-from ._server import DEFAULT_JOB, Coordinator, serve_forever, start_server
+from ._server import DEFAULT_JOB, Coordinator, RunningServer, ServerOptions, serve_forever, start_server
+from ._state import StateFileError
 
 __all__ = [
     "ALL",
@@ -20,6 +21,9 @@ __all__ = [
     "Core",
     "CoreError",
     "Limits",
+    "RunningServer",
+    "ServerOptions",
+    "StateFileError",
     "format_ranges",
     "serve_forever",
     "start_server",

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
+import os
+import pathlib
 import sys
+
+from ._core import Limits
+from ._server import DEFAULT_HEARTBEAT_TIMEOUT
 
 DEFAULT_HOST = "127.0.0.1"
 
@@ -15,6 +21,15 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {port}")
     return port
+
+
+def _seconds(text: str) -> float | None:
+    if text.lower() == "none":
+        return None
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds or 'none', got {text}")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -48,7 +63,23 @@ def _parser() -> argparse.ArgumentParser:
         help="fix the world size of --job up front (default: the first registration fixes it)",
     )
     serve.add_argument("--job", default="default", help="the job --world-size applies to (default 'default')")
-    serve.add_argument("--max-payload-bytes", type=_positive, help="per-participant rendezvous payload limit")
+    serve.add_argument(
+        "--heartbeat-timeout",
+        type=_seconds,
+        default=DEFAULT_HEARTBEAT_TIMEOUT,
+        help=f"declare a process dead after this many seconds without a heartbeat (default "
+        f"{DEFAULT_HEARTBEAT_TIMEOUT:g}; 'none' disables)",
+    )
+    serve.add_argument("--state-file", type=pathlib.Path, help="keep ranks, job config and keys here across restarts")
+    serve.add_argument("--token-file", type=pathlib.Path, help="file holding the shared secret every client must send")
+    serve.add_argument("--tls-cert", type=pathlib.Path, help="PEM server certificate (enables TLS)")
+    serve.add_argument("--tls-key", type=pathlib.Path, help="PEM private key of --tls-cert")
+    serve.add_argument("--tls-ca", type=pathlib.Path, help="PEM CA that must sign client certificates (mutual TLS)")
+    serve.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on shutdown (default 5)")
+    for field in dataclasses.fields(Limits):
+        serve.add_argument(
+            f"--{field.name.replace('_', '-')}", type=_positive, default=field.default, help=f"limit (default {field.default})"
+        )
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
     status = commands.add_parser("status", help="show a job's participants and pending rounds")
@@ -68,26 +99,39 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args) -> int:
-    from ._core import CoreError, Limits
-    from ._server import serve_forever
+    from ._core import CoreError
+    from ._server import ServerOptions, serve_forever
+    from ._state import StateFileError
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    limits = Limits(**({"max_payload_bytes": args.max_payload_bytes} if args.max_payload_bytes else {}))
 
     def ready(port: int) -> None:
         print(f"pjrt-rendezvous coordinator listening on {args.host}:{port}", flush=True)
 
     try:
-        serve_forever(args.host, args.port, world_size=args.world_size, job=args.job, limits=limits, on_ready=ready)
-    except (CoreError, RuntimeError, OSError) as exc:
+        token = args.token_file.read_text().strip() if args.token_file else None
+        options = ServerOptions(
+            host=args.host,
+            port=args.port,
+            world_size=args.world_size,
+            job=args.job,
+            limits=Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)}),
+            heartbeat_timeout=args.heartbeat_timeout,
+            state_file=args.state_file,
+            token=token,
+            tls_cert=args.tls_cert.read_bytes() if args.tls_cert else None,
+            tls_key=args.tls_key.read_bytes() if args.tls_key else None,
+            tls_ca=args.tls_ca.read_bytes() if args.tls_ca else None,
+            grace=args.grace,
+        )
+        serve_forever(options, on_ready=ready)
+    except (CoreError, StateFileError, RuntimeError, OSError, ValueError) as exc:
         print(f"pjrt-rendezvous serve: {exc}", file=sys.stderr)
         return 1
     return 0
 
 
 def _status(args) -> int:
-    import os
-
     from google.protobuf import json_format
 
     import pjrt_rendezvous.client as pr
@@ -98,7 +142,7 @@ def _status(args) -> int:
     from ._core import format_ranges
 
     topology = _detect(os.environ, args.address)
-    client = Client(Settings(address=topology.address, connect_timeout=5.0), topology)
+    client = Client(Settings.resolve(os.environ, address=topology.address, connect_timeout=5.0), topology)
     try:
         response = client.status(args.job)
     except pr.RendezvousError as exc:

@@ -25,6 +25,7 @@ Thread safety: none. The servicer calls the core from one event loop thread.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import enum
@@ -236,7 +237,8 @@ class Round:
     size: int
     deadline: float | None = None
     arrivals: dict[int, Contribution] = dataclasses.field(default_factory=dict)
-    result: list[bytes] | None = None
+    result: list[bytes] | None = None  # payloads in ordinal order, once completed
+    tag: str = ""  # the members' tag, once completed (their arrivals are then dropped)
     error: CoreError | None = None
     # The servicer's response message, built once and shared by every waiter.
     response: object = None
@@ -248,6 +250,10 @@ class Round:
     @property
     def finished(self) -> bool:
         return self.result is not None or self.error is not None
+
+    def position(self, ordinal: int) -> int:
+        """Index of ``ordinal``'s payload in ``result``."""
+        return ordinal if self.members is None else bisect.bisect_left(self.group, ordinal)
 
     def has_member(self, ordinal: int) -> bool:
         return ordinal < self.size if self.members is None else ordinal in self.members
@@ -306,6 +312,9 @@ class Core:
         self.heartbeat_timeout = heartbeat_timeout
         self.jobs: dict[str, Job] = {}
         self._wakeups: list[tuple] = []
+        # Grows with every change worth persisting (ranks, finished rounds, events, keys);
+        # the state-file writer compares it with the version it last wrote.
+        self.version = 0
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -313,6 +322,9 @@ class Core:
         """Returns and clears the wake keys queued since the last call."""
         wakeups, self._wakeups = self._wakeups, []
         return wakeups
+
+    def _changed(self) -> None:
+        self.version += 1
 
     def _job(self, name: str) -> Job:
         job = self.jobs.get(name)
@@ -385,6 +397,7 @@ class Core:
             )
         job.world_size = world_size
         job.world_fixed_by = "the coordinator's --world-size"
+        self._changed()
 
     def register(self, now: float, request: Registration) -> Registered:
         """Registers threads of one process and assigns their ordinals.
@@ -532,6 +545,7 @@ class Core:
             )
             job.tasks[r.task_id] = r.incarnation
         process.last_seen = now
+        self._changed()
         for member in new_members:
             job.members[member.ordinal] = member
             process.ordinals.add(member.ordinal)
@@ -708,7 +722,10 @@ class Core:
 
         rnd = self._round(state, group, round_number, now)
         for c in contributions:
-            previous = rnd.arrivals.get(c.ordinal)
+            if rnd.result is not None:
+                previous = Contribution(ordinal=c.ordinal, tag=rnd.tag, payload=rnd.result[rnd.position(c.ordinal)])
+            else:
+                previous = rnd.arrivals.get(c.ordinal)
             if previous is not None and previous != c:
                 raise CoreError(
                     Code.INVALID_ARGUMENT,
@@ -815,14 +832,17 @@ class Core:
             state.finished.popitem(last=False)
         while state.next_round in state.finished:
             state.next_round += 1
+        self._changed()
         self._wakeups.append(("round", job.name, *rnd.key))
 
     def _complete(self, job: Job, rnd: Round) -> None:
         # The XRT mesh service returned payloads sorted by ordinal; torch_xla's docstring
         # promises index == ordinal for the full group.
         rnd.result = [rnd.arrivals[o].payload for o in sorted(rnd.arrivals)]
+        rnd.tag = next(iter(rnd.arrivals.values())).tag
         job.rounds_completed += 1
         self._finish(job, rnd)
+        rnd.arrivals = {}  # the result holds the payloads, and `tag` the one tag
 
     def _fail(self, job: Job, rnd: Round, error: CoreError) -> None:
         rnd.error = error
@@ -968,6 +988,7 @@ class Core:
         self._event(job, "PROCESS_RESTARTED", old, message)
 
     def _event(self, job: Job, kind: str, process: Process, message: str) -> None:
+        self._changed()
         job.events.append(
             Event(
                 kind=kind,
@@ -1009,6 +1030,7 @@ class Core:
 
     def _write(self, job: Job, key: str, value: bytes) -> None:
         job.kv[key] = value
+        self._changed()
         self._wakeups.append(("kv", job.name, key))
 
     def _once(self, job: Job, request_id: str, apply):
@@ -1092,6 +1114,7 @@ class Core:
     def kv_delete(self, job_name: str, key: str) -> bool:
         self._check_key(key)
         job = self._job_or_create(job_name)
+        self._changed()
         return job.kv.pop(key, None) is not None
 
     def kv_list(self, job_name: str, prefix: str = "") -> list[tuple[str, bytes]]:

@@ -1,4 +1,5 @@
-"""Running the coordinator: a grpc.aio server with health checking and reflection.
+"""Running the coordinator: a grpc.aio server with health checking, reflection, optional
+shared-secret token, TLS / mutual TLS, liveness watching and a state file.
 
 :class:`Coordinator` runs one in a background thread of the calling process (task 0
 embedding it, the demo, tests); :func:`serve_forever` runs one in the foreground
@@ -8,7 +9,10 @@ embedding it, the demo, tests); :func:`serve_forever` runs one in the foreground
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hmac
 import logging
+import pathlib
 import signal
 import threading
 import time
@@ -20,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
+from . import _state
 from ._core import Core, Limits
 from ._servicer import Servicer
 
@@ -27,6 +32,7 @@ log = logging.getLogger("pjrt_rendezvous.coordinator")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 DEFAULT_JOB = "default"
+DEFAULT_HEARTBEAT_TIMEOUT = 60.0
 
 # Our own limits (Limits) give precise messages; gRPC's 4 MiB default would refuse large
 # rendezvous results with a generic error first.
@@ -38,46 +44,167 @@ _OPTIONS = [
 ]
 
 
-async def start_server(
-    host: str = "127.0.0.1",
-    port: int = 0,
-    *,
-    core: Core | None = None,
-    limits: Limits | None = None,
-    heartbeat_timeout: float | None = None,
-    world_size: int | None = None,
-    job: str = DEFAULT_JOB,
-) -> tuple[grpc.aio.Server, int, Core]:
-    """Starts a server on ``host:port`` (0 picks a free port); returns it, the port and the core.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerOptions:
+    """How a coordinator serves. Times in seconds; None disables.
 
-    The liveness watcher runs as a task of the calling event loop until the server stops.
+    Attributes:
+        host, port: where to listen (port 0 picks a free one).
+        world_size, job: fix ``job``'s world size up front.
+        limits: size and count limits.
+        heartbeat_timeout: a process silent this long is declared dead; None never.
+        state_file: keep ranks, job config, finished rounds and keys here across restarts.
+        token: shared secret every call must carry (``authorization: Bearer <token>``);
+            health checks are exempt so probes work.
+        tls_cert, tls_key: PEM server certificate and key; enables TLS.
+        tls_ca: PEM CA; with TLS, clients must present a certificate it signed (mutual TLS).
+        grace: on stop, in-flight calls get this long to finish before they are cancelled.
     """
-    core = core or Core(limits, heartbeat_timeout=heartbeat_timeout)
-    if world_size is not None:
-        core.declare_job(job, world_size)
-    server = grpc.aio.server(options=_OPTIONS)
-    servicer = Servicer(core)
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    world_size: int | None = None
+    job: str = DEFAULT_JOB
+    limits: Limits = dataclasses.field(default_factory=Limits)
+    heartbeat_timeout: float | None = DEFAULT_HEARTBEAT_TIMEOUT
+    state_file: pathlib.Path | None = None
+    token: str | None = dataclasses.field(default=None, repr=False)
+    tls_cert: bytes | None = dataclasses.field(default=None, repr=False)
+    tls_key: bytes | None = dataclasses.field(default=None, repr=False)
+    tls_ca: bytes | None = dataclasses.field(default=None, repr=False)
+    grace: float = 5.0
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both a certificate and its key (--tls-cert and --tls-key)")
+        if self.tls_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-ca (mutual TLS) needs --tls-cert and --tls-key too")
+        if self.token is not None and not self.token.strip():
+            raise ValueError("the token is empty")
+
+
+class _TokenCheck(grpc.aio.ServerInterceptor):
+    """Refuses calls without the shared secret: UNAUTHENTICATED, logged without the secret."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith("/grpc.health.v1.Health/"):
+            return handler
+        given = dict(details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._expected):
+            return handler
+        reason = "no token" if not given else "a wrong token"
+        log.warning("refused %s: the caller sent %s", details.method, reason)
+        message = f"{details.method} refused: {reason}; set PJRT_RENDEZVOUS_TOKEN or PJRT_RENDEZVOUS_TOKEN_FILE"
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        async def deny_stream(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            yield  # pragma: no cover - makes this an async generator
+
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                deny_stream, handler.request_deserializer, handler.response_serializer
+            )
+        return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
+
+
+class _StateWriter:
+    """Group commit of the state file: a caller returns once a write covering its change
+    (``core.version`` at the call) is on disk. The snapshot is taken on the event loop
+    (the core is not thread-safe); encoding and writing run in a worker thread."""
+
+    def __init__(self, core: Core, path: pathlib.Path) -> None:
+        self._core = core
+        self._path = path
+        self._lock = asyncio.Lock()
+        self._written = -1
+
+    async def flush(self) -> None:
+        wanted = self._core.version
+        async with self._lock:
+            if self._written >= wanted:
+                return
+            version = self._core.version
+            body = _state.snapshot(self._core)
+            data = await asyncio.to_thread(_state.encode, body)
+            await asyncio.to_thread(_state.write_atomic, self._path, data)
+            self._written = version
+
+
+class RunningServer:
+    """A started server: its port, its core, and how to stop it."""
+
+    def __init__(self, server: grpc.aio.Server, port: int, core: Core, health_servicer, tasks) -> None:
+        self.server = server
+        self.port = port
+        self.core = core
+        self._health = health_servicer
+        self._tasks = tasks
+
+    async def stop(self, grace: float | None) -> None:
+        """Marks health NOT_SERVING, lets in-flight calls finish for ``grace`` seconds, stops."""
+        for task in self._tasks:
+            task.cancel()
+        await self._health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+
+async def start_server(options: ServerOptions = ServerOptions(), *, core: Core | None = None) -> RunningServer:
+    """Starts serving on the current event loop.
+
+    Raises:
+        StateFileError: the state file exists but is torn, edited or foreign.
+        RuntimeError: the port could not be bound.
+    """
+    if core is None and options.state_file is not None:
+        core = _state.load(
+            options.state_file,
+            now=time.monotonic(),
+            limits=options.limits,
+            heartbeat_timeout=options.heartbeat_timeout,
+        )
+        if core is not None:
+            log.info(
+                "restored %d job(s) from %s: %s",
+                len(core.jobs),
+                options.state_file,
+                ", ".join(f"{j.name} ({len(j.members)}/{j.world_size} ordinals, generation {j.generation})" for j in core.jobs.values()),
+            )
+    core = core or Core(options.limits, heartbeat_timeout=options.heartbeat_timeout)
+    if options.world_size is not None:
+        core.declare_job(options.job, options.world_size)
+    writer = _StateWriter(core, options.state_file) if options.state_file else None
+    interceptors = [_TokenCheck(options.token)] if options.token else []
+    server = grpc.aio.server(options=_OPTIONS, interceptors=interceptors)
+    servicer = Servicer(core, persist=writer.flush if writer else None)
     pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
-    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-    bound = server.add_insecure_port(address)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    host = options.host
+    address = f"[{host}]:{options.port}" if ":" in host and not host.startswith("[") else f"{host}:{options.port}"
+    if options.tls_cert is not None:
+        credentials = grpc.ssl_server_credentials(
+            [(options.tls_key, options.tls_cert)],
+            root_certificates=options.tls_ca,
+            require_client_auth=options.tls_ca is not None,
+        )
+        port = server.add_secure_port(address, credentials)
+    else:
+        port = server.add_insecure_port(address)
     await server.start()
+    if writer is not None:
+        await writer.flush()  # a new state file exists from the start
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    liveness = asyncio.get_running_loop().create_task(servicer.watch_liveness())
-    original_stop = server.stop
-
-    async def stop(grace):
-        liveness.cancel()
-        await health_servicer.enter_graceful_shutdown()
-        return await original_stop(grace)
-
-    server.stop = stop
-    return server, bound, core
+    tasks = [asyncio.get_running_loop().create_task(servicer.watch_liveness())]
+    return RunningServer(server, port, core, health_servicer, tasks)
 
 
 class Coordinator:
@@ -85,35 +212,33 @@ class Coordinator:
 
     >>> with Coordinator(port=0) as coordinator:
     ...     address = coordinator.address   # "127.0.0.1:PORT"
+
+    Keyword arguments are :class:`ServerOptions` fields; the liveness watch is off unless
+    ``heartbeat_timeout`` is given.
     """
 
-    def __init__(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        *,
-        world_size: int | None = None,
-        job: str = DEFAULT_JOB,
-        limits: Limits | None = None,
-        heartbeat_timeout: float | None = None,
-    ) -> None:
-        self._args = dict(
-            host=host, port=port, world_size=world_size, job=job, limits=limits, heartbeat_timeout=heartbeat_timeout
-        )
-        self._host = host
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, **options) -> None:
+        options.setdefault("heartbeat_timeout", None)
+        self._options = ServerOptions(host=host, port=port, **options)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._server: grpc.aio.Server | None = None
+        self._running: RunningServer | None = None
         self._stopping: asyncio.Event | None = None
         self._grace: float | None = 1.0
-        self.port: int | None = None
-        self.core: Core | None = None
+
+    @property
+    def port(self) -> int | None:
+        return None if self._running is None else self._running.port
+
+    @property
+    def core(self) -> Core | None:
+        return None if self._running is None else self._running.core
 
     @property
     def address(self) -> str:
-        if self.port is None:
+        if self._running is None:
             raise RuntimeError("the coordinator is not running; call start() first")
-        host = "127.0.0.1" if self._host in ("0.0.0.0", "") else self._host
+        host = "127.0.0.1" if self._options.host in ("0.0.0.0", "") else self._options.host
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
     def start(self) -> "Coordinator":
@@ -123,14 +248,14 @@ class Coordinator:
         async def main() -> None:
             self._stopping = asyncio.Event()
             try:
-                self._server, self.port, self.core = await start_server(**self._args)
+                self._running = await start_server(self._options)
             except BaseException as exc:  # reported to start()'s caller
                 failure.append(exc)
                 return
             finally:
                 started.set()
             await self._stopping.wait()
-            await self._server.stop(self._grace)
+            await self._running.stop(self._grace)
 
         def run() -> None:
             self._loop = asyncio.new_event_loop()
@@ -149,12 +274,12 @@ class Coordinator:
 
     def stop(self, grace: float | None = 1.0) -> None:
         """Stops serving; calls still running get ``grace`` seconds, then are cancelled."""
-        if self._server is None or self._loop is None or self._thread is None:
+        if self._running is None or self._loop is None or self._thread is None:
             return
         self._grace = grace
         self._loop.call_soon_threadsafe(self._stopping.set)
         self._thread.join()
-        self._server = None
+        self._running = None
 
     def __enter__(self) -> "Coordinator":
         return self.start()
@@ -163,33 +288,21 @@ class Coordinator:
         self.stop()
 
 
-def serve_forever(
-    host: str,
-    port: int,
-    *,
-    world_size: int | None = None,
-    job: str = DEFAULT_JOB,
-    limits: Limits | None = None,
-    heartbeat_timeout: float | None = None,
-    grace: float = 5.0,
-    on_ready=None,
-) -> None:
-    """Serves until SIGINT/SIGTERM, then drains for ``grace`` seconds."""
+def serve_forever(options: ServerOptions, *, on_ready=None) -> None:
+    """Serves until SIGINT/SIGTERM, then drains for ``options.grace`` seconds."""
 
     async def main() -> None:
-        server, bound, _ = await start_server(
-            host, port, world_size=world_size, job=job, limits=limits, heartbeat_timeout=heartbeat_timeout
-        )
+        running = await start_server(options)
         if on_ready is not None:
-            on_ready(bound)
+            on_ready(running.port)
         stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stopping.set)
         await stopping.wait()
-        log.info("stopping: in-flight calls get %.1f s", grace)
+        log.info("stopping: in-flight calls get %.1f s", options.grace)
         started = time.monotonic()
-        await server.stop(grace)
+        await running.stop(options.grace)
         log.info("stopped after %.1f s", time.monotonic() - started)
 
     asyncio.run(main())

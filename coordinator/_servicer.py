@@ -11,7 +11,7 @@ import collections
 import functools
 import logging
 import time
-from typing import Callable
+from typing import Awaitable, Callable
 
 import grpc
 
@@ -39,6 +39,10 @@ def _translated(method):
     return handler
 
 
+async def _nothing() -> None:
+    return None
+
+
 def _timeout(request) -> float | None:
     """An absent timeout waits forever; zero or negative is refused (never 'forever')."""
     if not request.HasField("timeout"):
@@ -55,9 +59,18 @@ def _timeout(request) -> float | None:
 class Servicer(pb_grpc.CoordinatorServicer):
     """Implements ``pjrt_rendezvous.v1.Coordinator`` over a :class:`Core`."""
 
-    def __init__(self, core: Core, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        core: Core,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        persist: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self._core = core
         self._clock = clock
+        # Called before answering any call that changed state, so nothing a client was
+        # told is lost if the coordinator dies right after (the state file).
+        self._persist = persist or _nothing
         self._waiters: dict[tuple, set[asyncio.Future]] = collections.defaultdict(set)
 
     # -- waiting --------------------------------------------------------------------------
@@ -108,6 +121,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
             ),
         )
         self._wake()
+        await self._persist()
         log.info(
             "registered job=%s task=%d host=%s pid=%d ordinals=%s",
             request.job,
@@ -163,6 +177,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
             if not await self._wait(("round", request.job, *key), self._core.deadline(request.job, key)):
                 self._core.expire(self._clock())
                 self._wake()
+        await self._persist()
         if rnd.error is not None:
             raise rnd.error
         if rnd.response is None:
@@ -213,6 +228,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
     async def KvSet(self, request: pb.KvSetRequest, context) -> pb.KvSetResponse:
         self._core.kv_set(request.job, [(e.key, e.value) for e in request.entries])
         self._wake()
+        await self._persist()
         return pb.KvSetResponse()
 
     @_translated
@@ -237,6 +253,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
     async def KvAdd(self, request: pb.KvAddRequest, context) -> pb.KvAddResponse:
         value = self._core.kv_add(request.job, request.key, request.delta, request.request_id)
         self._wake()
+        await self._persist()
         return pb.KvAddResponse(value=value)
 
     @_translated
@@ -245,17 +262,21 @@ class Servicer(pb_grpc.CoordinatorServicer):
             request.job, request.key, request.expected, request.desired, request.request_id
         )
         self._wake()
+        await self._persist()
         return pb.KvCompareSetResponse(value=value)
 
     @_translated
     async def KvAppend(self, request: pb.KvAppendRequest, context) -> pb.KvAppendResponse:
         self._core.kv_append(request.job, request.key, request.value, request.request_id)
         self._wake()
+        await self._persist()
         return pb.KvAppendResponse()
 
     @_translated
     async def KvDelete(self, request: pb.KvDeleteRequest, context) -> pb.KvDeleteResponse:
-        return pb.KvDeleteResponse(deleted=self._core.kv_delete(request.job, request.key))
+        deleted = self._core.kv_delete(request.job, request.key)
+        await self._persist()
+        return pb.KvDeleteResponse(deleted=deleted)
 
     @_translated
     async def KvList(self, request: pb.KvListRequest, context) -> pb.KvListResponse:

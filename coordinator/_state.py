@@ -1,0 +1,232 @@
+"""The state file: what survives a coordinator restart (``serve --state-file PATH``).
+
+Kept: per job the world size, rank table, generation, events, finished rounds (so a
+client resending a round that finished just before the crash gets its result), round
+counters, key-value data and applied request ids. Not kept: pending rounds (their members
+resend them when they reconnect) and last-seen times (every process gets a fresh heartbeat
+timeout from the restart).
+
+Format: one JSON document ``{"format", "version", "sha256", "body"}``; bytes are base64.
+Writes are atomic (temporary file, fsync, rename, fsync of the folder); a torn or edited
+file fails its checksum and is reported, never half-loaded.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import hashlib
+import json
+import os
+import pathlib
+import tempfile
+
+from ._core import ALL, Code, Core, CoreError, Event, Job, Limits, Member, Process, Round, _Group
+
+FORMAT = "pjrt-rendezvous-state"
+VERSION = 1
+
+
+class StateFileError(Exception):
+    """The state file cannot be used; the message says why and what to do."""
+
+
+def _b(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb(text: str) -> bytes:
+    return base64.b64decode(text.encode("ascii"), validate=True)
+
+
+def _round_to_json(rnd: Round) -> dict:
+    return {
+        "generation": rnd.generation,
+        "group": list(rnd.group),
+        "number": rnd.number,
+        "size": rnd.size,
+        "tag": rnd.tag,
+        "result": None if rnd.result is None else [_b(p) for p in rnd.result],
+        "error": None if rnd.error is None else [rnd.error.code.name, rnd.error.message],
+    }
+
+
+def _round_from_json(d: dict) -> Round:
+    group = tuple(d["group"])
+    return Round(
+        generation=d["generation"],
+        group=group,
+        number=d["number"],
+        started=0.0,
+        members=None if group == ALL else frozenset(group),
+        size=d["size"],
+        tag=d["tag"],
+        result=None if d["result"] is None else [_unb(p) for p in d["result"]],
+        error=None if d["error"] is None else CoreError(Code[d["error"][0]], d["error"][1]),
+    )
+
+
+def _request_result(value):
+    return {"b64": _b(value)} if isinstance(value, bytes) else value
+
+
+def _request_result_back(value):
+    return _unb(value["b64"]) if isinstance(value, dict) else value
+
+
+def snapshot(core: Core) -> dict:
+    """The persistent part of ``core`` as JSON-able data (call on the core's thread)."""
+    jobs = []
+    for job in core.jobs.values():
+        jobs.append(
+            {
+                "name": job.name,
+                "world_size": job.world_size,
+                "world_fixed_by": job.world_fixed_by,
+                "devices_per_task": job.devices_per_task,
+                "generation": job.generation,
+                "rounds_completed": job.rounds_completed,
+                "processes": [
+                    {
+                        "incarnation": p.incarnation,
+                        "host": p.host,
+                        "pid": p.pid,
+                        "task_id": p.task_id,
+                        "local_rank": p.local_rank,
+                        "ordinals": sorted(p.ordinals),
+                        "alive": p.alive,
+                        "death": p.death,
+                    }
+                    for p in job.processes.values()
+                ],
+                "tasks": {str(t): i for t, i in job.tasks.items()},
+                "members": [
+                    [m.ordinal, m.local_ordinal, m.thread_index, m.incarnation, m.runtime_ordinal]
+                    for m in job.members.values()
+                ],
+                "groups": [
+                    {
+                        "generation": generation,
+                        "group": list(group),
+                        "next_round": state.next_round,
+                        "finished": [_round_to_json(r) for r in state.finished.values()],
+                    }
+                    for (generation, group), state in job.groups.items()
+                ],
+                "events": [
+                    [e.kind, e.generation, list(e.ordinals), e.host, e.message] for e in job.events
+                ],
+                "dead": sorted(job.dead),
+                "kv": {k: _b(v) for k, v in job.kv.items()},
+                "requests": [[k, _request_result(v)] for k, v in job.request_results.items()],
+            }
+        )
+    return {"jobs": jobs}
+
+
+def restore(
+    body: dict, *, now: float, limits: Limits | None = None, heartbeat_timeout: float | None = None
+) -> Core:
+    """A core holding ``body`` (from :func:`snapshot`); every live process counts as seen ``now``."""
+    core = Core(limits, heartbeat_timeout=heartbeat_timeout)
+    for d in body["jobs"]:
+        job = Job(
+            name=d["name"],
+            world_size=d["world_size"],
+            world_fixed_by=d["world_fixed_by"],
+            devices_per_task=d["devices_per_task"],
+            generation=d["generation"],
+            rounds_completed=d["rounds_completed"],
+        )
+        for p in d["processes"]:
+            job.processes[p["incarnation"]] = Process(
+                incarnation=p["incarnation"],
+                host=p["host"],
+                pid=p["pid"],
+                task_id=p["task_id"],
+                local_rank=p["local_rank"],
+                registered_at=now,
+                last_seen=now,
+                ordinals=set(p["ordinals"]),
+                alive=p["alive"],
+                death=p["death"],
+            )
+        job.tasks = {int(t): i for t, i in d["tasks"].items()}
+        for ordinal, local_ordinal, thread_index, incarnation, runtime_ordinal in d["members"]:
+            job.members[ordinal] = Member(
+                ordinal=ordinal,
+                local_ordinal=local_ordinal,
+                thread_index=thread_index,
+                incarnation=incarnation,
+                runtime_ordinal=runtime_ordinal,
+            )
+        for g in d["groups"]:
+            state = _Group(next_round=g["next_round"])
+            state.finished = collections.OrderedDict((r["number"], _round_from_json(r)) for r in g["finished"])
+            job.groups[(g["generation"], tuple(g["group"]))] = state
+        job.events = [
+            Event(kind=k, generation=gen, ordinals=tuple(o), host=h, message=m) for k, gen, o, h, m in d["events"]
+        ]
+        job.dead = set(d["dead"])
+        job.kv = {k: _unb(v) for k, v in d["kv"].items()}
+        job.request_results = collections.OrderedDict((k, _request_result_back(v)) for k, v in d["requests"])
+        core.jobs[job.name] = job
+    return core
+
+
+def encode(body: dict) -> bytes:
+    text = json.dumps(body, separators=(",", ":"), sort_keys=True)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    return json.dumps({"format": FORMAT, "version": VERSION, "sha256": digest, "body": text}).encode()
+
+
+def decode(data: bytes, *, path: str = "state file") -> dict:
+    """The body of an encoded state; StateFileError for anything torn, edited or foreign."""
+    hint = f"; move {path} away to start with an empty coordinator"
+    try:
+        outer = json.loads(data)
+        if outer.get("format") != FORMAT:
+            raise StateFileError(f"{path} is not a pjrt-rendezvous state file{hint}")
+        if outer.get("version") != VERSION:
+            raise StateFileError(f"{path} has state format version {outer.get('version')}, this coordinator reads {VERSION}{hint}")
+        text = outer["body"]
+        if hashlib.sha256(text.encode()).hexdigest() != outer["sha256"]:
+            raise StateFileError(f"{path} is corrupt: its checksum does not match its content{hint}")
+        return json.loads(text)
+    except StateFileError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise StateFileError(f"{path} is corrupt or truncated ({type(exc).__name__}: {exc}){hint}") from exc
+
+
+def write_atomic(path: pathlib.Path, data: bytes) -> None:
+    """Replaces ``path`` with ``data`` so that a crash leaves the old or the new file, whole."""
+    folder = path.parent
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def load(path: pathlib.Path, *, now: float, limits: Limits | None, heartbeat_timeout: float | None) -> Core | None:
+    """The core saved at ``path``, or None when there is no file yet."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    body = decode(data, path=str(path))
+    try:
+        return restore(body, now=now, limits=limits, heartbeat_timeout=heartbeat_timeout)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StateFileError(f"{path} does not hold a valid coordinator state ({type(exc).__name__}: {exc})") from exc
