@@ -117,9 +117,25 @@ def replacement(b: pr.Binding) -> dict:
     return dict(after=[p.decode() for p in after], generation=pr.get_client().generation)
 
 
+def steady(b: pr.Binding) -> dict:
+    # Many checked rounds and counted adds, slow enough that a coordinator restart lands mid-job.
+    client = pr.get_client()
+    rounds = int(os.environ.get("STEADY_ROUNDS", "40"))
+    wrong = []
+    for k in range(rounds):
+        result = pr.rendezvous(f"step{k}", b"%d:%d" % (b.ordinal, k), timeout=120)
+        if result != [b"%d:%d" % (o, k) for o in range(b.world_size)]:
+            wrong.append(k)
+        client.add("adds", 1)
+        time.sleep(0.02)
+    return dict(rounds=rounds, wrong=wrong, ordinal_after=pr.get_ordinal())
+
+
 SCENARIOS = {
     f.__name__: f
-    for f in (full_and_subsets, timeout_missing, tag_mismatch, not_in_replicas, kv_wait, hang, survivor, replacement)
+    for f in (
+        full_and_subsets, timeout_missing, tag_mismatch, not_in_replicas, kv_wait, hang, survivor, replacement, steady
+    )
 }
 
 
