@@ -38,6 +38,7 @@ ALL: tuple[int, ...] = ()
 # The server answers a timed-out wait with the list of missing ordinals; the transport
 # deadline is this much later so that answer, not a bare DEADLINE_EXCEEDED, arrives.
 _TRANSPORT_GRACE = 10.0
+_BACKOFF_CAP = 2.0  # seconds: the longest pause between two retries
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", -1),
     ("grpc.max_send_message_length", -1),
@@ -146,9 +147,22 @@ class Client:
         if self._closed:
             raise UsageError("this client was closed; call init() again")
         rpc = getattr(self._stub, method)
-        budget = self.settings.connect_timeout
-        if deadline is not None:
-            budget = min(budget, max(0.0, deadline - time.monotonic()))
+        # The retry budget counts from the start of the current outage, not of the call: a
+        # round that waited ten minutes and then lost its coordinator still gets the full
+        # connect_timeout to find it again. An attempt that lasted longer than the backoff
+        # cap got through, so the outage restarts after it.
+        outage = {"since": None, "attempt": time.monotonic()}
+
+        def before(state) -> None:
+            outage["attempt"] = time.monotonic()
+
+        def stop(state) -> bool:
+            now = time.monotonic()
+            if outage["since"] is None or now - outage["attempt"] > _BACKOFF_CAP:
+                outage["since"] = now
+            if deadline is not None and now >= deadline:
+                return True
+            return now - outage["since"] >= self.settings.connect_timeout
 
         def attempt():
             transport = None
@@ -174,8 +188,9 @@ class Client:
             retry=tenacity.retry_if_exception(
                 lambda e: isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNAVAILABLE
             ),
-            wait=tenacity.wait_random_exponential(multiplier=0.05, max=2.0),
-            stop=tenacity.stop_after_delay(budget),
+            wait=tenacity.wait_random_exponential(multiplier=0.05, max=_BACKOFF_CAP),
+            stop=stop,
+            before=before,
             reraise=True,
             before_sleep=lambda state: log.debug(
                 "%s to %s failed (%s); retry %d", method, self.settings.address,

@@ -261,6 +261,11 @@ class Coordinator:
             self._loop = asyncio.new_event_loop()
             try:
                 self._loop.run_until_complete(main())
+                # Calls cancelled by the stop still have tasks winding down: let them end
+                # before the loop closes, so nothing is destroyed while pending.
+                leftovers = asyncio.all_tasks(self._loop)
+                if leftovers:
+                    self._loop.run_until_complete(asyncio.wait(leftovers, timeout=1.0))
             finally:
                 self._loop.close()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -191,3 +192,46 @@ def test_init_is_idempotent_and_refuses_different_arguments(coordinator):
             pr.init("127.0.0.1:1", env={})
     finally:
         pr.shutdown()
+
+
+def test_still_waiting_lines_name_the_missing_ordinals(coordinator, caplog):
+    """While blocked, the client logs a periodic 'still waiting' line naming who is missing."""
+    client = make_client(coordinator.address, tasks=2, progress_interval=0.3)
+    caplog.set_level(logging.WARNING, logger="pjrt_rendezvous.client")
+    with client.bind_thread(0) as binding:
+        with pytest.raises(pr.RendezvousTimeout):
+            client.rendezvous(binding, "slow", b"", timeout=1.2)
+    lines = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
+    assert len(lines) >= 2
+    assert "tag 'slow', missing 1 of 2: 1 never registered" in lines[0]
+    client.close()
+
+
+def test_a_long_wait_keeps_its_full_retry_budget_across_a_coordinator_restart(tmp_path):
+    """A round waiting longer than connect_timeout still retries for connect_timeout when the
+    coordinator restarts from its state file, and then completes."""
+    state = tmp_path / "state.json"
+    first = Coordinator(port=0, state_file=state).start()
+    port = first.port
+    a = make_client(first.address, tasks=2, task=0, connect_timeout=5, timeout=60)
+    b = make_client(first.address, tasks=2, task=1, connect_timeout=5, timeout=60)
+    results = {}
+
+    def wait_in_a():
+        with a.bind_thread(0) as binding_a:
+            results["a"] = a.rendezvous(binding_a, "r", b"a")
+
+    waiter = threading.Thread(target=wait_in_a)
+    waiter.start()
+    time.sleep(6)  # longer than connect_timeout
+    first.stop(grace=0)
+    second = Coordinator(port=port, state_file=state).start()
+    try:
+        with b.bind_thread(0) as binding_b:
+            results["b"] = b.rendezvous(binding_b, "r", b"b")
+        waiter.join(30)
+        assert results == {"a": [b"a", b"b"], "b": [b"a", b"b"]}
+    finally:
+        a.close()
+        b.close()
+        second.stop()

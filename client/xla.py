@@ -1,0 +1,945 @@
+"""PyTorch/XLA integration: the plain ``xm`` calls answer per thread, and a thread-per-device runner.
+
+Needs the ``[xla]`` extra (torch 2.9.0 + torch_xla 2.9.0). Importing this module does not import
+torch_xla; :func:`install` and :func:`spawn` do.
+
+What :func:`install` replaces, and why
+--------------------------------------
+
+In ``torch_xla.core.xla_model`` (``xm``), each replacement answers for the calling thread when it
+is bound (:func:`pjrt_rendezvous.client.bind_thread`, :func:`bind_device`, or :func:`spawn`) and
+falls back to the original otherwise:
+
+=============================  ==============================================  ==========================
+function                       bound thread                                    unbound thread
+=============================  ==============================================  ==========================
+``get_ordinal(defval=0)``      the thread's global ordinal. Removed from       the original where it
+                               torch_xla in 2.7; FSDP, MoCo and countless      exists (< 2.7); else 0 in a
+                               scripts still call it.                          world of one, else
+                                                                               ``UsageError``
+``xrt_world_size(defval=1)``   the job's world size (tasks x devices per       as ``get_ordinal``
+                               process). Removed in 2.7, as above.
+``get_local_ordinal()``        the thread's ordinal on its host                the original
+``is_master_ordinal(local)``   local ordinal 0 / global ordinal 0              the original
+``xla_device(n=None, ...)``    no ``n``: the thread's own device               the original
+                               ``xla:<device index>`` (under PJRT threads the
+                               original returns the process default device)
+``rendezvous(tag, payload,     through the coordinator: tags enforced,         the original
+replicas)``                    subsets allowed, a deadline, and errors naming  (an XLA all-gather)
+                               the missing ordinals; no device sync, no
+                               compile. The original is an XLA all-gather that
+                               ignores the tag, refuses subsets, has no
+                               timeout and hangs on a skipped call.
+``mesh_reduce(tag, data,       ``torch.save`` to bytes, :func:`rendezvous`,    the original
+reduce_fn)``                   ``torch.load(weights_only=True)``,
+                               ``reduce_fn`` -- torch_xla's contract
+=============================  ==============================================  ==========================
+
+Functions that ``xm`` calls internally (``xm.save``, ``xm.master_print``, ``xm.do_on_ordinals``)
+look these names up at call time and so use the replacements too.
+
+One more replacement makes XLA collectives between the threads of a process work (FACTS, "one
+compile, shared"): ``torch_xla._XLAC._xla_step_marker``, the single call through which
+``torch_xla.sync()``, ``xm.mark_step()``, ``xm.optimizer_step(barrier=True)`` and the parallel
+loaders launch a graph, is wrapped in a process-wide lock. When two threads miss the compile cache
+at once they compile the same graph twice, with different collective op ids, and never meet (XLA
+aborts after 10 s). Under the lock the second thread finds the first thread's compilation. The lock
+covers compile and launch only: a ``wait=True`` step waits for its device outside the lock (inside,
+it would wait for a sibling that cannot launch), and step closures run outside it. Wrapping the step
+marker rather than ``torch_xla.sync``/``xm.mark_step`` also covers references taken before
+:func:`install` (``from torch_xla import sync``).
+
+Not replaced, on purpose: ``torch_xla.runtime.global_ordinal()``/``world_size()``. They are the XLA
+runtime's own numbers, which XLA collectives use (``reduce_gradients`` scales by
+``runtime.world_size()``). On a TPU pod they equal ours, and :func:`bind_device` checks that; in a
+CPU simulation each process is its own XLA world.
+
+Rules for XLA collectives between threads (measured, see FACTS)
+---------------------------------------------------------------
+
+:func:`spawn` takes care of the first three; the last is the user's:
+
+1. Replication is set before anything reads the runtime's world size (it caches its first answer,
+   and at 1 every ``all_reduce`` is a silent no-op).
+2. One compile, shared: the step lock above.
+3. ``XLA_ENABLE_PARAM_ALIASING=0`` before torch_xla starts (with aliasing, 7 of 10 runs deadlocked).
+4. Every thread must trace the same graph. A per-replica Python number or 0-dim tensor that is 0 or
+   1 becomes a constant in one thread and a parameter in another: bring per-replica values in as
+   1-D tensors copied from the CPU (as :func:`broadcast_master_params` does), use
+   ``all_gather(pin_layout=False)`` (``pin_layout=True`` pads by the ordinal), and call
+   ``xm.mark_step()`` before reading a tensor with pending collectives on the host (``.cpu()``,
+   ``.item()`` compile outside the lock).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import io
+import logging
+import os
+import pickle
+import queue as queue_module
+import random
+import sys
+import threading
+import time
+import traceback
+import warnings
+from itertools import chain
+from typing import Any, Callable, Sequence
+
+from . import _api
+from ._client import Binding, Client, current_binding
+from ._errors import RendezvousError, TopologyError, UsageError
+
+log = logging.getLogger("pjrt_rendezvous.client.xla")
+
+__all__ = [
+    "ReplicaSeed",
+    "SpawnError",
+    "bind_device",
+    "broadcast_master_params",
+    "install",
+    "is_installed",
+    "seed",
+    "spawn",
+    "uninstall",
+]
+
+_MISSING = object()
+
+# -- install / uninstall -----------------------------------------------------------------------
+
+# Guards _patches; held only while patching or restoring.
+_install_lock = threading.Lock()
+# (owner, attribute, original or _MISSING) for every patched attribute, in patch order.
+_patches: list[tuple[Any, str, Any]] = []
+_originals: dict[str, Any] = {}  # xm attribute -> original (absent when it did not exist)
+# Process-wide: one graph compiled and launched at a time (see the module docstring). Reentrant
+# because a step closure or a nested step must not deadlock its own thread.
+_step_lock = threading.RLock()
+
+
+def is_installed() -> bool:
+    """True while the :func:`install` patches are in place."""
+    return bool(_patches)
+
+
+def install() -> bool:
+    """Makes ``torch_xla.core.xla_model`` answer per bound thread (see the module docstring).
+
+    Idempotent and thread-safe. :func:`spawn` calls it in every process it starts.
+
+    Returns:
+        True when the patches are in place; False (with a ``RuntimeWarning``) where torch_xla
+        is not installed.
+
+    Raises:
+        ImportError: torch_xla is installed but does not import (for example a torch version
+            other than the one it was built for).
+    """
+    if importlib.util.find_spec("torch_xla") is None:
+        warnings.warn(
+            "pjrt_rendezvous.client.xla.install() does nothing: torch_xla is not installed "
+            "(pip install 'pjrt-rendezvous[xla]')",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    with _install_lock:
+        if _patches:
+            return True
+        replacements = {
+            "get_ordinal": _get_ordinal,
+            "xrt_world_size": _xrt_world_size,
+            "get_local_ordinal": _get_local_ordinal,
+            "is_master_ordinal": _is_master_ordinal,
+            "xla_device": _xla_device,
+            "rendezvous": _rendezvous,
+            "mesh_reduce": _mesh_reduce,
+        }
+        for name, replacement in replacements.items():
+            original = getattr(xm, name, _MISSING)
+            if original is not _MISSING:
+                _originals[name] = original
+            _patches.append((xm, name, original))
+            setattr(xm, name, replacement)
+        marker = torch_xla._XLAC._xla_step_marker
+        _patches.append((torch_xla._XLAC, "_xla_step_marker", marker))
+        torch_xla._XLAC._xla_step_marker = _locked_step_marker(marker, torch_xla._XLAC)
+        return True
+
+
+def uninstall() -> None:
+    """Restores every attribute :func:`install` replaced, exactly (removed ones are removed again).
+
+    Idempotent; a no-op when nothing is installed.
+    """
+    with _install_lock:
+        while _patches:
+            owner, name, original = _patches.pop()
+            if original is _MISSING:
+                if hasattr(owner, name):
+                    delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+        _originals.clear()
+
+
+def _locked_step_marker(original: Callable, xlac: Any) -> Callable:
+    def _xla_step_marker(device: str = "", devices: Sequence[str] = (), wait: bool = True, reset_scope: bool = True):
+        with _step_lock:
+            original(device, list(devices), wait=False, reset_scope=reset_scope)
+        if wait:
+            # Outside the lock: waiting inside would block a sibling whose launch this
+            # graph's collectives wait for.
+            xlac._xla_wait_device_ops([device or xlac._xla_get_default_device()])
+
+    _xla_step_marker.__wrapped__ = original  # type: ignore[attr-defined]
+    return _xla_step_marker
+
+
+def _get_ordinal(defval: int = 0) -> int:
+    """The calling thread's global ordinal (pjrt_rendezvous; restored after torch_xla 2.7 removed it)."""
+    binding = current_binding()
+    if binding is not None:
+        return binding.ordinal
+    if "get_ordinal" in _originals:
+        return _originals["get_ordinal"](defval)
+    return _api.get_ordinal()
+
+
+def _xrt_world_size(defval: int = 1) -> int:
+    """The job's world size (pjrt_rendezvous; restored after torch_xla 2.7 removed it)."""
+    binding = current_binding()
+    if binding is not None:
+        return binding.world_size
+    if "xrt_world_size" in _originals:
+        return _originals["xrt_world_size"](defval)
+    return _api.get_world_size()
+
+
+def _get_local_ordinal() -> int:
+    """The calling thread's ordinal among this host's devices (pjrt_rendezvous)."""
+    binding = current_binding()
+    if binding is not None:
+        return binding.local_ordinal
+    return _originals["get_local_ordinal"]()
+
+
+def _is_master_ordinal(local: bool = True) -> bool:
+    """True for local ordinal 0 (``local=True``) or global ordinal 0 (pjrt_rendezvous)."""
+    binding = current_binding()
+    if binding is not None:
+        return (binding.local_ordinal if local else binding.ordinal) == 0
+    return _originals["is_master_ordinal"](local)
+
+
+def _xla_device(n: int | None = None, devkind: str | None = None):
+    """Without ``n``, the calling thread's own device (pjrt_rendezvous); else torch_xla's."""
+    binding = current_binding()
+    if binding is None or n is not None:
+        return _originals["xla_device"](n, devkind)
+    import torch
+
+    return torch.device(f"xla:{binding.device_index}")
+
+
+def _rendezvous(tag: str, payload: bytes = b"", replicas: Sequence[int] = ()) -> list[bytes]:
+    """Waits for every ordinal in ``replicas`` (default all) at round ``tag``, through the
+    pjrt-rendezvous coordinator; returns the payloads in ordinal order.
+
+    See :func:`pjrt_rendezvous.client.rendezvous` for the errors.
+    """
+    binding = current_binding()
+    if binding is None:
+        return _originals["rendezvous"](tag, payload, list(replicas))
+    return binding.client.rendezvous(binding, tag, payload, replicas)
+
+
+def _mesh_reduce(tag: str, data: Any, reduce_fn: Callable[[list], Any]) -> Any:
+    """Gathers ``data`` from every ordinal (through the coordinator) and returns
+    ``reduce_fn(list of the copies, in ordinal order)`` -- torch_xla's contract.
+
+    XLA tensors in ``data`` are moved to the CPU first; call ``xm.mark_step()`` before if they
+    have pending collectives. Copies are read with ``torch.load(weights_only=True)`` as in
+    torch_xla 2.9: tensors, numbers, strings, lists, tuples and dicts.
+    """
+    binding = current_binding()
+    if binding is None:
+        return _originals["mesh_reduce"](tag, data, reduce_fn)
+    import torch
+    import torch_xla.core.xla_model as xm
+
+    to_cpu = getattr(xm, "_maybe_convert_to_cpu", None)
+    cpu_data = to_cpu(data) if to_cpu is not None else data
+    buffer = io.BytesIO()
+    torch.save(cpu_data, buffer)
+    payloads = binding.client.rendezvous(binding, tag, buffer.getvalue())
+    copies = [torch.load(io.BytesIO(p), weights_only=True) for p in payloads]
+    return reduce_fn(copies) if copies else cpu_data
+
+
+# -- binding a thread to its device ------------------------------------------------------------
+
+
+def bind_device(thread_index: int, *, client: Client | None = None) -> Binding:
+    """Makes ``xla:<thread_index>`` the calling thread's default device and binds the thread.
+
+    The XLA runtime's own global ordinal of that device and its world size go with the
+    registration, and the coordinator cross-checks them against the rank table (DESIGN
+    "Ordinals"): where the runtime's world is ours (a TPU pod) its ordinal must equal ours; where
+    the runtime sees only this process (PJRT on CPU) it must equal the thread index.
+
+    Args:
+        thread_index: the device index within this process (``xla:<thread_index>``).
+        client: the client to bind with (default: the process client).
+
+    Returns:
+        The :class:`~pjrt_rendezvous.client.Binding` (a context manager that unbinds).
+
+    Raises:
+        MismatchError: the runtime numbers the device differently from the rank table; the
+            message names both numbers.
+        UsageError, DuplicateOrdinalError: see :meth:`Client.bind_thread`.
+    """
+    import torch_xla
+
+    torch_xla._XLAC._xla_set_default_device(f"xla:{thread_index}")
+    return _bind_current_device(thread_index, client=client)
+
+
+def _bind_current_device(thread_index: int, *, client: Client | None = None) -> Binding:
+    """Binds with the runtime's numbers for the calling thread's current default device."""
+    import torch_xla.runtime as xr
+
+    client = client or _api.get_client()
+    return client.bind_thread(
+        thread_index, runtime_ordinal=xr.global_ordinal(), runtime_world_size=xr.world_size()
+    )
+
+
+# -- spawn -------------------------------------------------------------------------------------
+
+
+class SpawnError(RendezvousError):
+    """One or more replicas run by :func:`spawn` raised, or a process died or hung.
+
+    Attributes:
+        failures: ordinal -> the exception it raised (rebuilt in the parent; ``RuntimeError``
+            with the text when it could not be pickled). A process that died before reporting
+            appears under each of its unreported ordinals, or under ``-(task + 1)`` when it
+            died before its threads had ordinals.
+        tracebacks: ordinal -> the formatted traceback from the child.
+        results: ordinal -> return value of the replicas that finished.
+        terminated: ordinals whose processes were stopped after the failure or timeout.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        failures: dict[int, BaseException],
+        tracebacks: dict[int, str],
+        results: dict[int, Any],
+        terminated: Sequence[int] = (),
+    ) -> None:
+        super().__init__(message)
+        self.failures = failures
+        self.tracebacks = tracebacks
+        self.results = results
+        self.terminated = sorted(terminated)
+
+
+def spawn(
+    fn: Callable[..., Any],
+    args: tuple = (),
+    nprocs: int | None = None,
+    *,
+    start_method: str = "spawn",
+    devices_per_process: int | None = None,
+    address: str | None = None,
+    job: str | None = None,
+    timeout: float | None = None,
+    grace: float = 5.0,
+) -> dict[int, Any]:
+    """Runs ``fn(ordinal, *args)`` in one thread per XLA device, one process per chip.
+
+    Shaped like ``torch_xla.distributed.xla_multiprocessing.spawn`` (and its thread runner
+    ``torch_xla._internal.pjrt.run_multiprocess``). In each process, before ``fn`` runs:
+    ``XLA_ENABLE_PARAM_ALIASING=0`` is set before the runtime starts (unless the environment sets
+    it), replication is set over the process's devices (``initialize_multiprocess``, as torch_xla
+    does), :func:`install` patches ``xm``, and each thread is bound with :func:`bind_device` to
+    ``xla:<thread index>`` and its global ordinal. ``fn`` receives the global ordinal, like
+    ``xmp.spawn``'s index.
+
+    ``PJRT_DEVICE=CPU`` simulates chips: ``nprocs`` processes (default 1) with
+    ``devices_per_process`` devices each (default ``CPU_NUM_DEVICES``, else 1), numbered as
+    ``PJRT_RENDEZVOUS_TASK_ID`` x devices + thread. ``PJRT_DEVICE=TPU`` runs one process per
+    local chip (``nprocs`` must be None) with the devices the runtime reports.
+
+    The coordinator: ``address``, else ``PJRT_RENDEZVOUS_ADDRESS``, else one started here for
+    the call (on loopback with an ephemeral port; on TPU only for a single host -- on a pod
+    set ``PJRT_RENDEZVOUS_ADDRESS`` or run ``pjrt-rendezvous serve`` on worker 0).
+
+    Args:
+        fn: a picklable (module-level) function called as ``fn(ordinal, *args)``.
+        args: further arguments (picklable).
+        nprocs: processes on this host (CPU: default 1; TPU: must be None).
+        start_method: the multiprocessing start method; ``spawn`` (default) or ``forkserver``
+            give each process a fresh XLA runtime. ``fork`` only works while this process has
+            not started one.
+        devices_per_process: CPU only: devices (threads) per process.
+        address: the coordinator ``host:port``.
+        job: the coordinator job (default ``PJRT_RENDEZVOUS_JOB``, else ``default``).
+        timeout: seconds for the whole run; None waits for ever.
+        grace: after the first failure, seconds to let the other replicas finish or fail
+            before their processes are stopped (a replica waiting for a failed one would
+            otherwise wait out its rendezvous deadline).
+
+    Returns:
+        ``{ordinal: fn's return value}`` for every replica (values must be picklable).
+
+    Raises:
+        SpawnError: a replica raised (the message names its ordinal and carries its
+            traceback), a process died before reporting, or ``timeout`` passed.
+        UsageError: bad arguments, or an unsupported ``PJRT_DEVICE``.
+    """
+    import multiprocessing
+
+    device_type = _device_type()
+    env: dict[str, str] = {}
+    drop: list[str] = []
+    topology = None
+    if device_type == "CPU":
+        nprocs = 1 if nprocs is None else nprocs
+        if devices_per_process is None:
+            devices_per_process = int(os.environ.get("CPU_NUM_DEVICES", "1") or 1)
+        _check_count("nprocs", nprocs)
+        _check_count("devices_per_process", devices_per_process)
+        env.update(
+            PJRT_DEVICE="CPU",
+            CPU_NUM_DEVICES=str(devices_per_process),
+            PJRT_RENDEZVOUS_NUM_TASKS=str(nprocs),
+            PJRT_RENDEZVOUS_CORES_PER_CHIP=str(devices_per_process),
+            PJRT_RENDEZVOUS_LOCAL_WORLD_SIZE=str(nprocs),
+        )
+        # A simulated chip has no TPU chip bounds: they would multiply the devices per process.
+        drop.append("TPU_CHIPS_PER_PROCESS_BOUNDS")
+        threaded = devices_per_process > 1
+    else:  # TPU
+        if nprocs is not None or devices_per_process is not None:
+            raise UsageError(
+                "on TPU, spawn() runs one process per local chip with the devices the runtime "
+                "reports: leave nprocs and devices_per_process unset (limit chips with "
+                "TPU_VISIBLE_CHIPS / TPU_NUM_DEVICES, as with xmp.spawn)"
+            )
+        from torch_xla._internal import tpu
+
+        nprocs = tpu.num_local_processes()
+        topology = _api._detect(os.environ, address)
+        threaded = topology.cores_per_chip > 1
+    if threaded and "XLA_ENABLE_PARAM_ALIASING" not in os.environ:
+        env["XLA_ENABLE_PARAM_ALIASING"] = "0"
+
+    coordinator = None
+    address = address or os.environ.get("PJRT_RENDEZVOUS_ADDRESS") or None
+    if address is None:
+        if device_type == "TPU" and len(topology.worker_hostnames) > 1:
+            raise UsageError(
+                "spawn() on a multi-host TPU slice needs a coordinator every host can reach: run "
+                "`pjrt-rendezvous serve` on worker 0 and set PJRT_RENDEZVOUS_ADDRESS (or pass "
+                "address=) on every host"
+            )
+        from pjrt_rendezvous.coordinator import Coordinator
+
+        coordinator = Coordinator(port=0).start()
+        address = coordinator.address
+    env["PJRT_RENDEZVOUS_ADDRESS"] = address
+    if job is not None:
+        env["PJRT_RENDEZVOUS_JOB"] = job
+
+    payload = pickle.dumps((fn, tuple(args)))
+    context = multiprocessing.get_context(start_method)
+    reports = context.Queue()
+    processes = []
+    try:
+        for task in range(nprocs):
+            child_env = dict(env)
+            if device_type == "CPU":
+                child_env.update(
+                    PJRT_RENDEZVOUS_TASK_ID=str(task), PJRT_RENDEZVOUS_LOCAL_RANK=str(task)
+                )
+            process = context.Process(
+                target=_child_main,
+                args=(task, nprocs, child_env, drop, payload, reports),
+                name=f"pjrt-rendezvous-task-{task}",
+                daemon=False,
+            )
+            process.start()
+            processes.append(process)
+        return _supervise(processes, reports, timeout=timeout, grace=grace)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                _stop(process)
+        reports.close()
+        reports.join_thread()
+        if coordinator is not None:
+            coordinator.stop(grace=0)
+
+
+def _check_count(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"{name} must be a positive int, got {value!r}")
+
+
+def _device_type() -> str:
+    device = os.environ.get("PJRT_DEVICE", "").strip().upper()
+    if not device:
+        import torch_xla.runtime as xr  # picks its default (TPU where libtpu is installed)
+
+        device = (xr.device_type() or "").upper()
+    if device not in ("CPU", "TPU"):
+        raise UsageError(
+            f"spawn() supports PJRT_DEVICE=TPU and PJRT_DEVICE=CPU (simulated chips), got "
+            f"PJRT_DEVICE={device or '(unset)'!r}"
+        )
+    if device == "TPU" and "torch_xla" in sys.modules:
+        import torch_xla
+
+        if torch_xla._XLAC._xla_runtime_is_initialized():
+            raise UsageError(
+                "the XLA runtime is already running in this process and holds the TPU: do not "
+                "use an XLA device before calling spawn() (as with xmp.spawn)"
+            )
+    return device
+
+
+def _stop(process, wait: float = 5.0) -> None:
+    process.terminate()
+    process.join(wait)
+    if process.is_alive():
+        process.kill()
+        process.join(wait)
+
+
+def _supervise(processes, reports, *, timeout: float | None, grace: float) -> dict[int, Any]:
+    """Collects every replica's report; stops the processes after a failure (plus ``grace``)
+    or at ``timeout``; raises SpawnError naming the failed ordinals."""
+    started = time.monotonic()
+    deadline = None if timeout is None else started + timeout
+    results: dict[int, Any] = {}
+    failures: dict[int, BaseException] = {}
+    tracebacks: dict[int, str] = {}
+    order: list[int] = []  # failed ordinals in arrival order
+    ordinals_of: dict[int, list[int]] = {}  # task -> its ordinals, once the child reports them
+    finished: set[int] = set()  # tasks that reported every thread
+    first_failure_at: float | None = None
+    timed_out = False
+
+    def handle(message) -> None:
+        nonlocal first_failure_at
+        kind, task, *rest = message
+        if kind == "ordinals":
+            ordinals_of[task] = rest[0]
+        elif kind == "result":
+            ordinal, blob = rest
+            try:
+                results[ordinal] = pickle.loads(blob)
+            except Exception as exc:  # noqa: BLE001 -- reported as that replica's failure
+                record(ordinal, exc, traceback.format_exc())
+        elif kind == "error":
+            ordinal, blob, text = rest
+            try:
+                error = pickle.loads(blob)
+            except Exception:  # noqa: BLE001 -- keep the text at least
+                error = RuntimeError(text.strip().splitlines()[-1] if text.strip() else "unknown error")
+            record(ordinal, error, text)
+        elif kind == "done":
+            finished.add(task)
+
+    def record(ordinal: int, error: BaseException, text: str) -> None:
+        nonlocal first_failure_at
+        failures[ordinal] = error
+        tracebacks[ordinal] = text
+        order.append(ordinal)
+        if first_failure_at is None:
+            first_failure_at = time.monotonic()
+
+    def drain(wait: float) -> None:
+        end = time.monotonic() + wait
+        while True:
+            try:
+                handle(reports.get(timeout=max(0.0, end - time.monotonic())))
+            except queue_module.Empty:
+                return
+            except (EOFError, OSError):
+                return
+
+    while True:
+        drain(0.05)
+        if all(not p.is_alive() for p in processes):
+            drain(0.5)  # the last messages of processes that just exited
+            break
+        now = time.monotonic()
+        if first_failure_at is not None and now - first_failure_at >= grace:
+            break
+        if deadline is not None and now >= deadline:
+            timed_out = True
+            break
+
+    def unreported(task: int) -> list[int]:
+        return [o for o in ordinals_of.get(task, []) if o not in results and o not in failures]
+
+    terminated: list[int] = []
+    stopped: set[int] = set()
+    for task, process in enumerate(processes):
+        if process.is_alive():
+            _stop(process)
+            stopped.add(task)
+            terminated += unreported(task)
+    drain(0.2)
+    for task, process in enumerate(processes):
+        if task in finished or task in stopped:
+            continue
+        # Exited on its own without reporting every thread: it crashed (XLA aborts with
+        # SIGABRT when a collective waits 10 s for a sibling that never arrives).
+        code = process.exitcode
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        error = RuntimeError(f"the process of task {task} (pid {process.pid}) {how} before reporting")
+        for ordinal in unreported(task) or [-(task + 1)]:
+            record(ordinal, error, "")
+
+    if not failures and not timed_out:
+        return dict(sorted(results.items()))
+    raise _spawn_error(results, failures, tracebacks, order, terminated, timed_out, timeout)
+
+
+def _spawn_error(results, failures, tracebacks, order, terminated, timed_out, timeout) -> SpawnError:
+    lines = []
+    if failures:
+        first = order[0]
+        error = failures[first]
+        who = f"ordinal {first}" if first >= 0 else f"the process of task {-first - 1}"
+        lines.append(
+            f"spawn(): {len(failures)} replica(s) failed; first: {who} raised "
+            f"{type(error).__name__}: {error}"
+        )
+        for ordinal in order[1:]:
+            other = failures[ordinal]
+            who = f"ordinal {ordinal}" if ordinal >= 0 else f"the process of task {-ordinal - 1}"
+            lines.append(f"  then {who} raised {type(other).__name__}: {other}")
+    if timed_out:
+        lines.append(f"spawn(): timed out after {timeout} s")
+    if terminated:
+        lines.append(f"  stopped while still running: ordinals {_ranges(terminated)}")
+    if failures and tracebacks.get(order[0]):
+        lines.append(f"\nTraceback of ordinal {order[0]} (in its process):\n{tracebacks[order[0]].rstrip()}")
+    spawn_error = SpawnError(
+        "\n".join(lines), failures=failures, tracebacks=tracebacks, results=dict(sorted(results.items())),
+        terminated=terminated,
+    )
+    if failures:
+        spawn_error.__cause__ = failures[order[0]]
+    return spawn_error
+
+
+def _ranges(ordinals: Sequence[int]) -> str:
+    ordinals = sorted(set(ordinals))
+    parts, start = [], None
+    for i, o in enumerate(ordinals):
+        if start is None:
+            start = o
+        if i + 1 == len(ordinals) or ordinals[i + 1] != o + 1:
+            parts.append(str(start) if start == o else f"{start}-{o}")
+            start = None
+    return ", ".join(parts)
+
+
+def _child_main(task: int, nprocs: int, env: dict, drop: list, payload: bytes, reports) -> None:
+    """One process: set the environment before torch_xla starts, then a thread per device."""
+    os.environ.update(env)
+    for name in drop:
+        os.environ.pop(name, None)
+    put = _reporter(task, reports)
+    try:
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+        from torch_xla._internal import pjrt
+
+        if torch_xla._XLAC._xla_runtime_is_initialized():
+            raise UsageError(
+                "the XLA runtime started before spawn() could configure it (a module imported by "
+                "the child used an XLA device at import time): keep device use inside fn"
+            )
+        # FACTS 1: replication before anything reads (and caches) the runtime's world size.
+        pjrt.initialize_multiprocess(int(os.environ.get("PJRT_RENDEZVOUS_LOCAL_RANK", task)), nprocs)
+        install()
+        client = _api.init()
+        devices = xm.get_xla_supported_devices()
+        if len(devices) != client.topology.devices_per_process:
+            raise TopologyError(
+                f"the XLA runtime gives this process {len(devices)} device(s) but the topology "
+                f"says {client.topology.devices_per_process} ({client.topology.cores_per_chip} "
+                f"core(s) per chip x {client.topology.chips_per_process} chip(s)); set "
+                "PJRT_RENDEZVOUS_CORES_PER_CHIP to the devices per chip"
+            )
+        ordinals = [client.topology.ordinal(i) for i in range(len(devices))]
+        put("ordinals", ordinals)
+        fn, args = pickle.loads(payload)
+    except BaseException as exc:  # noqa: BLE001 -- reported to the parent as this task's failure
+        put("error", -(task + 1), _pickled_error(exc), traceback.format_exc())
+        put("done")
+        return
+
+    def run(index: int) -> None:
+        ordinal = ordinals[index]
+        try:
+            torch_xla._XLAC._xla_set_default_device(devices[index])
+            with _bind_current_device(index, client=client) as binding:
+                result = fn(binding.ordinal, *args)
+            try:
+                blob = pickle.dumps(result)
+            except Exception as exc:  # noqa: BLE001
+                raise UsageError(
+                    f"spawn(): the return value of ordinal {ordinal} cannot be pickled: {exc}"
+                ) from exc
+            put("result", ordinal, blob)
+        except BaseException as exc:  # noqa: BLE001 -- every failure goes to the parent
+            put("error", ordinal, _pickled_error(exc), traceback.format_exc())
+
+    threads = [
+        threading.Thread(target=run, args=(i,), name=f"pjrt-rendezvous-device-{i}")
+        for i in range(len(devices))
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    put("done")
+    _api.shutdown()
+
+
+def _reporter(task: int, reports) -> Callable[..., None]:
+    lock = threading.Lock()
+
+    def put(kind: str, *rest) -> None:
+        with lock:
+            reports.put((kind, task, *rest))
+
+    return put
+
+
+def _pickled_error(exc: BaseException) -> bytes:
+    try:
+        blob = pickle.dumps(exc)
+        pickle.loads(blob)
+        return blob
+    except Exception:  # noqa: BLE001 -- fall back to a plain RuntimeError with the text
+        return pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
+
+
+# -- broadcast_master_params -------------------------------------------------------------------
+
+_BROADCAST_TAG = "pjrt_rendezvous.xla.broadcast_master_params"
+
+
+def broadcast_master_params(model) -> None:
+    """Copies the parameters and buffers of ordinal 0 into every replica's ``model``, in place.
+
+    Build models with different seeds per replica, then call this in every replica at the same
+    point, with models of the same structure.
+
+    Where the XLA runtime's world is ours (a TPU pod; one process with a thread per device) it
+    is one XLA ``all_reduce`` SUM over every tensor, with the non-master replicas contributing
+    zeros. Per dtype: floats smaller than 32 bits are reduced in float32 and ints in int64 where
+    the narrow type has no all-reduce (exact: the others add zero); ``bool`` as uint8. The master
+    flag is a 1-D tensor copied from the CPU, so every thread traces the same graph (FACTS point
+    3); pending work is synced first for the same reason. A signed zero of ordinal 0 arrives as
+    +0.0. Where the runtime sees only this process (a CPU simulation with several processes) the
+    values of ordinal 0 travel through the coordinator instead.
+
+    Args:
+        model: a ``torch.nn.Module`` whose tensors are on this thread's XLA device (or on the
+            CPU, which goes through the coordinator).
+
+    Raises:
+        UsageError: the model's tensors do not match ordinal 0's (names, shapes, dtypes), or
+            complex tensors on the XLA path.
+    """
+    import torch
+
+    tensors = list(chain(model.parameters(), model.buffers()))
+    if not tensors:
+        return
+    binding = current_binding()
+    on_xla = all(t.device.type == "xla" for t in tensors)
+    if on_xla:
+        import torch_xla.runtime as xr
+
+        if binding is None or xr.world_size() == binding.world_size:
+            _broadcast_by_all_reduce(tensors, master=xr.global_ordinal() == 0)
+            return
+    if binding is None:
+        if _api.get_world_size() == 1:
+            return
+        raise UsageError("broadcast_master_params() needs a bound thread (see spawn / bind_device)")
+    _broadcast_by_coordinator(torch, tensors, binding)
+
+
+# Reduced in a wider type: no CPU/TPU all-reduce for these, and every value is exact there.
+_WIDER_FLOAT_BITS = 32
+
+
+def _reduce_dtype(torch, dtype):
+    if dtype == torch.bool:
+        return torch.uint8
+    if dtype.is_complex:
+        raise UsageError(f"broadcast_master_params() does not support {dtype} tensors on XLA devices")
+    if dtype.is_floating_point:
+        return torch.float32 if torch.finfo(dtype).bits < _WIDER_FLOAT_BITS else dtype
+    if dtype in (torch.uint16, torch.uint32, torch.uint64):
+        return torch.int64
+    return dtype
+
+
+def _broadcast_by_all_reduce(tensors, *, master: bool) -> None:
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    torch_xla.sync()  # materialise pending per-thread work: the graph below must be the same everywhere
+    device = tensors[0].device
+    flag = torch.tensor([master]).to(device)  # 1-D from the CPU: a parameter in every thread
+    contributions = []
+    with torch.no_grad():
+        for t in tensors:
+            kind = _reduce_dtype(torch, t.dtype)
+            value = t.detach().to(kind)
+            mask = flag.reshape((1,) * value.dim()) if value.dim() else flag.reshape(())
+            contributions.append(torch.where(mask, value, torch.zeros_like(value)))
+        xm.all_reduce(xm.REDUCE_SUM, contributions)  # in place, one collective, no scale
+        for t, reduced in zip(tensors, contributions):
+            t.copy_(reduced != 0 if t.dtype == torch.bool else reduced.to(t.dtype))
+    torch_xla.sync()
+
+
+def _broadcast_by_coordinator(torch, tensors, binding: Binding) -> None:
+    payload = b""
+    if binding.ordinal == 0:
+        if any(t.device.type == "xla" for t in tensors):
+            import torch_xla
+
+            torch_xla.sync()
+        buffer = io.BytesIO()
+        torch.save([t.detach().cpu() for t in tensors], buffer)
+        payload = buffer.getvalue()
+    master = binding.client.rendezvous(binding, _BROADCAST_TAG, payload)[0]
+    values = torch.load(io.BytesIO(master), weights_only=True)
+    if len(values) != len(tensors) or any(
+        v.shape != t.shape or v.dtype != t.dtype for v, t in zip(values, tensors)
+    ):
+        raise UsageError(
+            f"broadcast_master_params(): ordinal {binding.ordinal}'s model does not match ordinal 0's "
+            f"({len(tensors)} tensors here, {len(values)} there, or different shapes/dtypes)"
+        )
+    with torch.no_grad():
+        for t, v in zip(tensors, values):
+            t.copy_(v.to(t.device))
+    if any(t.device.type == "xla" for t in tensors):
+        import torch_xla
+
+        torch_xla.sync()
+
+
+# -- seed --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaSeed:
+    """What :func:`seed` set, plus generators private to the calling replica.
+
+    Attributes:
+        seed: this replica's seed (also the XLA device RNG's state).
+        process_seed: the seed of the process-wide generators (the seed of the process's first
+            replica).
+        random: a ``random.Random`` of this replica alone.
+        torch: a CPU ``torch.Generator`` of this replica alone (``DataLoader(generator=...)``).
+        numpy: a ``numpy.random.Generator`` of this replica alone (None without NumPy).
+    """
+
+    seed: int
+    process_seed: int
+    random: random.Random = dataclasses.field(repr=False)
+    torch: Any = dataclasses.field(repr=False)
+    numpy: Any = dataclasses.field(repr=False)
+
+
+def _derive(base_seed: int, ordinal: int) -> int:
+    digest = hashlib.blake2b(f"pjrt-rendezvous/{base_seed}/{ordinal}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def seed(base_seed: int) -> ReplicaSeed:
+    """Seeds every random number generator for the calling replica, reproducibly.
+
+    Per replica (per thread): the XLA device RNG of the thread's device
+    (``xm.set_rng_state``), and the returned generators. Process-wide: Python's ``random``,
+    NumPy's global RNG and torch's CPU generator are shared by every thread of a process, so
+    they get the seed of the process's first replica, set by that replica (thread index 0)
+    alone. In one-device-per-process worlds (TPU v4 and later) that is each replica's own seed;
+    under thread-per-device (v2/v3, CPU simulation) the threads of a process share those
+    streams, and their draws are reproducible only if the threads draw in a fixed order: use the
+    returned per-replica generators for draws that must be.
+
+    Seeds are derived by hashing ``(base_seed, ordinal)``: distinct per replica, the same on
+    every run.
+
+    Args:
+        base_seed: any int.
+
+    Returns:
+        :class:`ReplicaSeed`.
+
+    Raises:
+        UsageError: unbound thread in a world of more than one.
+    """
+    if isinstance(base_seed, bool) or not isinstance(base_seed, int):
+        raise UsageError(f"base_seed must be an int, got {base_seed!r}")
+    binding = current_binding()
+    ordinal = binding.ordinal if binding is not None else _api.get_ordinal()
+    thread_index = binding.thread_index if binding is not None else 0
+    replica_seed = _derive(base_seed, ordinal)
+    process_seed = _derive(base_seed, ordinal - thread_index)
+
+    numpy = sys.modules.get("numpy")
+    if numpy is None and importlib.util.find_spec("numpy") is not None:
+        import numpy
+    import torch
+
+    if thread_index == 0:
+        random.seed(process_seed)
+        if numpy is not None:
+            numpy.random.seed(process_seed % 2**32)
+        torch.manual_seed(process_seed)
+    if "torch_xla" in sys.modules:
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+
+        device = f"xla:{binding.device_index}" if binding is not None else torch_xla._XLAC._xla_get_default_device()
+        xm.set_rng_state(replica_seed, device=device)
+    generator = torch.Generator()
+    generator.manual_seed(replica_seed)
+    return ReplicaSeed(
+        seed=replica_seed,
+        process_seed=process_seed,
+        random=random.Random(replica_seed),
+        torch=generator,
+        numpy=numpy.random.default_rng(replica_seed) if numpy is not None else None,
+    )
