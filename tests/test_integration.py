@@ -273,8 +273,9 @@ def test_status_shows_a_stuck_round(coordinator):
     t.start()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        (job,) = client.status().jobs
-        if job.pending_rounds:
+        jobs = client.status("").jobs  # every job: 'default' exists only once the thread registered
+        if jobs and jobs[0].pending_rounds:
+            job = jobs[0]
             break
         time.sleep(0.05)
     (r,) = job.pending_rounds
