@@ -1,19 +1,53 @@
-# The coordinator image: the package and its gRPC dependencies only (no torch).
+# The pjrt-rendezvous coordinator image: the package and its gRPC dependencies, no torch.
+#
 #   docker build -t pjrt-rendezvous .
-#   docker run -p 7481:7481 pjrt-rendezvous            # serve on 0.0.0.0:7481
-FROM python:3.11-slim AS build
+#   docker run -d --name coordinator -p 7481:7481 -v pjrt-state:/var/lib/pjrt-rendezvous pjrt-rendezvous
+#   docker exec coordinator pjrt-rendezvous status
+#
+# Configuration: PJRT_RENDEZVOUS_* variables (docker run -e ...) or flags after the image
+# name, which replace CMD: `docker run ... pjrt-rendezvous serve --world-size 32`. Every
+# serve flag and its variable: `docker run --rm pjrt-rendezvous serve --help`; the list is
+# in deploy/README.md. The state file lives on the volume, so a restarted container resumes
+# the job with the same ordinals.
+
+ARG PYTHON_IMAGE=python:3.11-slim
+
+FROM ${PYTHON_IMAGE} AS build
+# A virtual environment at the same path as in the final stage: copied as a whole.
+RUN python -m venv /opt/pjrt-rendezvous
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY coordinator coordinator
 COPY client client
 COPY protos protos
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+RUN /opt/pjrt-rendezvous/bin/pip install --no-cache-dir --disable-pip-version-check . \
+ && /opt/pjrt-rendezvous/bin/pjrt-rendezvous --version
 
-FROM python:3.11-slim
-RUN useradd --system --uid 10001 --create-home --home-dir /var/lib/pjrt-rendezvous pjrt
-COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir --no-index /wheels/*.whl && rm -rf /wheels
-USER pjrt
+FROM ${PYTHON_IMAGE}
+RUN groupadd --system --gid 10001 pjrt \
+ && useradd --system --uid 10001 --gid 10001 --home-dir /var/lib/pjrt-rendezvous --no-create-home \
+      --shell /usr/sbin/nologin pjrt \
+ && mkdir -p /var/lib/pjrt-rendezvous \
+ && chown 10001:10001 /var/lib/pjrt-rendezvous
+COPY --from=build /opt/pjrt-rendezvous /opt/pjrt-rendezvous
+ENV PATH=/opt/pjrt-rendezvous/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    GRPC_VERBOSITY=ERROR \
+    PJRT_RENDEZVOUS_HOST=0.0.0.0 \
+    PJRT_RENDEZVOUS_PORT=7481 \
+    PJRT_RENDEZVOUS_STATE_FILE=/var/lib/pjrt-rendezvous/coordinator.state
+VOLUME ["/var/lib/pjrt-rendezvous"]
 WORKDIR /var/lib/pjrt-rendezvous
+USER 10001:10001
 EXPOSE 7481
-ENTRYPOINT ["pjrt-rendezvous", "serve", "--host", "0.0.0.0", "--port", "7481"]
+# The gRPC health service through the project's own CLI: exit code 0 when SERVING. It
+# checks this container (127.0.0.1 at PJRT_RENDEZVOUS_PORT) and needs no token; with TLS,
+# set PJRT_RENDEZVOUS_TLS_CA (and PJRT_RENDEZVOUS_TLS_SERVER_NAME if the certificate does
+# not name 127.0.0.1).
+HEALTHCHECK --interval=10s --timeout=5s --start-period=10s --retries=3 \
+  CMD ["pjrt-rendezvous", "health", "--timeout", "3"]
+# SIGTERM (docker stop) drains in-flight calls for PJRT_RENDEZVOUS_GRACE seconds (default 5).
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["pjrt-rendezvous"]
+CMD ["serve"]

@@ -1,91 +1,255 @@
-"""The ``pjrt-rendezvous`` command: ``serve``, ``status``, ``demo``."""
+"""The ``pjrt-rendezvous`` command: ``serve``, ``status``, ``health``, ``demo``.
+
+``serve`` options take their defaults from ``PJRT_RENDEZVOUS_*`` variables (see
+:data:`SERVE_VARIABLES`), so a container or a systemd ``EnvironmentFile`` can configure
+the coordinator without a command line; a flag given on the command line wins.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
-import logging
 import os
 import pathlib
+import re
 import sys
+import time
+from typing import Any, Callable, Mapping
 
 from ._core import Limits
+from ._monitor import DEFAULT_LATE_AFTER
 from ._server import DEFAULT_HEARTBEAT_TIMEOUT
 
 DEFAULT_HOST = "127.0.0.1"
+DEFAULT_HEALTH_TIMEOUT = 5.0
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+# serve option (argparse dest) -> the variable that sets its default.
+SERVE_VARIABLES: dict[str, str] = {
+    "host": "PJRT_RENDEZVOUS_HOST",
+    "port": "PJRT_RENDEZVOUS_PORT",
+    "world_size": "PJRT_RENDEZVOUS_WORLD_SIZE",
+    "job": "PJRT_RENDEZVOUS_JOB",
+    "heartbeat_timeout": "PJRT_RENDEZVOUS_HEARTBEAT_TIMEOUT",
+    "state_file": "PJRT_RENDEZVOUS_STATE_FILE",
+    "token_file": "PJRT_RENDEZVOUS_TOKEN_FILE",
+    # The client's PJRT_RENDEZVOUS_TLS_* name the client's own certificate and the CA it
+    # trusts; the server's files are other files, so they have other names.
+    "tls_cert": "PJRT_RENDEZVOUS_SERVER_TLS_CERT",
+    "tls_key": "PJRT_RENDEZVOUS_SERVER_TLS_KEY",
+    "tls_ca": "PJRT_RENDEZVOUS_SERVER_TLS_CA",
+    "grace": "PJRT_RENDEZVOUS_GRACE",
+    "metrics_port": "PJRT_RENDEZVOUS_METRICS_PORT",
+    "metrics_host": "PJRT_RENDEZVOUS_METRICS_HOST",
+    "late_after": "PJRT_RENDEZVOUS_LATE_AFTER",
+    "log_level": "PJRT_RENDEZVOUS_LOG_LEVEL",
+    "log_format": "PJRT_RENDEZVOUS_LOG_FORMAT",
+    **{f.name: f"PJRT_RENDEZVOUS_{f.name.upper()}" for f in dataclasses.fields(Limits)},
+}
+# Read by serve besides SERVE_VARIABLES: the shared secret itself (as clients read it).
+TOKEN_VARIABLE = "PJRT_RENDEZVOUS_TOKEN"
+# Read by health only: the name the coordinator's TLS certificate is issued for, when
+# health connects to it by another name (127.0.0.1 in a container).
+TLS_SERVER_NAME_VARIABLE = "PJRT_RENDEZVOUS_TLS_SERVER_NAME"
+
+
+class _BadVariable(Exception):
+    """An environment variable holds a value its option refuses."""
 
 
 def _port(text: str) -> int:
-    port = int(text)
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"port must be an integer, got {text!r}") from None
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {port}")
     return port
 
 
 def _seconds(text: str) -> float | None:
-    if text.lower() == "none":
+    if text.strip().lower() == "none":
         return None
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds or 'none', got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0 seconds or 'none', got {text}")
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    value = _seconds(text)
+    if value is None:
+        raise argparse.ArgumentTypeError("must be a number of seconds > 0")
+    return value
+
+
+def _non_negative_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    return value
+
+
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
-def _parser() -> argparse.ArgumentParser:
+def _log_level(text: str) -> str:
+    if text.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(LOG_LEVELS)}, got {text!r}")
+    return text.upper()
+
+
+def _log_format(text: str) -> str:
+    if text.lower() not in ("text", "json"):
+        raise argparse.ArgumentTypeError(f"must be 'text' or 'json', got {text!r}")
+    return text.lower()
+
+
+def _text(text: str) -> str:
+    return text
+
+
+def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     from pjrt_rendezvous.client._topology import DEFAULT_PORT
 
     parser = argparse.ArgumentParser(
         prog="pjrt-rendezvous",
         description="Coordinator and tools for PJRT thread-per-core rendezvous on TPU pod slices.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="run the coordinator (on host 0 of the pod slice)")
-    serve.add_argument(
+    serve = commands.add_parser(
+        "serve",
+        help="run the coordinator (on host 0 of the pod slice)",
+        description="Run the coordinator. Every option's default can be set by the variable shown "
+        "in brackets; a flag on the command line wins.",
+    )
+
+    def option(name: str, convert: Callable[[str], Any], default: Any, help: str, **kwargs) -> None:
+        dest = name.lstrip("-").replace("-", "_")
+        variable = SERVE_VARIABLES[dest]
+        text = env.get(variable, "")
+        if text != "":
+            try:
+                default = convert(text)
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                raise _BadVariable(f"{variable}={text!r}: {exc}") from None
+        metavar = {
+            _port: "PORT",
+            _positive: "N",
+            _seconds: "SECONDS",
+            _non_negative_seconds: "SECONDS",
+            pathlib.Path: "PATH",
+            _log_level: "{" + ",".join(LOG_LEVELS) + "}",
+            _log_format: "{text,json}",
+        }.get(convert)
+        serve.add_argument(
+            name, type=convert, default=default, metavar=metavar, help=f"{help} [{variable}]", **kwargs
+        )
+
+    option(
         "--host",
-        default=DEFAULT_HOST,
-        help=f"address to listen on (default {DEFAULT_HOST}; use 0.0.0.0 so other TPU hosts can connect)",
+        _text,
+        DEFAULT_HOST,
+        f"address to listen on (default {DEFAULT_HOST}; 0.0.0.0 so other TPU hosts can connect)",
     )
-    serve.add_argument(
-        "--port", type=_port, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 picks a free one)"
-    )
-    serve.add_argument(
+    option("--port", _port, DEFAULT_PORT, f"port (default {DEFAULT_PORT}; 0 picks a free one)")
+    option(
         "--world-size",
-        type=_positive,
-        help="fix the world size of --job up front (default: the first registration fixes it)",
+        _positive,
+        None,
+        "fix the world size of --job up front (default: the first registration fixes it)",
     )
-    serve.add_argument("--job", default="default", help="the job --world-size applies to (default 'default')")
-    serve.add_argument(
+    option("--job", _text, "default", "the job --world-size applies to (default 'default')")
+    option(
         "--heartbeat-timeout",
-        type=_seconds,
-        default=DEFAULT_HEARTBEAT_TIMEOUT,
-        help=f"declare a process dead after this many seconds without a heartbeat (default "
+        _seconds,
+        DEFAULT_HEARTBEAT_TIMEOUT,
+        f"declare a process dead after this many seconds without a heartbeat (default "
         f"{DEFAULT_HEARTBEAT_TIMEOUT:g}; 'none' disables)",
     )
-    serve.add_argument("--state-file", type=pathlib.Path, help="keep ranks, job config and keys here across restarts")
-    serve.add_argument("--token-file", type=pathlib.Path, help="file holding the shared secret every client must send")
-    serve.add_argument("--tls-cert", type=pathlib.Path, help="PEM server certificate (enables TLS)")
-    serve.add_argument("--tls-key", type=pathlib.Path, help="PEM private key of --tls-cert")
-    serve.add_argument("--tls-ca", type=pathlib.Path, help="PEM CA that must sign client certificates (mutual TLS)")
-    serve.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on shutdown (default 5)")
+    option("--state-file", pathlib.Path, None, "keep ranks, job config and keys here across restarts")
+    option(
+        "--token-file",
+        pathlib.Path,
+        None,
+        f"file holding the shared secret every client must send (or the secret itself in {TOKEN_VARIABLE})",
+    )
+    option("--tls-cert", pathlib.Path, None, "PEM server certificate (enables TLS)")
+    option("--tls-key", pathlib.Path, None, "PEM private key of --tls-cert")
+    option("--tls-ca", pathlib.Path, None, "PEM CA that must sign client certificates (mutual TLS)")
+    option("--grace", _non_negative_seconds, 5.0, "seconds in-flight calls get on shutdown (default 5)")
+    option(
+        "--metrics-port",
+        _port,
+        None,
+        "serve Prometheus metrics over HTTP at /metrics on this port (default: none; 0 picks a free one)",
+    )
+    option("--metrics-host", _text, None, "address the metrics endpoint listens on (default: the same as --host)")
+    option(
+        "--late-after",
+        _seconds,
+        DEFAULT_LATE_AFTER,
+        f"log a round still waiting after this many seconds, naming who is missing (default "
+        f"{DEFAULT_LATE_AFTER:g}; 'none' never)",
+    )
     for field in dataclasses.fields(Limits):
-        serve.add_argument(
-            f"--{field.name.replace('_', '-')}", type=_positive, default=field.default, help=f"limit (default {field.default})"
-        )
-    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+        option(f"--{field.name.replace('_', '-')}", _positive, field.default, f"limit (default {field.default})")
+    option("--log-level", _log_level, "INFO", f"one of {', '.join(LOG_LEVELS)} (default INFO)")
+    option("--log-format", _log_format, "text", "text lines or JSON lines on stderr (default text)")
 
-    status = commands.add_parser("status", help="show a job's participants and pending rounds")
+    status = commands.add_parser(
+        "status",
+        help="show a job's hosts, processes and pending rounds",
+        description="Show who registered and what every pending round waits for. The coordinator is "
+        "found as clients find it (PJRT_RENDEZVOUS_ADDRESS, TPU worker 0, localhost); token and TLS "
+        "come from the client variables (PJRT_RENDEZVOUS_TOKEN, PJRT_RENDEZVOUS_TLS_CA, ...).",
+    )
     status.add_argument("--address", help="coordinator host:port (default: as the client finds it)")
     status.add_argument("--job", default="", help="one job (default: every job)")
     status.add_argument("--json", action="store_true", help="machine-readable output")
+
+    health = commands.add_parser(
+        "health",
+        help="check the coordinator's gRPC health service; exit code 0 when serving, else 1",
+        description="Ask the standard gRPC health service (grpc.health.v1.Health) of a coordinator. "
+        "Exit code 0 when it is SERVING, 1 otherwise (unreachable, NOT_SERVING, timeout). Token and "
+        "TLS come from the client variables (PJRT_RENDEZVOUS_TOKEN, PJRT_RENDEZVOUS_TLS_CA, ...); "
+        "health checks need no token.",
+    )
+    health.add_argument(
+        "--address",
+        help=f"coordinator host:port (default: this machine, at PJRT_RENDEZVOUS_HOST and "
+        f"PJRT_RENDEZVOUS_PORT as serve reads them, else 127.0.0.1:{DEFAULT_PORT})",
+    )
+    health.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        default=DEFAULT_HEALTH_TIMEOUT,
+        help=f"seconds to wait for the answer (default {DEFAULT_HEALTH_TIMEOUT:g})",
+    )
+    health.add_argument("--wait", action="store_true", help="wait up to --timeout for the coordinator to be serving")
+    health.add_argument("--service", default="", help="service to ask about (default '': the whole server)")
+    health.add_argument(
+        "--tls-server-name",
+        default=env.get(TLS_SERVER_NAME_VARIABLE) or None,
+        help=f"name the server certificate must carry when it differs from --address's host [{TLS_SERVER_NAME_VARIABLE}]",
+    )
 
     demo = commands.add_parser("demo", help="run a coordinator and a simulated pod on this machine")
     demo.add_argument("--processes", type=_positive, default=4, help="simulated chips/processes (default 4)")
@@ -98,18 +262,39 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _serve(args) -> int:
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("pjrt-rendezvous")
+    except metadata.PackageNotFoundError:  # pragma: no cover - a bare checkout
+        return "unknown"
+
+
+# -- serve ----------------------------------------------------------------------------------
+
+
+def _serve(args, env: Mapping[str, str]) -> int:
+    from . import _logging
     from ._core import CoreError
     from ._server import ServerOptions, serve_forever
     from ._state import StateFileError
 
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _logging.configure(args.log_level, args.log_format)
 
-    def ready(port: int) -> None:
-        print(f"pjrt-rendezvous coordinator listening on {args.host}:{port}", flush=True)
+    def ready(running) -> None:
+        print(f"pjrt-rendezvous coordinator listening on {args.host}:{running.port}", flush=True)
+        if running.metrics_port is not None:
+            host = args.host if args.metrics_host is None else args.metrics_host
+            print(f"pjrt-rendezvous metrics on http://{host}:{running.metrics_port}/metrics", flush=True)
 
     try:
-        token = args.token_file.read_text().strip() if args.token_file else None
+        if args.token_file is not None:
+            token = args.token_file.read_text().strip()
+        elif env.get(TOKEN_VARIABLE):
+            token = env[TOKEN_VARIABLE].strip()
+        else:
+            token = None
         options = ServerOptions(
             host=args.host,
             port=args.port,
@@ -123,6 +308,9 @@ def _serve(args) -> int:
             tls_key=args.tls_key.read_bytes() if args.tls_key else None,
             tls_ca=args.tls_ca.read_bytes() if args.tls_ca else None,
             grace=args.grace,
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
+            late_after=args.late_after,
         )
         serve_forever(options, on_ready=ready)
     except (CoreError, StateFileError, RuntimeError, OSError, ValueError) as exc:
@@ -131,18 +319,284 @@ def _serve(args) -> int:
     return 0
 
 
-def _status(args) -> int:
-    from google.protobuf import json_format
+# -- health ---------------------------------------------------------------------------------
 
+
+def local_address(env: Mapping[str, str]) -> str:
+    """Where ``serve`` run with ``env`` can be reached from this machine."""
+    from pjrt_rendezvous.client._topology import DEFAULT_PORT
+
+    host = env.get(SERVE_VARIABLES["host"], "").strip()
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = "127.0.0.1"
+    port = env.get(SERVE_VARIABLES["port"], "").strip() or str(DEFAULT_PORT)
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+def _health(args, env: Mapping[str, str]) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from pjrt_rendezvous.client._config import Settings
+    from pjrt_rendezvous.client._errors import RendezvousError
+
+    address = args.address or local_address(env)
+    try:
+        settings = Settings.resolve(env, address=address)
+        credentials = settings.credentials()
+    except RendezvousError as exc:
+        print(f"pjrt-rendezvous health: {exc}", file=sys.stderr)
+        return 1
+    options = [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
+    if credentials is None:
+        channel = grpc.insecure_channel(address, options=options)
+    else:
+        channel = grpc.secure_channel(address, credentials, options=options)
+    # Health checks are exempt from the token; sending it does no harm.
+    metadata = (("authorization", f"Bearer {settings.token}"),) if settings.token else None
+    deadline = time.monotonic() + args.timeout
+    request = health_pb2.HealthCheckRequest(service=args.service)
+    with channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = stub.Check(
+                    request,
+                    timeout=max(0.001, deadline - time.monotonic()),
+                    wait_for_ready=args.wait,
+                    metadata=metadata,
+                )
+                serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+                outcome = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.RpcError as exc:
+                serving = False
+                outcome = f"{exc.code().name}: {exc.details()}"
+            if serving or not args.wait or time.monotonic() + 0.2 >= deadline:
+                break
+            time.sleep(0.2)
+    service = f" service {args.service!r}" if args.service else ""
+    if serving:
+        print(f"{address}{service}: SERVING")
+        return 0
+    print(f"pjrt-rendezvous health: {address}{service}: {outcome}", file=sys.stderr)
+    return 1
+
+
+# -- status ---------------------------------------------------------------------------------
+
+
+def _plain(message) -> dict:
+    """A protobuf message as JSON-ready data: proto3 JSON field names, but 64-bit integers
+    as numbers (the canonical mapping makes them strings) and every field present."""
+    out: dict[str, Any] = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        if field.message_type is not None:
+            value = [_plain(v) for v in value] if _repeated(field) else _plain(value)
+        elif _repeated(field):
+            value = list(value)
+        elif field.has_presence and not message.HasField(field.name):
+            value = None
+        out[field.json_name] = value
+    return out
+
+
+def _repeated(field) -> bool:
+    is_repeated = getattr(field, "is_repeated", None)  # protobuf >= 5.28
+    if is_repeated is not None:
+        return bool(is_repeated)
+    return field.label == field.LABEL_REPEATED  # pragma: no cover - older protobuf
+
+
+def _natural(text: str) -> list:
+    """Sort key putting host-2 before host-10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
+def _age(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)} min {int(seconds % 60)} s"
+    return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60)} min"
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _pids(pids: list[int], dead: set[int] = frozenset(), limit: int = 4) -> str:
+    shown = [f"{p} (dead)" if p in dead else str(p) for p in pids[:limit]]
+    if len(pids) > limit:
+        shown.append(f"+{len(pids) - limit} more")
+    return ", ".join(shown)
+
+
+def _table(headers: list[str], rows: list[list], indent: str = "  ") -> list[str]:
+    """Left-aligned columns; a cell may be a list of lines (the row then spans several)."""
+    cells = [[c if isinstance(c, list) else [str(c)] for c in row] for row in rows]
+    widths = [len(h) for h in headers]
+    for row in cells:
+        for i, lines in enumerate(row):
+            widths[i] = max([widths[i], *(len(line) for line in lines)])
+    out = [indent + "  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    for row in cells:
+        for k in range(max(len(lines) for lines in row)):
+            parts = [(lines[k] if k < len(lines) else "").ljust(w) for lines, w in zip(row, widths)]
+            out.append(indent + "  ".join(parts).rstrip())
+    return out
+
+
+def summarize_job(job) -> dict:
+    """What ``status`` shows of one ``JobStatus``: hosts, unregistered ordinals and, per
+    pending round, the missing ordinals grouped by host."""
+    from ._core import format_ranges
+
+    by_ordinal = {p.ordinal: p for p in job.participants}
+    hosts: dict[str, dict] = {}
+    for p in job.participants:
+        entry = hosts.setdefault(p.host, {"processes": {}, "ordinals": []})
+        entry["ordinals"].append(p.ordinal)
+        entry["processes"][p.incarnation] = p
+    host_rows = []
+    for host in sorted(hosts, key=_natural):
+        entry = hosts[host]
+        procs = sorted(entry["processes"].values(), key=lambda p: (p.task_id, p.pid))
+        host_rows.append(
+            {
+                "host": host,
+                "processes": len(procs),
+                "dead": sum(1 for p in procs if not p.alive),
+                "pids": [p.pid for p in procs],
+                "deadPids": [p.pid for p in procs if not p.alive],
+                "tasks": format_ranges(p.task_id for p in procs),
+                "ordinals": format_ranges(entry["ordinals"]),
+                "lastHeartbeatAge": max(p.last_seen_age for p in procs),
+            }
+        )
+    not_registered = [o for o in range(job.world_size) if o not in by_ordinal]
+    rounds = []
+    for r in job.pending_rounds:
+        groups: dict[str | None, list[int]] = {}
+        for o in r.missing:
+            p = by_ordinal.get(o)
+            groups.setdefault(None if p is None else p.host, []).append(o)
+        missing_by_host = []
+        for host in sorted(groups, key=lambda h: min(groups[h])):
+            ordinals = groups[host]
+            procs = {by_ordinal[o].incarnation: by_ordinal[o] for o in ordinals if o in by_ordinal}
+            missing_by_host.append(
+                {
+                    "host": host,
+                    "ordinals": ordinals,
+                    "ranges": format_ranges(ordinals),
+                    "pids": sorted(p.pid for p in procs.values()),
+                    "deadPids": sorted(p.pid for p in procs.values() if not p.alive),
+                    "lastHeartbeatAge": max((p.last_seen_age for p in procs.values()), default=None),
+                }
+            )
+        rounds.append(
+            {
+                "round": r.round,
+                "group": "all" if not r.replicas else format_ranges(r.replicas),
+                "tags": {t.tag: list(t.ordinals) for t in r.tags},
+                "arrived": len(r.arrived),
+                "expected": len(r.arrived) + len(r.missing),
+                "ageSeconds": r.waiting_seconds,
+                "missingByHost": missing_by_host,
+                "missingSummary": r.missing_summary,
+            }
+        )
+    return {"hosts": host_rows, "notRegistered": not_registered, "pendingRounds": rounds}
+
+
+def status_json(response, address: str) -> dict:
+    """``status --json``: every field of the StatusResponse (proto3 JSON names, numbers as
+    numbers) plus, per job, ``hosts``, ``notRegistered`` and per pending round ``expected``
+    and ``missingByHost``."""
+    jobs = []
+    for job in response.jobs:
+        data = _plain(job)
+        summary = summarize_job(job)
+        data["hosts"] = summary["hosts"]
+        data["notRegistered"] = summary["notRegistered"]
+        for plain, derived in zip(data["pendingRounds"], summary["pendingRounds"]):
+            plain["group"] = derived["group"]
+            plain["expected"] = derived["expected"]
+            plain["missingByHost"] = derived["missingByHost"]
+        jobs.append(data)
+    return {"address": address, "jobs": jobs}
+
+
+def render_status(response, address: str) -> str:
+    """The ``status`` table of every job in ``response``."""
+    from ._core import format_ranges
+
+    if not response.jobs:
+        return f"coordinator {address}: no jobs\n"
+    lines = [f"coordinator {address}: {_count(len(response.jobs), 'job')}"]
+    for job in response.jobs:
+        summary = summarize_job(job)
+        world = str(job.world_size) if job.world_size else "?"
+        lines += [
+            "",
+            f"job {job.job!r}: {job.registered}/{world} ordinals registered, generation {job.generation}, "
+            f"{_count(job.rounds_completed, 'round')} completed, {_count(job.kv_keys, 'key')}, "
+            f"{_count(len(job.pending_rounds), 'pending round')}",
+        ]
+        if summary["notRegistered"] and job.registered:
+            lines.append(f"  not registered: ordinals {format_ranges(summary['notRegistered'])}")
+        if summary["hosts"]:
+            rows = [
+                [
+                    h["host"],
+                    f"{h['processes']}" + (f" ({h['dead']} dead)" if h["dead"] else ""),
+                    _pids(h["pids"], set(h["deadPids"])),
+                    h["ordinals"],
+                    f"{_age(h['lastHeartbeatAge'])} ago",
+                ]
+                for h in summary["hosts"]
+            ]
+            lines += [""] + _table(["HOST", "PROCESSES", "PIDS", "ORDINALS", "LAST HEARTBEAT"], rows)
+        if summary["pendingRounds"]:
+            rows = []
+            for r in summary["pendingRounds"]:
+                tags = r["tags"]
+                tag = (
+                    repr(next(iter(tags)))
+                    if len(tags) == 1
+                    else ", ".join(f"{t!r} ({format_ranges(o)})" for t, o in tags.items())
+                )
+                missing = []
+                for m in r["missingByHost"]:
+                    if m["host"] is None:
+                        missing.append(f"{m['ranges']} not registered")
+                        continue
+                    detail = [f"pid{'s' if len(m['pids']) != 1 else ''} {_pids(m['pids'], set(m['deadPids']))}"]
+                    if m["lastHeartbeatAge"] is not None:
+                        detail.append(f"last heartbeat {_age(m['lastHeartbeatAge'])} ago")
+                    missing.append(f"{m['ranges']} on {m['host']} ({', '.join(detail)})")
+                rows.append(
+                    [r["round"], r["group"], tag, f"{r['arrived']}/{r['expected']}", _age(r["ageSeconds"]), missing]
+                )
+            lines += [""] + _table(["ROUND", "GROUP", "TAG", "ARRIVED", "AGE", "MISSING"], rows)
+    return "\n".join(lines) + "\n"
+
+
+def _status(args, env: Mapping[str, str]) -> int:
     import pjrt_rendezvous.client as pr
     from pjrt_rendezvous.client._api import _detect
     from pjrt_rendezvous.client._client import Client
     from pjrt_rendezvous.client._config import Settings
 
-    from ._core import format_ranges
-
-    topology = _detect(os.environ, args.address)
-    client = Client(Settings.resolve(os.environ, address=topology.address, connect_timeout=5.0), topology)
+    try:
+        topology = _detect(env, args.address)
+        client = Client(Settings.resolve(env, address=topology.address, connect_timeout=5.0), topology)
+    except pr.RendezvousError as exc:
+        print(f"pjrt-rendezvous status: {exc}", file=sys.stderr)
+        return 1
     try:
         response = client.status(args.job)
     except pr.RendezvousError as exc:
@@ -151,41 +605,26 @@ def _status(args) -> int:
     finally:
         client.close()
     if args.json:
-        print(json.dumps(json_format.MessageToDict(response, always_print_fields_with_no_presence=True), indent=2))
-        return 0
-    if not response.jobs:
-        print(f"coordinator {topology.address}: no jobs")
-    for job in response.jobs:
-        print(
-            f"job {job.job!r}: {job.registered}/{job.world_size} ordinals registered, "
-            f"{job.rounds_completed} rounds completed, {job.kv_keys} keys, generation {job.generation}"
-        )
-        hosts: dict[str, list] = {}
-        for p in job.participants:
-            hosts.setdefault(p.host, []).append(p)
-        for host, members in sorted(hosts.items()):
-            pids = sorted({p.pid for p in members})
-            seen = max(p.last_seen_age for p in members)
-            print(
-                f"  {host}: ordinals {format_ranges(p.ordinal for p in members)}, "
-                f"{len(pids)} process(es) (pid {', '.join(map(str, pids))}), last seen {seen:.1f} s ago"
-            )
-        for r in job.pending_rounds:
-            tags = ", ".join(f"{t.tag!r} from {format_ranges(t.ordinals)}" for t in r.tags)
-            group = f"replicas [{format_ranges(r.replicas)}]" if r.replicas else "all ordinals"
-            print(
-                f"  pending round {r.round} of {group}: {tags}; {len(r.arrived)} arrived, waiting "
-                f"{r.waiting_seconds:.1f} s for {r.missing_summary}"
-            )
+        print(json.dumps(status_json(response, topology.address), indent=2))
+    else:
+        sys.stdout.write(render_status(response, topology.address))
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
+    try:
+        parser = _parser(env)
+    except _BadVariable as exc:
+        print(f"pjrt-rendezvous: {exc}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     if args.command == "serve":
-        return _serve(args)
+        return _serve(args, env)
     if args.command == "status":
-        return _status(args)
+        return _status(args, env)
+    if args.command == "health":
+        return _health(args, env)
     from pjrt_rendezvous.client._demo import run_demo
 
     return run_demo(

@@ -1,9 +1,11 @@
 """Running the coordinator: a grpc.aio server with health checking, reflection, optional
-shared-secret token, TLS / mutual TLS, liveness watching and a state file.
+shared-secret token, TLS / mutual TLS, liveness watching, a state file, event logging and
+an optional Prometheus endpoint.
 
 :class:`Coordinator` runs one in a background thread of the calling process (task 0
 embedding it, the demo, tests); :func:`serve_forever` runs one in the foreground
-(``pjrt-rendezvous serve``) until SIGINT or SIGTERM.
+(``pjrt-rendezvous serve``) until SIGINT or SIGTERM, telling systemd when it is ready and
+when it stops (``_notify``).
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from grpc_reflection.v1alpha import reflection
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
-from . import _state
+from . import _notify, _state
 from ._core import Core, Limits
+from ._metrics import Metrics, RpcInterceptor, start_http_server
+from ._monitor import DEFAULT_LATE_AFTER, Monitor
 from ._servicer import Servicer
 
 log = logging.getLogger("pjrt_rendezvous.coordinator")
@@ -59,6 +63,11 @@ class ServerOptions:
         tls_cert, tls_key: PEM server certificate and key; enables TLS.
         tls_ca: PEM CA; with TLS, clients must present a certificate it signed (mutual TLS).
         grace: on stop, in-flight calls get this long to finish before they are cancelled.
+        metrics_port: serve Prometheus metrics over HTTP at ``/metrics`` on this port (0
+            picks a free one); None serves none. Unauthenticated, like most exporters.
+        metrics_host: where the metrics endpoint listens; None: the same as ``host``.
+        late_after: log a rendezvous round still waiting after this long (once per
+            round, naming who is missing); None never.
     """
 
     host: str = "127.0.0.1"
@@ -73,8 +82,15 @@ class ServerOptions:
     tls_key: bytes | None = dataclasses.field(default=None, repr=False)
     tls_ca: bytes | None = dataclasses.field(default=None, repr=False)
     grace: float = 5.0
+    metrics_port: int | None = None
+    metrics_host: str | None = None
+    late_after: float | None = DEFAULT_LATE_AFTER
 
     def __post_init__(self) -> None:
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics port must be in [0, 65535], got {self.metrics_port}")
+        if self.late_after is not None and not self.late_after > 0:
+            raise ValueError(f"late_after must be > 0 seconds or None, got {self.late_after!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both a certificate and its key (--tls-cert and --tls-key)")
         if self.tls_ca is not None and self.tls_cert is None:
@@ -138,12 +154,27 @@ class _StateWriter:
 
 
 class RunningServer:
-    """A started server: its port, its core, and how to stop it."""
+    """A started server: its port, its core, its metrics endpoint's port, and how to stop it."""
 
-    def __init__(self, server: grpc.aio.Server, port: int, core: Core, health_servicer, tasks) -> None:
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        port: int,
+        core: Core,
+        health_servicer,
+        tasks,
+        *,
+        metrics: Metrics | None = None,
+        metrics_server: asyncio.AbstractServer | None = None,
+    ) -> None:
         self.server = server
         self.port = port
         self.core = core
+        self.metrics = metrics
+        self.metrics_port: int | None = (
+            None if metrics_server is None else metrics_server.sockets[0].getsockname()[1]
+        )
+        self._metrics_server = metrics_server
         self._health = health_servicer
         self._tasks = tasks
 
@@ -153,6 +184,9 @@ class RunningServer:
             task.cancel()
         await self._health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+            await self._metrics_server.wait_closed()
 
 
 async def start_server(options: ServerOptions = ServerOptions(), *, core: Core | None = None) -> RunningServer:
@@ -161,6 +195,7 @@ async def start_server(options: ServerOptions = ServerOptions(), *, core: Core |
     Raises:
         StateFileError: the state file exists but is torn, edited or foreign.
         RuntimeError: the port could not be bound.
+        OSError: the metrics port could not be bound.
     """
     if core is None and options.state_file is not None:
         core = _state.load(
@@ -175,14 +210,19 @@ async def start_server(options: ServerOptions = ServerOptions(), *, core: Core |
                 len(core.jobs),
                 options.state_file,
                 ", ".join(f"{j.name} ({len(j.members)}/{j.world_size} ordinals, generation {j.generation})" for j in core.jobs.values()),
+                extra={"event": "restored", "jobs": len(core.jobs)},
             )
     core = core or Core(options.limits, heartbeat_timeout=options.heartbeat_timeout)
     if options.world_size is not None:
         core.declare_job(options.job, options.world_size)
     writer = _StateWriter(core, options.state_file) if options.state_file else None
-    interceptors = [_TokenCheck(options.token)] if options.token else []
+    metrics = Metrics() if options.metrics_port is not None else None
+    monitor = Monitor(core, metrics, clock=time.monotonic, late_after=options.late_after)
+    # The RPC counter goes first so that it also counts the token check's refusals.
+    interceptors = [RpcInterceptor(metrics)] if metrics is not None else []
+    interceptors += [_TokenCheck(options.token)] if options.token else []
     server = grpc.aio.server(options=_OPTIONS, interceptors=interceptors)
-    servicer = Servicer(core, persist=writer.flush if writer else None)
+    servicer = Servicer(core, clock=time.monotonic, persist=writer.flush if writer else None, monitor=monitor)
     pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -199,12 +239,26 @@ async def start_server(options: ServerOptions = ServerOptions(), *, core: Core |
     else:
         port = server.add_insecure_port(address)
     await server.start()
-    if writer is not None:
-        await writer.flush()  # a new state file exists from the start
+    metrics_server = None
+    try:
+        if writer is not None:
+            await writer.flush()  # a new state file exists from the start
+        if metrics is not None:
+            metrics_server = await start_http_server(
+                lambda: metrics.render(core, time.monotonic()),
+                options.host if options.metrics_host is None else options.metrics_host,
+                options.metrics_port,
+            )
+    except BaseException:
+        await server.stop(None)
+        raise
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    tasks = [asyncio.get_running_loop().create_task(servicer.watch_liveness())]
-    return RunningServer(server, port, core, health_servicer, tasks)
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(servicer.watch_liveness()), loop.create_task(monitor.watch())]
+    return RunningServer(
+        server, port, core, health_servicer, tasks, metrics=metrics, metrics_server=metrics_server
+    )
 
 
 class Coordinator:
@@ -233,6 +287,11 @@ class Coordinator:
     @property
     def core(self) -> Core | None:
         return None if self._running is None else self._running.core
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port of the Prometheus endpoint (``metrics_port=`` option), or None."""
+        return None if self._running is None else self._running.metrics_port
 
     @property
     def address(self) -> str:
@@ -293,21 +352,50 @@ class Coordinator:
         self.stop()
 
 
+async def _keep_watchdog_fed(interval: float) -> None:
+    while True:
+        _notify.notify("WATCHDOG=1")
+        await asyncio.sleep(interval)
+
+
 def serve_forever(options: ServerOptions, *, on_ready=None) -> None:
-    """Serves until SIGINT/SIGTERM, then drains for ``options.grace`` seconds."""
+    """Serves until SIGINT/SIGTERM, then drains for ``options.grace`` seconds.
+
+    Under systemd (``NOTIFY_SOCKET`` set, ``Type=notify``) it sends ``READY=1`` once the
+    gRPC port (and the metrics port) listen, ``STOPPING=1`` when a stop signal arrives, and
+    ``WATCHDOG=1`` keep-alives from the event loop when the unit sets ``WatchdogSec=``.
+
+    Args:
+        options: how to serve.
+        on_ready: called with the :class:`RunningServer` once it listens (before READY=1).
+    """
 
     async def main() -> None:
         running = await start_server(options)
         if on_ready is not None:
-            on_ready(running.port)
+            on_ready(running)
         stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stopping.set)
+        where = f"{options.host}:{running.port}"
+        metrics = "" if running.metrics_port is None else f", metrics on port {running.metrics_port}"
+        log.info(
+            "listening on %s%s",
+            where,
+            metrics,
+            extra={"event": "listening", "port": running.port, "metrics_port": running.metrics_port},
+        )
+        _notify.notify(f"READY=1\nSTATUS=serving on {where}{metrics}")
+        interval = _notify.watchdog_interval()
+        watchdog = None if interval is None else loop.create_task(_keep_watchdog_fed(interval))
         await stopping.wait()
-        log.info("stopping: in-flight calls get %.1f s", options.grace)
+        _notify.notify(f"STOPPING=1\nSTATUS=stopping: in-flight calls get {options.grace:g} s")
+        log.info("stopping: in-flight calls get %.1f s", options.grace, extra={"event": "stopping"})
         started = time.monotonic()
         await running.stop(options.grace)
-        log.info("stopped after %.1f s", time.monotonic() - started)
+        if watchdog is not None:  # fed through the drain: systemd may still be watching
+            watchdog.cancel()
+        log.info("stopped after %.1f s", time.monotonic() - started, extra={"event": "stopped"})
 
     asyncio.run(main())

@@ -18,7 +18,7 @@ import grpc
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
-from ._core import ALL, Code, Contribution, Core, CoreError, Registration, ThreadRequest
+from ._core import ALL, Code, Contribution, Core, CoreError, Registration, ThreadRequest, format_ranges
 
 log = logging.getLogger("pjrt_rendezvous.coordinator")
 
@@ -65,8 +65,11 @@ class Servicer(pb_grpc.CoordinatorServicer):
         *,
         clock: Callable[[], float] = time.monotonic,
         persist: Callable[[], Awaitable[None]] | None = None,
+        monitor=None,
     ) -> None:
         self._core = core
+        # Sees every batch of wake keys: event log lines and metrics (``_monitor``).
+        self._monitor = monitor
         self._clock = clock
         # Called before answering any call that changed state, so nothing a client was
         # told is lost if the coordinator dies right after (the state file).
@@ -76,7 +79,13 @@ class Servicer(pb_grpc.CoordinatorServicer):
     # -- waiting --------------------------------------------------------------------------
 
     def _wake(self) -> None:
-        for key in self._core.take_wakeups():
+        wakeups = self._core.take_wakeups()
+        if self._monitor is not None and wakeups:
+            try:
+                self._monitor.woke(wakeups)
+            except Exception:  # pragma: no cover - reporting must never break serving
+                log.exception("monitoring failed on %s", wakeups)
+        for key in wakeups:
             for future in self._waiters.pop(key, ()):
                 if not future.done():
                     future.set_result(None)
@@ -120,16 +129,32 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 runtime_world_size=request.runtime_world_size,
             ),
         )
-        self._wake()
-        await self._persist()
+        ordinals = format_ranges(a.ordinal for a in registered.assignments)
+        job = self._core.jobs[request.job]
         log.info(
-            "registered job=%s task=%d host=%s pid=%d ordinals=%s",
-            request.job,
+            "registered task %d (%s pid %d) in job %r: %s %s; %d of %d ordinals registered",
             request.task_id,
             request.host,
             request.pid,
-            [a.ordinal for a in registered.assignments],
+            request.job,
+            "ordinal" if len(registered.assignments) == 1 else "ordinals",
+            ordinals,
+            len(job.members),
+            registered.world_size,
+            extra={
+                "event": "registered",
+                "job": request.job,
+                "task": request.task_id,
+                "host": request.host,
+                "pid": request.pid,
+                "ordinals": ordinals,
+                "registered": len(job.members),
+                "world_size": registered.world_size,
+                "generation": registered.generation,
+            },
         )
+        self._wake()
+        await self._persist()
         return pb.RegisterResponse(
             world_size=registered.world_size,
             generation=registered.generation,
@@ -151,7 +176,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
             ):
                 raise self._core.world_timeout(request.job, self._clock(), self._clock() - start)
         world_size = self._core.jobs[request.job].world_size
-        log.info("world of job %s complete: %d ordinals", request.job, world_size)
+        log.debug("world of job %s complete: %d ordinals", request.job, world_size)
         return pb.WaitWorldResponse(world_size=world_size, participants=[_participant(p) for p in table])
 
     # -- rendezvous -----------------------------------------------------------------------

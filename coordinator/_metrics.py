@@ -1,0 +1,322 @@
+"""Prometheus metrics of the coordinator (``serve --metrics-port``), with no dependency.
+
+What is measured:
+
+- gauges read from the core at scrape time: registered and expected ordinals, processes
+  alive and dead, generation, pending rounds and the oldest one's age, keys; per job;
+- counters and a histogram fed as things happen: rounds completed / failed (by status
+  code), how long completed rounds waited (first arrival to completion), RPCs handled (by
+  service, method and status code, through :class:`RpcInterceptor`).
+
+Exposition is the Prometheus text format 0.0.4, served at ``/metrics`` by a small asyncio
+HTTP server on the coordinator's own event loop (:func:`start_http_server`), so a scrape
+reads the core from the thread that owns it and needs no lock.
+
+Thread safety: none needed; everything here runs on the coordinator's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import logging
+import math
+from typing import Callable, Iterable, Sequence
+
+import grpc
+
+log = logging.getLogger("pjrt_rendezvous.coordinator")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Seconds a round waits, first arrival to completion: from a tight training-step barrier
+# (milliseconds) to a slow checkpoint or compile skew (minutes).
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0, 1800.0)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(value: float) -> str:
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if float(value).is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return repr(float(value))
+
+
+@dataclasses.dataclass
+class Family:
+    """One metric: name, type, help text and its samples ``(suffix, labels, value)``."""
+
+    name: str
+    kind: str  # "counter", "gauge" or "histogram"
+    help: str
+    samples: list[tuple[str, dict[str, str], float]] = dataclasses.field(default_factory=list)
+
+    def add(self, labels: dict[str, str], value: float, suffix: str = "") -> None:
+        self.samples.append((suffix, labels, value))
+
+
+def exposition(families: Iterable[Family]) -> str:
+    """The Prometheus text format of ``families``."""
+    lines = []
+    for family in families:
+        help_text = family.help.replace("\\", "\\\\").replace("\n", "\\n")
+        lines.append(f"# HELP {family.name} {help_text}")
+        lines.append(f"# TYPE {family.name} {family.kind}")
+        for suffix, labels, value in family.samples:
+            text = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
+            labels_text = f"{{{text}}}" if text else ""
+            lines.append(f"{family.name}{suffix}{labels_text} {_number(value)}")
+    return "\n".join(lines) + "\n"
+
+
+class Histogram:
+    """Cumulative-bucket histogram per label set."""
+
+    def __init__(self, buckets: Sequence[float]) -> None:
+        self.buckets = tuple(sorted(buckets))
+        self._series: dict[tuple, list] = {}  # labels -> [bucket counts..., sum, count]
+
+    def observe(self, labels: tuple[tuple[str, str], ...], value: float) -> None:
+        series = self._series.setdefault(labels, [0] * len(self.buckets) + [0.0, 0])
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                series[i] += 1
+        series[-2] += value
+        series[-1] += 1
+
+    def count(self, labels: tuple[tuple[str, str], ...]) -> int:
+        series = self._series.get(labels)
+        return 0 if series is None else series[-1]
+
+    def fill(self, family: Family) -> None:
+        for labels, series in sorted(self._series.items()):
+            base = dict(labels)
+            for bound, count in zip(self.buckets, series):
+                family.add({**base, "le": _number(bound)}, count, "_bucket")
+            family.add({**base, "le": "+Inf"}, series[-1], "_bucket")
+            family.add(base, series[-2], "_sum")
+            family.add(base, series[-1], "_count")
+
+
+class Metrics:
+    """The coordinator's event-fed metrics; :meth:`render` adds the gauges read from the core."""
+
+    def __init__(self) -> None:
+        self.round_wait = Histogram(WAIT_BUCKETS)
+        self.rounds_failed: dict[tuple[str, str], int] = {}  # (job, code) -> rounds
+        self.rpcs: dict[tuple[str, str, str], int] = {}  # (service, method, code) -> calls
+
+    def round_completed(self, job: str, waited: float) -> None:
+        self.round_wait.observe((("job", job),), max(0.0, waited))
+
+    def round_failed(self, job: str, code: str) -> None:
+        self.rounds_failed[(job, code)] = self.rounds_failed.get((job, code), 0) + 1
+
+    def rpc_handled(self, service: str, method: str, code: str) -> None:
+        key = (service, method, code)
+        self.rpcs[key] = self.rpcs.get(key, 0) + 1
+
+    def render(self, core, now: float) -> str:
+        """The text exposition: live gauges of ``core`` at ``now`` plus the counters."""
+        from importlib import metadata
+
+        def family(name: str, kind: str, help: str) -> Family:
+            made = Family(f"pjrt_rendezvous_{name}", kind, help)
+            families.append(made)
+            return made
+
+        families: list[Family] = []
+        try:
+            version = metadata.version("pjrt-rendezvous")
+        except metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+            version = "unknown"
+        family("build_info", "gauge", "Always 1; the version label is the coordinator's package version.").add(
+            {"version": version}, 1
+        )
+        expected = family("participants_expected", "gauge", "World size of the job (0 until known).")
+        registered = family("participants_registered", "gauge", "Ordinals registered in the job.")
+        processes = family("processes", "gauge", "Registered processes of the job by state (alive, dead).")
+        generation = family("job_generation", "gauge", "Generation of the job; grows when a dead process is replaced.")
+        completed = family("rounds_completed_total", "counter", "Rendezvous rounds completed in the job.")
+        failed = family(
+            "rounds_failed_total", "counter", "Rendezvous rounds failed since the coordinator started, by gRPC status code."
+        )
+        pending = family("rounds_pending", "gauge", "Rendezvous rounds waiting for members.")
+        oldest = family(
+            "round_oldest_pending_age_seconds", "gauge", "Seconds the oldest pending round has waited (0 when none)."
+        )
+        keys = family("kv_keys", "gauge", "Keys in the job's key-value store.")
+        wait = family(
+            "round_wait_seconds",
+            "histogram",
+            "Seconds from a round's first arrival to its completion, for rounds completed since the coordinator started.",
+        )
+        rpcs = family("rpcs_total", "counter", "RPCs handled, by service, method and gRPC status code.")
+
+        for name in sorted(core.jobs):
+            job = core.jobs[name]
+            labels = {"job": name}
+            expected.add(labels, job.world_size or 0)
+            registered.add(labels, len(job.members))
+            alive = sum(1 for p in job.processes.values() if p.alive)
+            processes.add({**labels, "state": "alive"}, alive)
+            processes.add({**labels, "state": "dead"}, len(job.processes) - alive)
+            generation.add(labels, job.generation)
+            completed.add(labels, job.rounds_completed)
+            pending.add(labels, len(job.pending))
+            started = min((r.started for r in job.pending.values()), default=None)
+            oldest.add(labels, 0.0 if started is None else max(0.0, now - started))
+            keys.add(labels, len(job.kv))
+        for (job_name, code), count in sorted(self.rounds_failed.items()):
+            failed.add({"job": job_name, "code": code}, count)
+        self.round_wait.fill(wait)
+        for (service, method, code), count in sorted(self.rpcs.items()):
+            rpcs.add({"service": service, "method": method, "code": code}, count)
+        return exposition(families)
+
+
+def _split_method(full: str) -> tuple[str, str]:
+    service, _, method = full.lstrip("/").rpartition("/")
+    return service, method
+
+
+def _code_name(context, default: grpc.StatusCode) -> str:
+    try:
+        code = context.code()
+    except Exception:  # pragma: no cover - defensive: never let counting break a call
+        code = None
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    if isinstance(code, int):  # some grpc versions report the numeric code
+        return next((c.name for c in grpc.StatusCode if c.value[0] == code), default.name)
+    return default.name
+
+
+class RpcInterceptor(grpc.aio.ServerInterceptor):
+    """Counts every handled RPC by service, method and final status code.
+
+    Put it first among the interceptors so refusals by later ones (the token check) are
+    counted too. Calls to methods the server does not have count as ``method="(unknown)"``
+    (the method name a caller sends is not trusted as a label value).
+    """
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            self._metrics.rpc_handled("(unknown)", "(unknown)", grpc.StatusCode.UNIMPLEMENTED.name)
+            return None
+        service, method = _split_method(details.method)
+        record = self._metrics.rpc_handled
+
+        def finished(context, exc: BaseException | None) -> None:
+            if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+                code = grpc.StatusCode.CANCELLED.name
+            elif exc is not None and not isinstance(exc, grpc.aio.AbortError):
+                code = _code_name(context, grpc.StatusCode.UNKNOWN)
+            else:
+                code = _code_name(context, grpc.StatusCode.OK if exc is None else grpc.StatusCode.UNKNOWN)
+            record(service, method, code)
+
+        def wrap(behavior):
+            if behavior is None:
+                return None
+            if inspect.isasyncgenfunction(behavior):
+
+                async def streaming(request, context):
+                    try:
+                        async for item in behavior(request, context):
+                            yield item
+                    except BaseException as exc:
+                        finished(context, exc)
+                        raise
+                    finished(context, None)
+
+                return streaming
+
+            async def unary(request, context):
+                try:
+                    result = behavior(request, context)
+                    if inspect.isawaitable(result):
+                        result = await result
+                except BaseException as exc:
+                    finished(context, exc)
+                    raise
+                finished(context, None)
+                return result
+
+            return unary
+
+        if handler.unary_unary:
+            make, behavior = grpc.unary_unary_rpc_method_handler, handler.unary_unary
+        elif handler.unary_stream:
+            make, behavior = grpc.unary_stream_rpc_method_handler, handler.unary_stream
+        elif handler.stream_unary:
+            make, behavior = grpc.stream_unary_rpc_method_handler, handler.stream_unary
+        else:
+            make, behavior = grpc.stream_stream_rpc_method_handler, handler.stream_stream
+        return make(
+            wrap(behavior),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+_MAX_REQUEST_HEAD = 16 * 1024
+_READ_TIMEOUT = 10.0
+
+
+async def _respond(writer: asyncio.StreamWriter, status: str, body: bytes, content_type: str, head_only: bool) -> None:
+    writer.write(
+        (
+            f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n"
+        ).encode("ascii")
+        + (b"" if head_only else body)
+    )
+    await writer.drain()
+
+
+async def start_http_server(render: Callable[[], str], host: str, port: int) -> asyncio.AbstractServer:
+    """Serves ``render()`` at ``GET /metrics`` on ``host:port`` (0 picks a free port).
+
+    One request per connection (``Connection: close``); ``HEAD`` works, other methods get
+    405 and other paths 404. ``render`` runs on the event loop.
+    """
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _READ_TIMEOUT)
+            request_line = head.split(b"\r\n", 1)[0].decode("latin-1")
+            parts = request_line.split()
+            if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+                await _respond(writer, "400 Bad Request", b"bad request\n", "text/plain", False)
+                return
+            method, target = parts[0], parts[1].split("?", 1)[0]
+            head_only = method == "HEAD"
+            if method not in ("GET", "HEAD"):
+                await _respond(writer, "405 Method Not Allowed", b"only GET and HEAD\n", "text/plain", False)
+            elif target == "/metrics":
+                await _respond(writer, "200 OK", render().encode(), CONTENT_TYPE, head_only)
+            elif target == "/":
+                body = b"pjrt-rendezvous coordinator: metrics at /metrics\n"
+                await _respond(writer, "200 OK", body, "text/plain; charset=utf-8", head_only)
+            else:
+                await _respond(writer, "404 Not Found", b"not found; try /metrics\n", "text/plain", head_only)
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ConnectionError):
+            pass  # a client that went away or sent garbage gets nothing
+        except Exception:  # pragma: no cover - a bug here must not take the coordinator down
+            log.exception("metrics request failed")
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, host, port, limit=_MAX_REQUEST_HEAD, reuse_address=True)

@@ -1,0 +1,199 @@
+"""What an operator sees of the coordinator's decisions: one log line per significant
+event, and the metric observations that go with it.
+
+The core queues a wake key for everything a waiter may be blocked on (see ``_core``); the
+servicer hands each batch to :meth:`Monitor.woke`, so every finished round, formed world
+and job event is seen exactly once, whichever code path caused it (an arrival, a timeout,
+the liveness watch, a re-registration). Rounds that wait too long are found by
+:meth:`Monitor.check_late`, which the server runs periodically.
+
+Events (the ``event`` field of JSON log lines; registration is logged by the servicer):
+
+=====================  =======  ================================================
+``registered``         INFO     a process registered threads (task, host, pid)
+``world_formed``       INFO     every ordinal of a job (generation) registered
+``round_late``         WARNING  a round waited ``late_after`` s: who is missing
+``round_failed``       WARNING  a round failed (timeout, mismatch, death, restart)
+``process_dead``       WARNING  a process missed its heartbeat deadline
+``process_restarted``  WARNING  a new process took over a dead one's task
+=====================  =======  ================================================
+
+Thread safety: none needed; everything runs on the coordinator's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable, Iterable
+
+from ._core import ALL, Core, CoreError, describe_group, format_ranges
+from ._metrics import Metrics
+
+log = logging.getLogger("pjrt_rendezvous.coordinator")
+
+DEFAULT_LATE_AFTER = 60.0
+
+
+def group_label(group: tuple[int, ...]) -> str:
+    return "all" if group == ALL else format_ranges(group)
+
+
+class Monitor:
+    """Logs significant events of ``core`` and feeds ``metrics``.
+
+    Args:
+        core: the coordinator's core (read only).
+        metrics: where round outcomes are counted; None counts nothing.
+        clock: the same clock the servicer passes to the core.
+        late_after: log a round still pending after this many seconds (once per round);
+            None never.
+    """
+
+    def __init__(
+        self,
+        core: Core,
+        metrics: Metrics | None,
+        *,
+        clock: Callable[[], float],
+        late_after: float | None = DEFAULT_LATE_AFTER,
+    ) -> None:
+        self._core = core
+        self._metrics = metrics
+        self._clock = clock
+        self.late_after = late_after
+        # Events restored from a state file were logged by the previous coordinator.
+        self._events_seen = {name: len(job.events) for name, job in core.jobs.items()}
+        self._late: set[tuple[str, tuple]] = set()  # (job, round key) already reported late
+        self._formed: set[tuple[str, int]] = set()  # (job, generation) whose world formed
+
+    def woke(self, keys: Iterable[tuple]) -> None:
+        """Observes one batch of wake keys from :meth:`Core.take_wakeups`."""
+        now = self._clock()
+        for key in keys:
+            try:
+                if key[0] == "round":
+                    self._round(key[1], (key[2], key[3], key[4]), now)
+                elif key[0] == "world":
+                    self._world(key[1])
+                elif key[0] == "events":
+                    self._events(key[1])
+            except CoreError:  # pragma: no cover - the job vanished; nothing to report
+                continue
+
+    def _round(self, job: str, key: tuple, now: float) -> None:
+        rnd = self._core.outcome(job, key)
+        self._late.discard((job, key))
+        if rnd is None:  # pragma: no cover - a finished round is kept until two more finish
+            return
+        if rnd.error is None:
+            if self._metrics is not None:
+                self._metrics.round_completed(job, now - rnd.started)
+            return
+        if self._metrics is not None:
+            self._metrics.round_failed(job, rnd.error.code.name)
+        log.warning(
+            "round failed in job %r: %s",
+            job,
+            rnd.error.message,
+            extra={
+                "event": "round_failed",
+                "job": job,
+                "generation": rnd.generation,
+                "group": group_label(rnd.group),
+                "round": rnd.number,
+                "code": rnd.error.code.name,
+                "waited": round(now - rnd.started, 3),
+            },
+        )
+
+    def _world(self, job_name: str) -> None:
+        job = self._core.jobs[job_name]
+        if not job.complete or (job_name, job.generation) in self._formed:
+            return
+        self._formed.add((job_name, job.generation))
+        hosts = {p.host for p in job.processes.values()}
+        log.info(
+            "world formed in job %r: %d ordinals, %d processes on %d hosts, generation %d",
+            job_name,
+            job.world_size,
+            len(job.processes),
+            len(hosts),
+            job.generation,
+            extra={
+                "event": "world_formed",
+                "job": job_name,
+                "world_size": job.world_size,
+                "processes": len(job.processes),
+                "hosts": len(hosts),
+                "generation": job.generation,
+            },
+        )
+
+    def _events(self, job_name: str) -> None:
+        events = self._core.events(job_name, self._events_seen.get(job_name, 0))
+        self._events_seen[job_name] = self._events_seen.get(job_name, 0) + len(events)
+        for event in events:
+            name = "process_dead" if event.kind == "PROCESS_DEAD" else "process_restarted"
+            log.warning(
+                "%s in job %r: %s",
+                "process dead" if name == "process_dead" else "process restarted",
+                job_name,
+                event.message,
+                extra={
+                    "event": name,
+                    "job": job_name,
+                    "generation": event.generation,
+                    "ordinals": format_ranges(event.ordinals),
+                    "host": event.host,
+                },
+            )
+
+    async def watch(self) -> None:
+        """Runs :meth:`check_late` a few times per ``late_after`` until cancelled."""
+        if self.late_after is None:
+            return
+        while True:
+            await asyncio.sleep(min(1.0, self.late_after / 4))
+            self.check_late()
+
+    def check_late(self) -> None:
+        """Logs, once per round, every pending round older than ``late_after``."""
+        if self.late_after is None:
+            return
+        now = self._clock()
+        for name, job in self._core.jobs.items():
+            for key, rnd in job.pending.items():
+                waited = now - rnd.started
+                if waited < self.late_after or (name, key) in self._late:
+                    continue
+                self._late.add((name, key))
+                missing = rnd.missing()
+                tags = sorted({c.tag for c in rnd.arrivals.values()})
+                log.warning(
+                    "round late in job %r: %s on %s (round %d) has waited %.1f s with %d of %d "
+                    "arrived; missing %s",
+                    name,
+                    "/".join(map(repr, tags)) or "?",
+                    describe_group(rnd.group),
+                    rnd.number,
+                    waited,
+                    len(rnd.arrivals),
+                    rnd.size,
+                    self._core.describe_missing(job, missing, now),
+                    extra={
+                        "event": "round_late",
+                        "job": name,
+                        "generation": rnd.generation,
+                        "group": group_label(rnd.group),
+                        "round": rnd.number,
+                        "tag": tags[0] if tags else "",  # one tag: two would have failed the round
+                        "arrived": len(rnd.arrivals),
+                        "expected": rnd.size,
+                        "missing": format_ranges(missing),
+                        "waited": round(waited, 3),
+                    },
+                )
+        # Rounds that finished are dropped in _round; this catches any other way out.
+        if len(self._late) > 1024:
+            self._late = {(j, k) for j, k in self._late if j in self._core.jobs and k in self._core.jobs[j].pending}

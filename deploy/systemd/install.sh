@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Installs the pjrt-rendezvous coordinator as a systemd service on this machine (run as
+# root on host 0 / TPU worker 0). Idempotent: run it again to upgrade.
+#
+#   sudo deploy/systemd/install.sh                   # the latest release from PyPI
+#   sudo deploy/systemd/install.sh /path/to/checkout # or a local source tree / wheel
+#
+# Then edit /etc/pjrt-rendezvous/coordinator.env and `systemctl restart pjrt-rendezvous`.
+set -euo pipefail
+
+PREFIX=/opt/pjrt-rendezvous
+CONFIG=/etc/pjrt-rendezvous
+HERE="$(cd "$(dirname "$0")" && pwd)"
+SOURCE="${1:-pjrt-rendezvous}"
+PYTHON="${PYTHON:-python3}"
+
+if [[ $EUID -ne 0 ]]; then
+  echo "install.sh: run as root (sudo)" >&2
+  exit 1
+fi
+
+"$PYTHON" -m venv "$PREFIX" || {
+  echo "install.sh: '$PYTHON -m venv' failed; on Debian/Ubuntu: apt-get install -y python3-venv" >&2
+  exit 1
+}
+"$PREFIX/bin/pip" install --quiet --upgrade pip
+"$PREFIX/bin/pip" install --quiet --upgrade "$SOURCE"
+"$PREFIX/bin/pjrt-rendezvous" --version
+
+install -d -m 0755 "$CONFIG"
+if [[ ! -e "$CONFIG/coordinator.env" ]]; then
+  install -m 0600 "$HERE/coordinator.env" "$CONFIG/coordinator.env"
+fi
+install -m 0644 "$HERE/pjrt-rendezvous.service" /etc/systemd/system/pjrt-rendezvous.service
+systemctl daemon-reload
+systemctl enable pjrt-rendezvous.service
+systemctl restart pjrt-rendezvous.service
+# Check it the way a probe would, with the port and host the service was given. With TLS,
+# export PJRT_RENDEZVOUS_TLS_CA (and PJRT_RENDEZVOUS_TLS_SERVER_NAME) before running this.
+(set -a; . "$CONFIG/coordinator.env"; set +a; exec "$PREFIX/bin/pjrt-rendezvous" health --wait --timeout 30)
+systemctl --no-pager status pjrt-rendezvous.service | head -n 5

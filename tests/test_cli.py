@@ -1,0 +1,460 @@
+"""The ``pjrt-rendezvous`` command against real coordinators: ``status``, ``health``,
+``serve`` settings from variables, and the event log lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import pjrt_rendezvous.client as pr
+from pjrt_rendezvous.client._demo import simulated_env
+from pjrt_rendezvous.coordinator import _cli
+from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
+
+CLI = [sys.executable, "-m", "pjrt_rendezvous.coordinator"]
+
+
+def clean_env(**extra) -> dict[str, str]:
+    """This environment without any PJRT_RENDEZVOUS_* setting, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PJRT_RENDEZVOUS_")}
+    env.update(extra)
+    return env
+
+
+class Serve:
+    """A real ``pjrt-rendezvous serve`` process on a free loopback port; stderr is collected."""
+
+    def __init__(
+        self, *args: str, env: dict[str, str] | None = None, port_flag: bool = True, program: list[str] = CLI
+    ) -> None:
+        command = [*program, "serve", *(["--port", "0"] if port_flag else []), *args]
+        self.proc = subprocess.Popen(
+            command, env=clean_env(**(env or {})), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self._terminated = False
+        self.lines: list[str] = []  # stderr
+        self._stdout: queue.Queue[str] = queue.Queue()
+        self._readers = [
+            threading.Thread(target=self._drain, args=(self.proc.stderr, self.lines.append), daemon=True),
+            threading.Thread(target=self._drain, args=(self.proc.stdout, self._stdout.put), daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
+        try:
+            first = self.read_stdout_line()
+            match = re.search(r"listening on (\S+):(\d+)$", first)
+            assert match, f"serve did not start: {first!r} {self.stderr()}"
+            self.port = int(match.group(2))
+            self.address = f"127.0.0.1:{self.port}"
+            self.metrics_port = None
+            if "--metrics-port" in args or "PJRT_RENDEZVOUS_METRICS_PORT" in (env or {}):
+                self.metrics_port = int(re.search(r":(\d+)/metrics$", self.read_stdout_line()).group(1))
+        except BaseException:
+            self.__exit__()  # no orphan server when the start fails
+            raise
+
+    def read_stdout_line(self, timeout: float = 30) -> str:
+        try:
+            return self._stdout.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"serve printed nothing in {timeout} s; stderr: {self.stderr()}") from None
+
+    @staticmethod
+    def _drain(stream, sink) -> None:
+        for line in stream:
+            sink(line.rstrip("\n"))
+
+    def stderr(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for_line(self, pattern: str, timeout: float = 20) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if re.search(pattern, line):
+                    return line
+            time.sleep(0.05)
+        raise AssertionError(f"no log line matching {pattern!r} in {timeout} s:\n{self.stderr()}")
+
+    def terminate(self) -> None:
+        """Sends SIGTERM once (a second one could hit the exiting process's default handler)."""
+        if not self._terminated and self.proc.poll() is None:
+            self._terminated = True
+            self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self) -> int:
+        self.terminate()
+        try:
+            code = self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        for reader in self._readers:
+            reader.join(5)
+        return code
+
+    def __enter__(self) -> "Serve":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], env=clean_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
+
+
+def simulated_process(address: str, task: int, *, processes: int, threads: int = 2, **settings) -> pr.Client:
+    """A client for simulated TPU process ``task``, one per host ``sim-host-<task>``."""
+    env = simulated_env(address=address, accelerator="v3-8", task=task, processes=processes, hosts=processes, threads=threads)
+    topology = pr.detect_topology(env, address=address)
+    return pr.Client(pr.Settings(address=address, timeout=60, connect_timeout=5, **settings), topology)
+
+
+def in_thread(fn, *args) -> threading.Thread:
+    thread = threading.Thread(target=fn, args=args, daemon=True)
+    thread.start()
+    return thread
+
+
+def bound_thread(client: pr.Client, index: int, body=None) -> tuple[threading.Thread, list]:
+    """Binds a new thread to device ``index`` of ``client`` and runs ``body(binding)`` there
+    (or just stays bound until the client closes); returns the thread and its errors."""
+    errors: list[BaseException] = []
+    registered = threading.Event()
+
+    def main():
+        try:
+            binding = client.bind_thread(index)
+        except BaseException as exc:
+            errors.append(exc)
+            registered.set()
+            return
+        registered.set()
+        try:
+            if body is not None:
+                body(binding)
+            else:
+                client._stopped.wait()
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            client.unbind_thread()
+
+    thread = in_thread(main)
+    assert registered.wait(30), "bind_thread did not return"
+    assert not errors or body is not None, errors
+    return thread, errors
+
+
+def wait_until(predicate, timeout: float = 20, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# -- status ---------------------------------------------------------------------------------
+
+
+def test_status_table_and_json_show_a_stuck_round():
+    """A round stuck on a silent process and an unregistered one: `status` names the tag,
+    4/8 arrived, the missing ordinals as ranges with their host and pid, and `--json` the same."""
+    with Serve("--world-size", "8") as server:
+        clients = [simulated_process(server.address, task, processes=4) for task in range(3)]
+
+        def step(binding):
+            binding.client.rendezvous(binding, "step", b"", timeout=60)
+
+        threads = [bound_thread(clients[task], thread, step)[0] for task in (0, 1) for thread in (0, 1)]
+        threads += [bound_thread(clients[2], thread)[0] for thread in (0, 1)]  # registered, silent
+        wait_until(
+            lambda: [r for j in clients[2].status().jobs for r in j.pending_rounds if len(r.arrived) == 4],
+            what="four arrivals",
+        )
+
+        table = run_cli("status", "--address", server.address)
+        assert table.returncode == 0, table.stderr
+        text = table.stdout
+        pid = os.getpid()
+        assert "job 'default': 6/8 ordinals registered, generation 1, 0 rounds completed" in text, text
+        assert "not registered: ordinals 6-7" in text
+        host_rows = [line.split() for line in text.splitlines() if line.strip().startswith("sim-host-")]
+        assert [row[:4] for row in host_rows] == [
+            ["sim-host-0", "1", str(pid), "0-1"],
+            ["sim-host-1", "1", str(pid), "2-3"],
+            ["sim-host-2", "1", str(pid), "4-5"],
+        ], text
+        assert all(row[-2:] == ["s", "ago"] for row in host_rows)
+        (round_row,) = [line for line in text.splitlines() if "'step'" in line]
+        assert re.match(r"^\s+0\s+all\s+'step'\s+4/8\s+\d+\.\d s\s+4-5 on sim-host-2 \(pid \d+, last heartbeat", round_row), text
+        assert re.search(r"^\s+6-7 not registered$", text, re.M), text
+
+        as_json = run_cli("status", "--address", server.address, "--json")
+        assert as_json.returncode == 0, as_json.stderr
+        (job,) = json.loads(as_json.stdout)["jobs"]
+        assert (job["worldSize"], job["registered"], job["generation"], job["notRegistered"]) == (8, 6, 1, [6, 7])
+        assert [h["host"] for h in job["hosts"]] == ["sim-host-0", "sim-host-1", "sim-host-2"]
+        assert [h["ordinals"] for h in job["hosts"]] == ["0-1", "2-3", "4-5"]
+        (pending,) = job["pendingRounds"]
+        assert pending["round"] == 0 and pending["expected"] == 8 and pending["arrived"] == [0, 1, 2, 3]
+        assert pending["tags"] == [{"tag": "step", "ordinals": [0, 1, 2, 3]}]
+        assert [(m["host"], m["ordinals"]) for m in pending["missingByHost"]] == [("sim-host-2", [4, 5]), (None, [6, 7])]
+        assert pending["missingByHost"][0]["pids"] == [pid]
+        assert "4-5 on sim-host-2" in pending["missingSummary"] and "6-7 never registered" in pending["missingSummary"]
+        assert isinstance(job["participants"][0]["pid"], int)
+
+        for client in clients:
+            client.close()  # the waiting calls end
+        for thread in threads:
+            thread.join(30)
+        assert server.stop() == 0
+
+
+def test_status_of_an_unknown_job_or_an_absent_coordinator_fails_with_a_message():
+    """`status --job nope` exits 1 naming the known jobs; an address nobody listens on exits 1."""
+    with Serve("--world-size", "2") as server:
+        missing = run_cli("status", "--address", server.address, "--job", "nope")
+        assert missing.returncode == 1 and "job 'nope' is not known" in missing.stderr and "'default'" in missing.stderr
+        server.stop()
+    gone = run_cli("status", "--address", server.address, timeout=60)
+    assert gone.returncode == 1 and "pjrt-rendezvous status:" in gone.stderr
+
+
+def test_render_status_marks_dead_processes_and_groups_hosts_naturally():
+    """Rendering alone: hosts sort as host-2 before host-10, a dead pid is marked, plural words agree."""
+    participants = [
+        pb.Participant(ordinal=o, task_id=o, host=f"host-{h}", pid=100 + o, incarnation=f"i{o}", last_seen_age=age, alive=alive)
+        for o, h, age, alive in [(0, 10, 0.5, True), (1, 2, 75.0, False)]
+    ]
+    response = pb.StatusResponse(
+        jobs=[
+            pb.JobStatus(
+                job="j", world_size=2, registered=2, generation=3, rounds_completed=1, kv_keys=1,
+                participants=participants,
+                pending_rounds=[
+                    pb.PendingRound(
+                        replicas=[0, 1], round=7, tags=[pb.TagGroup(tag="a", ordinals=[0])], arrived=[0],
+                        missing=[1], waiting_seconds=3725.0, missing_summary="1 on host-2 (dead)",
+                    )
+                ],
+            )
+        ]
+    )
+    text = _cli.render_status(response, "x:1")
+    assert "1 round completed, 1 key, 1 pending round" in text
+    rows = [line.split()[0] for line in text.splitlines() if line.strip().startswith("host-")]
+    assert rows == ["host-2", "host-10"]
+    assert re.search(r"host-2\s+1 \(1 dead\)\s+101 \(dead\)\s+1\s+1 min 15 s ago", text), text
+    assert re.search(
+        r"7\s+0-1\s+'a'\s+1/2\s+1 h 2 min\s+1 on host-2 \(pid 101 \(dead\), last heartbeat 1 min 15 s ago\)", text
+    ), text
+    assert _cli.render_status(pb.StatusResponse(), "x:1") == "coordinator x:1: no jobs\n"
+
+
+# -- health ---------------------------------------------------------------------------------
+
+
+def test_health_exit_codes():
+    """`health` exits 0 for a serving coordinator (found at PJRT_RENDEZVOUS_PORT by default),
+    1 for an unknown service, and 1 once the coordinator is gone."""
+    with Serve() as server:
+        ok = run_cli("health", "--address", server.address)
+        assert (ok.returncode, ok.stdout.strip()) == (0, f"{server.address}: SERVING"), ok.stderr
+        local = run_cli("health", env={"PJRT_RENDEZVOUS_PORT": str(server.port)})
+        assert local.returncode == 0, local.stderr
+        coordinator = run_cli("health", "--address", server.address, "--service", "pjrt_rendezvous.v1.Coordinator")
+        assert coordinator.returncode == 0, coordinator.stderr
+        unknown = run_cli("health", "--address", server.address, "--service", "no.such.Service")
+        assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr
+        assert server.stop() == 0
+    started = time.monotonic()
+    down = run_cli("health", "--address", server.address, "--timeout", "2")
+    assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
+    assert time.monotonic() - started < 30
+
+
+def test_health_needs_no_token():
+    """Against a coordinator that requires a token, health passes without one (probes carry none)."""
+    with Serve(env={"PJRT_RENDEZVOUS_TOKEN": "sekrit-123"}) as server:
+        assert run_cli("health", "--address", server.address).returncode == 0
+        refused = run_cli("status", "--address", server.address)
+        assert refused.returncode == 1 and "no token" in refused.stderr
+        allowed = run_cli("status", "--address", server.address, env={"PJRT_RENDEZVOUS_TOKEN": "sekrit-123"})
+        assert allowed.returncode == 0, allowed.stderr
+        server.stop()
+
+
+def test_health_wait_returns_once_the_coordinator_listens():
+    """`health --wait` started before the coordinator exits 0 as soon as it serves."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    waiting = subprocess.Popen(
+        [*CLI, "health", "--wait", "--timeout", "60", "--address", f"127.0.0.1:{port}"],
+        env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        time.sleep(1.0)
+        assert waiting.poll() is None  # still waiting: nothing listens yet
+        with Serve("--port", str(port), port_flag=False) as server:
+            out, err = waiting.communicate(timeout=60)
+            assert waiting.returncode == 0, err
+            assert "SERVING" in out
+            server.stop()
+    finally:
+        waiting.kill()
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory):
+    """A self-signed certificate issued only for the name coordinator.test (not 127.0.0.1)."""
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=coordinator.test",
+         "-addext", "subjectAltName=DNS:coordinator.test", "-keyout", "server.key", "-out", "server.pem"],
+        cwd=d, check=True, capture_output=True, timeout=60,
+    )
+    return d
+
+
+def test_health_with_tls_uses_the_client_variables(tls_files):
+    """With TLS on (server files from PJRT_RENDEZVOUS_SERVER_TLS_*), health trusts the CA from
+    PJRT_RENDEZVOUS_TLS_CA and checks the name from PJRT_RENDEZVOUS_TLS_SERVER_NAME."""
+    server_env = {
+        "PJRT_RENDEZVOUS_SERVER_TLS_CERT": str(tls_files / "server.pem"),
+        "PJRT_RENDEZVOUS_SERVER_TLS_KEY": str(tls_files / "server.key"),
+    }
+    with Serve(env=server_env) as server:
+        ca = {"PJRT_RENDEZVOUS_TLS_CA": str(tls_files / "server.pem")}
+        plaintext = run_cli("health", "--address", server.address, "--timeout", "3")
+        assert plaintext.returncode == 1
+        wrong_name = run_cli("health", "--address", server.address, "--timeout", "3", env=ca)
+        assert wrong_name.returncode == 1  # the certificate does not name 127.0.0.1
+        named = run_cli(
+            "health", "--address", server.address, env={**ca, "PJRT_RENDEZVOUS_TLS_SERVER_NAME": "coordinator.test"}
+        )
+        assert named.returncode == 0, named.stderr
+        flag = run_cli("health", "--address", server.address, "--tls-server-name", "coordinator.test", env=ca)
+        assert flag.returncode == 0, flag.stderr
+        server.stop()
+
+
+# -- serve settings -------------------------------------------------------------------------
+
+
+def test_serve_takes_its_settings_from_variables_and_flags_win(tmp_path):
+    """PJRT_RENDEZVOUS_WORLD_SIZE, _STATE_FILE, _HOST and _LOG_FORMAT configure serve; a flag
+    given on the command line wins over its variable; a bad value is refused naming the variable."""
+    state = tmp_path / "state"
+    env = {
+        "PJRT_RENDEZVOUS_HOST": "127.0.0.1",
+        "PJRT_RENDEZVOUS_WORLD_SIZE": "4",
+        "PJRT_RENDEZVOUS_STATE_FILE": str(state),
+        "PJRT_RENDEZVOUS_LOG_FORMAT": "json",
+        "PJRT_RENDEZVOUS_JOB": "",  # empty: unset
+    }
+    with Serve(env=env) as server:
+        status = run_cli("status", "--address", server.address)
+        assert "job 'default': 0/4 ordinals registered" in status.stdout, status.stderr
+        assert state.exists()
+        line = server.wait_for_line(r'"event": "listening"')
+        assert json.loads(line)["port"] == server.port
+        server.stop()
+    with Serve("--world-size", "6", "--state-file", str(tmp_path / "other"), env=env) as server:
+        assert "0/6 ordinals registered" in run_cli("status", "--address", server.address).stdout
+        server.stop()
+    bad = run_cli("serve", "--port", "0", env={"PJRT_RENDEZVOUS_HEARTBEAT_TIMEOUT": "soon"})
+    assert bad.returncode == 2 and "PJRT_RENDEZVOUS_HEARTBEAT_TIMEOUT='soon'" in bad.stderr
+
+
+def test_every_serve_option_has_a_variable():
+    """Each serve flag (but --help) is in SERVE_VARIABLES, so the deploy files can set any of them."""
+    parser = _cli._parser({})
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    dests = {a.dest for a in serve._actions if a.dest != "help"}
+    assert dests == set(_cli.SERVE_VARIABLES)
+    assert all(v.startswith("PJRT_RENDEZVOUS_") for v in _cli.SERVE_VARIABLES.values())
+    assert len(set(_cli.SERVE_VARIABLES.values())) == len(_cli.SERVE_VARIABLES)
+
+
+# -- logs -----------------------------------------------------------------------------------
+
+
+def test_json_log_lines_for_each_significant_event():
+    """`--log-format json`: registration, world formed, round late (with missing ordinals),
+    process dead, round failed and process restarted each give one JSON line with their fields."""
+    with Serve("--log-format", "json", "--late-after", "0.5", "--heartbeat-timeout", "1") as server:
+        first = simulated_process(server.address, 0, processes=2, threads=1)
+        second = simulated_process(server.address, 1, processes=2, threads=1)
+        bound_thread(second, 0)
+
+        def stuck(binding):
+            first.rendezvous(binding, "ckpt", b"", timeout=30)
+
+        waiter, outcome = bound_thread(first, 0, stuck)
+        late = json.loads(server.wait_for_line(r'"event": "round_late"'))
+        second.close()  # its heartbeats stop: declared dead after 1 s
+        dead = json.loads(server.wait_for_line(r'"event": "process_dead"'))
+        failed = json.loads(server.wait_for_line(r'"event": "round_failed"'))
+        waiter.join(30)
+        replacement = simulated_process(server.address, 1, processes=2, threads=1)
+        bound_thread(replacement, 0)
+        restarted = json.loads(server.wait_for_line(r'"event": "process_restarted"'))
+        server.wait_for_line(r'"event": "world_formed".*"generation": 2')
+        for client in (first, replacement):
+            client.close()
+        assert server.stop() == 0
+
+    events = [json.loads(line) for line in server.lines if line.startswith("{")]
+    # grpc's C core may print its own lines; everything from our loggers is JSON.
+    assert all(line.startswith("{") or re.match(r"^[IWEF]\d{4} ", line) for line in server.lines), server.stderr()
+    registered = [e for e in events if e.get("event") == "registered"]
+    first_two = sorted((e["task"], e["host"], e["ordinals"]) for e in registered[:2])
+    assert first_two == [(0, "sim-host-0", "0"), (1, "sim-host-1", "1")]
+    assert [e["registered"] for e in registered] == [1, 2, 2] and registered[2]["generation"] == 2
+    assert [e["generation"] for e in events if e.get("event") == "world_formed"] == [1, 2]
+    assert (late["level"], late["tag"], late["arrived"], late["expected"], late["missing"]) == ("WARNING", "ckpt", 1, 2, "1")
+    assert "missing 1 on sim-host-1 (last seen" in late["message"]
+    assert (dead["ordinals"], dead["host"]) == ("1", "sim-host-1") and "no heartbeat" in dead["message"]
+    assert failed["code"] == "ABORTED" and "a member died" in failed["message"]
+    assert restarted["ordinals"] == "1" and "restarted" in restarted["message"]
+    assert outcome and isinstance(outcome[0], pr.ParticipantFailedError)
+    assert sum(1 for e in events if e.get("event") == "round_late") == 1  # once per round
+    for e in events:
+        assert {"time", "level", "logger", "message"} <= set(e)
+
+
+def test_text_log_lines_are_one_line_per_event():
+    """The default text format writes one line per event, with time, level and the message."""
+    with Serve("--world-size", "2") as server:
+        clients = [simulated_process(server.address, t, processes=2, threads=1) for t in range(2)]
+        for client in clients:
+            bound_thread(client, 0)
+        line = server.wait_for_line("world formed")
+        assert re.match(
+            r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO pjrt_rendezvous\.coordinator: world formed in job "
+            r"'default': 2 ordinals, 2 processes on 2 hosts, generation 1$",
+            line,
+        ), line
+        registered = [l for l in server.lines if " registered task " in l]
+        assert len(registered) == 2 and "ordinal 1; 2 of 2 ordinals registered" in registered[1]
+        for client in clients:
+            client.close()
+        assert server.stop() == 0
+    assert any("stopping: in-flight calls get" in l for l in server.lines)

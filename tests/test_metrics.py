@@ -1,0 +1,281 @@
+"""Prometheus metrics: the text format, the HTTP endpoint, and the numbers of a real job."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+
+import pjrt_rendezvous.client as pr
+from pjrt_rendezvous.coordinator import Coordinator
+from pjrt_rendezvous.coordinator._metrics import Family, Histogram, exposition, start_http_server
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from test_cli import Serve, bound_thread, run_cli, simulated_process, wait_until  # noqa: E402
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"(,|$)')
+
+
+def parse(text: str) -> dict[str, dict[tuple, float]]:
+    """A strict reader of the Prometheus text format 0.0.4: every sample belongs to a family
+    declared by HELP and TYPE before it, label values unescape, histograms are cumulative
+    and end in +Inf = _count. Returns {sample name: {sorted label items: value}}."""
+    assert text.endswith("\n")
+    types: dict[str, str] = {}
+    samples: dict[str, dict[tuple, float]] = {}
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            continue
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            assert kind in ("counter", "gauge", "histogram") and name not in types, line
+            types[name] = kind
+            continue
+        match = _SAMPLE.match(line)
+        assert match, f"not a sample line: {line!r}"
+        name, labels_text, value = match.groups()
+        family = next(
+            (f for f in types if name == f or (types[f] == "histogram" and name in (f + "_bucket", f + "_sum", f + "_count"))),
+            None,
+        )
+        assert family is not None, f"{name} appears before its TYPE line"
+        labels = {}
+        rest = labels_text or ""
+        while rest:
+            label = _LABEL.match(rest)
+            assert label, f"bad labels in {line!r}"
+            labels[label.group(1)] = re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), label.group(2))
+            rest = rest[label.end():]
+        key = tuple(sorted(labels.items()))
+        assert key not in samples.get(name, {}), f"duplicate sample {line!r}"
+        samples.setdefault(name, {})[key] = float(value)
+    for family, kind in types.items():
+        if kind != "histogram":
+            continue
+        series: dict[tuple, list[tuple[float, float]]] = {}
+        for key, count in samples.get(family + "_bucket", {}).items():
+            labels = dict(key)
+            le = float(labels.pop("le"))
+            series.setdefault(tuple(sorted(labels.items())), []).append((le, count))
+        for key, buckets in series.items():
+            buckets.sort()
+            counts = [c for _, c in buckets]
+            assert counts == sorted(counts), f"{family} buckets are not cumulative: {buckets}"
+            assert buckets[-1][0] == float("inf") and counts[-1] == samples[family + "_count"][key]
+    return samples
+
+
+def value(samples, name: str, **labels) -> float:
+    return samples.get(name, {}).get(tuple(sorted(labels.items())), 0.0)
+
+
+def scrape(port: int) -> dict[str, dict[tuple, float]]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        assert response.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+        return parse(response.read().decode())
+
+
+# -- format ---------------------------------------------------------------------------------
+
+
+def test_exposition_escapes_label_values_and_histograms_are_cumulative():
+    """Quotes, backslashes and newlines in a job name are escaped; histogram buckets are
+    cumulative with +Inf equal to the count; integers print without a fraction."""
+    hist = Histogram([0.1, 1.0])
+    for seconds in (0.05, 0.5, 0.7, 30.0):
+        hist.observe((("job", 'we"ird\\job\n'),), seconds)
+    wait = Family("x_wait_seconds", "histogram", "help with \\ and\nnewline")
+    hist.fill(wait)
+    gauge = Family("x_up", "gauge", "g")
+    gauge.add({}, 1)
+    text = exposition([gauge, wait])
+    assert 'x_wait_seconds_bucket{job="we\\"ird\\\\job\\n",le="0.1"} 1\n' in text
+    assert "# HELP x_wait_seconds help with \\\\ and\\nnewline\n" in text
+    samples = parse(text)
+    key = (("job", 'we"ird\\job\n'),)
+    assert samples["x_wait_seconds_count"][key] == 4 and samples["x_wait_seconds_sum"][key] == pytest.approx(31.25)
+    assert samples["x_wait_seconds_bucket"][(("job", 'we"ird\\job\n'), ("le", "1"))] == 3
+    assert samples["x_up"][()] == 1 and "x_up 1\n" in text
+
+
+def test_http_endpoint_answers_get_head_and_refuses_the_rest():
+    """GET and HEAD /metrics serve the text; other paths are 404, other methods 405."""
+
+    async def main():
+        server = await start_http_server(lambda: "# TYPE a gauge\na 1\n", "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+
+        def request(method, path):
+            req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method)
+            try:
+                with urllib.request.urlopen(req, timeout=10) as response:
+                    return response.status, response.read()
+            except urllib.error.HTTPError as exc:
+                return exc.code, b""
+
+        results = [await asyncio.to_thread(request, m, p) for m, p in
+                   [("GET", "/metrics"), ("HEAD", "/metrics"), ("GET", "/nope"), ("POST", "/metrics"), ("GET", "/")]]
+        server.close()
+        await server.wait_closed()
+        return results
+
+    assert asyncio.run(main()) == [
+        (200, b"# TYPE a gauge\na 1\n"), (200, b""), (404, b""), (405, b""),
+        (200, b"pjrt-rendezvous coordinator: metrics at /metrics\n"),
+    ]
+
+
+# -- a real coordinator ---------------------------------------------------------------------
+
+
+def test_metrics_move_during_a_real_job():
+    """Scraped from `serve --metrics-port 0` while 2 processes x 2 threads run rounds: registered
+    and expected participants, rounds completed, the wait histogram and RPC counts grow with the
+    job; a stuck round shows as pending with a growing age, then as a timeout failure."""
+    with Serve("--metrics-port", "0", "--world-size", "4") as server:
+        before = scrape(server.metrics_port)
+        assert value(before, "pjrt_rendezvous_participants_expected", job="default") == 4
+        assert value(before, "pjrt_rendezvous_participants_registered", job="default") == 0
+        assert value(before, "pjrt_rendezvous_rounds_completed_total", job="default") == 0
+        assert value(before, "pjrt_rendezvous_build_info", version=before and next(
+            dict(k)["version"] for k in before["pjrt_rendezvous_build_info"])) == 1
+
+        clients = [simulated_process(server.address, task, processes=2) for task in range(2)]
+        phase = [threading.Barrier(5) for _ in range(3)]  # 4 workers + the test, per phase
+
+        def work(binding):
+            for k in range(5):
+                binding.client.rendezvous(binding, f"a{k}", b"x")
+            phase[0].wait(30)
+            phase[1].wait(30)
+            for k in range(5):
+                binding.client.rendezvous(binding, f"b{k}", b"y")
+            phase[2].wait(30)
+
+        workers = [bound_thread(clients[t], i, work) for t in range(2) for i in range(2)]
+        phase[0].wait(30)
+        middle = scrape(server.metrics_port)
+        phase[1].wait(30)
+        phase[2].wait(30)
+        after = scrape(server.metrics_port)
+        for thread, errors in workers:
+            thread.join(30)
+            assert not errors, errors
+
+        job = {"job": "default"}
+        assert value(middle, "pjrt_rendezvous_participants_registered", **job) == 4
+        assert value(middle, "pjrt_rendezvous_processes", **job, state="alive") == 2
+        assert value(middle, "pjrt_rendezvous_rounds_completed_total", **job) == 5
+        assert value(after, "pjrt_rendezvous_rounds_completed_total", **job) == 10
+        assert value(middle, "pjrt_rendezvous_round_wait_seconds_count", **job) == 5
+        assert value(after, "pjrt_rendezvous_round_wait_seconds_count", **job) == 10
+        assert value(after, "pjrt_rendezvous_round_wait_seconds_bucket", **job, le="+Inf") == 10
+        assert 0 < value(after, "pjrt_rendezvous_round_wait_seconds_sum", **job) < 60
+        rdv = dict(service="pjrt_rendezvous.v1.Coordinator", method="Rendezvous", code="OK")
+        # Threads of one process arrive together: one RPC per process and round, at least.
+        assert 10 <= value(middle, "pjrt_rendezvous_rpcs_total", **rdv) < value(after, "pjrt_rendezvous_rpcs_total", **rdv)
+        register = dict(service="pjrt_rendezvous.v1.Coordinator", method="Register", code="OK")
+        assert value(after, "pjrt_rendezvous_rpcs_total", **register) == 4
+        assert value(after, "pjrt_rendezvous_rounds_pending", **job) == 0
+
+        # A round only process 0 joins: pending, older at every scrape, then timed out.
+        def stuck(binding):
+            binding.client.rendezvous(binding, "stuck", b"", replicas=[0, 1, 2], timeout=3)
+
+        timed_out = [bound_thread(clients[0], i, stuck) for i in range(2)]
+        first = wait_until(
+            lambda: (s := scrape(server.metrics_port)) and value(s, "pjrt_rendezvous_rounds_pending", **job) == 1 and s,
+            what="a pending round",
+        )
+        time.sleep(0.5)
+        second = scrape(server.metrics_port)
+        age = "pjrt_rendezvous_round_oldest_pending_age_seconds"
+        assert value(second, age, **job) >= value(first, age, **job) + 0.4
+        for thread, errors in timed_out:
+            thread.join(30)
+            assert [type(e) for e in errors] == [pr.RendezvousTimeout]
+        final = scrape(server.metrics_port)
+        assert value(final, "pjrt_rendezvous_rounds_pending", **job) == 0
+        assert value(final, age, **job) == 0
+        assert value(final, "pjrt_rendezvous_rounds_failed_total", **job, code="DEADLINE_EXCEEDED") == 1
+        assert value(final, "pjrt_rendezvous_rounds_completed_total", **job) == 10
+        for client in clients:
+            client.close()
+        assert server.stop() == 0
+
+
+def test_dead_processes_and_generation_are_counted():
+    """A process that stops heartbeating shows as dead; its replacement raises the generation."""
+    with Coordinator(port=0, metrics_port=0, heartbeat_timeout=1.0) as coordinator:
+        first = simulated_process(coordinator.address, 0, processes=2, threads=1)
+        second = simulated_process(coordinator.address, 1, processes=2, threads=1)
+        bound_thread(first, 0)
+        bound_thread(second, 0)
+        job = {"job": "default"}
+        assert value(scrape(coordinator.metrics_port), "pjrt_rendezvous_processes", **job, state="alive") == 2
+        second.close()
+        wait_until(
+            lambda: value(scrape(coordinator.metrics_port), "pjrt_rendezvous_processes", **job, state="dead") == 1,
+            what="a dead process",
+        )
+        replacement = simulated_process(coordinator.address, 1, processes=2, threads=1)
+        bound_thread(replacement, 0)
+        samples = scrape(coordinator.metrics_port)
+        assert value(samples, "pjrt_rendezvous_processes", **job, state="dead") == 0
+        assert value(samples, "pjrt_rendezvous_processes", **job, state="alive") == 2
+        assert value(samples, "pjrt_rendezvous_job_generation", **job) == 2
+        first.close()
+        replacement.close()
+
+
+def test_rpcs_are_counted_by_code_including_refusals():
+    """Calls the token check refuses count as UNAUTHENTICATED, unknown methods as (unknown),
+    key-value calls with their own method names; the endpoint listens on the serve host."""
+    with Coordinator(host="127.0.0.1", port=0, metrics_port=0, token="t0ken-xyz") as coordinator:
+        anonymous = pr.Client(pr.Settings(address=coordinator.address, connect_timeout=1), pr.detect_topology({}))
+        with pytest.raises(pr.AuthenticationError):
+            anonymous.set("k", b"v")
+        anonymous.close()
+        member = pr.Client(pr.Settings(address=coordinator.address, token="t0ken-xyz"), pr.detect_topology({}))
+        member.set("k", b"v")
+        assert member.get("k") == b"v"
+        member.close()
+        with grpc.insecure_channel(coordinator.address) as channel:
+            with pytest.raises(grpc.RpcError) as info:
+                channel.unary_unary("/no.Such/Method")(b"", timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        samples = scrape(coordinator.metrics_port)
+        service = "pjrt_rendezvous.v1.Coordinator"
+        assert value(samples, "pjrt_rendezvous_rpcs_total", service=service, method="KvSet", code="UNAUTHENTICATED") == 1
+        assert value(samples, "pjrt_rendezvous_rpcs_total", service=service, method="KvSet", code="OK") == 1
+        assert value(samples, "pjrt_rendezvous_rpcs_total", service=service, method="KvGet", code="OK") == 1
+        assert value(samples, "pjrt_rendezvous_rpcs_total", service="(unknown)", method="(unknown)", code="UNIMPLEMENTED") == 1
+        assert value(samples, "pjrt_rendezvous_kv_keys", job="default") == 1
+        assert coordinator._running._metrics_server.sockets[0].getsockname()[0] == "127.0.0.1"
+
+
+def test_no_metrics_endpoint_unless_asked():
+    """Without metrics_port there is no endpoint and no RPC counting."""
+    with Coordinator(port=0) as coordinator:
+        assert coordinator.metrics_port is None
+        assert coordinator._running.metrics is None
+
+
+def test_a_taken_metrics_port_stops_serve_with_a_message():
+    """`serve --metrics-port` on a port already in use exits 1 naming the problem, serving nothing."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli("serve", "--port", "0", "--metrics-port", str(port), timeout=60)
+    assert result.returncode == 1 and "address already in use" in result.stderr, result.stderr
+    assert "listening" not in result.stdout
