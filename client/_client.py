@@ -42,6 +42,19 @@ _BACKOFF_CAP = 2.0  # seconds: the longest pause between two retries
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", -1),
     ("grpc.max_send_message_length", -1),
+    # A connection that silently stops passing bytes (a dead host, a dropped NAT entry)
+    # must fail within seconds so the call is retried, not wait forever: ping every 10 s,
+    # give up on a ping after 5 s (without ping_timeout an unanswered ping waits 60 s).
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.ping_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    # Reconnect quickly after an outage: gRPC's own backoff (1 s growing to 120 s) would
+    # otherwise add up to minutes on top of ours.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 _bound = threading.local()

@@ -77,7 +77,7 @@ class Limits:
     max_tag_length: int = 1024
     max_key_length: int = 4096
     max_value_bytes: int = 64 * 1024 * 1024
-    max_job_name_length: int = 256
+    max_name_length: int = 256  # job names, hosts, incarnations
     max_world_size: int = 65_536
     max_jobs: int = 1024
     max_pending_rounds: int = 65_536
@@ -330,9 +330,10 @@ class Core:
         job = self.jobs.get(name)
         if job is None:
             known = ", ".join(repr(j) for j in sorted(self.jobs)[:10]) or "none"
+            shown = repr(name) if len(name) <= 80 else repr(name[:80]) + "..."
             raise CoreError(
                 Code.NOT_FOUND,
-                f"job {name!r} is not known to this coordinator (known jobs: {known}); "
+                f"job {shown} is not known to this coordinator (known jobs: {known}); "
                 "processes create a job by registering, or start the coordinator with --world-size",
             )
         return job
@@ -340,11 +341,11 @@ class Core:
     def _new_job(self, name: str, *, insert: bool = True) -> Job:
         if not name:
             raise CoreError(Code.INVALID_ARGUMENT, "job name must not be empty")
-        if len(name) > self.limits.max_job_name_length:
+        if len(name) > self.limits.max_name_length:
             raise CoreError(
                 Code.INVALID_ARGUMENT,
                 f"job name of {len(name)} characters exceeds the limit of "
-                f"{self.limits.max_job_name_length}",
+                f"{self.limits.max_name_length}",
             )
         if len(self.jobs) >= self.limits.max_jobs:
             raise CoreError(
@@ -420,8 +421,18 @@ class Core:
                 f"task id {r.task_id} is out of range [0, {r.num_tasks}) for {r.num_tasks} tasks "
                 f"(host {r.host}, pid {r.pid}); check CLOUD_TPU_TASK_ID / PJRT_RENDEZVOUS_TASK_ID",
             )
-        if not 0 <= r.local_rank:
-            raise CoreError(Code.INVALID_ARGUMENT, f"local rank must be >= 0, got {r.local_rank}")
+        if not 0 <= r.local_rank < r.num_tasks:
+            raise CoreError(
+                Code.INVALID_ARGUMENT,
+                f"local rank {r.local_rank} is out of range [0, {r.num_tasks}) for {r.num_tasks} tasks; "
+                "check PJRT_LOCAL_PROCESS_RANK / PJRT_RENDEZVOUS_LOCAL_RANK",
+            )
+        for name, value in (("incarnation", r.incarnation), ("host", r.host)):
+            if len(value) > self.limits.max_name_length:
+                raise CoreError(
+                    Code.INVALID_ARGUMENT,
+                    f"{name} of {len(value)} characters exceeds the limit of {self.limits.max_name_length}",
+                )
         if not r.threads:
             raise CoreError(Code.INVALID_ARGUMENT, "a registration must name at least one thread")
         world_size = r.num_tasks * r.devices_per_task
@@ -596,7 +607,7 @@ class Core:
                 by_where["never registered"].append(ordinal)
                 continue
             process = job.processes[member.incarnation if member else owner]
-            where = f"on {process.host}" + ("" if process.alive else " (dead)")
+            where = f"on {process.host or 'an unnamed host'}" + ("" if process.alive else " (dead)")
             by_where[where].append(ordinal)
             ages[where] = max(ages.get(where, 0.0), now - process.last_seen)
         parts = []
@@ -864,26 +875,23 @@ class Core:
                     edges[key].append(ordinal)
             return edges
 
-        path: list[tuple[Round, list[int]]] = []
-        on_path: set[RoundKey] = set()
-        visited: set[RoundKey] = set()
-
-        def dfs(rnd: Round) -> list[tuple[Round, list[int]]] | None:
-            visited.add(rnd.key)
-            on_path.add(rnd.key)
+        # Breadth-first (no recursion: chains can be thousands of rounds long), remembering
+        # how each round was reached so the cycle back to `start` can be spelled out.
+        reached: dict[RoundKey, tuple[Round, list[int]] | None] = {start.key: None}
+        queue = collections.deque([start])
+        cycle: list[tuple[Round, list[int]]] = []
+        while queue and not cycle:
+            rnd = queue.popleft()
             for key, blockers in waits_for(rnd).items():
-                path.append((rnd, blockers))
                 if key == start.key:
-                    return list(path)
-                if key not in visited:
-                    found = dfs(job.pending[key])
-                    if found:
-                        return found
-                path.pop()
-            on_path.discard(rnd.key)
-            return None
-
-        cycle = dfs(start)
+                    cycle.append((rnd, blockers))
+                    while (step := reached[cycle[-1][0].key]) is not None:
+                        cycle.append(step)
+                    cycle.reverse()
+                    break
+                if key not in reached:
+                    reached[key] = (rnd, blockers)
+                    queue.append(job.pending[key])
         if not cycle:
             return
         steps = "; ".join(
@@ -1071,6 +1079,11 @@ class Core:
                     Code.INVALID_ARGUMENT,
                     f"cannot add to key {key!r}: its value {current[:64]!r} is not an integer",
                 ) from None
+            if not -(2**63) <= value < 2**63:
+                raise CoreError(
+                    Code.INVALID_ARGUMENT,
+                    f"adding {delta} to key {key!r} (value {int(current)}) leaves the 64-bit integer range",
+                )
             self._write(job, key, str(value).encode())
             return value
 

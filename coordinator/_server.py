@@ -24,13 +24,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
-from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
 from . import _notify, _state
 from ._core import Core, Limits
 from ._metrics import Metrics, RpcInterceptor, start_http_server
 from ._monitor import DEFAULT_LATE_AFTER, Monitor
-from ._servicer import Servicer
+from ._servicer import Servicer, add_to_server
 
 log = logging.getLogger("pjrt_rendezvous.coordinator")
 
@@ -45,6 +44,10 @@ _OPTIONS = [
     ("grpc.max_send_message_length", -1),
     # Two coordinators on one port must fail loudly, not share the traffic.
     ("grpc.so_reuseport", 0),
+    # Clients ping idle connections every 10 s to notice a dead path (see the client).
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+    ("grpc.http2.max_ping_strikes", 0),
 ]
 
 
@@ -223,7 +226,7 @@ async def start_server(options: ServerOptions = ServerOptions(), *, core: Core |
     interceptors += [_TokenCheck(options.token)] if options.token else []
     server = grpc.aio.server(options=_OPTIONS, interceptors=interceptors)
     servicer = Servicer(core, clock=time.monotonic, persist=writer.flush if writer else None, monitor=monitor)
-    pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
+    add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

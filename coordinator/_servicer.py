@@ -14,6 +14,7 @@ import time
 from typing import Awaitable, Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
@@ -24,19 +25,69 @@ log = logging.getLogger("pjrt_rendezvous.coordinator")
 
 # The one place core codes become wire codes.
 _STATUS = {code: getattr(grpc.StatusCode, code.name) for code in Code}
+# gRPC carries the status message in a trailer and drops trailers over 8 KiB (some at
+# random, all over 16 KiB): a longer message would reach the client as a bare
+# RESOURCE_EXHAUSTED. Non-ASCII text can take 3 bytes a character once escaped.
+_MESSAGE_CHARACTERS = 2000
+
+
+def _clip(message: str) -> str:
+    if len(message) <= _MESSAGE_CHARACTERS:
+        return message
+    return f"{message[:_MESSAGE_CHARACTERS]} ... ({len(message) - _MESSAGE_CHARACTERS} more characters)"
+
+
+class _Malformed:
+    """Stands in for a request body that does not parse, so the handler can refuse it."""
+
+    def __init__(self, type_name: str, error: Exception) -> None:
+        self.message = f"the request is not a valid {type_name}: {error}"
+
+
+def _parser(message_class):
+    def parse(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError as exc:
+            return _Malformed(message_class.DESCRIPTOR.full_name, exc)
+
+    return parse
+
+
+async def _abort(context, code: Code, message: str) -> None:
+    await context.abort(_STATUS[code], _clip(message))
 
 
 def _translated(method):
-    """Turns a CoreError raised by a handler into a gRPC status with its full message."""
+    """Turns a CoreError raised by a handler into a gRPC status with its message."""
 
     @functools.wraps(method)
     async def handler(self, request, context):
+        if isinstance(request, _Malformed):
+            await _abort(context, Code.INVALID_ARGUMENT, request.message)
         try:
             return await method(self, request, context)
         except CoreError as exc:
-            await context.abort(_STATUS[exc.code], exc.message)
+            await _abort(context, exc.code, exc.message)
 
     return handler
+
+
+def add_to_server(servicer: "Servicer", server) -> None:
+    """Registers ``servicer`` like the generated helper does, but with request parsers that
+    turn an unparsable body into INVALID_ARGUMENT instead of gRPC's UNKNOWN."""
+    service = pb.DESCRIPTOR.services_by_name["Coordinator"]
+    handlers = {}
+    for method in service.methods:
+        factory = (
+            grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = factory(
+            getattr(servicer, method.name),
+            request_deserializer=_parser(getattr(pb, method.input_type.name)),
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
 async def _nothing() -> None:
@@ -230,11 +281,13 @@ class Servicer(pb_grpc.CoordinatorServicer):
 
     async def Watch(self, request: pb.WatchRequest, context):
         """Streams the job's events (deaths, restarts) from the moment of the call on."""
+        if isinstance(request, _Malformed):
+            await _abort(context, Code.INVALID_ARGUMENT, request.message)
         try:
             self._core.touch(request.job, request.incarnation, self._clock())
             seen = len(self._core.events(request.job, 0))
         except CoreError as exc:
-            await context.abort(_STATUS[exc.code], exc.message)
+            await _abort(context, exc.code, exc.message)
         while True:
             for event in self._core.events(request.job, seen):
                 seen += 1

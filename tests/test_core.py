@@ -366,9 +366,9 @@ def test_jobs_over_max_jobs_are_resource_exhausted():
 
 @pytest.mark.parametrize("name", ["", "x" * 9])
 def test_job_names_must_be_non_empty_and_short(name):
-    """An empty job name or one over max_job_name_length is INVALID_ARGUMENT."""
+    """An empty job name or one over max_name_length is INVALID_ARGUMENT."""
     with raises(Code.INVALID_ARGUMENT, "job name"):
-        Core(Limits(max_job_name_length=8)).register(0.0, registration(0, 1, 1, job=name))
+        Core(Limits(max_name_length=8)).register(0.0, registration(0, 1, 1, job=name))
 
 
 def test_runtime_ordinal_equal_to_the_ordinal_passes_and_is_recorded():
