@@ -281,6 +281,8 @@ class Client:
                 ):
                     return
                 self._stopped.wait(1.0)  # the coordinator went away; try again
+            except ValueError:  # the channel was closed under us: close() was called
+                return
 
     # -- binding --------------------------------------------------------------------------
 
