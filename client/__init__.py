@@ -9,6 +9,11 @@ on the plain calls answer for that thread::
     with pr.bind_thread(index):
         ordinal = pr.get_ordinal()  # task id x devices per process + index
         payloads = pr.rendezvous("checkpoint", b"...")   # ordinal order
+
+Optional submodules, not imported here because their dependencies are optional:
+``pjrt_rendezvous.client.xla`` (torch_xla: ``install``, ``spawn``, ``broadcast_master_params``,
+``seed``) and ``pjrt_rendezvous.client.torch_store`` (torch: a ``torch.distributed.Store`` and the
+``pjrt-rendezvous://`` init method).
 """
 
 from ._api import (

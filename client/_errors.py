@@ -5,6 +5,7 @@
     RendezvousError
     ├── UsageError (ValueError)            the caller misused the API; nothing was sent
     │   └── TopologyError                  the environment does not describe a valid topology
+    ├── SpawnError                         xla.spawn: a replica raised, a process died, or a timeout
     └── RemoteError                        the coordinator refused a call or a round failed
         ├── InvalidArgumentError           INVALID_ARGUMENT: bad input (replicas, sizes, names)
         ├── MismatchError                  FAILED_PRECONDITION: tag / replicas mismatch, world
@@ -12,6 +13,7 @@
         ├── DuplicateOrdinalError          ALREADY_EXISTS: another process holds the ordinal
         ├── UnknownJobError                NOT_FOUND: the job does not exist
         ├── RendezvousTimeout (TimeoutError) DEADLINE_EXCEEDED: names every missing ordinal
+        │   └── StoreTimeout (DistStoreError)  a torch Store wait timed out (needs torch)
         ├── ParticipantFailedError         ABORTED: a participant died or restarted
         ├── LimitExceededError             RESOURCE_EXHAUSTED: a size or count limit
         ├── AuthenticationError            UNAUTHENTICATED / PERMISSION_DENIED

@@ -75,9 +75,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import io
-import logging
 import os
 import pickle
 import queue as queue_module
@@ -92,9 +90,8 @@ from typing import Any, Callable, Sequence
 
 from . import _api
 from ._client import Binding, Client, current_binding
+from ._config import check_timeout
 from ._errors import RendezvousError, TopologyError, UsageError
-
-log = logging.getLogger("pjrt_rendezvous.client.xla")
 
 __all__ = [
     "ReplicaSeed",
@@ -118,7 +115,7 @@ _install_lock = threading.Lock()
 _patches: list[tuple[Any, str, Any]] = []
 _originals: dict[str, Any] = {}  # xm attribute -> original (absent when it did not exist)
 # Process-wide: one graph compiled and launched at a time (see the module docstring). Reentrant
-# because a step closure or a nested step must not deadlock its own thread.
+# so that a thread can never deadlock on itself.
 _step_lock = threading.RLock()
 
 
@@ -137,10 +134,15 @@ def install() -> bool:
         is not installed.
 
     Raises:
-        ImportError: torch_xla is installed but does not import (for example a torch version
-            other than the one it was built for).
+        ImportError: torch_xla is installed but does not import (for example with a torch
+            version other than the one it was built for).
     """
-    if importlib.util.find_spec("torch_xla") is None:
+    try:
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch_xla":
+            raise  # torch_xla is there but broken: say so, do not hide it behind a warning
         warnings.warn(
             "pjrt_rendezvous.client.xla.install() does nothing: torch_xla is not installed "
             "(pip install 'pjrt-rendezvous[xla]')",
@@ -148,8 +150,6 @@ def install() -> bool:
             stacklevel=2,
         )
         return False
-    import torch_xla
-    import torch_xla.core.xla_model as xm
 
     with _install_lock:
         if _patches:
@@ -198,7 +198,7 @@ def _locked_step_marker(original: Callable, xlac: Any) -> Callable:
         if wait:
             # Outside the lock: waiting inside would block a sibling whose launch this
             # graph's collectives wait for.
-            xlac._xla_wait_device_ops([device or xlac._xla_get_default_device()])
+            xlac._xla_wait_device_ops([str(device or xlac._xla_get_default_device())])
 
     _xla_step_marker.__wrapped__ = original  # type: ignore[attr-defined]
     return _xla_step_marker
@@ -337,7 +337,8 @@ class SpawnError(RendezvousError):
             died before its threads had ordinals.
         tracebacks: ordinal -> the formatted traceback from the child.
         results: ordinal -> return value of the replicas that finished.
-        terminated: ordinals whose processes were stopped after the failure or timeout.
+        terminated: ordinals whose processes were stopped after the failure or timeout
+            (``-(task + 1)`` for a process stopped before it reported its ordinals).
     """
 
     def __init__(
@@ -372,8 +373,8 @@ def spawn(
 
     Shaped like ``torch_xla.distributed.xla_multiprocessing.spawn`` (and its thread runner
     ``torch_xla._internal.pjrt.run_multiprocess``). In each process, before ``fn`` runs:
-    ``XLA_ENABLE_PARAM_ALIASING=0`` is set before the runtime starts (unless the environment sets
-    it), replication is set over the process's devices (``initialize_multiprocess``, as torch_xla
+    with a thread per device, ``XLA_ENABLE_PARAM_ALIASING=0`` is set before the runtime starts
+    (unless the environment sets it), replication is set over the process's devices (``initialize_multiprocess``, as torch_xla
     does), :func:`install` patches ``xm``, and each thread is bound with :func:`bind_device` to
     ``xla:<thread index>`` and its global ordinal. ``fn`` receives the global ordinal, like
     ``xmp.spawn``'s index.
@@ -384,8 +385,8 @@ def spawn(
     local chip (``nprocs`` must be None) with the devices the runtime reports.
 
     The coordinator: ``address``, else ``PJRT_RENDEZVOUS_ADDRESS``, else one started here for
-    the call (on loopback with an ephemeral port; on TPU only for a single host -- on a pod
-    set ``PJRT_RENDEZVOUS_ADDRESS`` or run ``pjrt-rendezvous serve`` on worker 0).
+    the call on loopback with an ephemeral port -- except on a multi-host TPU slice, where the
+    processes look for it at worker 0's default port (run ``pjrt-rendezvous serve`` there).
 
     Args:
         fn: a picklable (module-level) function called as ``fn(ordinal, *args)``.
@@ -412,6 +413,9 @@ def spawn(
     """
     import multiprocessing
 
+    timeout = check_timeout(timeout)
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
+        raise UsageError(f"grace must be >= 0 seconds, got {grace!r}")
     device_type = _device_type()
     env: dict[str, str] = {}
     drop: list[str] = []
@@ -419,7 +423,10 @@ def spawn(
     if device_type == "CPU":
         nprocs = 1 if nprocs is None else nprocs
         if devices_per_process is None:
-            devices_per_process = int(os.environ.get("CPU_NUM_DEVICES", "1") or 1)
+            text = os.environ.get("CPU_NUM_DEVICES", "").strip() or "1"
+            if not text.isdigit():
+                raise UsageError(f"CPU_NUM_DEVICES={text!r} is not a number of devices")
+            devices_per_process = int(text)
         _check_count("nprocs", nprocs)
         _check_count("devices_per_process", devices_per_process)
         env.update(
@@ -444,23 +451,29 @@ def spawn(
         nprocs = tpu.num_local_processes()
         topology = _api._detect(os.environ, address)
         threaded = topology.cores_per_chip > 1
-    if threaded and "XLA_ENABLE_PARAM_ALIASING" not in os.environ:
-        env["XLA_ENABLE_PARAM_ALIASING"] = "0"
+    if threaded:
+        aliasing = os.environ.get("XLA_ENABLE_PARAM_ALIASING")
+        if aliasing is None:
+            env["XLA_ENABLE_PARAM_ALIASING"] = "0"  # FACTS 4
+        elif aliasing.strip().lower() not in ("0", "false"):
+            warnings.warn(
+                f"XLA_ENABLE_PARAM_ALIASING={aliasing} with a thread per device: collectives "
+                "between threads deadlock in sync() with parameter aliasing on (measured on "
+                "torch_xla 2.9); unset it to let spawn() turn aliasing off",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     coordinator = None
     address = address or os.environ.get("PJRT_RENDEZVOUS_ADDRESS") or None
-    if address is None:
-        if device_type == "TPU" and len(topology.worker_hostnames) > 1:
-            raise UsageError(
-                "spawn() on a multi-host TPU slice needs a coordinator every host can reach: run "
-                "`pjrt-rendezvous serve` on worker 0 and set PJRT_RENDEZVOUS_ADDRESS (or pass "
-                "address=) on every host"
-            )
+    if address is None and (device_type == "CPU" or len(topology.worker_hostnames) <= 1):
         from pjrt_rendezvous.coordinator import Coordinator
 
         coordinator = Coordinator(port=0).start()
         address = coordinator.address
-    env["PJRT_RENDEZVOUS_ADDRESS"] = address
+    if address is not None:
+        env["PJRT_RENDEZVOUS_ADDRESS"] = address
+    # else a multi-host TPU slice: every process finds the coordinator at worker 0's default port
     if job is not None:
         env["PJRT_RENDEZVOUS_JOB"] = job
 
@@ -483,7 +496,13 @@ def spawn(
             )
             process.start()
             processes.append(process)
-        return _supervise(processes, reports, timeout=timeout, grace=grace)
+        # On CPU the parent knows every process's ordinals; on TPU each child reports its own.
+        expected = (
+            {t: list(range(t * devices_per_process, (t + 1) * devices_per_process)) for t in range(nprocs)}
+            if device_type == "CPU"
+            else {}
+        )
+        return _supervise(processes, reports, expected=expected, timeout=timeout, grace=grace)
     finally:
         for process in processes:
             if process.is_alive():
@@ -529,7 +548,9 @@ def _stop(process, wait: float = 5.0) -> None:
         process.join(wait)
 
 
-def _supervise(processes, reports, *, timeout: float | None, grace: float) -> dict[int, Any]:
+def _supervise(
+    processes, reports, *, expected: dict[int, list[int]], timeout: float | None, grace: float
+) -> dict[int, Any]:
     """Collects every replica's report; stops the processes after a failure (plus ``grace``)
     or at ``timeout``; raises SpawnError naming the failed ordinals."""
     started = time.monotonic()
@@ -538,13 +559,12 @@ def _supervise(processes, reports, *, timeout: float | None, grace: float) -> di
     failures: dict[int, BaseException] = {}
     tracebacks: dict[int, str] = {}
     order: list[int] = []  # failed ordinals in arrival order
-    ordinals_of: dict[int, list[int]] = {}  # task -> its ordinals, once the child reports them
+    ordinals_of: dict[int, list[int]] = dict(expected)  # task -> its ordinals, when known
     finished: set[int] = set()  # tasks that reported every thread
     first_failure_at: float | None = None
     timed_out = False
 
     def handle(message) -> None:
-        nonlocal first_failure_at
         kind, task, *rest = message
         if kind == "ordinals":
             ordinals_of[task] = rest[0]
@@ -597,14 +617,15 @@ def _supervise(processes, reports, *, timeout: float | None, grace: float) -> di
     def unreported(task: int) -> list[int]:
         return [o for o in ordinals_of.get(task, []) if o not in results and o not in failures]
 
-    terminated: list[int] = []
     stopped: set[int] = set()
     for task, process in enumerate(processes):
         if process.is_alive():
             _stop(process)
             stopped.add(task)
-            terminated += unreported(task)
-    drain(0.2)
+    drain(0.2)  # what the stopped processes sent before they stopped
+    terminated: list[int] = []
+    for task in sorted(stopped):
+        terminated += unreported(task) if task in ordinals_of else [-(task + 1)]
     for task, process in enumerate(processes):
         if task in finished or task in stopped:
             continue
@@ -626,21 +647,22 @@ def _spawn_error(results, failures, tracebacks, order, terminated, timed_out, ti
     if failures:
         first = order[0]
         error = failures[first]
-        who = f"ordinal {first}" if first >= 0 else f"the process of task {-first - 1}"
         lines.append(
-            f"spawn(): {len(failures)} replica(s) failed; first: {who} raised "
+            f"spawn(): {len(failures)} replica(s) failed; first: {_who(first)} raised "
             f"{type(error).__name__}: {error}"
         )
         for ordinal in order[1:]:
             other = failures[ordinal]
-            who = f"ordinal {ordinal}" if ordinal >= 0 else f"the process of task {-ordinal - 1}"
-            lines.append(f"  then {who} raised {type(other).__name__}: {other}")
+            lines.append(f"  then {_who(ordinal)} raised {type(other).__name__}: {other}")
     if timed_out:
         lines.append(f"spawn(): timed out after {timeout} s")
-    if terminated:
-        lines.append(f"  stopped while still running: ordinals {_ranges(terminated)}")
+    known = [o for o in terminated if o >= 0]
+    if known:
+        lines.append(f"  stopped while still running: ordinals {_ranges(known)}")
+    for unknown in sorted((o for o in terminated if o < 0), reverse=True):
+        lines.append(f"  stopped while still starting: {_who(unknown)}")
     if failures and tracebacks.get(order[0]):
-        lines.append(f"\nTraceback of ordinal {order[0]} (in its process):\n{tracebacks[order[0]].rstrip()}")
+        lines.append(f"\nTraceback of {_who(order[0])} (in its process):\n{tracebacks[order[0]].rstrip()}")
     spawn_error = SpawnError(
         "\n".join(lines), failures=failures, tracebacks=tracebacks, results=dict(sorted(results.items())),
         terminated=terminated,
@@ -648,6 +670,10 @@ def _spawn_error(results, failures, tracebacks, order, terminated, timed_out, ti
     if failures:
         spawn_error.__cause__ = failures[order[0]]
     return spawn_error
+
+
+def _who(ordinal: int) -> str:
+    return f"ordinal {ordinal}" if ordinal >= 0 else f"the process of task {-ordinal - 1}"
 
 
 def _ranges(ordinals: Sequence[int]) -> str:
@@ -701,8 +727,7 @@ def _child_main(task: int, nprocs: int, env: dict, drop: list, payload: bytes, r
     def run(index: int) -> None:
         ordinal = ordinals[index]
         try:
-            torch_xla._XLAC._xla_set_default_device(devices[index])
-            with _bind_current_device(index, client=client) as binding:
+            with bind_device(index, client=client) as binding:  # devices[index] is xla:<index>
                 result = fn(binding.ordinal, *args)
             try:
                 blob = pickle.dumps(result)
@@ -758,8 +783,9 @@ def broadcast_master_params(model) -> None:
 
     Where the XLA runtime's world is ours (a TPU pod; one process with a thread per device) it
     is one XLA ``all_reduce`` SUM over every tensor, with the non-master replicas contributing
-    zeros. Per dtype: floats smaller than 32 bits are reduced in float32 and ints in int64 where
-    the narrow type has no all-reduce (exact: the others add zero); ``bool`` as uint8. The master
+    zeros. Every dtype comes through exactly, since the others add zero: floats narrower than 32
+    bits are reduced in float32 (there is no bfloat16 all-reduce on CPU), unsigned ints wider
+    than 8 bits in int64, ``bool`` as uint8, the rest as they are. The master
     flag is a 1-D tensor copied from the CPU, so every thread traces the same graph (FACTS point
     3); pending work is synced first for the same reason. A signed zero of ordinal 0 arrives as
     +0.0. Where the runtime sees only this process (a CPU simulation with several processes) the
@@ -793,7 +819,8 @@ def broadcast_master_params(model) -> None:
     _broadcast_by_coordinator(torch, tensors, binding)
 
 
-# Reduced in a wider type: no CPU/TPU all-reduce for these, and every value is exact there.
+# Floats narrower than this are reduced in float32: no bfloat16 all-reduce on CPU, and every
+# value is exact in float32.
 _WIDER_FLOAT_BITS = 32
 
 
@@ -918,9 +945,10 @@ def seed(base_seed: int) -> ReplicaSeed:
     replica_seed = _derive(base_seed, ordinal)
     process_seed = _derive(base_seed, ordinal - thread_index)
 
-    numpy = sys.modules.get("numpy")
-    if numpy is None and importlib.util.find_spec("numpy") is not None:
+    try:
         import numpy
+    except ImportError:
+        numpy = None
     import torch
 
     if thread_index == 0:
@@ -928,12 +956,14 @@ def seed(base_seed: int) -> ReplicaSeed:
         if numpy is not None:
             numpy.random.seed(process_seed % 2**32)
         torch.manual_seed(process_seed)
-    if "torch_xla" in sys.modules:
-        import torch_xla
+    if binding is not None and "torch_xla" in sys.modules:
         import torch_xla.core.xla_model as xm
 
-        device = f"xla:{binding.device_index}" if binding is not None else torch_xla._XLAC._xla_get_default_device()
-        xm.set_rng_state(replica_seed, device=device)
+        xm.set_rng_state(replica_seed, device=f"xla:{binding.device_index}")
+    elif "torch_xla" in sys.modules and sys.modules["torch_xla"]._XLAC._xla_runtime_is_initialized():
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(replica_seed)  # the default device; never starts the runtime
     generator = torch.Generator()
     generator.manual_seed(replica_seed)
     return ReplicaSeed(

@@ -1,0 +1,269 @@
+"""A ``torch.distributed.Store`` on the coordinator's key-value store, and the
+``pjrt-rendezvous://`` ``init_method``.
+
+Needs torch (the ``[torch]`` extra), not torch_xla. Importing this module registers the URL
+scheme with ``torch.distributed.rendezvous``.
+
+Ranks of a process group are not our ordinals: the Store needs no bound thread, only a client.
+Keys live under a prefix in the coordinator job, so several groups (and several jobs) share one
+coordinator without colliding.
+
+Timeouts follow torch's conventions here, not ours: ``timedelta`` values, and a zero timeout
+means "no timeout" (c10d's ``kNoTimeout``). A wait that times out raises :class:`StoreTimeout`,
+which is both our :class:`~pjrt_rendezvous.client.RendezvousTimeout` (naming the missing keys)
+and torch's ``DistStoreError``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import urllib.parse
+from datetime import timedelta
+from typing import Iterable, Sequence
+
+import torch.distributed as dist
+from torch.distributed.rendezvous import register_rendezvous_handler
+
+from . import _api
+from ._client import Client
+from ._config import Settings
+from ._errors import RendezvousTimeout, UsageError
+from ._topology import DEFAULT_PORT, Topology
+
+SCHEME = "pjrt-rendezvous"
+DEFAULT_PREFIX = "torch.distributed"
+# torch's default store timeout (c10d Store::kDefaultTimeout).
+DEFAULT_TIMEOUT = timedelta(seconds=300)
+
+
+class StoreTimeout(RendezvousTimeout, dist.DistStoreError):
+    """A Store wait timed out: catchable as ``RendezvousTimeout`` and as torch's ``DistStoreError``."""
+
+
+def _key_bytes(value) -> bytes:
+    # torch's own stores accept str or bytes from Python callers; C++ callers pass bytes.
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise TypeError(f"Store values must be bytes or str, got {type(value).__name__}")
+
+
+def _seconds(timeout: timedelta | float | None) -> float | None:
+    """torch's timeout (timedelta; zero = no timeout) as our seconds (None = no timeout)."""
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if seconds < 0:
+        raise UsageError(f"timeout must not be negative, got {timeout!r}")
+    return None if seconds == 0 else seconds
+
+
+class Store(dist.Store):
+    """A ``torch.distributed.Store`` backed by the coordinator's key-value store.
+
+    Usable wherever torch takes a store::
+
+        store = Store(prefix="my-run")          # the process client, from the environment
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+
+    Every method gloo and ``init_process_group`` call is implemented, under the names C++
+    calls (``deleteKey`` and ``getNumKeys`` are camelCase; torch's ``delete_key`` and
+    ``num_keys`` reach them). Blocking calls (``get``, ``wait``) wait up to the store's timeout
+    (``set_timeout``; torch sets the process group's).
+
+    Args:
+        client: the client to use (default: the process client, created from the environment
+            on first use). No thread needs to be bound.
+        prefix: a namespace in the coordinator job; stores with the same prefix see the same
+            keys. Give every run on a long-lived coordinator its own prefix (or job): keys
+            outlive processes there, unlike a TCPStore.
+        timeout: the default for blocking calls (``timedelta`` or seconds; 0 = no timeout).
+    """
+
+    def __init__(
+        self,
+        client: Client | None = None,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        timeout: timedelta | float = DEFAULT_TIMEOUT,
+    ) -> None:
+        super().__init__()
+        if not isinstance(prefix, str):
+            raise UsageError(f"prefix must be a str, got {prefix!r}")
+        self._client = client
+        self.prefix = prefix
+        self._root = prefix.rstrip("/") + "/" if prefix else ""
+        seconds = _seconds(timeout)
+        self.set_timeout(timedelta(0) if seconds is None else timedelta(seconds=seconds))
+
+    @property
+    def client(self) -> Client:
+        return self._client or _api.get_client()
+
+    def _key(self, key: str) -> str:
+        if not isinstance(key, str):
+            raise TypeError(f"Store keys must be str, got {type(key).__name__}")
+        return self._root + key
+
+    def _wait_seconds(self, timeout=None) -> float | None:
+        return _seconds(self.timeout if timeout is None else timeout)
+
+    def _timeout_error(self, exc: RendezvousTimeout) -> StoreTimeout:
+        return StoreTimeout(f"{exc} (keys are stored under the prefix {self._root!r})")
+
+    # -- the c10d Store interface ---------------------------------------------------------
+
+    def set(self, key: str, value) -> None:
+        self.client.set(self._key(key), _key_bytes(value))
+
+    def get(self, key: str) -> bytes:
+        """Waits up to the store timeout for ``key``; returns its value."""
+        try:
+            return self.client.get(self._key(key), timeout=self._wait_seconds())
+        except RendezvousTimeout as exc:
+            raise self._timeout_error(exc) from exc
+
+    def add(self, key: str, value: int) -> int:
+        return self.client.add(self._key(key), int(value))
+
+    def compare_set(self, key: str, expected_value, desired_value) -> bytes:
+        """Sets ``key`` to ``desired_value`` if it holds ``expected_value`` (a missing key
+        matches an empty ``expected_value``); returns the value after the call."""
+        return self.client.compare_set(self._key(key), _key_bytes(expected_value), _key_bytes(desired_value))
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return self.client.check([self._key(k) for k in keys])
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        """Waits until every key exists, up to ``timeout`` (default: the store timeout)."""
+        try:
+            self.client.wait([self._key(k) for k in keys], timeout=self._wait_seconds(timeout))
+        except RendezvousTimeout as exc:
+            raise self._timeout_error(exc) from exc
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        try:
+            return self.client.multi_get([self._key(k) for k in keys], timeout=self._wait_seconds())
+        except RendezvousTimeout as exc:
+            raise self._timeout_error(exc) from exc
+
+    def multi_set(self, keys: Sequence[str], values: Iterable) -> None:
+        self.client.multi_set([self._key(k) for k in keys], [_key_bytes(v) for v in values])
+
+    def append(self, key: str, value) -> None:
+        self.client.append(self._key(key), _key_bytes(value))
+
+    def has_extended_api(self) -> bool:
+        return True
+
+    def deleteKey(self, key: str) -> bool:  # noqa: N802 -- the name C++ calls
+        return self.client.delete(self._key(key))
+
+    def getNumKeys(self) -> int:  # noqa: N802 -- the name C++ calls
+        """Keys under this store's prefix."""
+        return self.client.count(self._root)
+
+    def clone(self) -> "Store":
+        return Store(self._client, prefix=self.prefix, timeout=self.timeout)
+
+    def __repr__(self) -> str:
+        address = self._client.settings.address if self._client else "(process client)"
+        return f"Store(address={address!r}, prefix={self.prefix!r}, timeout={self.timeout})"
+
+
+# -- the pjrt-rendezvous:// init_method --------------------------------------------------------
+
+_clients_lock = threading.Lock()  # guards _clients and _generations
+_clients: dict[tuple[str, str | None], Client] = {}
+_generations: dict[tuple[str, str | None, str], int] = {}
+
+
+def _address(parsed: urllib.parse.ParseResult, url: str) -> str:
+    try:
+        host, port = parsed.hostname, parsed.port or DEFAULT_PORT
+    except ValueError as exc:
+        raise UsageError(f"{url!r}: {exc}") from None
+    if not host:
+        raise UsageError(f"{url!r} names no coordinator host: use {SCHEME}://HOST:PORT")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _client_for(address: str, job: str | None) -> Client:
+    """The process client when it talks to ``address`` (and ``job``), else a key-value-only
+    client of our own, one per (address, job)."""
+    process_client = _api._client
+    if process_client is not None and process_client.settings.address == address and (
+        job is None or process_client.settings.job == job
+    ):
+        return process_client
+    with _clients_lock:
+        client = _clients.get((address, job))
+        if client is None:
+            given = {} if job is None else {"job": job}
+            settings = Settings.resolve(os.environ, address=address, **given)
+            # A Store client only uses the key-value calls; its topology is never registered.
+            topology = Topology(
+                accelerator_type=None, cores_per_chip=1, chips_per_process=1, task_id=0,
+                num_tasks=1, local_rank=0, local_world_size=1, worker_id=0,
+                worker_hostnames=(), host=socket.gethostname(), address=address,
+            )
+            client = _clients[(address, job)] = Client(settings, topology)
+        return client
+
+
+def _int_arg(query: dict, name: str, env_name: str, url: str) -> int:
+    text = query.get(name, os.environ.get(env_name))
+    if text is None:
+        raise UsageError(
+            f"{SCHEME}:// rendezvous: {name} is missing: pass {name}= to init_process_group, "
+            f"put ?{name}= in the URL ({url!r}), or set {env_name}"
+        )
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"{SCHEME}:// rendezvous: {name}={text!r} is not an int") from None
+
+
+def rendezvous_handler(url: str, timeout: timedelta = DEFAULT_TIMEOUT, **kwargs):
+    """The ``pjrt-rendezvous://HOST:PORT[?job=J&prefix=P&rank=R&world_size=N]`` init_method.
+
+    ``rank`` and ``world_size`` come from ``init_process_group``'s arguments (torch puts them in
+    the query), the URL, or ``RANK``/``WORLD_SIZE``. Keys go under ``prefix`` (default
+    ``torch.distributed``; under torchrun also ``TORCHELASTIC_RUN_ID`` and the restart count)
+    plus the number of groups this process created there before, so a process group created
+    again after ``destroy_process_group`` does not meet the previous one's keys.
+
+    Yields:
+        ``(Store, rank, world_size)``, as torch's handlers do.
+    """
+    parsed = urllib.parse.urlparse(url)
+    query = {k: v[-1] for k, v in urllib.parse.parse_qs(parsed.query).items()}
+    address = _address(parsed, url)
+    rank = _int_arg(query, "rank", "RANK", url)
+    world_size = _int_arg(query, "world_size", "WORLD_SIZE", url)
+    if not 0 <= rank < world_size:
+        raise UsageError(f"{SCHEME}:// rendezvous: rank {rank} is out of range for world size {world_size}")
+    job = query.get("job") or None
+    prefix = query.get("prefix", DEFAULT_PREFIX)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and "prefix" not in query:
+        prefix += f"/{run_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    with _clients_lock:
+        generation = _generations.get((address, job, prefix), 0)
+        _generations[(address, job, prefix)] = generation + 1
+    store = Store(_client_for(address, job), prefix=f"{prefix}/{generation}", timeout=timeout)
+    yield store, rank, world_size
+    raise RuntimeError(f"Unable to perform re-rendezvous using {SCHEME}:// method")
+
+
+def _register() -> None:
+    try:
+        register_rendezvous_handler(SCHEME, rendezvous_handler)
+    except RuntimeError:  # already registered (this module was reloaded)
+        pass
+
+
+_register()

@@ -1,0 +1,200 @@
+"""The torch.distributed Store on the coordinator and the pjrt-rendezvous:// init_method:
+every Store method against a real coordinator, then gloo process groups in real processes."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import queue
+import threading
+import time
+
+import pytest
+
+import pjrt_rendezvous.client as pr
+from pjrt_rendezvous.coordinator import Coordinator
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+from pjrt_rendezvous.client.torch_store import SCHEME, Store, StoreTimeout  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+WORLD = 3
+SECOND = datetime.timedelta(seconds=1)
+
+
+@pytest.fixture(scope="module")
+def coordinator():
+    with Coordinator(port=0) as c:
+        yield c
+
+
+@pytest.fixture
+def client(coordinator):
+    topology = pr.detect_topology({}, address=coordinator.address)
+    c = pr.Client(pr.Settings(address=coordinator.address, timeout=10), topology)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def store(client, request):
+    return Store(client, prefix=f"test/{request.node.name}", timeout=datetime.timedelta(seconds=10))
+
+
+# --- Store methods -------------------------------------------------------------------------------
+
+
+def test_set_get_add_append_and_multi(store):
+    """set/get take str or bytes, add counts, append concatenates, multi_* keep order."""
+    store.set("a", "text")
+    store.set("b", b"\x00bytes")
+    assert store.get("a") == b"text" and store.get("b") == b"\x00bytes"
+    assert store.add("n", 5) == 5 and store.add("n", -2) == 3 and store.get("n") == b"3"
+    store.append("log", b"ab")
+    store.append("log", "cd")
+    assert store.get("log") == b"abcd"
+    store.multi_set(["x", "y"], [b"1", "2"])
+    assert store.multi_get(["y", "x", "a"]) == [b"2", b"1", b"text"]
+    assert store.has_extended_api() is True
+
+
+def test_compare_set_follows_torch_semantics(store):
+    """compare_set sets on a match (a missing key matches b''), else returns the current value."""
+    assert store.compare_set("cas", b"", b"v1") == b"v1"
+    assert store.compare_set("cas", b"other", b"v2") == b"v1"
+    assert store.compare_set("cas", "v1", "v2") == b"v2"
+    assert store.get("cas") == b"v2"
+
+
+def test_check_wait_delete_and_count_use_the_names_cpp_calls(store):
+    """check, wait, deleteKey/delete_key and getNumKeys/num_keys work and see only the prefix."""
+    assert store.check(["k1"]) is False
+    store.set("k1", b"")
+    store.set("k2", b"")
+    assert store.check(["k1", "k2"]) is True
+    store.wait(["k1", "k2"])
+    store.wait(["k1"], SECOND)
+    assert store.getNumKeys() == 2 and store.num_keys() == 2
+    assert store.deleteKey("k1") is True and store.delete_key("k1") is False
+    assert store.num_keys() == 1 and store.check(["k1"]) is False
+
+
+def test_prefixes_isolate_stores_and_clone_shares_one(client, store):
+    """Stores with different prefixes do not see each other's keys; a clone sees the same keys."""
+    other = Store(client, prefix="test/elsewhere")
+    store.set("shared-name", b"mine")
+    assert other.check(["shared-name"]) is False
+    assert store.clone().get("shared-name") == b"mine"
+    assert other.num_keys() == 0
+
+
+def test_get_and_wait_time_out_naming_the_key(store):
+    """get and wait raise StoreTimeout, a RendezvousTimeout and a DistStoreError naming the key."""
+    store.set_timeout(datetime.timedelta(milliseconds=300))
+    started = time.monotonic()
+    with pytest.raises(StoreTimeout, match="never-set") as info:
+        store.get("never-set")
+    assert isinstance(info.value, pr.RendezvousTimeout) and isinstance(info.value, dist.DistStoreError)
+    with pytest.raises(dist.DistStoreError, match="also-never-set"):
+        store.wait(["also-never-set"], datetime.timedelta(milliseconds=300))
+    assert time.monotonic() - started < 5
+
+
+def test_a_waiting_get_is_released_by_a_set_from_another_store(client, store):
+    """A blocking get returns once another store object sets the key."""
+    got = queue.Queue()
+    waiter = threading.Thread(target=lambda: got.put(store.get("late")))
+    waiter.start()
+    time.sleep(0.2)
+    Store(client, prefix=store.prefix).set("late", b"here")
+    assert got.get(timeout=10) == b"here"
+    waiter.join(10)
+
+
+# --- the pjrt-rendezvous:// handler --------------------------------------------------------------
+
+
+def test_url_handler_yields_a_store_per_group(coordinator):
+    """The handler takes rank and world size from the arguments, the job and prefix from the URL,
+    and numbers successive groups so a re-created group does not meet the old one's keys."""
+    url = f"{SCHEME}://{coordinator.address}?job=url-test&prefix=grp"
+    store, rank, world = next(dist.rendezvous(url, rank=1, world_size=3))
+    assert (rank, world) == (1, 3)
+    assert isinstance(store, Store) and store.prefix == "grp/0"
+    store.set("k", b"v")
+    again, _, _ = next(dist.rendezvous(url, rank=1, world_size=3))
+    assert again.prefix == "grp/1" and again.check(["k"]) is False
+    with pytest.raises(pr.UsageError, match="out of range"):
+        next(dist.rendezvous(url, rank=3, world_size=3))
+
+
+def test_url_handler_needs_rank_and_world_size(coordinator, monkeypatch):
+    """Without rank/world_size in the arguments, the URL or RANK/WORLD_SIZE, the error says where."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(pr.UsageError, match="rank is missing"):
+        next(dist.rendezvous(f"{SCHEME}://{coordinator.address}"))
+
+
+# --- gloo process groups in real processes -------------------------------------------------------
+
+
+def gloo_worker(rank: int, address: str, how: str, results) -> None:
+    """One rank: init_process_group over our store or URL, then a real all_reduce."""
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    from pjrt_rendezvous.client.torch_store import SCHEME, Store
+
+    timeout = datetime.timedelta(seconds=60)
+    try:
+        if how == "store":
+            os.environ["PJRT_RENDEZVOUS_ADDRESS"] = address  # Store() uses the process client
+            dist.init_process_group("gloo", store=Store(prefix="pg-store"), rank=rank, world_size=WORLD, timeout=timeout)
+        else:
+            url = f"{SCHEME}://{address}?job=pg-url"
+            dist.init_process_group("gloo", init_method=url, rank=rank, world_size=WORLD, timeout=timeout)
+        value = torch.tensor([float(rank + 1), 10.0 * rank])
+        dist.all_reduce(value)
+        dist.barrier()
+        dist.destroy_process_group()
+        results.put((rank, value.tolist(), "torch_xla" in sys.modules))
+    except BaseException as exc:  # noqa: BLE001 -- reported to the test
+        results.put((rank, repr(exc), None))
+
+
+def _run_gloo(address: str, how: str):
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=gloo_worker, args=(r, address, how, results)) for r in range(WORLD)]
+    for p in processes:
+        p.start()
+    collected = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(collected) < WORLD:
+            collected.append(results.get(timeout=max(1, deadline - time.monotonic())))
+    finally:
+        for p in processes:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return sorted(collected)
+
+
+@pytest.mark.parametrize("how", ["store", "url"])
+def test_gloo_all_reduce_in_three_processes(coordinator, how):
+    """init_process_group('gloo') through Store(...) or the pjrt-rendezvous:// URL in three
+    processes, then all_reduce sums every rank's tensor (without importing torch_xla)."""
+    results = _run_gloo(coordinator.address, how)
+    expected = [1.0 + 2.0 + 3.0, 0.0 + 10.0 + 20.0]
+    assert results == [(rank, expected, False) for rank in range(WORLD)]

@@ -1,0 +1,567 @@
+"""pjrt_rendezvous.client.xla on real torch_xla (PJRT_DEVICE=CPU): the xm patches, spawn with
+processes x threads, broadcast_master_params, data-parallel training between threads, seed."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import threading
+import time
+import warnings
+
+import pytest
+
+import pjrt_rendezvous.client as pr
+from pjrt_rendezvous.client import xla
+from pjrt_rendezvous.coordinator import Coordinator
+
+# Never the TPU runtime here: it would query the cloud metadata server.
+os.environ["PJRT_DEVICE"] = "CPU"
+
+TRAINING_RUNS = 20
+TRAINING_STEPS = 4
+
+
+# --- code run by spawn() in child processes (module level: pickled by reference) -----------------
+
+
+def xm_user_code(index):
+    """Unmodified torch_xla-style code: nothing but ``xm`` calls."""
+    import torch
+    import torch_xla.core.xla_model as xm
+
+    ordinal = xm.get_ordinal()
+    world = xm.xrt_world_size()
+    everyone = xm.rendezvous("hello", f"ordinal {ordinal}".encode())
+    same_parity = [o for o in range(world) if o % 2 == ordinal % 2]
+    half = xm.rendezvous(f"half-{ordinal % 2}", bytes([ordinal]), replicas=same_parity)
+    pair = xm.rendezvous("pair", bytes([ordinal]), replicas=[0, 1]) if ordinal < 2 else None
+    total = xm.mesh_reduce("total", torch.tensor([float(ordinal)]), lambda xs: float(torch.cat(xs).sum()))
+    accuracy = xm.mesh_reduce("accuracy", ordinal / 10, lambda xs: sum(xs) / len(xs))
+    started = time.monotonic()
+    try:  # ordinal 3 skipped a call: under torch_xla's rendezvous the pod would hang here
+        xm.rendezvous("eval" if ordinal == 3 else "save")
+        mismatch = None
+    except Exception as exc:  # noqa: BLE001 -- reported to the test
+        mismatch = (type(exc).__name__, str(exc), time.monotonic() - started)
+    return dict(
+        index=index,
+        ordinal=ordinal,
+        world=world,
+        local=xm.get_local_ordinal(),
+        master=xm.is_master_ordinal(),
+        global_master=xm.is_master_ordinal(local=False),
+        device=str(xm.xla_device()),
+        tensor_device=str(torch.zeros(1, device=xm.xla_device()).device),
+        everyone=everyone,
+        half=half,
+        pair=pair,
+        total=total,
+        accuracy=accuracy,
+        mismatch=mismatch,
+    )
+
+
+def xm_user_code_and_registrations(index):
+    """xm_user_code, plus what the coordinator recorded (seen from ordinal 0) and a
+    broadcast_master_params across processes (through the coordinator on CPU)."""
+    import torch
+    import torch_xla.core.xla_model as xm
+
+    result = xm_user_code(index)
+    if result["ordinal"] == 0:
+        participants = pr.get_client().wait_world(timeout=30)
+        result["registered"] = sorted((p.ordinal, p.thread_index, p.runtime_ordinal) for p in participants)
+    model = torch.nn.BatchNorm1d(3)
+    with torch.no_grad():
+        model.weight.fill_(index + 1.5)
+        model.num_batches_tracked.fill_(index + 7)
+    model.to(xm.xla_device())
+    xla.broadcast_master_params(model)
+    result["broadcast"] = {k: _bits(v) for k, v in model.state_dict().items()}
+    return result
+
+
+def failing_replica(index):
+    import torch_xla.core.xla_model as xm
+
+    if xm.get_ordinal() == 2:
+        raise ValueError("ordinal 2 gave up")
+    xm.rendezvous("after-the-failure")  # waits for ordinal 2, which never comes
+
+
+def _bits(tensor) -> bytes:
+    import torch
+
+    t = tensor.detach().cpu().reshape(-1)
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    return bytes(t.contiguous().view(torch.uint8).tolist())
+
+
+def _net(hidden):
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = torch.nn.Linear(3, hidden)
+            self.bn = torch.nn.BatchNorm1d(hidden)  # float buffers + an int64 0-dim counter
+            self.fc2 = torch.nn.Linear(hidden, 1)
+            self.register_buffer("counts", torch.zeros(hidden, dtype=torch.int32))
+            self.register_buffer("flags", torch.zeros(hidden, dtype=torch.bool))
+            self.register_buffer("halves", torch.zeros(hidden, dtype=torch.bfloat16))
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+    return Net()
+
+
+def _runtime_cross_check() -> str | None:
+    """Binds, through bind_device, a thread of a process that claims to be task 1 of 2 with one
+    device each (world 2), while the runtime (world 2, as on a pod) numbers its device 0."""
+    address = pr.get_client().settings.address
+    topology = pr.detect_topology(
+        {"PJRT_RENDEZVOUS_TASK_ID": "1", "PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_CORES_PER_CHIP": "1"},
+        address=address,
+    )
+    client = pr.Client(pr.Settings(address=address, job="cross-check", timeout=30), topology)
+    outcome = {}
+
+    def bind():
+        try:
+            xla.bind_device(0, client=client)
+            outcome["error"] = None
+        except pr.MismatchError as exc:
+            outcome["error"] = str(exc)
+
+    thread = threading.Thread(target=bind)
+    thread.start()
+    thread.join(60)
+    client.close()
+    return outcome.get("error", "bind_device hung")
+
+
+def train_replicas(index, runs, steps):
+    """Per run: models built from different seeds, broadcast_master_params, then data-parallel
+    SGD with xm.optimizer_step on different data per replica. Returns what the test checks."""
+    import torch
+    import torch_xla.core.xla_model as xm
+
+    ordinal = xm.get_ordinal()
+    device = xm.xla_device()
+    report = dict(ordinal=ordinal, broadcast_ok=[], trained_equal=[], changed=[])
+    for run in range(runs):
+        seeds = xla.seed(100 + run)
+        hidden = 4 + run % 4  # the first runs compile new graphs in both threads at once
+        model = _net(hidden)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=seeds.torch))
+            model.bn.running_mean.copy_(torch.randn(hidden, generator=seeds.torch))
+            model.bn.num_batches_tracked.fill_(ordinal * 5 + run)  # 0 on ordinal 0 in run 0
+            model.counts.copy_(torch.randint(-9, 9, (hidden,), generator=seeds.torch, dtype=torch.int32))
+            model.flags.copy_(torch.rand(hidden, generator=seeds.torch) > 0.5)
+            model.halves.copy_(torch.randn(hidden, generator=seeds.torch))
+        before = {k: _bits(v) for k, v in model.state_dict().items()}
+        model.to(device)
+        xla.broadcast_master_params(model)
+        after = {k: _bits(v) for k, v in model.state_dict().items()}
+        # Compare with ordinal 0's values from before the broadcast, through the coordinator.
+        master_before = eval(xm.rendezvous(f"before-{run}", repr(before).encode())[0])  # noqa: S307
+        report["broadcast_ok"].append(after == master_before)
+
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        data = torch.Generator().manual_seed(1000 * run + ordinal)  # different data per replica
+        for _ in range(steps):
+            x = torch.randn(8, 3, generator=data).to(device)
+            y = torch.randn(8, 1, generator=data).to(device)
+            loss = ((model(x) - y) ** 2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            xm.optimizer_step(optimizer)
+            xm.mark_step()
+        params = {k: _bits(p) for k, p in model.named_parameters()}
+        everyone = xm.rendezvous(f"trained-{run}", repr(params).encode())
+        report["trained_equal"].append(all(p == everyone[0] for p in everyone))
+        report["changed"].append(params != {k: master_before[k] for k in params})
+
+    # seed(): the XLA device RNG is per replica and reproducible.
+    draws = []
+    for _ in range(2):
+        xla.seed(7)
+        sample = torch.rand(4, device=device)
+        xm.mark_step()
+        draws.append(sample.cpu().tolist())
+    seeds = xla.seed(7)
+    report["xla_draws"] = draws
+    report["seed"] = (seeds.seed, seeds.process_seed, seeds.random.random(), seeds.torch.initial_seed())
+    report["cross_check"] = _runtime_cross_check() if ordinal == 0 else None
+    return report
+
+
+# --- fixtures ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def torch_xla():
+    return pytest.importorskip("torch_xla")
+
+
+@pytest.fixture
+def xm(torch_xla):
+    import torch_xla.core.xla_model as xm
+
+    xla.uninstall()
+    yield xm
+    xla.uninstall()
+
+
+@pytest.fixture
+def no_process_client():
+    pr.shutdown()
+    yield
+    pr.shutdown()
+
+
+@pytest.fixture
+def coordinator():
+    with Coordinator(port=0) as c:
+        yield c
+
+
+def _client(address, *, tasks=1, devices=2, timeout=10.0):
+    topology = pr.detect_topology(
+        {
+            "PJRT_RENDEZVOUS_NUM_TASKS": str(tasks),
+            "PJRT_RENDEZVOUS_TASK_ID": "0",
+            "PJRT_RENDEZVOUS_CORES_PER_CHIP": str(devices),
+        },
+        address=address,
+    )
+    return pr.Client(pr.Settings(address=address, timeout=timeout, batch_window=0.2), topology)
+
+
+def _in_threads(client, fn, count=2, timeout=60):
+    """Runs fn(index) in ``count`` threads bound to indices 0..count-1; returns results/errors."""
+    results, errors = {}, {}
+
+    def run(index):
+        try:
+            with client.bind_thread(index):
+                results[index] = fn(index)
+        except BaseException as exc:  # noqa: BLE001 -- returned to the test
+            errors[index] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    return results, errors
+
+
+# --- install / uninstall -------------------------------------------------------------------------
+
+
+@pytest.mark.xla
+def test_install_is_idempotent_and_uninstall_restores_exactly(xm, torch_xla):
+    """install() twice patches once; uninstall() puts back every original and removes the
+    functions torch_xla 2.7 removed."""
+    names = ["get_local_ordinal", "is_master_ordinal", "xla_device", "rendezvous", "mesh_reduce"]
+    originals = {n: getattr(xm, n) for n in names}
+    marker = torch_xla._XLAC._xla_step_marker
+    removed = {n: hasattr(xm, n) for n in ("get_ordinal", "xrt_world_size")}
+
+    assert xla.install() is True and xla.install() is True
+    assert xla.is_installed()
+    assert all(getattr(xm, n) is not originals[n] for n in names)
+    assert callable(xm.get_ordinal) and callable(xm.xrt_world_size)
+    assert torch_xla._XLAC._xla_step_marker is not marker
+    assert torch_xla._XLAC._xla_step_marker.__wrapped__ is marker
+
+    xla.uninstall()
+    xla.uninstall()
+    assert not xla.is_installed()
+    assert all(getattr(xm, n) is originals[n] for n in names)
+    assert torch_xla._XLAC._xla_step_marker is marker
+    assert {n: hasattr(xm, n) for n in removed} == removed
+
+
+def test_install_without_torch_xla_warns_and_does_nothing(monkeypatch):
+    """Where torch_xla cannot be imported, install() is a no-op with a RuntimeWarning."""
+    xla.uninstall()
+    monkeypatch.setitem(sys.modules, "torch_xla", None)  # the standard "module absent" marker
+    with pytest.warns(RuntimeWarning, match=r"torch_xla is not installed"):
+        assert xla.install() is False
+    assert not xla.is_installed()
+
+
+# --- the patched xm in bound threads of this process (no XLA device used) ------------------------
+
+
+@pytest.mark.xla
+def test_bound_threads_answer_xm_calls_through_the_coordinator(xm, torch_xla, coordinator):
+    """Bound threads get their ordinal, world, device, full and subset rendezvous and
+    mesh_reduce from the coordinator, without starting the XLA runtime."""
+    import torch
+
+    xla.install()
+    client = _client(coordinator.address)
+
+    def replica(index):
+        ordinal = xm.get_ordinal()
+        return dict(
+            ordinal=ordinal,
+            world=xm.xrt_world_size(),
+            local=xm.get_local_ordinal(),
+            master=(xm.is_master_ordinal(), xm.is_master_ordinal(local=False)),
+            device=str(xm.xla_device()),
+            everyone=xm.rendezvous("hello", bytes([ordinal])),
+            alone=xm.rendezvous("solo", bytes([ordinal]), replicas=[ordinal]),
+            total=xm.mesh_reduce("total", torch.tensor([ordinal + 1.0]), lambda xs: float(torch.cat(xs).sum())),
+        )
+
+    results, errors = _in_threads(client, replica)
+    client.close()
+    assert not errors
+    for index in (0, 1):
+        r = results[index]
+        assert (r["ordinal"], r["world"], r["local"], r["device"]) == (index, 2, index, f"xla:{index}")
+        assert r["master"] == ((index == 0), (index == 0))
+        assert r["everyone"] == [b"\x00", b"\x01"]
+        assert r["alone"] == [bytes([index])]
+        assert r["total"] == 3.0
+    assert not torch_xla._XLAC._xla_runtime_is_initialized()  # no device sync, no compile
+
+
+@pytest.mark.xla
+def test_patched_rendezvous_enforces_tags_payloads_and_deadlines(xm, coordinator):
+    """A tag mismatch fails every member, a str payload is a TypeError, and a missed call
+    times out naming the missing ordinal."""
+    xla.install()
+    client = _client(coordinator.address, timeout=1.0)
+
+    def replica(index):
+        outcome = {}
+        try:
+            xm.rendezvous("eval" if index == 1 else "save")
+        except pr.MismatchError as exc:
+            outcome["mismatch"] = str(exc)
+        with pytest.raises(TypeError):
+            xm.rendezvous("text", "not bytes")
+        if index == 0:
+            started = time.monotonic()
+            with pytest.raises(pr.RendezvousTimeout) as info:
+                xm.rendezvous("only-ordinal-0-comes")
+            outcome["timeout"] = (str(info.value), time.monotonic() - started)
+        return outcome
+
+    results, errors = _in_threads(client, replica)
+    client.close()
+    assert not errors, errors
+    for index in (0, 1):
+        assert "ordinal 1 called rendezvous('eval')" in results[index]["mismatch"]
+        assert "ordinal 0 called rendezvous('save')" in results[index]["mismatch"]
+    message, waited = results[0]["timeout"]
+    assert "missing ordinal 1" in message and waited < 5
+
+
+@pytest.mark.xla
+def test_unbound_thread_falls_back(xm, monkeypatch, no_process_client):
+    """Unbound: get_ordinal/xrt_world_size answer for a world of one, and raise UsageError
+    when the environment describes a larger world."""
+    xla.install()
+    assert (xm.get_ordinal(), xm.xrt_world_size()) == (0, 1)
+    monkeypatch.setenv("PJRT_RENDEZVOUS_NUM_TASKS", "2")
+    with pytest.raises(pr.UsageError, match="bind"):
+        xm.get_ordinal()
+    with pytest.raises(pr.UsageError, match="bind"):
+        xm.xrt_world_size()
+
+
+# --- spawn: 2 processes x 2 threads --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def xm_run(torch_xla):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("CPU_NUM_DEVICES", "2")  # the shape of a TPU v3 chip: two devices in one process
+    started = time.monotonic()
+    try:
+        results = xla.spawn(xm_user_code_and_registrations, nprocs=2, timeout=150)
+    finally:
+        mp.undo()
+    return results, time.monotonic() - started
+
+
+@pytest.mark.xla
+def test_spawn_gives_unmodified_xm_code_its_ordinal_world_and_device(xm_run):
+    """2 processes x 2 threads: ordinals 0..3, world 4, local ordinals, masters, own devices."""
+    results, _ = xm_run
+    assert sorted(results) == [0, 1, 2, 3]
+    for ordinal, r in results.items():
+        assert (r["index"], r["ordinal"], r["world"], r["local"]) == (ordinal, ordinal, 4, ordinal)
+        assert r["master"] == (ordinal == 0) and r["global_master"] == (ordinal == 0)
+        assert r["device"] == r["tensor_device"] == f"xla:{ordinal % 2}"
+
+
+@pytest.mark.xla
+def test_spawn_rendezvous_and_mesh_reduce_over_the_whole_world_and_subsets(xm_run):
+    """Full-world and subset rendezvous return payloads in ordinal order; mesh_reduce reduces
+    every replica's data."""
+    results, _ = xm_run
+    for ordinal, r in results.items():
+        assert r["everyone"] == [f"ordinal {o}".encode() for o in range(4)]
+        assert r["half"] == [bytes([o]) for o in range(4) if o % 2 == ordinal % 2]
+        assert r["pair"] == ([b"\x00", b"\x01"] if ordinal < 2 else None)
+        assert r["total"] == 6.0
+        assert r["accuracy"] == pytest.approx(0.15)
+
+
+@pytest.mark.xla
+def test_spawn_tag_mismatch_raises_promptly_in_every_thread(xm_run):
+    """One replica bringing another tag fails the round at once for all four, naming both tags."""
+    results, _ = xm_run
+    for r in results.values():
+        kind, message, waited = r["mismatch"]
+        assert kind == "MismatchError"
+        assert "ordinal 3 called rendezvous('eval')" in message and "rendezvous('save')" in message
+        assert waited < 10  # the default deadline is 600 s
+
+
+@pytest.mark.xla
+def test_spawn_passes_runtime_ordinals_to_the_coordinator(xm_run):
+    """Each thread registered with the runtime's ordinal of its device (the thread index on CPU)."""
+    results, _ = xm_run
+    assert results[0]["registered"] == [(o, o % 2, o % 2) for o in range(4)]
+
+
+@pytest.mark.xla
+def test_broadcast_master_params_across_processes_goes_through_the_coordinator(xm_run):
+    """Where each process is its own XLA world (CPU), every replica still gets ordinal 0's
+    parameters and buffers, float and int64."""
+    import torch
+
+    results, _ = xm_run
+    expected = {
+        "weight": _bits(torch.full((3,), 1.5)),
+        "bias": _bits(torch.zeros(3)),
+        "running_mean": _bits(torch.zeros(3)),
+        "running_var": _bits(torch.ones(3)),
+        "num_batches_tracked": _bits(torch.tensor(7)),
+    }
+    for r in results.values():
+        assert r["broadcast"] == expected
+
+
+@pytest.mark.xla
+def test_spawn_reports_a_failing_replica_with_its_ordinal(torch_xla):
+    """A replica that raises is re-raised in the parent naming its ordinal; the replicas left
+    waiting for it are stopped after the grace period instead of hanging."""
+    started = time.monotonic()
+    with pytest.raises(xla.SpawnError) as info:
+        xla.spawn(failing_replica, nprocs=2, devices_per_process=2, timeout=150, grace=1.0)
+    elapsed = time.monotonic() - started
+    error = info.value
+    assert list(error.failures) == [2]
+    assert isinstance(error.failures[2], ValueError)
+    assert isinstance(error.__cause__, ValueError)
+    assert "ordinal 2 raised ValueError: ordinal 2 gave up" in str(error)
+    assert "failing_replica" in error.tracebacks[2]
+    assert error.terminated == [0, 1, 3]
+    assert elapsed < 90
+    assert not multiprocessing.active_children()
+
+
+# --- one process x 2 threads: XLA collectives between threads -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def training_run(torch_xla):
+    started = time.monotonic()
+    results = xla.spawn(
+        train_replicas, args=(TRAINING_RUNS, TRAINING_STEPS), nprocs=1, devices_per_process=2, timeout=240
+    )
+    return results, time.monotonic() - started
+
+
+@pytest.mark.xla
+def test_broadcast_master_params_copies_ordinal_0_exactly(training_run):
+    """After broadcast_master_params, both threads hold ordinal 0's parameters and buffers bit
+    for bit (float32, bfloat16, int32, bool, BatchNorm's int64 counter), in every run."""
+    results, _ = training_run
+    for r in results.values():
+        assert r["broadcast_ok"] == [True] * TRAINING_RUNS
+
+
+@pytest.mark.xla
+def test_data_parallel_training_between_threads_ends_bit_identical(training_run):
+    """xm.optimizer_step across two threads leaves identical parameters, TRAINING_RUNS times
+    in a row without a hang, and training did change them."""
+    results, _ = training_run
+    for r in results.values():
+        assert r["trained_equal"] == [True] * TRAINING_RUNS
+        assert r["changed"] == [True] * TRAINING_RUNS
+
+
+@pytest.mark.xla
+def test_seed_gives_each_replica_a_distinct_reproducible_stream(training_run):
+    """seed() reproduces the XLA device RNG per replica, differs between replicas, and shares
+    the process-wide seed between the threads of a process."""
+    results, _ = training_run
+    zero, one = results[0], results[1]
+    for r in (zero, one):
+        assert r["xla_draws"][0] == r["xla_draws"][1]
+    assert zero["xla_draws"][0] != one["xla_draws"][0]
+    assert zero["seed"][0] != one["seed"][0]
+    assert zero["seed"][1] == one["seed"][1] == zero["seed"][0]  # thread 0's seed is the process's
+    assert zero["seed"][2] != one["seed"][2]
+    assert zero["seed"][3] == zero["seed"][0]
+
+
+@pytest.mark.xla
+def test_runtime_ordinal_disagreement_is_refused_at_bind(training_run):
+    """bind_device sends the runtime's ordinal; the coordinator refuses one that disagrees with
+    the rank table, naming both numbers."""
+    results, _ = training_run
+    message = results[0]["cross_check"]
+    assert message is not None
+    assert "global ordinal 0" in message and "ordinal 1" in message
+
+
+def test_spawn_rejects_bad_arguments():
+    """nprocs, devices_per_process, timeout and grace are checked before any process starts."""
+    with pytest.raises(pr.UsageError, match="nprocs"):
+        xla.spawn(xm_user_code, nprocs=0)
+    with pytest.raises(pr.UsageError, match="devices_per_process"):
+        xla.spawn(xm_user_code, devices_per_process=-1)
+    with pytest.raises(pr.UsageError, match="timeout"):
+        xla.spawn(xm_user_code, timeout=0)
+    with pytest.raises(pr.UsageError, match="grace"):
+        xla.spawn(xm_user_code, grace=-1)
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.xla
+def test_spawn_timeout_stops_a_run_that_does_not_finish(torch_xla):
+    """A run still going at ``timeout`` is stopped and reported, instead of blocking the caller."""
+    started = time.monotonic()
+    with pytest.raises(xla.SpawnError, match=r"timed out after 2.0 s"):
+        xla.spawn(xm_user_code, nprocs=2, devices_per_process=1, timeout=2)
+    assert time.monotonic() - started < 30
+    assert not multiprocessing.active_children()
+
+
+def test_seed_in_a_world_of_one_without_torch_xla_devices(no_process_client):
+    """In an unbound thread of a world of one, seed() uses ordinal 0 and is reproducible."""
+    pytest.importorskip("torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first, second = xla.seed(3), xla.seed(3)
+    assert first.seed == second.seed == first.process_seed
+    assert first.random.random() == second.random.random()
+    assert xla.seed(4).seed != first.seed
