@@ -13,7 +13,7 @@ import os
 import threading
 import time
 import uuid
-from typing import Callable, Iterable, Sequence, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import grpc
 import tenacity
@@ -23,7 +23,6 @@ from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
 from ._config import DEFAULT, Settings, check_timeout
 from ._errors import (
-    CoordinatorUnavailableError,
     RendezvousError,
     UsageError,
     from_rpc_error,

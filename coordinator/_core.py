@@ -30,7 +30,7 @@ import collections
 import dataclasses
 import enum
 import itertools
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 ALL: tuple[int, ...] = ()
 """The group key of a rendezvous over every ordinal of the job."""
@@ -1214,9 +1214,3 @@ class Core:
             )
         return views
 
-
-def iter_ranges(text: str) -> Iterator[int]:
-    """Inverse of :func:`format_ranges` (for tests and the CLI)."""
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        first, _, last = part.partition("-")
-        yield from range(int(first), int(last or first) + 1)

@@ -29,7 +29,6 @@ from pjrt_rendezvous.coordinator._core import (
     Registration,
     ThreadRequest,
     format_ranges,
-    iter_ranges,
 )
 
 JOB = "job"
@@ -1073,7 +1072,15 @@ def test_status_without_a_job_lists_every_job_sorted():
     assert [(v.job, v.rounds_completed, v.pending_rounds) for v in views] == [("a", 0, []), ("b", 1, [])]
 
 
-# --- format_ranges / iter_ranges -----------------------------------------------------------------
+# --- format_ranges ----------------------------------------------------------------------------------
+
+
+def iter_ranges(text):
+    """Parses format_ranges' output back (the inverse this test checks)."""
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        first, _, last = part.partition("-")
+        yield from range(int(first), int(last or first) + 1)
+
 
 
 @pytest.mark.parametrize(
