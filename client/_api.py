@@ -6,6 +6,7 @@ process client (set once) and the calling thread's binding.
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 from typing import Mapping, Sequence
@@ -18,6 +19,9 @@ from ._topology import Topology, detect_topology, metadata_fetcher
 _lock = threading.Lock()
 _client: Client | None = None
 _init_args: dict | None = None
+_atexit_registered = False
+# init()'s parameters left out (anything else given means "these arguments")
+_DEFAULTS = {"address": None, "job": None, "timeout": DEFAULT, "topology": None, "env": None}
 
 _METADATA_URL = "http://metadata.google.internal/computeMetadata/v1/instance/attributes"
 
@@ -60,24 +64,27 @@ def init(
         UsageError: called again with different arguments, or bad settings.
         TopologyError: the environment does not describe a valid topology.
     """
-    global _client, _init_args
+    global _client, _init_args, _atexit_registered
     args = dict(address=address, job=job, timeout=timeout, topology=topology, env=env, **settings)
+    explicit = sorted(k for k, v in args.items() if v is not _DEFAULTS.get(k, DEFAULT))
     with _lock:
         if _client is not None:
-            if args != _init_args and any(v is not None and v is not DEFAULT for v in args.values()):
+            if explicit and args != _init_args:
                 raise UsageError(
-                    "init() was already called in this process with different arguments; "
-                    "call shutdown() first to change them"
+                    f"init() was already called in this process with other arguments (now "
+                    f"{explicit}); call shutdown() first to change them"
                 )
             return _client
         env = os.environ if env is None else env
         topology = topology or _detect(env, address)
-        given = {k: v for k, v in settings.items()}
+        given = dict(settings, timeout=timeout)
         if job is not None:
             given["job"] = job
-        given["timeout"] = timeout
         _client = Client(Settings.resolve(env, address=topology.address, **given), topology)
         _init_args = args
+        if not _atexit_registered:
+            atexit.register(shutdown)  # leave the job on a normal exit
+            _atexit_registered = True
         return _client
 
 

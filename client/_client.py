@@ -94,8 +94,9 @@ def _payload_bytes(payload) -> bytes:
 class _Batch:
     """One process's arrivals at one round; the first thread (leader) sends them all."""
 
-    def __init__(self, members: frozenset[int] | None) -> None:
+    def __init__(self, members: frozenset[int] | None, generation: int) -> None:
         self.members = members  # local ordinals expected; None = every local ordinal
+        self.generation = generation  # the one its round number belongs to
         self.contributions: dict[int, pb.Contribution] = {}
         self.deadline: float | None = None
         self.done = threading.Event()
@@ -177,6 +178,9 @@ class Client:
             return now - outage["since"] >= self.settings.connect_timeout
 
         def attempt():
+            if deadline is not None and "timeout" in request.DESCRIPTOR.fields_by_name and request.HasField("timeout"):
+                # A resend (after a coordinator restart) asks only for what is left.
+                request.timeout = max(1e-3, deadline - time.monotonic())
             transport = None
             if deadline is not None:
                 transport = max(0.0, deadline - time.monotonic()) + (_TRANSPORT_GRACE if waits else 0)
@@ -214,10 +218,27 @@ class Client:
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, address=self.settings.address, method=method) from exc
 
-    def close(self) -> None:
-        """Stops heartbeats and the event watch, and closes the channel."""
-        self._closed = True
+    def close(self, *, leave: bool = True) -> None:
+        """Stops heartbeats and the event watch and closes the channel.
+
+        Args:
+            leave: tell the coordinator this process is done, so its ordinals are gone at once
+                instead of after the heartbeat timeout (best effort). With ``leave=False`` the
+                coordinator finds out only when the heartbeats stop.
+        """
+        if self._closed:
+            return
         self._stopped.set()
+        if leave and self._background_started:  # registered: say goodbye
+            try:
+                self._stub.Leave(
+                    pb.LeaveRequest(job=self.settings.job, incarnation=self.incarnation),
+                    timeout=2.0,
+                    metadata=self._metadata,
+                )
+            except grpc.RpcError as exc:
+                log.debug("leaving job %s failed: %s", self.settings.job, exc)
+        self._closed = True
         self._channel.close()
 
     # -- liveness -------------------------------------------------------------------------
@@ -269,7 +290,8 @@ class Client:
             try:
                 for event in self._stub.Watch(request, metadata=self._metadata):
                     self.events.append(event)
-                    log.warning("job %s: %s", self.settings.job, event.message)
+                    level = logging.INFO if event.kind == pb.WatchEvent.PROCESS_LEFT else logging.WARNING
+                    log.log(level, "job %s: %s", self.settings.job, event.message)
                     self._adopt_generation(event.generation)
             except grpc.RpcError as exc:
                 if self._stopped.is_set() or exc.code() in (
@@ -277,6 +299,7 @@ class Client:
                     grpc.StatusCode.ABORTED,
                     grpc.StatusCode.FAILED_PRECONDITION,
                     grpc.StatusCode.UNAUTHENTICATED,
+                    grpc.StatusCode.NOT_FOUND,
                 ):
                     return
                 self._stopped.wait(1.0)  # the coordinator went away; try again
@@ -417,11 +440,13 @@ class Client:
         with self._lock:
             round_number = self._rounds.get((ordinal, group), 0)
             self._rounds[(ordinal, group)] = round_number + 1
-            key = (group, round_number)
+            # Siblings share an RPC only with the very same replicas list: the coordinator
+            # must see (and refuse) a sibling's malformed list too.
+            key = (group, round_number, tuple(replicas))
             batch = self._batches.get(key)
             leader = batch is None
             if leader:
-                batch = self._batches[key] = _Batch(None if group == ALL else frozenset(group))
+                batch = self._batches[key] = _Batch(None if group == ALL else frozenset(group), self._generation)
             batch.contributions[ordinal] = contribution
             if deadline is not None and (batch.deadline is None or deadline < batch.deadline):
                 batch.deadline = deadline
@@ -433,7 +458,7 @@ class Client:
         try:
             if leader:
                 try:
-                    batch.payloads = self._send_round(replicas, round_number, batch)
+                    batch.payloads = self._send_round(replicas, group, round_number, batch)
                 except BaseException as exc:
                     batch.error = exc
                 finally:
@@ -475,7 +500,7 @@ class Client:
                 return
             self._arrived.wait(remaining)
 
-    def _send_round(self, replicas: list[int], round_number: int, batch: _Batch) -> list[bytes]:
+    def _send_round(self, replicas: list[int], group: tuple[int, ...], round_number: int, batch: _Batch) -> list[bytes]:
         request = pb.RendezvousRequest(
             job=self.settings.job,
             incarnation=self.incarnation,
@@ -485,14 +510,13 @@ class Client:
         )
         if batch.deadline is not None:
             request.timeout = max(1e-3, batch.deadline - time.monotonic())
-        request.generation = self._generation
-        key = (tuple(sorted(set(replicas))), round_number)
+        request.generation = batch.generation
 
         def progress(waited: float) -> None:
             log.warning(
                 "still waiting after %.0f s in round %d of %s (ordinals %s here): %s",
-                waited, round_number, f"replicas {key[0]}" if replicas else "all ordinals",
-                sorted(batch.contributions), self._describe_wait(key),
+                waited, round_number, f"replicas {list(group)}" if group else "all ordinals",
+                sorted(batch.contributions), self._describe_wait((group, round_number)),
             )
 
         response = self._call("Rendezvous", request, batch.deadline, waits=True, progress=progress)

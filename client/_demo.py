@@ -129,13 +129,15 @@ def run_demo(
     results."""
     from pjrt_rendezvous.coordinator import Coordinator
 
+    from ._topology import cores_per_chip
+
     if processes < 1 or hosts < 1 or processes % hosts:
         print(f"--processes ({processes}) must be a positive multiple of --hosts ({hosts})", file=out)
         return 2
     with Coordinator(port=0) as coordinator:
         print(
             f"coordinator on {coordinator.address}; simulating {accelerator}: {hosts} host(s), "
-            f"{processes} processes, {threads or 'per-generation'} threads each",
+            f"{processes} processes, {threads or cores_per_chip(accelerator)} threads each",
             file=out,
         )
         started = time.perf_counter()

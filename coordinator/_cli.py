@@ -54,10 +54,6 @@ TOKEN_VARIABLE = "PJRT_RENDEZVOUS_TOKEN"
 TLS_SERVER_NAME_VARIABLE = "PJRT_RENDEZVOUS_TLS_SERVER_NAME"
 
 
-class _BadVariable(Exception):
-    """An environment variable holds a value its option refuses."""
-
-
 def _port(text: str) -> int:
     try:
         port = int(text)
@@ -140,6 +136,11 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "in brackets; a flag on the command line wins.",
     )
 
+    # A bad serve variable is reported by `serve` only: `health` (the container's probe),
+    # `status` and `demo` must keep working in the same environment.
+    bad_variables: list[str] = []
+    serve.set_defaults(bad_variables=bad_variables)
+
     def option(name: str, convert: Callable[[str], Any], default: Any, help: str, **kwargs) -> None:
         dest = name.lstrip("-").replace("-", "_")
         variable = SERVE_VARIABLES[dest]
@@ -148,7 +149,7 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
             try:
                 default = convert(text)
             except (ValueError, argparse.ArgumentTypeError) as exc:
-                raise _BadVariable(f"{variable}={text!r}: {exc}") from None
+                bad_variables.append(f"{variable}={text!r}: {exc}")
         metavar = {
             _port: "PORT",
             _positive: "N",
@@ -613,13 +614,11 @@ def _status(args, env: Mapping[str, str]) -> int:
 
 def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
-    try:
-        parser = _parser(env)
-    except _BadVariable as exc:
-        print(f"pjrt-rendezvous: {exc}", file=sys.stderr)
-        return 2
-    args = parser.parse_args(argv)
+    args = _parser(env).parse_args(argv)
     if args.command == "serve":
+        if args.bad_variables:
+            print(f"pjrt-rendezvous: {'; '.join(args.bad_variables)}", file=sys.stderr)
+            return 2
         return _serve(args, env)
     if args.command == "status":
         return _status(args, env)

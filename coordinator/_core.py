@@ -43,6 +43,7 @@ RoundKey = tuple[int, GroupKey, int]  # (generation, group, number)
 # it), so two finished rounds per group are enough.
 _FINISHED_ROUNDS_KEPT = 2
 _REQUEST_IDS_KEPT = 100_000
+_DECLARED = "the coordinator's --world-size"
 
 
 class Code(enum.Enum):
@@ -121,6 +122,7 @@ class Process:
     last_seen: float
     ordinals: set[int] = dataclasses.field(default_factory=set)
     alive: bool = True
+    left: bool = False  # gone by its own Leave rather than declared dead
     death: str = ""
 
     def label(self) -> str:
@@ -397,7 +399,7 @@ class Core:
                 f"job {name!r} already has world size {job.world_size}, cannot declare {world_size}",
             )
         job.world_size = world_size
-        job.world_fixed_by = "the coordinator's --world-size"
+        job.world_fixed_by = _DECLARED
         self._changed()
 
     def register(self, now: float, request: Registration) -> Registered:
@@ -461,6 +463,8 @@ class Core:
 
         # A refused first registration must not leave an empty job behind.
         job = self.jobs.get(r.job) or self._new_job(r.job, insert=False)
+        if job.processes and not any(p.alive for p in job.processes.values()):
+            self._start_afresh(job)
         declared = f"{r.num_tasks} tasks x {r.devices_per_task} devices = {world_size}"
         if job.world_size is not None and job.world_size != world_size:
             raise CoreError(
@@ -479,6 +483,8 @@ class Core:
 
         owner = job.tasks.get(r.task_id)
         process = job.processes.get(r.incarnation)
+        if process is not None:
+            self._process(job, r.incarnation, now)  # a dead process cannot add threads
         replaced = None
         if owner is not None and owner != r.incarnation:
             holder = job.processes[owner]
@@ -492,7 +498,7 @@ class Core:
                 )
                 raise CoreError(
                     Code.ALREADY_EXISTS,
-                    f"ordinals {first}-{first + r.devices_per_task - 1} (task {r.task_id}) are "
+                    f"{_ordinals_word(range(first, first + r.devices_per_task))} (task {r.task_id}) are "
                     f"already registered by {holder.label()} (local rank {holder.local_rank}); "
                     f"{r.host} pid {r.pid} (local rank {r.local_rank}) claims the same task: two "
                     "processes share one task id; check CLOUD_TPU_TASK_ID, TPU_WORKER_ID and "
@@ -661,9 +667,8 @@ class Core:
                 f"job {job!r} moved from generation {generation} to {state.generation} "
                 f"({self._generation_reason(state)}); rounds of the old generation are void",
             )
-        if state.world_size is None:  # unreachable while a process is registered; kept as a guard
-            raise CoreError(Code.FAILED_PRECONDITION, f"job {job!r} has no world size yet")
         world = state.world_size
+        assert world is not None  # a registered process fixed it
         if round_number < 0:
             raise CoreError(Code.INVALID_ARGUMENT, f"round number must be >= 0, got {round_number}")
         if not contributions:
@@ -748,6 +753,7 @@ class Core:
             return rnd.key
         dead = self._dead_members(state, rnd)
         if dead:
+            rnd.arrivals.update((c.ordinal, c) for c in contributions)  # names the tag in the message
             self._fail(state, rnd, self._death_error(state, rnd, dead))
             return rnd.key
         for c in contributions:
@@ -946,36 +952,59 @@ class Core:
                         f"no heartbeat for {silent:.1f} s (heartbeat timeout {self.heartbeat_timeout:g} s)",
                     )
 
-    def declare_dead(self, job_name: str, incarnation: str, reason: str) -> None:
-        """Marks a process dead and fails every pending round that needs its ordinals."""
+    def declare_dead(self, job_name: str, incarnation: str, reason: str, *, left: bool = False) -> None:
+        """Marks a process dead (or gone, ``left``) and fails every pending round that needs
+        its ordinals."""
         job = self._job(job_name)
         process = job.processes[incarnation]
         if not process.alive:
             return
         process.alive = False
+        process.left = left
         process.death = reason
         job.dead |= process.ordinals
         message = (
             f"{_ordinals_word(sorted(process.ordinals))} ({process.label()}, task "
-            f"{process.task_id}) died: {reason}"
+            f"{process.task_id}) {'left' if left else 'died'}: {reason}"
         )
-        self._event(job, "PROCESS_DEAD", process, message)
+        self._event(job, "PROCESS_LEFT" if left else "PROCESS_DEAD", process, message)
         for rnd in list(job.pending.values()):
             dead = self._dead_members(job, rnd)
             if dead:
                 self._fail(job, rnd, self._death_error(job, rnd, dead))
+
+    def leave(self, job_name: str, incarnation: str) -> None:
+        """A process is done: its ordinals are gone now, not after the heartbeat timeout."""
+        job = self._job(job_name)
+        if incarnation in job.processes:
+            self.declare_dead(job_name, incarnation, "its client closed", left=True)
+
+    def _start_afresh(self, job: Job) -> None:
+        """Every process of the job left or died: a new run starts from an empty rank table
+        (keys stay: a new run may have written some before registering)."""
+        error = CoreError(Code.ABORTED, f"job {job.name!r} starts afresh: every process of the last run is gone")
+        for rnd in list(job.pending.values()):
+            self._fail(job, rnd, error)
+        job.processes.clear()
+        job.tasks.clear()
+        job.members.clear()
+        job.dead.clear()
+        job.blocked.clear()
+        if job.world_fixed_by != _DECLARED:
+            job.world_size = None
+            job.devices_per_task = None
+        job.generation += 1
+        self._changed()
 
     @staticmethod
     def _dead_members(job: Job, rnd: Round) -> list[int]:
         return sorted(o for o in job.dead if rnd.has_member(o))
 
     def _death_error(self, job: Job, rnd: Round, dead: list[int]) -> CoreError:
-        deaths = "; ".join(
-            f"{_ordinals_word(sorted(p.ordinals))} on {p.label()}: {p.death}"
-            for p in job.processes.values()
-            if not p.alive and p.ordinals & set(dead)
-        )
-        return CoreError(Code.ABORTED, f"{rnd.describe()} cannot complete: a member died ({deaths})")
+        gone = [p for p in job.processes.values() if not p.alive and p.ordinals & set(dead)]
+        deaths = "; ".join(f"{_ordinals_word(sorted(p.ordinals))} on {p.label()}: {p.death}" for p in gone)
+        verb = "left" if all(p.left for p in gone) else "died"
+        return CoreError(Code.ABORTED, f"{rnd.describe()} cannot complete: a member {verb} ({deaths})")
 
     def _replace(self, job: Job, old: Process, newcomer: str, now: float) -> None:
         """A new incarnation takes over a dead process's task: a new generation begins."""

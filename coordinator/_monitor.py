@@ -16,6 +16,7 @@ Events (the ``event`` field of JSON log lines; registration is logged by the ser
 ``round_failed``       WARNING  a round failed (timeout, mismatch, death, restart)
 ``process_dead``       WARNING  a process missed its heartbeat deadline
 ``process_restarted``  WARNING  a new process took over a dead one's task
+``process_left``       INFO     a process closed its client (its ordinals are gone)
 =====================  =======  ================================================
 
 Thread safety: none needed; everything runs on the coordinator's event loop.
@@ -134,10 +135,11 @@ class Monitor:
         events = self._core.events(job_name, self._events_seen.get(job_name, 0))
         self._events_seen[job_name] = self._events_seen.get(job_name, 0) + len(events)
         for event in events:
-            name = "process_dead" if event.kind == "PROCESS_DEAD" else "process_restarted"
-            log.warning(
+            name = event.kind.lower()  # process_dead, process_left, process_restarted
+            log.log(
+                logging.INFO if event.kind == "PROCESS_LEFT" else logging.WARNING,
                 "%s in job %r: %s",
-                "process dead" if name == "process_dead" else "process restarted",
+                name.replace("_", " "),
                 job_name,
                 event.message,
                 extra={

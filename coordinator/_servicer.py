@@ -236,19 +236,21 @@ class Servicer(pb_grpc.CoordinatorServicer):
     async def Rendezvous(self, request: pb.RendezvousRequest, context) -> pb.RendezvousResponse:
         timeout = _timeout(request)
         now = self._clock()
-        key = self._core.arrive(
-            now,
-            job=request.job,
-            incarnation=request.incarnation,
-            replicas=request.replicas,
-            round_number=request.round,
-            contributions=[
-                Contribution(ordinal=c.ordinal, tag=c.tag, payload=c.payload) for c in request.contributions
-            ],
-            deadline=None if timeout is None else now + timeout,
-            generation=request.generation,
-        )
-        self._wake()
+        try:
+            key = self._core.arrive(
+                now,
+                job=request.job,
+                incarnation=request.incarnation,
+                replicas=request.replicas,
+                round_number=request.round,
+                contributions=[
+                    Contribution(ordinal=c.ordinal, tag=c.tag, payload=c.payload) for c in request.contributions
+                ],
+                deadline=None if timeout is None else now + timeout,
+                generation=request.generation,
+            )
+        finally:
+            self._wake()  # a refused call may have failed its peers' round: release them now
         while (rnd := self._core.outcome(request.job, key)) is None:
             if not await self._wait(("round", request.job, *key), self._core.deadline(request.job, key)):
                 self._core.expire(self._clock())
@@ -278,6 +280,13 @@ class Servicer(pb_grpc.CoordinatorServicer):
         return pb.HeartbeatResponse(
             generation=generation, heartbeat_timeout=self._core.heartbeat_timeout or 0.0
         )
+
+    @_translated
+    async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveResponse:
+        self._core.leave(request.job, request.incarnation)
+        self._wake()
+        await self._persist()
+        return pb.LeaveResponse()
 
     async def Watch(self, request: pb.WatchRequest, context):
         """Streams the job's events (deaths, restarts) from the moment of the call on."""

@@ -95,6 +95,7 @@ def snapshot(core: Core) -> dict:
                         "local_rank": p.local_rank,
                         "ordinals": sorted(p.ordinals),
                         "alive": p.alive,
+                        "left": p.left,
                         "death": p.death,
                     }
                     for p in job.processes.values()
@@ -149,6 +150,7 @@ def restore(
                 last_seen=now,
                 ordinals=set(p["ordinals"]),
                 alive=p["alive"],
+                left=p["left"],
                 death=p["death"],
             )
         job.tasks = {int(t): i for t, i in d["tasks"].items()}

@@ -409,7 +409,7 @@ def test_json_log_lines_for_each_significant_event():
 
         waiter, outcome = bound_thread(first, 0, stuck)
         late = json.loads(server.wait_for_line(r'"event": "round_late"'))
-        second.close()  # its heartbeats stop: declared dead after 1 s
+        second.close(leave=False)  # its heartbeats stop: declared dead after 1 s
         dead = json.loads(server.wait_for_line(r'"event": "process_dead"'))
         failed = json.loads(server.wait_for_line(r'"event": "round_failed"'))
         waiter.join(30)

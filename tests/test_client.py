@@ -235,3 +235,55 @@ def test_a_long_wait_keeps_its_full_retry_budget_across_a_coordinator_restart(tm
         a.close()
         b.close()
         second.stop()
+
+
+def test_a_refused_caller_releases_waiting_peers_at_once(coordinator):
+    """A caller outside `replicas` fails the round its peers wait in; they learn it at once, not at their deadline."""
+    peer = make_client(coordinator.address, tasks=3, task=0, timeout=30)
+    outsider = make_client(coordinator.address, tasks=3, task=2, timeout=30)
+    outcome = {}
+
+    def wait_in_pair():
+        with peer.bind_thread(0) as binding:
+            started = time.monotonic()
+            try:
+                peer.rendezvous(binding, "pair", b"", replicas=[0, 1])
+            except pr.InvalidArgumentError as exc:
+                outcome["error"], outcome["after"] = str(exc), time.monotonic() - started
+
+    waiter = threading.Thread(target=wait_in_pair)
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while not outsider.status("").jobs or not outsider.status("").jobs[0].pending_rounds:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    with outsider.bind_thread(0) as binding:
+        with pytest.raises(pr.InvalidArgumentError, match="ordinal 2 called rendezvous"):
+            outsider.rendezvous(binding, "pair", b"", replicas=[0, 1])
+    waiter.join(30)
+    assert "ordinal 2 called rendezvous('pair') with replicas [0-1] but is not among them" in outcome["error"]
+    assert outcome["after"] < 10
+    peer.close()
+    outsider.close()
+
+
+def test_a_second_run_of_a_job_starts_afresh(coordinator):
+    """Processes that close their clients leave the job; the next run registers the same
+    tasks on the same coordinator and meets in a new generation."""
+    for run in range(3):
+        clients = [make_client(coordinator.address, tasks=2, task=t, timeout=30) for t in range(2)]
+        results = {}
+
+        def member(t):
+            with clients[t].bind_thread(0) as binding:
+                results[t] = clients[t].rendezvous(binding, "hello", b"run%d-%d" % (run, t))
+
+        threads = [threading.Thread(target=member, args=(t,)) for t in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert results == {t: [b"run%d-0" % run, b"run%d-1" % run] for t in range(2)}
+        assert clients[0].generation == run + 1
+        for c in clients:
+            c.close()

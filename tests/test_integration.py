@@ -182,9 +182,9 @@ def test_threads_of_one_process_share_one_rpc_per_round(coordinator):
     client = pr.Client(pr.Settings(address=coordinator.address, timeout=30), topology)
     original = client._send_round
 
-    def counting(replicas, round_number, batch):
+    def counting(replicas, group, round_number, batch):
         calls.append(sorted(batch.contributions))
-        return original(replicas, round_number, batch)
+        return original(replicas, group, round_number, batch)
 
     client._send_round = counting  # observation only: the real RPC still goes out
     results = {}

@@ -222,7 +222,7 @@ def test_dead_processes_and_generation_are_counted():
         bound_thread(second, 0)
         job = {"job": "default"}
         assert value(scrape(coordinator.metrics_port), "pjrt_rendezvous_processes", **job, state="alive") == 2
-        second.close()
+        second.close(leave=False)  # heartbeats stop without a goodbye
         wait_until(
             lambda: value(scrape(coordinator.metrics_port), "pjrt_rendezvous_processes", **job, state="dead") == 1,
             what="a dead process",

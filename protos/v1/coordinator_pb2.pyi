@@ -151,6 +151,18 @@ class HeartbeatResponse(_message.Message):
     heartbeat_timeout: float
     def __init__(self, generation: _Optional[int] = ..., heartbeat_timeout: _Optional[float] = ...) -> None: ...
 
+class LeaveRequest(_message.Message):
+    __slots__ = ("job", "incarnation")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    incarnation: str
+    def __init__(self, job: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class WatchRequest(_message.Message):
     __slots__ = ("job", "incarnation")
     JOB_FIELD_NUMBER: _ClassVar[int]
@@ -167,10 +179,12 @@ class WatchEvent(_message.Message):
         PROCESS_DEAD: _ClassVar[WatchEvent.Kind]
         PROCESS_RESTARTED: _ClassVar[WatchEvent.Kind]
         WORLD_COMPLETE: _ClassVar[WatchEvent.Kind]
+        PROCESS_LEFT: _ClassVar[WatchEvent.Kind]
     KIND_UNSPECIFIED: WatchEvent.Kind
     PROCESS_DEAD: WatchEvent.Kind
     PROCESS_RESTARTED: WatchEvent.Kind
     WORLD_COMPLETE: WatchEvent.Kind
+    PROCESS_LEFT: WatchEvent.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     ORDINALS_FIELD_NUMBER: _ClassVar[int]

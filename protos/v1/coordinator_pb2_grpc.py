@@ -59,6 +59,11 @@ class CoordinatorStub:
                 request_serializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.WatchRequest.SerializeToString,
                 response_deserializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.WatchEvent.FromString,
                 _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/pjrt_rendezvous.v1.Coordinator/Leave',
+                request_serializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.LeaveResponse.FromString,
+                _registered_method=True)
         self.KvSet = channel.unary_unary(
                 '/pjrt_rendezvous.v1.Coordinator/KvSet',
                 request_serializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.KvSetRequest.SerializeToString,
@@ -134,6 +139,15 @@ class CoordinatorServicer:
 
     def Watch(self, request, context):
         """Streams job events (failures) to a process even when it is not waiting.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Leave(self, request, context):
+        """A process is done: its ordinals leave the job at once (no heartbeat timeout to wait
+        out). When every process of a job has left or died, the next registration starts the
+        job afresh.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -215,6 +229,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.WatchRequest.FromString,
                     response_serializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.WatchEvent.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.LeaveRequest.FromString,
+                    response_serializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.LeaveResponse.SerializeToString,
             ),
             'KvSet': grpc.unary_unary_rpc_method_handler(
                     servicer.KvSet,
@@ -392,6 +411,33 @@ class Coordinator:
             '/pjrt_rendezvous.v1.Coordinator/Watch',
             pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.WatchRequest.SerializeToString,
             pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.WatchEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pjrt_rendezvous.v1.Coordinator/Leave',
+            pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.LeaveRequest.SerializeToString,
+            pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.LeaveResponse.FromString,
             options,
             channel_credentials,
             insecure,
