@@ -275,11 +275,13 @@ class Client:
         while not self._stopped.wait(interval):
             try:
                 response = self._call("Heartbeat", request)
+            except ValueError:  # the channel was closed under us: close() was called
+                return
             except RendezvousError as exc:
                 if self._stopped.is_set():
                     return
                 log.warning("heartbeat to %s failed: %s", self.settings.address, exc)
-                if isinstance(exc, (UsageError,)) or getattr(exc, "code", "") == "ABORTED":
+                if isinstance(exc, UsageError) or getattr(exc, "code", "") == "ABORTED":
                     return  # declared dead or closed: nothing left to keep alive
                 continue
             self._adopt_generation(response.generation)

@@ -399,7 +399,7 @@ def test_every_serve_option_has_a_variable():
 def test_json_log_lines_for_each_significant_event():
     """`--log-format json`: registration, world formed, round late (with missing ordinals),
     process dead, round failed and process restarted each give one JSON line with their fields."""
-    with Serve("--log-format", "json", "--late-after", "0.5", "--heartbeat-timeout", "1") as server:
+    with Serve("--log-format", "json", "--late-after", "0.5", "--heartbeat-timeout", "3") as server:
         first = simulated_process(server.address, 0, processes=2, threads=1)
         second = simulated_process(server.address, 1, processes=2, threads=1)
         bound_thread(second, 0)
@@ -409,7 +409,7 @@ def test_json_log_lines_for_each_significant_event():
 
         waiter, outcome = bound_thread(first, 0, stuck)
         late = json.loads(server.wait_for_line(r'"event": "round_late"'))
-        second.close(leave=False)  # its heartbeats stop: declared dead after 1 s
+        second.close(leave=False)  # its heartbeats stop: declared dead after 3 s
         dead = json.loads(server.wait_for_line(r'"event": "process_dead"'))
         failed = json.loads(server.wait_for_line(r'"event": "round_failed"'))
         waiter.join(30)

@@ -215,7 +215,7 @@ def test_metrics_move_during_a_real_job():
 
 def test_dead_processes_and_generation_are_counted():
     """A process that stops heartbeating shows as dead; its replacement raises the generation."""
-    with Coordinator(port=0, metrics_port=0, heartbeat_timeout=1.0) as coordinator:
+    with Coordinator(port=0, metrics_port=0, heartbeat_timeout=3.0) as coordinator:
         first = simulated_process(coordinator.address, 0, processes=2, threads=1)
         second = simulated_process(coordinator.address, 1, processes=2, threads=1)
         bound_thread(first, 0)

@@ -17,7 +17,9 @@ from pjrt_rendezvous.client._demo import simulated_env
 from pjrt_rendezvous.coordinator import Coordinator
 
 WORKER = pathlib.Path(__file__).with_name("pod_worker.py")
-HEARTBEAT_TIMEOUT = 1.0
+# Short enough for quick trials, long enough that a loaded 2-core machine does not delay a
+# live process's heartbeats (every timeout / 3) past it.
+HEARTBEAT_TIMEOUT = 3.0
 KILL_TRIALS = int(os.environ.get("PJRT_RENDEZVOUS_KILL_TRIALS", "5"))
 
 

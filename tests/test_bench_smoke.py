@@ -1,0 +1,135 @@
+"""Smoke run of the side-by-side benchmark (bench/run.py --smoke): the harness runs end to end
+with every peer that is installed and writes complete, well-formed tables. Never asserts a speed."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RUN = ROOT / "bench" / "run.py"
+
+_NUMBER = re.compile(r"^\d+(\.\d+)?( \(\d+(\.\d+)?\))?$")  # "1.23" or "1.23 (4.56)"
+_EXPLAINED = re.compile(r"^(n/a|skipped): \S")  # a cell a peer could not fill says why
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except Exception:
+        return False
+    return True
+
+
+def _installed_systems() -> list[str]:
+    systems = ["ours"]
+    if _importable("torch.distributed"):
+        systems += ["tcpstore/thread", "tcpstore/process"]
+    if _importable("jaxlib._jax"):
+        systems.append("jax/process")
+    return systems
+
+
+def _tables(text: str) -> dict[str, list[list[str]]]:
+    """Markdown tables by the heading above them: rows of stripped cells (header first)."""
+    tables: dict[str, list[list[str]]] = {}
+    heading = None
+    current: list[list[str]] | None = None
+    for line in text.splitlines():
+        if line.startswith("#"):
+            heading, current = line.lstrip("#").strip(), None
+        elif line.startswith("|"):
+            if current is None:
+                current = tables.setdefault(heading, [])
+            current.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+        else:
+            current = None
+    return tables
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    systems = _installed_systems()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(RUN),
+            "--smoke",
+            "--systems",
+            ",".join(systems),
+            "--output",
+            str(out / "RESULTS.md"),
+            "--json",
+            str(out / "raw.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return systems, (out / "RESULTS.md").read_text(), json.loads((out / "raw.json").read_text())
+
+
+def test_every_table_is_complete_and_well_formed(smoke):
+    """Every table has a header, a separator and rows of the header's width, with no empty cell."""
+    _, text, _ = smoke
+    tables = _tables(text)
+    assert tables, text
+    for heading, rows in tables.items():
+        header, separator, body = rows[0], rows[1], rows[2:]
+        assert all(set(c) <= {"-", ":"} and c for c in separator), heading
+        assert len(separator) == len(header), heading
+        assert body, f"table {heading!r} has no rows"
+        for row in body:
+            assert len(row) == len(header), f"{heading!r}: {row} does not match {header}"
+            assert all(cell for cell in row), f"{heading!r}: empty cell in {row}"
+
+
+def test_each_workload_has_a_row_per_size_and_a_cell_per_system(smoke):
+    """The workload tables cover the smoke size; ours is measured, a peer is measured or says why."""
+    systems, text, _ = smoke
+    tables = _tables(text)
+    for title in ("Barrier", "Rendezvous with 1 KiB", "Key-value", "World formation"):
+        matches = [rows for heading, rows in tables.items() if heading.startswith(title)]
+        assert len(matches) == 1, f"no single table for {title!r}: {list(tables)}"
+        header, body = matches[0][0], matches[0][2:]
+        assert [row[0] for row in body] == ["2x1"], body
+        for row in body:
+            cells = dict(zip(header, row))
+            ours = cells.get("ours p50") or cells.get("ours")
+            assert _NUMBER.match(ours), f"{title}: ours not measured: {row}"
+            for name in ("TCPStore p50", "JAX p50", "TCPStore", "JAX"):
+                if name in cells:
+                    cell = cells[name]
+                    assert _NUMBER.match(cell) or _EXPLAINED.match(cell), f"{title}: {name} = {cell!r}"
+            ratio = cells.get("ours/best p50") or cells["ours/best (formation)"]
+            assert ratio == "—" or re.match(r"^\d+\.\d\d$", ratio), f"{title}: ratio {ratio!r}"
+            if len(systems) > 1 and title != "World formation":
+                assert ratio != "—", f"{title}: a peer is installed but no ratio: {row}"
+
+
+def test_header_names_machine_versions_and_command(smoke):
+    """RESULTS.md says where and how it was measured."""
+    _, text, _ = smoke
+    assert "python bench/run.py --smoke" in text
+    for word in ("cores", "memory", "Python", "grpcio", "torch", "jax"):
+        assert word in text, word
+
+
+def test_scale_and_server_cpu_tables_are_present(smoke):
+    """The scale run and the side-by-side server CPU tables are written, ours measured."""
+    _, text, raw = smoke
+    tables = _tables(text)
+    assert any(h.startswith("Scale") for h in tables), list(tables)
+    assert any(h.startswith("Server CPU per barrier round") for h in tables), list(tables)
+    assert any(h.startswith("Server process CPU per round") for h in tables), list(tables)
+    scale = raw["scale"]["sizes"]
+    assert scale and all("error" not in entry["ours"] for entry in scale.values()), scale
