@@ -7,7 +7,7 @@ DEPS_HASH := $(shell cat pyproject.toml .ci/requirements-test.txt | sha256sum | 
 CACHE ?= $(HOME)/.cache/pjrt-rendezvous
 TEST_VENV ?= $(CACHE)/test-venv-$(DEPS_HASH)
 
-.PHONY: demo test test-fast protos clean
+.PHONY: demo test test-fast protos clean print-venv
 
 .venv/.installed: pyproject.toml
 	$(PYTHON) -m venv .venv
@@ -44,3 +44,6 @@ protos: $(TEST_VENV)/.installed
 
 clean:
 	rm -rf .venv build *.egg-info .pytest_cache .hypothesis
+
+print-venv:
+	@echo $(TEST_VENV)

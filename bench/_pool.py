@@ -1,0 +1,212 @@
+"""Real worker processes (the "processes" of a size) and one benchmark session in each.
+
+The harness imports every library once, then forks the P workers of a size from itself, so
+32 processes do not each spend seconds importing torch and jax on a 2-core machine (nothing
+has opened a channel or started a server in the parent when it forks). A worker serves
+sessions until told to stop: one session = one system, all its workloads, from a fresh
+server. Each session runs T threads per worker.
+
+Timeline of a session (CLOCK_MONOTONIC is one clock for every process of the machine):
+  parent sends the spec; every worker builds its threads and says "ready"; the parent
+  notes t_go and sets the go event; workers connect (connection time), then every
+  thread publishes its ordinal and learns the world (world formation); then each
+  workload runs `warmup` untimed rounds and `rounds` timed ones. Ordinal 0 times its
+  calls and reads the server's CPU time (/proc) at the first and last timed round.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import time
+import traceback
+
+import _peers
+from _servers import cpu_seconds
+
+WORKLOADS = ("barrier", "allgather", "kv")
+
+
+def _thread_main(system, spec, t: int, state: dict) -> None:
+    p, N = system.p, system.N
+    first = p == 0 and t == 0
+    state["released"].wait()
+    if system.per_thread_clients:
+        system.connect_thread(t)
+    state["t_conn"][t] = time.monotonic()
+    known = system.form_world(t)
+    state["t_known"][t] = time.monotonic()
+    if known != N:
+        raise RuntimeError(f"thread {t} learned {known} ordinals, expected {N}")
+    payload = _peers.payload_for(system.ordinal(t), spec["payload_size"])
+    warmup, rounds = spec["warmup"], spec["rounds"]
+    for workload in spec["workloads"]:
+        samples = []
+        cpu0 = wall0 = 0.0
+        result = None
+        for r in range(warmup + rounds):
+            if first and r == warmup:
+                cpu0, wall0 = cpu_seconds(spec["server_pid"]), time.monotonic()
+            started = time.perf_counter()
+            if workload == "barrier":
+                system.barrier(t, r)
+            elif workload == "allgather":
+                result = system.allgather(t, r, payload)
+            else:
+                result = system.kv(t, r)
+            samples.append(time.perf_counter() - started)
+        if workload == "allgather":
+            if len(result) != N or any(result[i][:8] != b"%08d" % i for i in (0, N // 2, N - 1)):
+                raise RuntimeError(f"all-gather returned a wrong result ({len(result)} payloads)")
+        elif workload == "kv" and result != _peers.KV_VALUE:
+            raise RuntimeError(f"kv get returned {result[:16]!r}")
+        if first:
+            state["samples"][workload] = samples[warmup:]
+            state["cpu"][workload] = (cpu_seconds(spec["server_pid"]) - cpu0, time.monotonic() - wall0)
+    system.close_thread(t)
+
+
+def run_session(p: int, spec: dict, conn, go) -> dict:
+    cls = _peers.SYSTEMS[spec["system"]]
+    system = cls(
+        address=spec["address"], process=p, processes=spec["P"], threads=spec["T"], job=spec["job"]
+    )
+    T = spec["T"]
+    state = {
+        "released": threading.Event(),
+        "t_conn": [None] * T,
+        "t_known": [None] * T,
+        "samples": {},
+        "cpu": {},
+    }
+    errors: list[str] = []
+
+    def guarded(t: int) -> None:
+        try:
+            _thread_main(system, spec, t, state)
+        except BaseException:
+            errors.append(f"process {p} thread {t}: {traceback.format_exc(limit=6)}")
+            state["released"].set()
+
+    threads = [threading.Thread(target=guarded, args=(t,), daemon=True) for t in range(T)]
+    for th in threads:
+        th.start()
+    conn.send("ready")
+    go.wait()
+    try:
+        system.connect_process()
+    except BaseException:
+        errors.append(f"process {p} connect: {traceback.format_exc(limit=6)}")
+    t_process_connected = time.monotonic()
+    state["released"].set()
+    deadline = time.monotonic() + spec["budget"]
+    for th in threads:
+        th.join(max(0.0, deadline - time.monotonic()))
+    if any(th.is_alive() for th in threads):
+        errors.append(f"process {p}: threads still running after {spec['budget']:.0f} s")
+    else:
+        try:
+            system.close_process()
+        except BaseException:
+            errors.append(f"process {p} close: {traceback.format_exc(limit=6)}")
+    if errors:
+        return {"error": errors[0]}
+    return {
+        "t_connected": max([t_process_connected] + state["t_conn"]),
+        "t_known": max(state["t_known"]),
+        "samples": state["samples"],
+        "cpu": state["cpu"],
+    }
+
+
+def _worker_main(p: int, conn, go) -> None:
+    while True:
+        spec = conn.recv()
+        if spec is None:
+            return
+        try:
+            result = run_session(p, spec, conn, go)
+        except BaseException:
+            result = {"error": f"process {p}: {traceback.format_exc(limit=6)}"}
+        conn.send(result)
+        if "error" in result:
+            os._exit(1)  # threads may be stuck in a peer's C++ call: never reuse this process
+
+
+class SessionFailed(Exception):
+    pass
+
+
+class Pool:
+    """P forked worker processes; ``session(spec)`` runs one system across all of them."""
+
+    def __init__(self, processes: int) -> None:
+        self.P = processes
+        self._ctx = multiprocessing.get_context("fork")
+        self._start()
+
+    def _start(self) -> None:
+        self._go = self._ctx.Event()
+        self._conns = []
+        self._procs = []
+        for p in range(self.P):
+            parent, child = self._ctx.Pipe()
+            proc = self._ctx.Process(target=_worker_main, args=(p, child, self._go), daemon=True)
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+
+    def _recv_all(self, deadline: float, what: str) -> list:
+        out = []
+        for p, conn in enumerate(self._conns):
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                raise SessionFailed(f"process {p} gave no {what} within the budget (infeasible here?)")
+            try:
+                out.append(conn.recv())
+            except EOFError:
+                raise SessionFailed(f"process {p} died") from None
+        return out
+
+    def session(self, spec: dict) -> dict:
+        """Runs one session; returns {t_go, connect_s, formation_s, samples, cpu}."""
+        self._go.clear()
+        try:
+            for conn in self._conns:
+                conn.send(spec)
+            self._recv_all(time.monotonic() + 60, "ready")
+            t_go = time.monotonic()
+            self._go.set()
+            results = self._recv_all(time.monotonic() + spec["budget"] + 15, "result")
+        except (SessionFailed, OSError) as exc:
+            self.restart()
+            raise SessionFailed(str(exc)) from None
+        failed = [r["error"] for r in results if "error" in r]
+        if failed:
+            self.restart()
+            raise SessionFailed(failed[0])
+        return {
+            "connect_s": max(r["t_connected"] for r in results) - t_go,
+            "formation_s": max(r["t_known"] for r in results) - t_go,
+            "samples": results[0]["samples"],
+            "cpu": results[0]["cpu"],
+        }
+
+    def restart(self) -> None:
+        self.close(force=True)
+        self._start()
+
+    def close(self, force: bool = False) -> None:
+        for conn in self._conns:
+            try:
+                if not force:
+                    conn.send(None)
+                conn.close()
+            except OSError:
+                pass
+        for proc in self._procs:
+            proc.join(0 if force else 10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()

@@ -1,0 +1,125 @@
+"""The floor under any grpc.aio coordinator: server CPU per message of an echo server.
+
+    python bench/grpc_floor.py [--clients 8,64] [--rounds 300] [--uvloop]
+
+N clients (each its own connection) make one call per round, all at once, like a barrier;
+the server only echoes. Compares a unary call per round with one long-lived bidirectional
+stream per client (one message each way per round). Whatever our servicer does comes on
+top of these numbers, so they bound what Python-level optimization can reach and tell
+whether "one stream per process" (issue 5) is worth its protocol change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from _servers import cpu_seconds  # noqa: E402
+
+
+async def _serve() -> None:
+    import grpc
+
+    async def unary(request, context):
+        return request
+
+    async def bidi(requests, context):
+        async for message in requests:
+            yield message
+
+    handler = grpc.method_handlers_generic_handler(
+        "floor",
+        {
+            "Unary": grpc.unary_unary_rpc_method_handler(unary),
+            "Bidi": grpc.stream_stream_rpc_method_handler(bidi),
+        },
+    )
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await server.stop(None)
+
+
+async def _drive(port: int, pid: int, clients: int, rounds: int, mode: str, payload: bytes) -> tuple[float, float]:
+    import grpc
+
+    channels = [
+        grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(clients)
+    ]
+    await asyncio.gather(*(c.channel_ready() for c in channels))
+    if mode == "unary":
+        calls = [c.unary_unary("/floor/Unary") for c in channels]
+
+        async def one(call):
+            await call(payload)
+
+    else:
+        calls = [c.stream_stream("/floor/Bidi")() for c in channels]
+
+        async def one(call):
+            await call.write(payload)
+            await call.read()
+
+    for _ in range(20):
+        await asyncio.gather(*(one(c) for c in calls))
+    cpu0, t0 = cpu_seconds(pid), time.monotonic()
+    for _ in range(rounds):
+        await asyncio.gather(*(one(c) for c in calls))
+    wall, cpu = time.monotonic() - t0, cpu_seconds(pid) - cpu0
+    if mode == "bidi":
+        for c in calls:
+            await c.done_writing()
+    await asyncio.gather(*(c.close() for c in channels))
+    return wall / rounds, cpu / rounds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", default="8,64")
+    parser.add_argument("--rounds", type=int, default=300)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--payload", type=int, default=64)
+    parser.add_argument("--uvloop", action="store_true", help="run the server on uvloop")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        if args.uvloop:
+            import uvloop
+
+            uvloop.install()
+        asyncio.run(_serve())
+        return 0
+    argv = [sys.executable, os.path.abspath(__file__), "--serve"] + (["--uvloop"] if args.uvloop else [])
+    server = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        print("| clients | mode | round (ms) | server CPU per round (ms) | server CPU per message (µs) |")
+        print("|---|---|---|---|---|")
+        for n in (int(x) for x in args.clients.split(",")):
+            results: dict[str, list] = {"unary": [], "bidi": []}
+            for rep in range(args.reps):  # alternate the modes
+                for mode in ("unary", "bidi") if rep % 2 == 0 else ("bidi", "unary"):
+                    results[mode].append(asyncio.run(_drive(port, server.pid, n, args.rounds, mode, b"x" * args.payload)))
+            for mode, values in results.items():
+                wall = sorted(v[0] for v in values)[len(values) // 2]
+                cpu = sorted(v[1] for v in values)[len(values) // 2]
+                print(f"| {n} | {mode} | {wall * 1e3:.2f} | {cpu * 1e3:.2f} | {cpu / n * 1e6:.0f} |")
+    finally:
+        server.stdin.close()
+        server.wait(10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
