@@ -285,6 +285,7 @@ class Job:
     world_fixed_by: str = ""
     devices_per_task: int | None = None
     generation: int = 1  # 0 on the wire means "not said"
+    formed: bool = False  # the world was complete in this generation (a run took place)
     processes: dict[str, Process] = dataclasses.field(default_factory=dict)
     tasks: dict[int, str] = dataclasses.field(default_factory=dict)  # task id -> incarnation
     members: dict[int, Member] = dataclasses.field(default_factory=dict)
@@ -463,7 +464,10 @@ class Core:
 
         # A refused first registration must not leave an empty job behind.
         job = self.jobs.get(r.job) or self._new_job(r.job, insert=False)
-        if job.processes and not any(p.alive for p in job.processes.values()):
+        if job.formed and not any(p.alive for p in job.processes.values()):
+            # A run formed and every process of it is gone: this is a new run. (A process that
+            # fails or leaves before the world ever formed does not end the run: late members
+            # still join it, and learn at once that a member is gone.)
             self._start_afresh(job)
         declared = f"{r.num_tasks} tasks x {r.devices_per_task} devices = {world_size}"
         if job.world_size is not None and job.world_size != world_size:
@@ -567,6 +571,7 @@ class Core:
             job.members[member.ordinal] = member
             process.ordinals.add(member.ordinal)
         if new_members and job.complete:
+            job.formed = True
             self._wakeups.append(("world", job.name))
         return Registered(world_size=world_size, assignments=tuple(assignments), generation=job.generation)
 
@@ -994,6 +999,7 @@ class Core:
             job.world_size = None
             job.devices_per_task = None
         job.generation += 1
+        job.formed = False
         self._changed()
 
     @staticmethod

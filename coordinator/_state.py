@@ -85,6 +85,7 @@ def snapshot(core: Core) -> dict:
                 "world_fixed_by": job.world_fixed_by,
                 "devices_per_task": job.devices_per_task,
                 "generation": job.generation,
+                "formed": job.formed,
                 "rounds_completed": job.rounds_completed,
                 "processes": [
                     {
@@ -137,6 +138,7 @@ def restore(
             world_fixed_by=d["world_fixed_by"],
             devices_per_task=d["devices_per_task"],
             generation=d["generation"],
+            formed=d["formed"],
             rounds_completed=d["rounds_completed"],
         )
         for p in d["processes"]:

@@ -1324,3 +1324,16 @@ def test_a_single_tag_deviation_fails_that_round_for_every_member_alike(program,
             assert all(outcome.seen[(call.index, o)] == expected for o in call.members), call
     assert round_wakeups(outcome) == collections.Counter((c.group, c.number) for c in calls)
     assert outcome.core.status(1e6, JOB)[0].rounds_completed == len(calls) - 1
+
+
+def test_a_finished_run_starts_afresh_but_an_unformed_one_does_not():
+    """When every process of a formed world is gone, the next registration starts a new run;
+    a process gone before the world formed does not reset it, so late members join its run."""
+    core = Core()
+    core.register(0.0, registration(0, 2, 1))
+    core.leave(JOB, "inc-0")
+    core.register(1.0, registration(1, 2, 1))  # the world never formed: same run, same generation
+    assert core.jobs[JOB].generation == 1 and set(core.jobs[JOB].members) == {0, 1}
+    core.leave(JOB, "inc-1")
+    core.register(2.0, registration(0, 2, 1, incarnation="new-0"))  # formed, all gone: afresh
+    assert core.jobs[JOB].generation == 2 and set(core.jobs[JOB].members) == {0}
