@@ -1,6 +1,6 @@
 # Two environments:
 #   .venv                  the package alone (grpc, protobuf, tenacity): enough for `make demo`
-#   $(TEST_VENV)           + test tools + torch 2.9.0 + torch_xla 2.9.0 (about 7 GB, 3 min the
+#   $(TEST_VENV)           + test tools + torch 2.9.0 + torch_xla 2.9.0 + jax (about 8 GB, 3-5 min the
 #                          first time); kept in ~/.cache keyed by pyproject.toml so CI reuses it
 PYTHON ?= python3
 DEPS_HASH := $(shell cat pyproject.toml .ci/requirements-test.txt | sha256sum | cut -c1-12)
