@@ -30,7 +30,7 @@ from . import _api
 from ._client import Client
 from ._config import Settings
 from ._errors import RendezvousTimeout, UsageError
-from ._topology import DEFAULT_PORT, Topology
+from ._topology import DEFAULT_PORT, Topology, host_port
 
 SCHEME = "pjrt-rendezvous"
 DEFAULT_PREFIX = "torch.distributed"
@@ -188,7 +188,7 @@ def _address(parsed: urllib.parse.ParseResult, url: str) -> str:
         raise UsageError(f"{url!r}: {exc}") from None
     if not host:
         raise UsageError(f"{url!r} names no coordinator host: use {SCHEME}://HOST:PORT")
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return host_port(host, port)
 
 
 def _client_for(address: str, job: str | None) -> Client:

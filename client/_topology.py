@@ -245,7 +245,8 @@ def _parse_endpoints(text: str) -> tuple[str, ...]:
     return tuple(hosts)
 
 
-def _host_port(host: str, port: int) -> str:
+def host_port(host: str, port: int | str) -> str:
+    """``host:port``, with an IPv6 host in brackets (the one place that formats addresses)."""
     if ":" in host and not host.startswith("["):
         return f"[{host}]:{port}"
     return f"{host}:{port}"
@@ -447,7 +448,7 @@ def detect_topology(
     if address_raw is not None:
         resolved = _normalize_address(address_raw)
     elif hostnames:
-        resolved = _host_port(hostnames[0], DEFAULT_PORT)
+        resolved = host_port(hostnames[0], DEFAULT_PORT)
     else:
         resolved = f"localhost:{DEFAULT_PORT}"
 

@@ -658,7 +658,9 @@ def _spawn_error(results, failures, tracebacks, order, terminated, timed_out, ti
         lines.append(f"spawn(): timed out after {timeout} s")
     known = [o for o in terminated if o >= 0]
     if known:
-        lines.append(f"  stopped while still running: ordinals {_ranges(known)}")
+        from pjrt_rendezvous.coordinator._core import format_ranges
+
+        lines.append(f"  stopped while still running: ordinals {format_ranges(known)}")
     for unknown in sorted((o for o in terminated if o < 0), reverse=True):
         lines.append(f"  stopped while still starting: {_who(unknown)}")
     if failures and tracebacks.get(order[0]):
@@ -674,18 +676,6 @@ def _spawn_error(results, failures, tracebacks, order, terminated, timed_out, ti
 
 def _who(ordinal: int) -> str:
     return f"ordinal {ordinal}" if ordinal >= 0 else f"the process of task {-ordinal - 1}"
-
-
-def _ranges(ordinals: Sequence[int]) -> str:
-    ordinals = sorted(set(ordinals))
-    parts, start = [], None
-    for i, o in enumerate(ordinals):
-        if start is None:
-            start = o
-        if i + 1 == len(ordinals) or ordinals[i + 1] != o + 1:
-            parts.append(str(start) if start == o else f"{start}-{o}")
-            start = None
-    return ", ".join(parts)
 
 
 def _child_main(task: int, nprocs: int, env: dict, drop: list, payload: bytes, reports) -> None:

@@ -325,15 +325,12 @@ def _serve(args, env: Mapping[str, str]) -> int:
 
 def local_address(env: Mapping[str, str]) -> str:
     """Where ``serve`` run with ``env`` can be reached from this machine."""
-    from pjrt_rendezvous.client._topology import DEFAULT_PORT
+    from pjrt_rendezvous.client._topology import DEFAULT_PORT, host_port
 
     host = env.get(SERVE_VARIABLES["host"], "").strip()
     if host in ("", "0.0.0.0", "::", "[::]"):
         host = "127.0.0.1"
-    port = env.get(SERVE_VARIABLES["port"], "").strip() or str(DEFAULT_PORT)
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{host}:{port}"
+    return host_port(host, env.get(SERVE_VARIABLES["port"], "").strip() or DEFAULT_PORT)
 
 
 def _health(args, env: Mapping[str, str]) -> int:

@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pjrt_rendezvous.client._topology import host_port
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
 from . import _notify, _state
@@ -237,7 +238,7 @@ async def start_server(options: ServerOptions = ServerOptions(), *, core: Core |
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     host = options.host
-    address = f"[{host}]:{options.port}" if ":" in host and not host.startswith("[") else f"{host}:{options.port}"
+    address = host_port(host, options.port)
     if options.tls_cert is not None:
         credentials = grpc.ssl_server_credentials(
             [(options.tls_key, options.tls_cert)],
@@ -307,7 +308,7 @@ class Coordinator:
         if self._running is None:
             raise RuntimeError("the coordinator is not running; call start() first")
         host = "127.0.0.1" if self._options.host in ("0.0.0.0", "") else self._options.host
-        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        return host_port(host, self.port)
 
     def start(self) -> "Coordinator":
         started = threading.Event()
