@@ -602,6 +602,10 @@ class Core:
                 f"{thread.runtime_ordinal}; a thread must drive the device of its own index",
             )
 
+    def world_complete(self, job_name: str) -> bool:
+        """Whether every ordinal of the job is registered (cheap: no table is built)."""
+        return self._job(job_name).complete
+
     def world(self, job_name: str) -> list[ParticipantView] | None:
         """The full rank table once every ordinal is registered, else None."""
         job = self._job(job_name)
@@ -761,6 +765,10 @@ class Core:
             rnd.arrivals.update((c.ordinal, c) for c in contributions)  # names the tag in the message
             self._fail(state, rnd, self._death_error(state, rnd, dead))
             return rnd.key
+        # A pending round holds one tag (a second one fails it at once), so a mismatch is a
+        # contribution of this call that differs from any earlier arrival: checking the call
+        # alone keeps an arrival O(its contributions) instead of O(the round's arrivals).
+        tag = next(iter(rnd.arrivals.values())).tag if rnd.arrivals else contributions[0].tag
         for c in contributions:
             rnd.arrivals[c.ordinal] = c
             state.blocked[c.ordinal] = rnd.key
@@ -768,8 +776,9 @@ class Core:
             rnd.deadline = deadline
 
         tags: dict[str, list[int]] = collections.defaultdict(list)
-        for c in rnd.arrivals.values():
-            tags[c.tag].append(c.ordinal)
+        if any(c.tag != tag for c in contributions):
+            for c in rnd.arrivals.values():
+                tags[c.tag].append(c.ordinal)
         if len(tags) > 1:
             described = "; ".join(
                 f"{_ordinals_word(o)} called rendezvous({t!r})"

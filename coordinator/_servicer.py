@@ -73,6 +73,12 @@ def _translated(method):
     return handler
 
 
+def _serialize(message) -> bytes:
+    # A response shared by many callers (a finished round, the world table) is serialized
+    # once by the servicer and arrives here as bytes.
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
 def add_to_server(servicer: "Servicer", server) -> None:
     """Registers ``servicer`` like the generated helper does, but with request parsers that
     turn an unparsable body into INVALID_ARGUMENT instead of gRPC's UNKNOWN."""
@@ -85,13 +91,18 @@ def add_to_server(servicer: "Servicer", server) -> None:
         handlers[method.name] = factory(
             getattr(servicer, method.name),
             request_deserializer=_parser(getattr(pb, method.input_type.name)),
-            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
+            response_serializer=_serialize,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
 async def _nothing() -> None:
     return None
+
+
+def _expire(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(False)
 
 
 def _timeout(request) -> float | None:
@@ -126,6 +137,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
         # told is lost if the coordinator dies right after (the state file).
         self._persist = persist or _nothing
         self._waiters: dict[tuple, set[asyncio.Future]] = collections.defaultdict(set)
+        self._world_tables: dict[str, tuple[int, bytes]] = {}  # job -> (core version, WaitWorldResponse)
 
     # -- waiting --------------------------------------------------------------------------
 
@@ -139,18 +151,24 @@ class Servicer(pb_grpc.CoordinatorServicer):
         for key in wakeups:
             for future in self._waiters.pop(key, ()):
                 if not future.done():
-                    future.set_result(None)
+                    future.set_result(True)
 
     async def _wait(self, key: tuple, deadline: float | None) -> bool:
         """Waits until ``key`` is woken (True) or ``deadline`` passes (False)."""
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         waiters = self._waiters[key]
         waiters.add(future)
+        # One future and at most one timer per waiter (asyncio.wait added a second future,
+        # callbacks and a set per call).
+        timer = None
+        if deadline is not None:
+            timer = loop.call_later(max(0.0, deadline - self._clock()), _expire, future)
         try:
-            timeout = None if deadline is None else max(0.0, deadline - self._clock())
-            done, _ = await asyncio.wait((future,), timeout=timeout)
-            return bool(done)
+            return await future
         finally:
+            if timer is not None:
+                timer.cancel()
             waiters.discard(future)
             if not waiters and self._waiters.get(key) is waiters:
                 del self._waiters[key]
@@ -221,14 +239,23 @@ class Servicer(pb_grpc.CoordinatorServicer):
         timeout = _timeout(request)
         start = self._clock()
         deadline = None if timeout is None else start + timeout
-        while (table := self._core.world(request.job)) is None:
+        while not self._core.world_complete(request.job):
             if not await self._wait(("world", request.job), deadline) and (
                 deadline is not None and self._clock() >= deadline
             ):
                 raise self._core.world_timeout(request.job, self._clock(), self._clock() - start)
-        world_size = self._core.jobs[request.job].world_size
-        log.debug("world of job %s complete: %d ordinals", request.job, world_size)
-        return pb.WaitWorldResponse(world_size=world_size, participants=[_participant(p) for p in table])
+        job = self._core.jobs[request.job]
+        log.debug("world of job %s complete: %d ordinals", request.job, job.world_size)
+        # Every process asks at the same moment for the same table: build and serialize it
+        # once per state of the core (``version`` grows with every change of ranks, deaths,
+        # generations), not once per caller (O(world) each).
+        version = self._core.version
+        cached = self._world_tables.get(request.job)
+        if cached is None or cached[0] != version:
+            table = self._core.world(request.job)
+            response = pb.WaitWorldResponse(world_size=job.world_size, participants=[_participant(p) for p in table])
+            cached = self._world_tables[request.job] = (version, response.SerializeToString())
+        return cached[1]
 
     # -- rendezvous -----------------------------------------------------------------------
 
@@ -259,7 +286,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
         if rnd.error is not None:
             raise rnd.error
         if rnd.response is None:
-            rnd.response = pb.RendezvousResponse(payloads=rnd.result)
+            # Serialized once for every member of the round (see _server._serialize).
+            rnd.response = pb.RendezvousResponse(payloads=rnd.result).SerializeToString()
         return rnd.response
 
     # -- liveness -------------------------------------------------------------------------
