@@ -2,11 +2,12 @@
 
 A simulated process behaves on the wire like a real client process of its server:
 
-- ours: its own gRPC channel (own TCP connection), one Register per thread (as each thread's
-  ``bind_thread`` does), a Watch stream, a Heartbeat every 5 s, one WaitWorld, then one
-  Rendezvous per round carrying all its threads' contributions (as the client combines
-  them). Requests are serialized with the generated protobuf classes; responses are not
-  parsed (a real client on another host would pay that, not the coordinator).
+- ours: its own gRPC channel (own TCP connection) and one Session stream carrying its calls
+  as the client's does: one Register per thread (as each thread's ``bind_thread`` does), a
+  Heartbeat every 5 s, one WaitWorld, then one Rendezvous per round carrying all its
+  threads' contributions (as the client combines them); plus a Watch stream. Requests are
+  serialized with the generated protobuf classes; responses are not parsed (a real client
+  on another host would pay that, not the coordinator).
 - TCPStore: one client per process (threads combined locally), the add / last-sets / wait
   barrier of torch.elastic.
 - JAX: one coordination-service client per process, ``wait_at_barrier`` per round.
@@ -71,18 +72,27 @@ async def _gen_ours(a) -> None:
         ("grpc.max_receive_message_length", -1),
     ]
     channels = {i: grpc.aio.insecure_channel(a.address, options=options) for i in sims}
-    raw = {
-        i: {
-            name: ch.unary_unary(_RPC + name)  # bytes in, bytes out
-            for name in ("Register", "WaitWorld", "Rendezvous", "Heartbeat")
-        }
-        for i, ch in channels.items()
-    }
     watch = {i: ch.unary_stream(_RPC + "Watch") for i, ch in channels.items()}
     await asyncio.wait_for(asyncio.gather(*(ch.channel_ready() for ch in channels.values())), TIMEOUT_S)
     t_connected = time.monotonic()
     _emit({"ready": True, "connect_s": t_connected - t_start})
     await loop.run_in_executor(None, _await_go)
+
+    # One Session per simulated process: calls go out as messages with an id, a reader task
+    # hands each answer to the call waiting for it (client/_session.py does this with threads).
+    sessions = {i: ch.stream_stream(_RPC + "Session")() for i, ch in channels.items()}
+    send_locks = {i: asyncio.Lock() for i in sims}  # one write at a time per stream
+    waiting: dict[tuple[int, int], asyncio.Future] = {}
+    ids = iter(range(1, 1 << 62))
+
+    async def read_answers(i: int) -> None:
+        async for data in sessions[i]:
+            answer = pb.SessionResponse.FromString(data)
+            future = waiting.pop((i, answer.id), None)
+            if future is not None and not future.done():
+                future.set_result(answer)
+
+    readers = [asyncio.ensure_future(read_answers(i)) for i in sims]
 
     incarnations = {i: uuid.uuid4().hex for i in sims}
     generations: dict[int, int] = {}
@@ -96,23 +106,17 @@ async def _gen_ours(a) -> None:
                 await asyncio.wait_for(stop.wait(), HEARTBEAT_S)
                 return
             except asyncio.TimeoutError:
-                await call(raw[i]["Heartbeat"], request, 30)
+                await call(i, "Heartbeat", request)
 
-    retried = [0]
-
-    async def call(rpc, body: bytes, timeout: float = TIMEOUT_S) -> bytes:
-        for attempt in range(30):
-            try:
-                return await rpc(body, timeout=timeout)
-            except grpc.aio.AioRpcError as exc:
-                # gRPC's pending-request backlog (grpc.server.max_pending_requests, 1000 by
-                # default) cancels calls beyond it; the real client would fail. Count it, retry
-                # (every call here is idempotent), so the rest of the run can be measured.
-                if exc.code() != grpc.StatusCode.CANCELLED or attempt == 29:
-                    raise
-                retried[0] += 1
-                await asyncio.sleep(0.05 * 2 ** min(attempt, 4))
-        raise AssertionError("unreachable")
+    async def call(i: int, method: str, body: bytes) -> bytes:
+        call_id = next(ids)
+        future = waiting[(i, call_id)] = loop.create_future()
+        async with send_locks[i]:
+            await sessions[i].write(pb.SessionRequest(id=call_id, method=method, request=body).SerializeToString())
+        answer = await asyncio.wait_for(future, TIMEOUT_S + 10)
+        if answer.code:
+            raise RuntimeError(f"{method} failed with status {answer.code}: {answer.message}")
+        return answer.response
 
     async def form(i: int) -> None:
         async def register(t: int) -> None:
@@ -127,12 +131,12 @@ async def _gen_ours(a) -> None:
                 local_rank=i % 8,
                 threads=[pb.ThreadSpec(thread_index=t)],
             )
-            reply = pb.RegisterResponse.FromString(await call(raw[i]["Register"], request.SerializeToString()))
+            reply = pb.RegisterResponse.FromString(await call(i, "Register", request.SerializeToString()))
             generations[i] = reply.generation
 
         await asyncio.gather(*(register(t) for t in range(a.T)))
         streams.append(watch[i](pb.WatchRequest(job=a.job, incarnation=incarnations[i]).SerializeToString()))
-        await call(raw[i]["WaitWorld"], pb.WaitWorldRequest(job=a.job, timeout=TIMEOUT_S).SerializeToString(), TIMEOUT_S + 10)
+        await call(i, "WaitWorld", pb.WaitWorldRequest(job=a.job, timeout=TIMEOUT_S).SerializeToString())
 
     await asyncio.wait_for(asyncio.gather(*(form(i) for i in sims)), TIMEOUT_S)
     t_formed = time.monotonic()
@@ -157,7 +161,7 @@ async def _gen_ours(a) -> None:
             if timing and i == 0 and r == a.warmup:
                 cpu[0] = cpu_seconds(a.server_pid)
             started = time.perf_counter()
-            await call(raw[i]["Rendezvous"], request, TIMEOUT_S + 10)
+            await call(i, "Rendezvous", request)
             if timing and i == 0 and r >= a.warmup:
                 samples.append(time.perf_counter() - started)
         if timing and i == 0:
@@ -168,8 +172,10 @@ async def _gen_ours(a) -> None:
     await asyncio.gather(*beats, return_exceptions=True)
     for stream in streams:
         stream.cancel()
-    _emit({"t_connected": t_connected, "t_formed": t_formed, "samples": samples, "cpu": cpu[1] - cpu[0],
-           "register_retries": retried[0]})
+    for session in sessions.values():
+        session.cancel()
+    await asyncio.gather(*readers, return_exceptions=True)
+    _emit({"t_connected": t_connected, "t_formed": t_formed, "samples": samples, "cpu": cpu[1] - cpu[0]})
     await asyncio.gather(*(ch.close() for ch in channels.values()))
 
 
@@ -345,7 +351,6 @@ def _run_one(system: str, P: int, T: int, rounds: int, log, profile: str | None 
             "peak_mb": peak_rss_mb(server.pid),
             "rss_mb": rss_mb(server.pid),
             "generators": G,
-            "register_retries": sum(o.get("register_retries", 0) for o in outs),
             "connect_s": max(r["connect_s"] for r in readies),
         }
         for proc in gens:
@@ -409,11 +414,6 @@ def render(scale: dict) -> str:
             rows.append([label] + [f"n/a: {e.get('error', 'not run')}"] + ["n/a: see the first column"] * 6)
             continue
         formation = ms(e["formation_s"])
-        if e.get("register_retries"):
-            formation += (
-                f" ({e['register_retries']} calls CANCELLED by gRPC's pending-request backlog "
-                "and retried by the generator: the real client would fail)"
-            )
         rows.append([
             label,
             ms(e["connect_s"]),

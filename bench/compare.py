@@ -123,14 +123,11 @@ def render(runs: dict, args) -> str:
                 b, a = pick("before", fn), pick("after", fn)
                 cells += [f"{fmt(b)} → {fmt(a)}"]
             failures = {label: sum("error" in r["scale"]["sizes"][key]["ours"] for r in runs[label]) for label in runs}
-            retries = {label: _median([r["scale"]["sizes"][key]["ours"].get("register_retries") for r in runs[label]
-                                       if "error" not in r["scale"]["sizes"][key]["ours"]]) for label in runs}
-            cells.append(f"{retries['before']:.0f} → {retries['after']:.0f}")
             cells.append(f"{failures['before']} → {failures['after']}")
             rows.append(cells)
         out.append("")
         out.append(table(["participants", "world formation (ms)", "barrier p50 (ms)", "coordinator CPU/round (ms)",
-                          "peak RSS (MB)", "Register calls cancelled", "failed runs"], rows))
+                          "peak RSS (MB)", "failed runs"], rows))
     return "\n".join(out)
 
 

@@ -27,6 +27,7 @@ from ._errors import (
     UsageError,
     from_rpc_error,
 )
+from ._session import Session
 from ._topology import Topology
 
 log = logging.getLogger("pjrt_rendezvous.client")
@@ -55,6 +56,10 @@ _CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+
+_RESPONSES = {
+    m.name: getattr(pb, m.output_type.name) for m in pb.DESCRIPTOR.services_by_name["Coordinator"].methods
+}
 
 _bound = threading.local()
 
@@ -134,6 +139,8 @@ class Client:
         self.events: list[pb.WatchEvent] = []  # deaths and restarts in the job, as streamed
         self._inside: dict[int, tuple] = {}  # ordinal -> round key its thread is inside
         self._closed = False
+        self._session_lock = threading.Lock()
+        self._current_session: Session | None = None
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -159,7 +166,6 @@ class Client:
         """
         if self._closed:
             raise UsageError("this client was closed; call init() again")
-        rpc = getattr(self._stub, method)
         # The retry budget counts from the start of the current outage, not of the call: a
         # round that waited ten minutes and then lost its coordinator still gets the full
         # connect_timeout to find it again. An attempt that lasted longer than the backoff
@@ -177,6 +183,8 @@ class Client:
                 return True
             return now - outage["since"] >= self.settings.connect_timeout
 
+        response_class = _RESPONSES[method]
+
         def attempt():
             if deadline is not None and "timeout" in request.DESCRIPTOR.fields_by_name and request.HasField("timeout"):
                 # A resend (after a coordinator restart) asks only for what is left.
@@ -187,19 +195,17 @@ class Client:
             elif not waits:
                 transport = max(self.settings.connect_timeout, 30.0)
             interval = self.settings.progress_interval
-            if progress is None or interval is None:
-                return rpc(request, timeout=transport, metadata=self._metadata)
-            call = rpc.future(request, timeout=transport, metadata=self._metadata)
-            started = time.monotonic()
-            try:
-                while True:
-                    try:
-                        return call.result(timeout=interval)
-                    except grpc.FutureTimeoutError:
-                        progress(time.monotonic() - started)
-            finally:
-                call.cancel()  # a no-op once finished; stops the call if we leave early
+            answer = self._session().call(
+                method, request, transport, progress if interval is not None else None, interval
+            )
+            return response_class.FromString(answer)
 
+        try:
+            return attempt()  # the common case, without building a Retrying
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise from_rpc_error(exc, address=self.settings.address, method=method) from exc
+            log.debug("%s to %s failed (%s); retrying", method, self.settings.address, exc)
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(
                 lambda e: isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNAVAILABLE
@@ -209,14 +215,22 @@ class Client:
             before=before,
             reraise=True,
             before_sleep=lambda state: log.debug(
-                "%s to %s failed (%s); retry %d", method, self.settings.address,
-                state.outcome.exception(), state.attempt_number,
+                "%s to %s failed (%s); retrying", method, self.settings.address, state.outcome.exception()
             ),
         )
         try:
             return retrying(attempt)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, address=self.settings.address, method=method) from exc
+
+    def _session(self) -> Session:
+        """The open session; a new one after the last broke (it is opened lazily)."""
+        with self._session_lock:
+            if self._closed:
+                raise UsageError("this client was closed; call init() again")
+            if self._current_session is None or self._current_session.broken is not None:
+                self._current_session = Session(self._stub, self._metadata)
+            return self._current_session
 
     def close(self, *, leave: bool = True) -> None:
         """Stops heartbeats and the event watch and closes the channel.
@@ -238,7 +252,10 @@ class Client:
                 )
             except grpc.RpcError as exc:
                 log.debug("leaving job %s failed: %s", self.settings.job, exc)
-        self._closed = True
+        with self._session_lock:
+            self._closed = True
+            if self._current_session is not None:
+                self._current_session.close()
         self._channel.close()
 
     # -- liveness -------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import logging
 import pathlib
@@ -133,6 +134,10 @@ class _TokenCheck(grpc.aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
             yield  # pragma: no cover - makes this an async generator
 
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(
+                deny_stream, handler.request_deserializer, handler.response_serializer
+            )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
                 deny_stream, handler.request_deserializer, handler.response_serializer
@@ -232,7 +237,13 @@ async def start_server(options: ServerOptions = ServerOptions(), *, core: Core |
     interceptors = [RpcInterceptor(metrics)] if metrics is not None else []
     interceptors += [_TokenCheck(options.token)] if options.token else []
     server = grpc.aio.server(options=_OPTIONS, interceptors=interceptors)
-    servicer = Servicer(core, clock=time.monotonic, persist=writer.flush if writer else None, monitor=monitor)
+    servicer = Servicer(
+        core,
+        clock=time.monotonic,
+        persist=writer.flush if writer else None,
+        monitor=monitor,
+        on_call=None if metrics is None else functools.partial(metrics.rpc_handled, SERVICE_NAME),
+    )
     add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -85,9 +85,12 @@ def add_to_server(servicer: "Servicer", server) -> None:
     service = pb.DESCRIPTOR.services_by_name["Coordinator"]
     handlers = {}
     for method in service.methods:
-        factory = (
-            grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
-        )
+        if method.client_streaming:
+            factory = grpc.stream_stream_rpc_method_handler
+        elif method.server_streaming:
+            factory = grpc.unary_stream_rpc_method_handler
+        else:
+            factory = grpc.unary_unary_rpc_method_handler
         handlers[method.name] = factory(
             getattr(servicer, method.name),
             request_deserializer=_parser(getattr(pb, method.input_type.name)),
@@ -103,6 +106,11 @@ async def _nothing() -> None:
 def _expire(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(False)
+
+
+def _forget(calls: dict, call_id: int, task: asyncio.Task) -> None:
+    if calls.get(call_id) is task:
+        del calls[call_id]
 
 
 def _timeout(request) -> float | None:
@@ -128,8 +136,18 @@ class Servicer(pb_grpc.CoordinatorServicer):
         clock: Callable[[], float] = time.monotonic,
         persist: Callable[[], Awaitable[None]] | None = None,
         monitor=None,
+        on_call: Callable[[str, str], None] | None = None,
     ) -> None:
         self._core = core
+        # Sees (method, status code name) of every call carried on a Session stream, which
+        # the RPC interceptor counts only as one Session (the metrics).
+        self._on_call = on_call
+        # The unary methods a Session stream carries: name -> (handler, request parser).
+        self._unary = {
+            m.name: (getattr(type(self), m.name).__wrapped__, _parser(getattr(pb, m.input_type.name)))
+            for m in pb.DESCRIPTOR.services_by_name["Coordinator"].methods
+            if not m.client_streaming and not m.server_streaming
+        }
         # Sees every batch of wake keys: event log lines and metrics (``_monitor``).
         self._monitor = monitor
         self._clock = clock
@@ -336,6 +354,67 @@ class Servicer(pb_grpc.CoordinatorServicer):
                     message=event.message,
                 )
             await self._wait(("events", request.job), None)
+
+    # -- sessions -------------------------------------------------------------------------
+
+    async def Session(self, requests, context) -> None:
+        """Carries a client process's unary calls as messages on one stream, each run as its
+        own task and answered when done, in any order (see the .proto)."""
+        send = asyncio.Lock()  # one write at a time on a stream
+        calls: dict[int, asyncio.Task] = {}
+
+        async def answer(message: pb.SessionRequest) -> None:
+            answer = await self._session_call(message)
+            try:
+                async with send:
+                    # Built only now: a shared result (the world table) copied into every
+                    # caller's answer while they queued for the stream would add up.
+                    await context.write(answer())
+            except Exception as exc:  # the stream is gone; the client resends on a new one
+                log.debug("session answer %d not sent: %s", message.id, exc)
+
+        try:
+            async for message in requests:
+                if isinstance(message, _Malformed):
+                    await _abort(context, Code.INVALID_ARGUMENT, message.message)
+                if message.cancel:
+                    task = calls.pop(message.id, None)
+                    if task is not None:
+                        task.cancel()
+                    continue
+                task = calls[message.id] = asyncio.create_task(answer(message))
+                task.add_done_callback(functools.partial(_forget, calls, message.id))
+            if calls:  # the client finished sending: answer what it asked
+                await asyncio.wait(list(calls.values()))
+        finally:
+            for task in calls.values():
+                task.cancel()
+
+    async def _session_call(self, message: pb.SessionRequest) -> Callable[[], pb.SessionResponse]:
+        """Runs one call of a Session like the unary method would; returns what builds its
+        answer (status included)."""
+        method = message.method
+        entry = self._unary.get(method)
+        if entry is None:
+            method, status, text = "(unknown)", grpc.StatusCode.UNIMPLEMENTED, f"no method {message.method!r}"
+        else:
+            handler, parse = entry
+            try:
+                request = parse(message.request)
+                if isinstance(request, _Malformed):
+                    raise CoreError(Code.INVALID_ARGUMENT, request.message)
+                result = await handler(self, request, None)
+                status = grpc.StatusCode.OK
+            except CoreError as exc:
+                status, text = _STATUS[exc.code], exc.message
+            except Exception:
+                log.exception("%s failed on a session", method)
+                status, text = grpc.StatusCode.UNKNOWN, f"{method} failed in the coordinator; its log has the details"
+        if self._on_call is not None:
+            self._on_call(method, status.name)
+        if status is grpc.StatusCode.OK:
+            return lambda: pb.SessionResponse(id=message.id, response=_serialize(result))
+        return lambda: pb.SessionResponse(id=message.id, code=status.value[0], message=_clip(text))
 
     # -- key-value ------------------------------------------------------------------------
 

@@ -238,8 +238,9 @@ def test_dead_processes_and_generation_are_counted():
 
 
 def test_rpcs_are_counted_by_code_including_refusals():
-    """Calls the token check refuses count as UNAUTHENTICATED, unknown methods as (unknown),
-    key-value calls with their own method names; the endpoint listens on the serve host."""
+    """Calls the token check refuses count as UNAUTHENTICATED (a client's Session stream is
+    refused as a whole), unknown methods as (unknown), key-value calls carried on a Session
+    with their own method names; the endpoint listens on the serve host."""
     with Coordinator(host="127.0.0.1", port=0, metrics_port=0, token="t0ken-xyz") as coordinator:
         anonymous = pr.Client(pr.Settings(address=coordinator.address, connect_timeout=1), pr.detect_topology({}))
         with pytest.raises(pr.AuthenticationError):
@@ -255,7 +256,8 @@ def test_rpcs_are_counted_by_code_including_refusals():
             assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
         samples = scrape(coordinator.metrics_port)
         service = "pjrt_rendezvous.v1.Coordinator"
-        assert value(samples, "pjrt_rendezvous_rpcs_total", service=service, method="KvSet", code="UNAUTHENTICATED") == 1
+        assert value(samples, "pjrt_rendezvous_rpcs_total", service=service, method="Session", code="UNAUTHENTICATED") == 1
+        assert value(samples, "pjrt_rendezvous_rpcs_total", service=service, method="KvSet", code="UNAUTHENTICATED") == 0
         assert value(samples, "pjrt_rendezvous_rpcs_total", service=service, method="KvSet", code="OK") == 1
         assert value(samples, "pjrt_rendezvous_rpcs_total", service=service, method="KvGet", code="OK") == 1
         assert value(samples, "pjrt_rendezvous_rpcs_total", service="(unknown)", method="(unknown)", code="UNIMPLEMENTED") == 1

@@ -329,6 +329,30 @@ class KvListResponse(_message.Message):
     count: int
     def __init__(self, entries: _Optional[_Iterable[_Union[KvEntry, _Mapping]]] = ..., count: _Optional[int] = ...) -> None: ...
 
+class SessionRequest(_message.Message):
+    __slots__ = ("id", "method", "request", "cancel")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    method: str
+    request: bytes
+    cancel: bool
+    def __init__(self, id: _Optional[int] = ..., method: _Optional[str] = ..., request: _Optional[bytes] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("id", "code", "message", "response")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    code: int
+    message: str
+    response: bytes
+    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[bytes] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ("job",)
     JOB_FIELD_NUMBER: _ClassVar[int]

@@ -104,6 +104,11 @@ class CoordinatorStub:
                 request_serializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.StatusRequest.SerializeToString,
                 response_deserializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/pjrt_rendezvous.v1.Coordinator/Session',
+                request_serializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.SessionRequest.SerializeToString,
+                response_deserializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.SessionResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -202,6 +207,16 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """One long-lived stream per client process carrying its calls to the unary methods
+        above as messages, several at a time, each answered when it is done (in any order).
+        A message costs the coordinator about a third of a unary call (bench/grpc_floor.py).
+        A broken stream fails every call on it with UNAVAILABLE; every call is safe to resend.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -274,6 +289,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.StatusRequest.FromString,
                     response_serializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.StatusResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.SessionRequest.FromString,
+                    response_serializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.SessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -654,6 +674,33 @@ class Coordinator:
             '/pjrt_rendezvous.v1.Coordinator/Status',
             pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.StatusRequest.SerializeToString,
             pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pjrt_rendezvous.v1.Coordinator/Session',
+            pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.SessionRequest.SerializeToString,
+            pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
