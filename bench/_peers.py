@@ -13,7 +13,9 @@ Each system offers the four workloads to the threads of one process:
 "Threads combined locally" means the threads of a process meet at a ``threading.Barrier``
 whose action (run by the last thread to arrive) makes the process's one call for all of
 them - the trick a user of TCPStore or jax.distributed would write. Ours needs no such
-trick: its client combines the threads of a round into one RPC by itself.
+trick for rendezvous rounds: its client combines the threads of a round into one call by
+itself. Its key-value workload combines threads locally like the peers' (a multi_set and a
+multi_get per process).
 
 The peers are given their best honest form: TCPStore's barrier is torch.elastic's
 add / last-member-sets / wait; JAX uses ``wait_at_barrier`` and ``key_value_dir_get``.
@@ -163,9 +165,15 @@ class Ours(System):
         return self.client.rendezvous(self.bindings[t], "gather", payload)
 
     def kv(self, t: int, r: int) -> bytes:
-        o = self.ordinal(t)
-        self.client.set(f"kv/{r}/{o}", KV_VALUE)
-        return self.client.get(f"kv/{r}/{(o + 1) % self.N}", timeout=TIMEOUT_S)
+        # Threads combined locally, as TCPStore's process form and JAX do it: our client
+        # combines a round's threads by itself, not key-value calls (a thread's get may
+        # wait for a key its siblings' do not).
+        def exchange(_):
+            c = self.client
+            c.multi_set([f"kv/{r}/{self.ordinal(i)}" for i in range(self.T)], [KV_VALUE] * self.T)
+            return c.multi_get([f"kv/{r}/{(self.ordinal(i) + 1) % self.N}" for i in range(self.T)], timeout=TIMEOUT_S)
+
+        return self.combine(t, None, exchange)[t]
 
     def close_thread(self, t: int) -> None:
         self.client.unbind_thread()

@@ -87,10 +87,10 @@ async def _gen_ours(a) -> None:
 
     async def read_answers(i: int) -> None:
         async for data in sessions[i]:
-            answer = pb.SessionResponse.FromString(data)
-            future = waiting.pop((i, answer.id), None)
-            if future is not None and not future.done():
-                future.set_result(answer)
+            for answer in pb.SessionResponse.FromString(data).answers:
+                future = waiting.pop((i, answer.id), None)
+                if future is not None and not future.done():
+                    future.set_result(answer)
 
     readers = [asyncio.ensure_future(read_answers(i)) for i in sims]
 
@@ -112,7 +112,8 @@ async def _gen_ours(a) -> None:
         call_id = next(ids)
         future = waiting[(i, call_id)] = loop.create_future()
         async with send_locks[i]:
-            await sessions[i].write(pb.SessionRequest(id=call_id, method=method, request=body).SerializeToString())
+            call = pb.SessionCall(id=call_id, method=method, request=body)
+            await sessions[i].write(pb.SessionRequest(calls=[call]).SerializeToString())
         answer = await asyncio.wait_for(future, TIMEOUT_S + 10)
         if answer.code:
             raise RuntimeError(f"{method} failed with status {answer.code}: {answer.message}")

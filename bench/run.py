@@ -304,7 +304,9 @@ def render(args, results: dict, systems: list[str], skipped: dict, scale: dict |
         "is faster). TCPStore is the better (by p50) of one client per participant (`thread`) and "
         "one client per process with threads combined locally (`process`); JAX is one client per "
         "process with threads combined locally (its key-value calls are made per thread on the "
-        "shared client). Every TCPStore client here waits at most 1 s (not 5) for the reverse DNS "
+        "shared client). Ours is one client per process: it combines a rendezvous round's threads "
+        "itself; its key-value workload combines threads locally (a multi_set and a multi_get per "
+        "process). Every TCPStore client here waits at most 1 s (not 5) for the reverse DNS "
         "lookup it makes when connecting (`RES_OPTIONS`, see bench/README.md). "
         + (f"Skipped: {'; '.join(f'{k}: {r}' for k, r in skipped.items())}." if skipped else "")
         + "\n"

@@ -421,12 +421,31 @@ class Client:
         return {b.ordinal for b in self._bindings.values() if b is not None}
 
     def wait_world(self, *, timeout=DEFAULT) -> list[pb.Participant]:
-        """Blocks until every ordinal of the job is registered; returns the rank table."""
+        """Blocks until every ordinal of the job is registered; returns the rank table (one
+        Participant per ordinal, in ordinal order)."""
         deadline = self._deadline(timeout)
         request = pb.WaitWorldRequest(job=self.settings.job)
         if deadline is not None:
             request.timeout = max(1e-3, deadline - time.monotonic())
-        return list(self._call("WaitWorld", request, deadline, waits=True).participants)
+        response = self._call("WaitWorld", request, deadline, waits=True)
+        table = []
+        for process in response.processes:
+            for thread in process.threads:
+                participant = pb.Participant(
+                    ordinal=thread.ordinal,
+                    local_ordinal=thread.local_ordinal,
+                    task_id=process.task_id,
+                    thread_index=thread.thread_index,
+                    host=process.host,
+                    pid=process.pid,
+                    incarnation=process.incarnation,
+                    last_seen_age=process.last_seen_age,
+                    alive=process.alive,
+                )
+                if thread.HasField("runtime_ordinal"):
+                    participant.runtime_ordinal = thread.runtime_ordinal
+                table.append(participant)
+        return sorted(table, key=lambda p: p.ordinal)
 
     # -- rendezvous -----------------------------------------------------------------------
 

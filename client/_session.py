@@ -3,9 +3,10 @@
 A unary gRPC call costs the Python coordinator 220-250 µs of CPU; a message on an open
 stream about a third of that (``bench/grpc_floor.py``). So each :class:`~._client.Client`
 sends its calls as messages on one bidirectional stream: any thread puts a request in the
-outbox (gRPC's own thread sends it), and a reader thread hands each answer, matched by id,
-to the thread waiting for it. Answers come back in any order, so a rendezvous that waits
-does not hold up a heartbeat or a key-value call behind it.
+outbox (gRPC's own thread sends it, together with whatever else queued up meanwhile), and a
+reader thread hands each answer, matched by id, to the thread waiting for it. Answers come
+back in any order, so a rendezvous that waits does not hold up a heartbeat or a key-value
+call behind it.
 
 A broken stream fails every call on it with the stream's error (UNAVAILABLE when the
 coordinator went away); the client's retry opens a new session and resends, which is safe
@@ -50,7 +51,7 @@ class _Pending:
 
     def __init__(self) -> None:
         self.done = threading.Event()
-        self.response: pb.SessionResponse | None = None
+        self.response: pb.SessionAnswer | None = None
         self.error: grpc.RpcError | None = None
 
 
@@ -63,17 +64,33 @@ class Session:
         self._ids = itertools.count(1)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.broken: grpc.RpcError | None = None
-        self._responses = stub.Session(iter(self._outbox.get, None), metadata=metadata)
+        self._responses = stub.Session(self._requests(), metadata=metadata)
         threading.Thread(target=self._read, name="pjrt-rendezvous-session", daemon=True).start()
+
+    def _requests(self):
+        """What gRPC's sending thread sends: every call queued while it sent the last."""
+        while (call := self._outbox.get()) is not None:
+            calls = [call]
+            while True:
+                try:
+                    call = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+                if call is None:
+                    yield pb.SessionRequest(calls=calls)
+                    return
+                calls.append(call)
+            yield pb.SessionRequest(calls=calls)
 
     def _read(self) -> None:
         try:
             for response in self._responses:
                 with self._lock:
-                    pending = self._pending.pop(response.id, None)
-                if pending is not None:  # else the caller gave up on it
-                    pending.response = response
-                    pending.done.set()
+                    answered = [(self._pending.pop(a.id, None), a) for a in response.answers]
+                for pending, answer in answered:
+                    if pending is not None:  # else the caller gave up on it
+                        pending.response = answer
+                        pending.done.set()
             error: grpc.RpcError = StatusError(grpc.StatusCode.UNAVAILABLE, "the coordinator ended the session")
         except grpc.RpcError as exc:
             error = exc
@@ -111,7 +128,7 @@ class Session:
                 raise self.broken
             call_id = next(self._ids)
             self._pending[call_id] = pending
-        self._outbox.put(pb.SessionRequest(id=call_id, method=method, request=request.SerializeToString()))
+        self._outbox.put(pb.SessionCall(id=call_id, method=method, request=request.SerializeToString()))
         started = time.monotonic()
         end = None if timeout is None else started + timeout
         reports = 0
@@ -130,7 +147,7 @@ class Session:
             with self._lock:
                 abandoned = self._pending.pop(call_id, None) is not None and self.broken is None
             if abandoned:
-                self._outbox.put(pb.SessionRequest(id=call_id, cancel=True))
+                self._outbox.put(pb.SessionCall(id=call_id, cancel=True))
             raise
         if pending.error is not None:
             raise pending.error

@@ -108,11 +108,6 @@ def _expire(future: asyncio.Future) -> None:
         future.set_result(False)
 
 
-def _forget(calls: dict, call_id: int, task: asyncio.Task) -> None:
-    if calls.get(call_id) is task:
-        del calls[call_id]
-
-
 def _timeout(request) -> float | None:
     """An absent timeout waits forever; zero or negative is refused (never 'forever')."""
     if not request.HasField("timeout"):
@@ -271,7 +266,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
         cached = self._world_tables.get(request.job)
         if cached is None or cached[0] != version:
             table = self._core.world(request.job)
-            response = pb.WaitWorldResponse(world_size=job.world_size, participants=[_participant(p) for p in table])
+            response = pb.WaitWorldResponse(world_size=job.world_size, processes=_world_processes(table))
             cached = self._world_tables[request.job] = (version, response.SerializeToString())
         return cached[1]
 
@@ -358,49 +353,65 @@ class Servicer(pb_grpc.CoordinatorServicer):
     # -- sessions -------------------------------------------------------------------------
 
     async def Session(self, requests, context) -> None:
-        """Carries a client process's unary calls as messages on one stream, each run as its
-        own task and answered when done, in any order (see the .proto)."""
-        send = asyncio.Lock()  # one write at a time on a stream
-        calls: dict[int, asyncio.Task] = {}
+        """Carries a client process's unary calls on one stream, each run as its own task and
+        answered when done, in any order (see the .proto). Answers that are ready while the
+        stream is busy writing go out together in the next message."""
+        calls: dict[int, asyncio.Task] = {}  # running, cancellable by the client
+        ready: list[tuple[bytes, bytes]] = []  # answers waiting for the stream
+        writer: asyncio.Task | None = None
 
-        async def answer(message: pb.SessionRequest) -> None:
-            answer = await self._session_call(message)
+        async def write() -> None:
             try:
-                async with send:
-                    # Built only now: a shared result (the world table) copied into every
-                    # caller's answer while they queued for the stream would add up.
-                    await context.write(answer())
+                while ready:
+                    message = _session_response(ready)
+                    ready.clear()
+                    await context.write(message)
             except Exception as exc:  # the stream is gone; the client resends on a new one
-                log.debug("session answer %d not sent: %s", message.id, exc)
+                log.debug("session answers not sent: %s", exc)
+
+        async def answer(call: pb.SessionCall) -> None:
+            nonlocal writer
+            try:
+                build = await self._session_call(call)
+            finally:  # done: a late cancel must not stop the writer with others' answers
+                calls.pop(call.id, None)
+            ready.append(build)
+            if writer is None or writer.done():  # else the running writer takes it along
+                writer = asyncio.create_task(write())
 
         try:
             async for message in requests:
                 if isinstance(message, _Malformed):
                     await _abort(context, Code.INVALID_ARGUMENT, message.message)
-                if message.cancel:
-                    task = calls.pop(message.id, None)
-                    if task is not None:
-                        task.cancel()
-                    continue
-                task = calls[message.id] = asyncio.create_task(answer(message))
-                task.add_done_callback(functools.partial(_forget, calls, message.id))
-            if calls:  # the client finished sending: answer what it asked
+                for call in message.calls:
+                    if call.cancel:
+                        task = calls.pop(call.id, None)
+                        if task is not None:
+                            task.cancel()
+                    elif call.id not in calls:
+                        calls[call.id] = asyncio.create_task(answer(call))
+            # The client finished sending: answer what it asked, then end the stream.
+            while calls:
                 await asyncio.wait(list(calls.values()))
+            while writer is not None and not writer.done():
+                await writer
         finally:
             for task in calls.values():
                 task.cancel()
+            if writer is not None:
+                writer.cancel()
 
-    async def _session_call(self, message: pb.SessionRequest) -> Callable[[], pb.SessionResponse]:
-        """Runs one call of a Session like the unary method would; returns what builds its
-        answer (status included)."""
-        method = message.method
+    async def _session_call(self, call: pb.SessionCall) -> tuple[bytes, bytes]:
+        """Runs one call of a Session like the unary method would; returns its answer as
+        (the serialized SessionAnswer without its response, the serialized response)."""
+        method = call.method
         entry = self._unary.get(method)
         if entry is None:
-            method, status, text = "(unknown)", grpc.StatusCode.UNIMPLEMENTED, f"no method {message.method!r}"
+            method, status, text = "(unknown)", grpc.StatusCode.UNIMPLEMENTED, f"no method {call.method!r}"
         else:
             handler, parse = entry
             try:
-                request = parse(message.request)
+                request = parse(call.request)
                 if isinstance(request, _Malformed):
                     raise CoreError(Code.INVALID_ARGUMENT, request.message)
                 result = await handler(self, request, None)
@@ -413,8 +424,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
         if self._on_call is not None:
             self._on_call(method, status.name)
         if status is grpc.StatusCode.OK:
-            return lambda: pb.SessionResponse(id=message.id, response=_serialize(result))
-        return lambda: pb.SessionResponse(id=message.id, code=status.value[0], message=_clip(text))
+            return pb.SessionAnswer(id=call.id).SerializeToString(), _serialize(result)
+        return pb.SessionAnswer(id=call.id, code=status.value[0], message=_clip(text)).SerializeToString(), b""
 
     # -- key-value ------------------------------------------------------------------------
 
@@ -512,6 +523,56 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 for v in views
             ]
         )
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+_ANSWERS_TAG = b"\x0a"  # SessionResponse.answers: field 1, length-delimited
+_RESPONSE_TAG = b"\x22"  # SessionAnswer.response: field 4, length-delimited
+
+
+def _session_response(answers: list[tuple[bytes, bytes]]) -> bytes:
+    """A serialized SessionResponse of (answer without response, response) pairs.
+
+    Encoded by hand so a response shared by many callers (a finished round, the world
+    table) is copied once into each caller's message, not three times through protobuf
+    objects: at 4,096 ordinals every process's answer to WaitWorld is in flight at once.
+    """
+    parts = []
+    for head, body in answers:
+        tail = [_RESPONSE_TAG, _varint(len(body)), body] if body else []
+        size = len(head) + sum(map(len, tail))
+        parts += [_ANSWERS_TAG, _varint(size), head, *tail]
+    return b"".join(parts)
+
+
+def _world_processes(table) -> list[pb.WorldProcess]:
+    """The rank table grouped by process, in ordinal order of each process's first thread."""
+    processes: dict[str, pb.WorldProcess] = {}
+    for view in table:
+        process = processes.get(view.incarnation)
+        if process is None:
+            process = processes[view.incarnation] = pb.WorldProcess(
+                task_id=view.task_id,
+                host=view.host,
+                pid=view.pid,
+                incarnation=view.incarnation,
+                last_seen_age=view.last_seen_age,
+                alive=view.alive,
+            )
+        thread = process.threads.add(
+            ordinal=view.ordinal, local_ordinal=view.local_ordinal, thread_index=view.thread_index
+        )
+        if view.runtime_ordinal is not None:
+            thread.runtime_ordinal = view.runtime_ordinal
+    return list(processes.values())
 
 
 def _participant(view) -> pb.Participant:

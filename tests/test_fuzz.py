@@ -15,8 +15,10 @@ from __future__ import annotations
 import collections
 import math
 import os
+import queue
 import socket
 import struct
+import threading
 import time
 import uuid
 
@@ -444,6 +446,57 @@ def test_fuzz_random_protobuf_bodies(server, method, body):
         CODES[code.name] += 1
         assert details.strip()
         assert code in DOCUMENTED, f"{method.name} answered {code.name}: {details!r}"
+    server.check_health()
+
+
+@FUZZ
+@given(
+    calls=st.lists(
+        st.tuples(st.sampled_from([m.name for m in METHODS] + ["", "Nope", "Session", "Watch"]), bodies()),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_fuzz_session_calls(server, calls):
+    """Batches of calls with any method name and a random body on one Session stream (150 examples): every call that
+    answers at once gets OK, a documented status or UNIMPLEMENTED (unknown or streaming methods), never UNKNOWN; calls
+    still waiting are cancelled; the stream and the server keep working."""
+    requests: queue.SimpleQueue = queue.SimpleQueue()
+    batch = [pb.SessionCall(id=i + 1, method=name, request=body) for i, (name, body) in enumerate(calls)]
+    requests.put(pb.SessionRequest(calls=batch))
+    responses = server.stub.Session(iter(requests.get, None), timeout=30)
+    answered: dict[int, pb.SessionAnswer] = {}
+    deadline = time.monotonic() + FOREVER_TIMEOUT
+    ready = threading.Event()
+
+    def read() -> None:
+        try:
+            for response in responses:
+                answered.update((a.id, a) for a in response.answers)
+        except grpc.RpcError:
+            pass
+        ready.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    while time.monotonic() < deadline and len(answered) < len(batch):
+        time.sleep(0.01)
+    requests.put(pb.SessionRequest(calls=[pb.SessionCall(id=c.id, cancel=True) for c in batch if c.id not in answered]))
+    requests.put(None)  # half-close: the server ends the stream once it answered
+    assert ready.wait(30), "the session did not end after the client finished sending"
+    reader.join()
+    assert responses.code() == grpc.StatusCode.OK, responses.details()
+    for call in batch:
+        SENT[f"session:{call.method or '(empty)'}"] += 1
+        answer = answered.get(call.id)
+        if answer is None:
+            continue  # a wait that never ends (a blocking get, a round of two), cancelled
+        code = {s.value[0]: s for s in grpc.StatusCode}[answer.code]
+        CODES[code.name] += 1
+        if code != grpc.StatusCode.OK:
+            assert answer.message.strip()
+            allowed = DOCUMENTED | {grpc.StatusCode.UNIMPLEMENTED}
+            assert code in allowed, f"{call.method} answered {code.name} on a session: {answer.message!r}"
     server.check_health()
 
 

@@ -7,6 +7,8 @@ import pathlib
 
 import pytest
 
+from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -36,3 +38,20 @@ def test_protocol_package_is_versioned():
 
     assert coordinator_pb2.DESCRIPTOR.package == "pjrt_rendezvous.v1"
     assert "Coordinator" in coordinator_pb2.DESCRIPTOR.services_by_name
+
+
+@pytest.mark.parametrize("sizes", [[0], [1], [127, 128], [300, 0, 16384], [2**21 + 5]])
+def test_hand_encoded_session_responses_parse_as_protobuf_would(sizes):
+    """The servicer writes SessionResponse bytes by hand (one copy of a shared response per
+    caller); they must parse to exactly the message protobuf would have built."""
+    from pjrt_rendezvous.coordinator._servicer import _session_response
+
+    answers = [
+        pb.SessionAnswer(id=2**40 + i, response=bytes([i % 251]) * n) if n else pb.SessionAnswer(id=i, code=4, message="late")
+        for i, n in enumerate(sizes)
+    ]
+    pairs = []
+    for a in answers:
+        head = pb.SessionAnswer(id=a.id, code=a.code, message=a.message).SerializeToString()
+        pairs.append((head, a.response))
+    assert pb.SessionResponse.FromString(_session_response(pairs)) == pb.SessionResponse(answers=answers)

@@ -94,12 +94,42 @@ class Participant(_message.Message):
     def __init__(self, ordinal: _Optional[int] = ..., local_ordinal: _Optional[int] = ..., task_id: _Optional[int] = ..., thread_index: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., incarnation: _Optional[str] = ..., last_seen_age: _Optional[float] = ..., runtime_ordinal: _Optional[int] = ..., alive: _Optional[bool] = ...) -> None: ...
 
 class WaitWorldResponse(_message.Message):
-    __slots__ = ("world_size", "participants")
+    __slots__ = ("world_size", "processes")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
-    PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
     world_size: int
-    participants: _containers.RepeatedCompositeFieldContainer[Participant]
-    def __init__(self, world_size: _Optional[int] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ...) -> None: ...
+    processes: _containers.RepeatedCompositeFieldContainer[WorldProcess]
+    def __init__(self, world_size: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[WorldProcess, _Mapping]]] = ...) -> None: ...
+
+class WorldProcess(_message.Message):
+    __slots__ = ("task_id", "host", "pid", "incarnation", "last_seen_age", "alive", "threads")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_AGE_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    task_id: int
+    host: str
+    pid: int
+    incarnation: str
+    last_seen_age: float
+    alive: bool
+    threads: _containers.RepeatedCompositeFieldContainer[WorldThread]
+    def __init__(self, task_id: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., incarnation: _Optional[str] = ..., last_seen_age: _Optional[float] = ..., alive: _Optional[bool] = ..., threads: _Optional[_Iterable[_Union[WorldThread, _Mapping]]] = ...) -> None: ...
+
+class WorldThread(_message.Message):
+    __slots__ = ("ordinal", "local_ordinal", "thread_index", "runtime_ordinal")
+    ORDINAL_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ORDINAL_FIELD_NUMBER: _ClassVar[int]
+    THREAD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_ORDINAL_FIELD_NUMBER: _ClassVar[int]
+    ordinal: int
+    local_ordinal: int
+    thread_index: int
+    runtime_ordinal: int
+    def __init__(self, ordinal: _Optional[int] = ..., local_ordinal: _Optional[int] = ..., thread_index: _Optional[int] = ..., runtime_ordinal: _Optional[int] = ...) -> None: ...
 
 class Contribution(_message.Message):
     __slots__ = ("ordinal", "tag", "payload")
@@ -330,6 +360,12 @@ class KvListResponse(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[KvEntry, _Mapping]]] = ..., count: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
+    __slots__ = ("calls",)
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[SessionCall]
+    def __init__(self, calls: _Optional[_Iterable[_Union[SessionCall, _Mapping]]] = ...) -> None: ...
+
+class SessionCall(_message.Message):
     __slots__ = ("id", "method", "request", "cancel")
     ID_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
@@ -342,6 +378,12 @@ class SessionRequest(_message.Message):
     def __init__(self, id: _Optional[int] = ..., method: _Optional[str] = ..., request: _Optional[bytes] = ..., cancel: _Optional[bool] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
+    __slots__ = ("answers",)
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    answers: _containers.RepeatedCompositeFieldContainer[SessionAnswer]
+    def __init__(self, answers: _Optional[_Iterable[_Union[SessionAnswer, _Mapping]]] = ...) -> None: ...
+
+class SessionAnswer(_message.Message):
     __slots__ = ("id", "code", "message", "response")
     ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]

@@ -209,7 +209,7 @@ class CoordinatorServicer:
 
     def Session(self, request_iterator, context):
         """One long-lived stream per client process carrying its calls to the unary methods
-        above as messages, several at a time, each answered when it is done (in any order).
+        above, several at a time, each answered when it is done (in any order).
         A message costs the coordinator about a third of a unary call (bench/grpc_floor.py).
         A broken stream fails every call on it with UNAVAILABLE; every call is safe to resend.
         """
