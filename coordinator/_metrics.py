@@ -158,7 +158,7 @@ class Metrics:
             "histogram",
             "Seconds from a round's first arrival to its completion, for rounds completed since the coordinator started.",
         )
-        rpcs = family("rpcs_total", "counter", "RPCs handled, by service, method and gRPC status code.")
+        rpcs = family("rpcs_total", "counter", "RPCs handled (calls on a Session stream under their own method), by service, method and gRPC status code.")
 
         for name in sorted(core.jobs):
             job = core.jobs[name]
