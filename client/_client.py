@@ -21,7 +21,7 @@ import tenacity
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
-from ._config import DEFAULT, Settings, check_timeout
+from ._config import DEFAULT, FAN_IN_AUTO_HOSTS, Settings, check_timeout
 from ._errors import (
     RendezvousError,
     UsageError,
@@ -61,7 +61,17 @@ _RESPONSES = {
     m.name: getattr(pb, m.output_type.name) for m in pb.DESCRIPTOR.services_by_name["Coordinator"].methods
 }
 
+_RELAY_RETRY = 5.0  # seconds: after the host's relay failed, call the coordinator directly this long
+
 _bound = threading.local()
+
+
+def _fan_in(settings: Settings, topology: Topology) -> bool:
+    """Whether this process's rounds go through its host's relay (``Settings.fan_in``)."""
+    if settings.fan_in != "auto":
+        return settings.fan_in == "host"
+    per_host = topology.local_world_size
+    return per_host > 1 and topology.num_tasks // per_host >= FAN_IN_AUTO_HOSTS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -141,6 +151,17 @@ class Client:
         self._closed = False
         self._session_lock = threading.Lock()
         self._current_session: Session | None = None
+        # Fan-in (client/_relay.py): the host's relay, its socket and our session with it.
+        self._relay_path: str | None = None
+        if _fan_in(settings, topology):
+            from ._relay import relay_path  # the relay serves with the coordinator's session code
+
+            self._relay_path = relay_path(settings.address, settings.job, topology.host)
+        self._relay = None  # ours (a _relay.Relay), when we are the host's first process
+        self._relay_started = False
+        self._relay_channel: grpc.Channel | None = None
+        self._relay_session: Session | None = None
+        self._relay_retry_at = 0.0
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -156,13 +177,15 @@ class Client:
         *,
         waits: bool = False,
         progress: Callable[[float], None] | None = None,
+        relay: bool = False,
     ):
         """Sends one RPC, retrying transient failures, and maps errors (the one place).
 
         Retries stop at ``connect_timeout`` or at ``deadline``, whichever is first. Every
         request is safe to resend: rounds carry (group, round), non-idempotent key-value
         changes carry a request id. While a call waits, ``progress(seconds waited)`` runs
-        every ``progress_interval``.
+        every ``progress_interval``. With ``relay``, the call goes through the host's relay
+        when there is one (fan-in), else (or when the relay fails) to the coordinator.
         """
         if self._closed:
             raise UsageError("this client was closed; call init() again")
@@ -195,9 +218,13 @@ class Client:
             elif not waits:
                 transport = max(self.settings.connect_timeout, 30.0)
             interval = self.settings.progress_interval
-            answer = self._session().call(
-                method, request, transport, progress if interval is not None else None, interval
-            )
+            session = self._session(relay=relay)
+            try:
+                answer = session.call(method, request, transport, progress if interval is not None else None, interval)
+            except grpc.RpcError as exc:
+                if session is self._relay_session and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._relay_failed(exc)
+                raise
             return response_class.FromString(answer)
 
         try:
@@ -223,14 +250,43 @@ class Client:
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, address=self.settings.address, method=method) from exc
 
-    def _session(self) -> Session:
-        """The open session; a new one after the last broke (it is opened lazily)."""
+    def _session(self, *, relay: bool = False) -> Session:
+        """The open session to the coordinator, or with ``relay`` to the host's relay when
+        fan-in is on and the relay has not failed lately; a new one after the last broke
+        (they are opened lazily)."""
         with self._session_lock:
             if self._closed:
                 raise UsageError("this client was closed; call init() again")
+            if relay and self._relay_path is not None and time.monotonic() >= self._relay_retry_at:
+                if self._relay_session is None or self._relay_session.broken is not None:
+                    if self._relay_channel is None:
+                        self._relay_channel = grpc.insecure_channel(f"unix:{self._relay_path}", options=_CHANNEL_OPTIONS)
+                    stub = pb_grpc.CoordinatorStub(self._relay_channel)
+                    self._relay_session = Session(stub, None)
+                return self._relay_session
             if self._current_session is None or self._current_session.broken is not None:
                 self._current_session = Session(self._stub, self._metadata)
             return self._current_session
+
+    def _relay_failed(self, exc: grpc.RpcError) -> None:
+        """The host's relay is not there (yet, or any more): the coordinator directly for a while."""
+        with self._session_lock:
+            self._relay_retry_at = time.monotonic() + _RELAY_RETRY
+        log.debug("host relay at %s unavailable (%s); calling the coordinator directly", self._relay_path, exc.details())
+
+    def _start_relay(self) -> None:
+        """Fan-in: the host's first process (local rank 0) starts the host's relay."""
+        with self._lock:
+            if self._relay_path is None or self.topology.local_rank != 0 or self._relay_started:
+                return
+            self._relay_started = True
+        from ._relay import Relay
+
+        try:
+            self._relay = Relay(self, self._relay_path)
+        except Exception as exc:  # the host's processes call the coordinator directly
+            log.warning("cannot start the host relay at %s: %s; calling the coordinator directly", self._relay_path, exc)
+            self._relay_path = None
 
     def close(self, *, leave: bool = True) -> None:
         """Stops heartbeats and the event watch and closes the channel.
@@ -254,8 +310,13 @@ class Client:
                 log.debug("leaving job %s failed: %s", self.settings.job, exc)
         with self._session_lock:
             self._closed = True
-            if self._current_session is not None:
-                self._current_session.close()
+            for session in (self._current_session, self._relay_session):
+                if session is not None:
+                    session.close()
+        if self._relay is not None:
+            self._relay.close()
+        if self._relay_channel is not None:
+            self._relay_channel.close()
         self._channel.close()
 
     # -- liveness -------------------------------------------------------------------------
@@ -395,6 +456,7 @@ class Client:
         self._heartbeat_timeout = response.heartbeat_timeout
         self._adopt_generation(response.generation)
         self._start_background()
+        self._start_relay()
         binding = Binding(
             client=self,
             thread_index=thread_index,
@@ -557,7 +619,7 @@ class Client:
                 sorted(batch.contributions), self._describe_wait((group, round_number)),
             )
 
-        response = self._call("Rendezvous", request, batch.deadline, waits=True, progress=progress)
+        response = self._call("Rendezvous", request, batch.deadline, waits=True, progress=progress, relay=True)
         return list(response.payloads)
 
     def _describe_wait(self, key: tuple) -> str:

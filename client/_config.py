@@ -30,6 +30,7 @@ _VARIABLES: dict[str, str] = {
     "timeout": "PJRT_RENDEZVOUS_TIMEOUT",
     "connect_timeout": "PJRT_RENDEZVOUS_CONNECT_TIMEOUT",
     "batch_window": "PJRT_RENDEZVOUS_BATCH_WINDOW",
+    "fan_in": "PJRT_RENDEZVOUS_FAN_IN",
     "heartbeat_interval": "PJRT_RENDEZVOUS_HEARTBEAT_INTERVAL",
     "progress_interval": "PJRT_RENDEZVOUS_PROGRESS_INTERVAL",
     "token": "PJRT_RENDEZVOUS_TOKEN",
@@ -38,7 +39,10 @@ _VARIABLES: dict[str, str] = {
     "tls_cert": "PJRT_RENDEZVOUS_TLS_CERT",
     "tls_key": "PJRT_RENDEZVOUS_TLS_KEY",
 }
-_TEXT = {"job", "token", "token_file", "tls_ca", "tls_cert", "tls_key"}
+_TEXT = {"job", "fan_in", "token", "token_file", "tls_ca", "tls_cert", "tls_key"}
+FAN_IN_MODES = ("auto", "host", "off")
+# With fan_in="auto", hosts relay for their processes from this many hosts on.
+FAN_IN_AUTO_HOSTS = 16
 
 
 def check_timeout(value: Any, what: str = "timeout") -> float | None:
@@ -79,7 +83,14 @@ class Settings:
             by the call's own deadline.
         batch_window: how long the first thread of a process to reach a round waits for its
             sibling threads, so one RPC carries them all. Costs no latency: the round cannot
-            finish without them anyway.
+            finish without them anyway. A host relay (``fan_in``) waits as long for the
+            host's processes.
+        fan_in: "host": the rendezvous calls of a host's processes go through a relay in
+            the host's first process (local rank 0), which sends one call per round for
+            the host, so the coordinator handles one message per host instead of one per
+            process (client/_relay.py); "off": every process calls the coordinator; "auto"
+            (default): "host" in worlds of at least 16 hosts with more than one process
+            each.
         heartbeat_interval: seconds between heartbeats (shortened to a third of the
             coordinator's heartbeat timeout when that is smaller).
         progress_interval: while blocked, log a "still waiting for ..." line naming the
@@ -94,6 +105,7 @@ class Settings:
     timeout: float | None = 600.0
     connect_timeout: float = 60.0
     batch_window: float = 1.0
+    fan_in: str = "auto"
     heartbeat_interval: float = 5.0
     progress_interval: float | None = 60.0
     token: str | None = dataclasses.field(default=None, repr=False)
@@ -111,6 +123,8 @@ class Settings:
             raise UsageError("connect_timeout must be finite")
         if not isinstance(self.batch_window, (int, float)) or self.batch_window < 0:
             raise UsageError(f"batch_window must be >= 0 seconds, got {self.batch_window!r}")
+        if self.fan_in not in FAN_IN_MODES:
+            raise UsageError(f"fan_in must be one of {', '.join(FAN_IN_MODES)}, got {self.fan_in!r}")
         if check_timeout(self.heartbeat_interval, "heartbeat_interval") is None:
             raise UsageError("heartbeat_interval must be finite")
         object.__setattr__(self, "progress_interval", check_timeout(self.progress_interval, "progress_interval"))

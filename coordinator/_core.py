@@ -227,6 +227,9 @@ class Contribution:
     ordinal: int
     tag: str
     payload: bytes
+    # Whose ordinal it is when a host relay sends it for another process ("": the caller's).
+    # Not part of the content: a resend of the same contribution by its own process matches.
+    incarnation: str = dataclasses.field(default="", compare=False)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -687,16 +690,21 @@ class Core:
             raise CoreError(
                 Code.INVALID_ARGUMENT, f"ordinals {format_ranges(ordinals)} contribute twice in one call"
             )
+        relayed = {c.incarnation for c in contributions if c.incarnation and c.incarnation != incarnation}
+        for other in sorted(relayed):  # a relay speaks for live, registered processes only
+            self._process(state, other, now)
         for c in contributions:
             member = state.members.get(c.ordinal)
-            if member is None or member.incarnation != incarnation:
+            if member is None or member.incarnation != (c.incarnation or incarnation):
                 owner = "not registered" if member is None else (
                     f"registered by {state.processes[member.incarnation].label()}"
                 )
+                claimed = state.processes[c.incarnation] if c.incarnation else process
                 raise CoreError(
                     Code.FAILED_PRECONDITION,
-                    f"ordinal {c.ordinal} is {owner}, not by the calling process "
-                    f"({process.label()}); bind the thread first",
+                    f"ordinal {c.ordinal} is {owner}, not by the "
+                    f"{'calling process' if claimed is process else 'process a host relay named'} "
+                    f"({claimed.label()}); bind the thread first",
                 )
             if len(c.tag) > self.limits.max_tag_length:
                 raise CoreError(

@@ -284,7 +284,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 replicas=request.replicas,
                 round_number=request.round,
                 contributions=[
-                    Contribution(ordinal=c.ordinal, tag=c.tag, payload=c.payload) for c in request.contributions
+                    Contribution(ordinal=c.ordinal, tag=c.tag, payload=c.payload, incarnation=c.incarnation)
+                    for c in request.contributions
                 ],
                 deadline=None if timeout is None else now + timeout,
                 generation=request.generation,
@@ -353,53 +354,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
     # -- sessions -------------------------------------------------------------------------
 
     async def Session(self, requests, context) -> None:
-        """Carries a client process's unary calls on one stream, each run as its own task and
-        answered when done, in any order (see the .proto). Answers that are ready while the
-        stream is busy writing go out together in the next message."""
-        calls: dict[int, asyncio.Task] = {}  # running, cancellable by the client
-        ready: list[tuple[bytes, bytes]] = []  # answers waiting for the stream
-        writer: asyncio.Task | None = None
-
-        async def write() -> None:
-            try:
-                while ready:
-                    message = _session_response(ready)
-                    ready.clear()
-                    await context.write(message)
-            except Exception as exc:  # the stream is gone; the client resends on a new one
-                log.debug("session answers not sent: %s", exc)
-
-        async def answer(call: pb.SessionCall) -> None:
-            nonlocal writer
-            try:
-                build = await self._session_call(call)
-            finally:  # done: a late cancel must not stop the writer with others' answers
-                calls.pop(call.id, None)
-            ready.append(build)
-            if writer is None or writer.done():  # else the running writer takes it along
-                writer = asyncio.create_task(write())
-
-        try:
-            async for message in requests:
-                if isinstance(message, _Malformed):
-                    await _abort(context, Code.INVALID_ARGUMENT, message.message)
-                for call in message.calls:
-                    if call.cancel:
-                        task = calls.pop(call.id, None)
-                        if task is not None:
-                            task.cancel()
-                    elif call.id not in calls:
-                        calls[call.id] = asyncio.create_task(answer(call))
-            # The client finished sending: answer what it asked, then end the stream.
-            while calls:
-                await asyncio.wait(list(calls.values()))
-            while writer is not None and not writer.done():
-                await writer
-        finally:
-            for task in calls.values():
-                task.cancel()
-            if writer is not None:
-                writer.cancel()
+        """Carries a client process's unary calls on one stream (see :func:`serve_session`)."""
+        await serve_session(requests, context, self._session_call)
 
     async def _session_call(self, call: pb.SessionCall) -> tuple[bytes, bytes]:
         """Runs one call of a Session like the unary method would; returns its answer as
@@ -424,8 +380,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
         if self._on_call is not None:
             self._on_call(method, status.name)
         if status is grpc.StatusCode.OK:
-            return pb.SessionAnswer(id=call.id).SerializeToString(), _serialize(result)
-        return pb.SessionAnswer(id=call.id, code=status.value[0], message=_clip(text)).SerializeToString(), b""
+            return session_answer(call.id, response=_serialize(result))
+        return session_answer(call.id, status, text)
 
     # -- key-value ------------------------------------------------------------------------
 
@@ -551,6 +507,74 @@ def _session_response(answers: list[tuple[bytes, bytes]]) -> bytes:
         size = len(head) + sum(map(len, tail))
         parts += [_ANSWERS_TAG, _varint(size), head, *tail]
     return b"".join(parts)
+
+
+def session_answer(
+    call_id: int, status: grpc.StatusCode = grpc.StatusCode.OK, message: str = "", response: bytes = b""
+) -> tuple[bytes, bytes]:
+    """One call's answer as :func:`_session_response` takes it."""
+    if status is grpc.StatusCode.OK:
+        return pb.SessionAnswer(id=call_id).SerializeToString(), response
+    return pb.SessionAnswer(id=call_id, code=status.value[0], message=_clip(message)).SerializeToString(), b""
+
+
+def session_method_handler(serve: Callable[..., Awaitable[None]]) -> grpc.RpcMethodHandler:
+    """The gRPC handler of a Session method served by ``serve(requests, context)`` (a host
+    relay's; the coordinator's goes through :func:`add_to_server`)."""
+    return grpc.stream_stream_rpc_method_handler(
+        serve, request_deserializer=_parser(pb.SessionRequest), response_serializer=_serialize
+    )
+
+
+async def serve_session(requests, context, run: Callable[[pb.SessionCall], Awaitable[tuple[bytes, bytes]]]) -> None:
+    """Serves one Session stream: each call runs as its own task (``run`` returns its answer
+    as in :func:`_session_response`) and is answered when done, in any order (see the .proto).
+    Answers that are ready while the stream is busy writing go out together in the next
+    message; a cancel stops the call's task."""
+    calls: dict[int, asyncio.Task] = {}  # running, cancellable by the client
+    ready: list[tuple[bytes, bytes]] = []  # answers waiting for the stream
+    writer: asyncio.Task | None = None
+
+    async def write() -> None:
+        try:
+            while ready:
+                message = _session_response(ready)
+                ready.clear()
+                await context.write(message)
+        except Exception as exc:  # the stream is gone; the client resends on a new one
+            log.debug("session answers not sent: %s", exc)
+
+    async def answer(call: pb.SessionCall) -> None:
+        nonlocal writer
+        try:
+            build = await run(call)
+        finally:  # done: a late cancel must not stop the writer with others' answers
+            calls.pop(call.id, None)
+        ready.append(build)
+        if writer is None or writer.done():  # else the running writer takes it along
+            writer = asyncio.create_task(write())
+
+    try:
+        async for message in requests:
+            if isinstance(message, _Malformed):
+                await _abort(context, Code.INVALID_ARGUMENT, message.message)
+            for call in message.calls:
+                if call.cancel:
+                    task = calls.pop(call.id, None)
+                    if task is not None:
+                        task.cancel()
+                elif call.id not in calls:
+                    calls[call.id] = asyncio.create_task(answer(call))
+        # The client finished sending: answer what it asked, then end the stream.
+        while calls:
+            await asyncio.wait(list(calls.values()))
+        while writer is not None and not writer.done():
+            await writer
+    finally:
+        for task in calls.values():
+            task.cancel()
+        if writer is not None:
+            writer.cancel()
 
 
 def _world_processes(table) -> list[pb.WorldProcess]:

@@ -1337,3 +1337,53 @@ def test_a_finished_run_starts_afresh_but_an_unformed_one_does_not():
     core.leave(JOB, "inc-1")
     core.register(2.0, registration(0, 2, 1, incarnation="new-0"))  # formed, all gone: afresh
     assert core.jobs[JOB].generation == 2 and set(core.jobs[JOB].members) == {0}
+
+
+# -- host relays ------------------------------------------------------------------------------
+
+
+def relayed(pod: Pod, by_task: int, ordinals: Sequence[int], *, tag: str = "t", round_number: int = 0, now: float = 1.0):
+    """Task ``by_task``'s relay sends ``ordinals`` of any task on the host, each naming its process."""
+    return pod.core.arrive(
+        now,
+        job=pod.job,
+        incarnation=incarnation_of(by_task),
+        replicas=[],
+        round_number=round_number,
+        contributions=[
+            Contribution(ordinal=o, tag=tag, payload=payload_of(o), incarnation=incarnation_of(o // pod.devices))
+            for o in ordinals
+        ],
+        deadline=None,
+    )
+
+
+def test_a_host_relay_speaks_for_its_siblings_in_one_call():
+    """One call carrying two processes' contributions (each naming its process) counts for both."""
+    pod = make_pod(4, 2)
+    key = relayed(pod, 0, [0, 1, 2, 3])
+    assert pod.outcome(key) is None
+    assert pod.core.status(1.0, JOB)[0].pending_rounds[0].missing == [4, 5, 6, 7]
+    relayed(pod, 2, [4, 5, 6, 7])
+    assert pod.result(key) == [payload_of(o) for o in range(8)]
+
+
+def test_a_relayed_contribution_resent_by_its_own_process_is_the_same_arrival():
+    """A sibling whose relay went away resends directly: same content, accepted once."""
+    pod = make_pod(2, 1)
+    key = relayed(pod, 0, [0, 1])
+    assert pod.arrive(1) == key
+    assert pod.result(key) == [payload_of(0), payload_of(1)]
+
+
+def test_a_relay_naming_the_wrong_or_an_unknown_process_is_refused_and_changes_nothing():
+    pod = make_pod(3, 1)
+    wrong = Contribution(ordinal=2, tag="t", payload=b"x", incarnation=incarnation_of(1))
+    with raises(Code.FAILED_PRECONDITION, "ordinal 2 is registered by", "not by the process a host relay named"):
+        pod.core.arrive(1.0, job=JOB, incarnation=incarnation_of(0), replicas=[], round_number=0,
+                        contributions=[wrong], deadline=None)
+    unknown = Contribution(ordinal=1, tag="t", payload=b"x", incarnation="nobody")
+    with raises(Code.FAILED_PRECONDITION, "'nobody' is not registered"):
+        pod.core.arrive(1.0, job=JOB, incarnation=incarnation_of(0), replicas=[], round_number=0,
+                        contributions=[unknown], deadline=None)
+    assert not pod.core.status(1.0, JOB)[0].pending_rounds

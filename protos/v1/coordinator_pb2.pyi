@@ -132,14 +132,16 @@ class WorldThread(_message.Message):
     def __init__(self, ordinal: _Optional[int] = ..., local_ordinal: _Optional[int] = ..., thread_index: _Optional[int] = ..., runtime_ordinal: _Optional[int] = ...) -> None: ...
 
 class Contribution(_message.Message):
-    __slots__ = ("ordinal", "tag", "payload")
+    __slots__ = ("ordinal", "tag", "payload", "incarnation")
     ORDINAL_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ordinal: int
     tag: str
     payload: bytes
-    def __init__(self, ordinal: _Optional[int] = ..., tag: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, ordinal: _Optional[int] = ..., tag: _Optional[str] = ..., payload: _Optional[bytes] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class RendezvousRequest(_message.Message):
     __slots__ = ("job", "incarnation", "replicas", "round", "contributions", "timeout", "generation")

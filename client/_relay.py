@@ -1,0 +1,230 @@
+"""Per-host fan-in: the first process of a host speaks for its siblings' rendezvous rounds.
+
+The coordinator pays per message (bench/: 100-200 µs of Python gRPC each), so in a pod of
+thousands of processes its CPU per round limits scale. With ``fan_in="host"`` the process
+with local rank 0 on each host runs a :class:`Relay` on a Unix socket that only its user can
+open (``relay_path``). The host's processes, itself included, send their ``Rendezvous`` calls
+there, on the same ``Session`` protocol as the coordinator's; the relay sends one call per
+round for the whole host, each contribution naming its process, and hands the answer back
+to every caller. The coordinator still checks every contribution's owner and accounts per
+ordinal.
+
+- The relay waits for a round's contributions from the host's processes it has heard from,
+  at most ``batch_window``; a later process's contributions follow in a call of their own.
+  So the coordinator always knows exactly who is missing, and no round waits for the relay.
+- A combined call that fails is resent per process, so each process gets the answer it
+  would have had alone (one process's bad call does not fail its siblings').
+- A process that cannot reach the relay (not started yet, or its process is gone) sends to
+  the coordinator directly, which takes a resent contribution as the same arrival, and
+  tries the relay again a few seconds later (``Client._session``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import hashlib
+import logging
+import os
+import tempfile
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
+
+from pjrt_rendezvous.coordinator._servicer import serve_session, session_answer, session_method_handler
+
+from ._errors import RemoteError
+
+if TYPE_CHECKING:
+    from ._client import Client
+
+log = logging.getLogger("pjrt_rendezvous.client")
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+
+
+def relay_path(address: str, job: str, host: str) -> str:
+    """The Unix socket of the relay for ``job`` of the coordinator at ``address`` on ``host``
+    (host is part of it so simulated hosts on one machine get one each)."""
+    digest = hashlib.sha256(f"{address}|{job}|{host}|{os.getuid()}".encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), f"pjrt-rendezvous-relay-{digest}.sock")
+
+
+@dataclasses.dataclass
+class _HostRound:
+    """The calls of the host's processes at one round, until they are sent on."""
+
+    requests: list[pb.RendezvousRequest] = dataclasses.field(default_factory=list)
+    answers: list[asyncio.Future] = dataclasses.field(default_factory=list)
+    arrived: set[int] = dataclasses.field(default_factory=set)
+    deadline: float | None = None
+    timer: asyncio.TimerHandle | None = None
+
+
+class Relay:
+    """A host's relay, serving in a background thread of the process with local rank 0."""
+
+    def __init__(self, client: "Client", path: str) -> None:
+        self._client = client
+        self.path = path
+        self._window = client.settings.batch_window
+        self._devices = client.topology.devices_per_process
+        self._tasks: dict[str, int] = {}  # incarnation -> task id, of processes with an open stream
+        self._rounds: dict[tuple, _HostRound] = {}
+        # Sending blocks a thread until the round ends; rounds of different groups can be
+        # pending at once, so the pool must not be what bounds them.
+        self._senders = concurrent.futures.ThreadPoolExecutor(256, thread_name_prefix="pjrt-rendezvous-relay-send")
+        self._loop = asyncio.new_event_loop()
+        self._server: grpc.aio.Server | None = None
+        started: concurrent.futures.Future = concurrent.futures.Future()
+        threading.Thread(target=self._serve, args=(started,), name="pjrt-rendezvous-relay", daemon=True).start()
+        started.result(timeout=30)  # raises what went wrong (e.g. the socket's folder is not writable)
+
+    # -- serving --------------------------------------------------------------------------
+
+    def _serve(self, started: concurrent.futures.Future) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._start())
+        except BaseException as exc:
+            started.set_exception(exc)
+            return
+        started.set_result(None)
+        self._loop.run_forever()
+
+    async def _start(self) -> None:
+        if os.path.exists(self.path):
+            os.unlink(self.path)  # left by an earlier run: its relay is gone
+        self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", -1)])
+        handler = session_method_handler(self._session)
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, {"Session": handler}),))
+        if not self._server.add_insecure_port(f"unix:{self.path}"):
+            raise OSError(f"cannot listen on {self.path}")
+        await self._server.start()
+        os.chmod(self.path, 0o600)  # only this user's processes may speak through us
+
+    async def _session(self, requests, context) -> None:
+        heard: set[str] = set()  # the processes speaking on this stream
+        try:
+            await serve_session(requests, context, lambda call: self._run(call, heard))
+        finally:  # a process that went away is no longer waited for
+            for incarnation in heard:
+                self._tasks.pop(incarnation, None)
+
+    def close(self) -> None:
+        """Stops serving (callers fall back to the coordinator) and removes the socket."""
+
+        async def stop() -> None:
+            await self._server.stop(None)
+            self._loop.stop()
+
+        if self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(stop(), self._loop)
+        self._senders.shutdown(wait=False, cancel_futures=True)
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+    # -- combining ------------------------------------------------------------------------
+
+    async def _run(self, call: pb.SessionCall, heard: set[str]) -> tuple[bytes, bytes]:
+        if call.method != "Rendezvous":
+            message = f"a host relay carries only Rendezvous calls, not {call.method!r}"
+            return session_answer(call.id, grpc.StatusCode.UNIMPLEMENTED, message)
+        try:
+            request = pb.RendezvousRequest.FromString(call.request)
+        except DecodeError as exc:
+            message = f"the request is not a valid RendezvousRequest: {exc}"
+            return session_answer(call.id, grpc.StatusCode.INVALID_ARGUMENT, message)
+        if not request.contributions:  # the coordinator refuses it, with its own message
+            return _answer(call.id, await self._loop.run_in_executor(self._senders, self._send_one, request, None))
+        for c in request.contributions:
+            if not c.incarnation:
+                c.incarnation = request.incarnation
+        heard.add(request.incarnation)
+        self._tasks[request.incarnation] = request.contributions[0].ordinal // self._devices
+        key = (request.job, request.generation, tuple(request.replicas), request.round)
+        host_round = self._rounds.get(key)
+        if host_round is None:
+            host_round = self._rounds[key] = _HostRound()
+        answer = self._loop.create_future()
+        host_round.requests.append(request)
+        host_round.answers.append(answer)
+        host_round.arrived.update(c.ordinal for c in request.contributions)
+        if request.HasField("timeout"):
+            deadline = time.monotonic() + request.timeout
+            host_round.deadline = deadline if host_round.deadline is None else min(host_round.deadline, deadline)
+        if self._expected(request.replicas) <= host_round.arrived:
+            self._send_on(key)
+        elif host_round.timer is None:
+            host_round.timer = self._loop.call_later(self._window, self._send_on, key)
+        return _answer(call.id, await answer)
+
+    def _expected(self, replicas) -> set[int]:
+        """The ordinals of the host's processes heard from that belong to the group."""
+        mine = {t * self._devices + d for t in set(self._tasks.values()) for d in range(self._devices)}
+        return mine & set(replicas) if replicas else mine
+
+    def _send_on(self, key: tuple) -> None:
+        host_round = self._rounds.pop(key, None)
+        if host_round is None:
+            return
+        if host_round.timer is not None:
+            host_round.timer.cancel()
+
+        def hand_out(outcomes: list) -> None:
+            for answer, outcome in zip(host_round.answers, outcomes):
+                if not answer.done():  # else its caller gave up
+                    answer.set_result(outcome)
+
+        try:
+            sent = self._loop.run_in_executor(self._senders, self._send, host_round.requests, host_round.deadline)
+        except RuntimeError as exc:  # closing
+            hand_out([exc] * len(host_round.answers))
+            return
+        sent.add_done_callback(lambda done: hand_out(done.result()))
+
+    def _send(self, requests: list[pb.RendezvousRequest], deadline: float | None) -> list:
+        """In a sender thread: one call for every request; each one's outcome."""
+        first = requests[0]
+        combined = pb.RendezvousRequest(
+            job=first.job,
+            incarnation=self._client.incarnation,
+            replicas=first.replicas,
+            round=first.round,
+            generation=first.generation,
+            contributions=[c for r in requests for c in r.contributions],
+        )
+        outcome = self._send_one(combined, deadline)
+        if isinstance(outcome, bytes) or len(requests) == 1:
+            return [outcome] * len(requests)
+        # Each process gets the answer it would have had alone: a failed round's error again
+        # (the coordinator keeps it), a refusal of one process's call for that one only.
+        log.debug("a call for %d processes failed (%s); sending them one by one", len(requests), outcome)
+        return [self._send_one(r, deadline) for r in requests]
+
+    def _send_one(self, request: pb.RendezvousRequest, deadline: float | None) -> bytes | Exception:
+        """The serialized response, or the exception the call ended with."""
+        if deadline is not None:
+            request.timeout = max(1e-3, deadline - time.monotonic())
+        try:
+            return self._client._call("Rendezvous", request, deadline, waits=True).SerializeToString()
+        except Exception as exc:
+            return exc
+
+
+def _answer(call_id: int, outcome: bytes | Exception) -> tuple[bytes, bytes]:
+    if isinstance(outcome, bytes):
+        return session_answer(call_id, response=outcome)
+    if isinstance(outcome, RemoteError) and outcome.code in grpc.StatusCode.__members__:
+        return session_answer(call_id, grpc.StatusCode[outcome.code], str(outcome))
+    # The relay could not send it (closing, the coordinator unreachable): the caller
+    # retries on the coordinator directly.
+    return session_answer(call_id, grpc.StatusCode.UNAVAILABLE, f"the host relay could not send the call: {outcome}")

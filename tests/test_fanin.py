@@ -1,0 +1,168 @@
+"""Per-host fan-in (client/_relay.py) against a real coordinator: simulated hosts of two
+processes (two threads each) in this process, each host's first process running the relay."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+
+import pytest
+from test_metrics import scrape, value
+
+import pjrt_rendezvous.client as pr
+from pjrt_rendezvous.client._demo import simulated_env
+from pjrt_rendezvous.coordinator import Coordinator
+
+HOSTS, PER_HOST, THREADS = 2, 2, 2
+PROCESSES = HOSTS * PER_HOST
+RDV = dict(service="pjrt_rendezvous.v1.Coordinator", method="Rendezvous", code="OK")
+
+
+@pytest.fixture
+def coordinator():
+    with Coordinator(port=0, metrics_port=0) as c:
+        yield c
+
+
+def make_clients(address: str, *, fan_in: str = "host", **settings) -> list[pr.Client]:
+    clients = []
+    for task in range(PROCESSES):
+        env = simulated_env(address=address, accelerator="v3-8", task=task, processes=PROCESSES, hosts=HOSTS, threads=THREADS)
+        topology = pr.detect_topology(env, address=address)
+        settings.setdefault("timeout", 60)
+        clients.append(pr.Client(pr.Settings(address=address, fan_in=fan_in, **settings), topology))
+    return clients
+
+
+def run_threads(clients: list[pr.Client], body) -> dict:
+    """Runs ``body(client, binding)`` in a bound thread per device of every client; returns
+    each ordinal's result (or exception)."""
+    results: dict[int, object] = {}
+    bound = threading.Barrier(PROCESSES * THREADS)
+
+    def main(client: pr.Client, index: int) -> None:
+        binding = client.bind_thread(index)
+        bound.wait(30)
+        try:
+            results[binding.ordinal] = body(client, binding)
+        except Exception as exc:
+            results[binding.ordinal] = exc
+        finally:
+            client.unbind_thread()
+
+    threads = [threading.Thread(target=main, args=(c, i)) for c in clients for i in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    return results
+
+
+def test_each_host_sends_one_call_per_round_and_every_result_is_exact(coordinator):
+    """After the first round (the relay learns its host's processes), the coordinator sees one
+    Rendezvous call per host and round, not one per process; full and subset rounds are exact;
+    the relay's socket is private to the user."""
+    clients = make_clients(coordinator.address)
+    rounds = 20
+
+    def body(client, binding):
+        out = []
+        for k in range(rounds):
+            out.append(client.rendezvous(binding, f"r{k}", b"%d" % binding.ordinal))
+        # a subset across the hosts: ordinals 0-1 (host 0, task 0) and 4-5 (host 1, task 2)
+        if binding.ordinal in (0, 1, 4, 5):
+            out.append(client.rendezvous(binding, "sub", b"s%d" % binding.ordinal, replicas=[0, 1, 4, 5]))
+        return out
+
+    before = value(scrape(coordinator.metrics_port), "pjrt_rendezvous_rpcs_total", **RDV)
+    results = run_threads(clients, body)
+    calls = value(scrape(coordinator.metrics_port), "pjrt_rendezvous_rpcs_total", **RDV) - before
+    world = PROCESSES * THREADS
+    for ordinal, out in results.items():
+        assert not isinstance(out, Exception), (ordinal, out)
+        assert out[:rounds] == [[b"%d" % o for o in range(world)]] * rounds
+        if ordinal in (0, 1, 4, 5):
+            assert out[rounds] == [b"s%d" % o for o in (0, 1, 4, 5)]
+    # Without fan-in: PROCESSES calls a round. With it: HOSTS, plus the first round's
+    # uncombined calls and any process that came after the batch window.
+    assert HOSTS * rounds <= calls <= HOSTS * rounds + PROCESSES + 4, calls
+    relay = clients[0]._relay
+    assert relay is not None and clients[1]._relay is None and clients[2]._relay is not None
+    assert stat.S_IMODE(os.stat(relay.path).st_mode) == 0o600
+    for c in clients:
+        c.close()
+    assert not os.path.exists(relay.path)
+
+
+def test_a_timeout_through_the_relays_names_exactly_the_missing_ordinal(coordinator):
+    """A thread that never arrives: the relay sends the others after its window, so the
+    coordinator names that one ordinal, not its whole host."""
+    clients = make_clients(coordinator.address, batch_window=0.2)
+    run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
+
+    def body(client, binding):
+        if binding.ordinal == 6:
+            return "skipped"
+        return client.rendezvous(binding, "late", timeout=3)
+
+    results = run_threads(clients, body)
+    for ordinal, out in results.items():
+        if ordinal == 6:
+            continue
+        assert isinstance(out, pr.RendezvousTimeout), (ordinal, out)
+        assert "missing 1 of 8" in str(out) or "ordinal 6 " in str(out), str(out)
+        assert "ordinals 6" not in str(out) and "ordinals 4-7" not in str(out)
+    for c in clients:
+        c.close()
+
+
+def test_a_tag_mismatch_reaches_every_member_through_the_relays(coordinator):
+    clients = make_clients(coordinator.address)
+    run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
+    results = run_threads(
+        clients, lambda client, binding: client.rendezvous(binding, "odd" if binding.ordinal == 5 else "even")
+    )
+    for ordinal, out in results.items():
+        assert isinstance(out, pr.MismatchError), (ordinal, out)
+        assert "'odd'" in str(out) and "'even'" in str(out)
+    for c in clients:
+        c.close()
+
+
+def test_processes_fall_back_to_the_coordinator_when_their_relay_goes_away(coordinator):
+    """Host 0's relay stops (its process keeps running): its processes' rounds still
+    complete, sent directly, each once."""
+    clients = make_clients(coordinator.address)
+    run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
+    clients[0]._relay.close()
+    results = run_threads(
+        clients, lambda client, binding: [client.rendezvous(binding, f"after{k}", b"%d" % binding.ordinal) for k in range(3)]
+    )
+    expected = [[b"%d" % o for o in range(PROCESSES * THREADS)]] * 3
+    assert all(out == expected for out in results.values()), results
+    (job,) = clients[1].status().jobs
+    assert job.rounds_completed == 4 and not job.pending_rounds
+    for c in clients:
+        c.close()
+
+
+@pytest.mark.parametrize(
+    ("fan_in", "tasks", "per_host", "expected"),
+    [("off", 64, 4, False), ("host", 2, 1, True), ("auto", 64, 4, True), ("auto", 60, 4, False), ("auto", 64, 1, False)],
+)
+def test_auto_fan_in_needs_many_hosts_with_several_processes(fan_in, tasks, per_host, expected):
+    from pjrt_rendezvous.client._client import _fan_in
+
+    topology = pr.detect_topology(
+        {"PJRT_RENDEZVOUS_NUM_TASKS": str(tasks), "PJRT_RENDEZVOUS_TASK_ID": "0",
+         "PJRT_LOCAL_PROCESS_COUNT": str(per_host), "PJRT_LOCAL_PROCESS_RANK": "0"},
+        address="127.0.0.1:1",
+    )
+    assert _fan_in(pr.Settings(address="127.0.0.1:1", fan_in=fan_in), topology) is expected
+
+
+def test_an_unknown_fan_in_mode_is_refused():
+    with pytest.raises(pr.UsageError, match="fan_in must be one of auto, host, off"):
+        pr.Settings(address="127.0.0.1:1", fan_in="tree")
