@@ -27,6 +27,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -51,9 +52,20 @@ _SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 
 def relay_path(address: str, job: str, host: str) -> str:
     """The Unix socket of the relay for ``job`` of the coordinator at ``address`` on ``host``
-    (host is part of it so simulated hosts on one machine get one each)."""
-    digest = hashlib.sha256(f"{address}|{job}|{host}|{os.getuid()}".encode()).hexdigest()[:16]
-    return os.path.join(tempfile.gettempdir(), f"pjrt-rendezvous-relay-{digest}.sock")
+    (host is part of it so simulated hosts on one machine get one each), in a folder only
+    this user can enter."""
+    digest = hashlib.sha256(f"{address}|{job}|{host}".encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), f"pjrt-rendezvous-{os.getuid()}", f"relay-{digest}.sock")
+
+
+def _private_folder(path: str) -> None:
+    """Creates the socket's folder (mode 0700), or checks that an existing one is ours and
+    closed to others: only this user's processes may speak through the relay."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(f"{folder} must be a folder of user {os.getuid()} closed to others (mode 0700)")
 
 
 @dataclasses.dataclass
@@ -99,6 +111,7 @@ class Relay:
         self._loop.run_forever()
 
     async def _start(self) -> None:
+        _private_folder(self.path)
         if os.path.exists(self.path):
             os.unlink(self.path)  # left by an earlier run: its relay is gone
         self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", -1)])
@@ -107,7 +120,6 @@ class Relay:
         if not self._server.add_insecure_port(f"unix:{self.path}"):
             raise OSError(f"cannot listen on {self.path}")
         await self._server.start()
-        os.chmod(self.path, 0o600)  # only this user's processes may speak through us
 
     async def _session(self, requests, context) -> None:
         heard: set[str] = set()  # the processes speaking on this stream
@@ -223,8 +235,12 @@ class Relay:
 def _answer(call_id: int, outcome: bytes | Exception) -> tuple[bytes, bytes]:
     if isinstance(outcome, bytes):
         return session_answer(call_id, response=outcome)
-    if isinstance(outcome, RemoteError) and outcome.code in grpc.StatusCode.__members__:
+    if (
+        isinstance(outcome, RemoteError)
+        and outcome.code in grpc.StatusCode.__members__
+        and outcome.code not in ("UNAVAILABLE", "CANCELLED")
+    ):
         return session_answer(call_id, grpc.StatusCode[outcome.code], str(outcome))
-    # The relay could not send it (closing, the coordinator unreachable): the caller
-    # retries on the coordinator directly.
+    # The relay could not send it (its process closing, the coordinator unreachable): the
+    # caller retries on the coordinator directly.
     return session_answer(call_id, grpc.StatusCode.UNAVAILABLE, f"the host relay could not send the call: {outcome}")

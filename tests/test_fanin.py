@@ -63,7 +63,7 @@ def run_threads(clients: list[pr.Client], body) -> dict:
 def test_each_host_sends_one_call_per_round_and_every_result_is_exact(coordinator):
     """After the first round (the relay learns its host's processes), the coordinator sees one
     Rendezvous call per host and round, not one per process; full and subset rounds are exact;
-    the relay's socket is private to the user."""
+    the relay's socket is in a folder private to the user."""
     clients = make_clients(coordinator.address)
     rounds = 20
 
@@ -90,7 +90,7 @@ def test_each_host_sends_one_call_per_round_and_every_result_is_exact(coordinato
     assert HOSTS * rounds <= calls <= HOSTS * rounds + PROCESSES + 4, calls
     relay = clients[0]._relay
     assert relay is not None and clients[1]._relay is None and clients[2]._relay is not None
-    assert stat.S_IMODE(os.stat(relay.path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.dirname(relay.path)).st_mode) == 0o700
     for c in clients:
         c.close()
     assert not os.path.exists(relay.path)
@@ -166,3 +166,19 @@ def test_auto_fan_in_needs_many_hosts_with_several_processes(fan_in, tasks, per_
 def test_an_unknown_fan_in_mode_is_refused():
     with pytest.raises(pr.UsageError, match="fan_in must be one of auto, host, off"):
         pr.Settings(address="127.0.0.1:1", fan_in="tree")
+
+
+def test_a_relay_refuses_a_socket_folder_others_can_enter(tmp_path, monkeypatch):
+    """The relay's folder must be the user's own and closed to others: otherwise the host's
+    processes call the coordinator directly (with a warning), nothing else breaks."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    folder = tmp_path / f"pjrt-rendezvous-{os.getuid()}"
+    folder.mkdir(mode=0o777)
+    folder.chmod(0o777)
+    with Coordinator(port=0) as coordinator:
+        clients = make_clients(coordinator.address)
+        results = run_threads(clients, lambda client, binding: client.rendezvous(binding, "r", b"%d" % binding.ordinal))
+        assert all(out == [b"%d" % o for o in range(PROCESSES * THREADS)] for out in results.values()), results
+        assert clients[0]._relay is None and clients[0]._relay_path is None
+        for c in clients:
+            c.close()
