@@ -104,29 +104,33 @@ def render(runs: dict, args) -> str:
     if args.scale != "none":
         rows = []
         for key in args.scale.split(","):
-            def pick(label, fn):
-                vals = []
-                for r in runs[label]:
-                    e = r["scale"]["sizes"][key]["ours"]
-                    if "error" not in e:
-                        vals.append(fn(e))
-                return _median(vals)
+            for system in ("ours", "ours-fanin"):  # the modes (bench/_scale.py OURS)
+                def pick(label, fn):
+                    vals = []
+                    for r in runs[label]:
+                        e = r["scale"]["sizes"][key].get(system, {"error": "not run"})
+                        if "error" not in e:
+                            vals.append(fn(e))
+                    return _median(vals)
 
-            P, T = (int(x) for x in key.split("x"))
-            cells = [f"{P * T} ({key})"]
-            for name, fn, fmt in (
-                ("formation", lambda e: e["formation_s"], ms),
-                ("barrier p50", lambda e: percentile(e["samples"], 50), ms),
-                ("cpu/round", lambda e: e["cpu_per_round"], ms),
-                ("peak MB", lambda e: e["peak_mb"], lambda v: f"{v:.0f}"),
-            ):
-                b, a = pick("before", fn), pick("after", fn)
-                cells += [f"{fmt(b)} → {fmt(a)}"]
-            failures = {label: sum("error" in r["scale"]["sizes"][key]["ours"] for r in runs[label]) for label in runs}
-            cells.append(f"{failures['before']} → {failures['after']}")
-            rows.append(cells)
+                P, T = (int(x) for x in key.split("x"))
+                cells = [f"{P * T} ({key})", system]
+                for name, fn, fmt in (
+                    ("formation", lambda e: e["formation_s"], ms),
+                    ("barrier p50", lambda e: percentile(e["samples"], 50), ms),
+                    ("cpu/round", lambda e: e["cpu_per_round"], ms),
+                    ("peak MB", lambda e: e["peak_mb"], lambda v: f"{v:.0f}"),
+                ):
+                    b, a = pick("before", fn), pick("after", fn)
+                    cells += [f"{fmt(b)} → {fmt(a)}"]
+                failures = {
+                    label: sum("error" in r["scale"]["sizes"][key].get(system, {"error": ""}) for r in runs[label])
+                    for label in runs
+                }
+                cells.append(f"{failures['before']} → {failures['after']}")
+                rows.append(cells)
         out.append("")
-        out.append(table(["participants", "world formation (ms)", "barrier p50 (ms)", "coordinator CPU/round (ms)",
+        out.append(table(["participants", "mode", "world formation (ms)", "barrier p50 (ms)", "coordinator CPU/round (ms)",
                           "peak RSS (MB)", "failed runs"], rows))
     return "\n".join(out)
 

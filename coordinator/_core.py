@@ -30,7 +30,7 @@ import collections
 import dataclasses
 import enum
 import itertools
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 ALL: tuple[int, ...] = ()
 """The group key of a rendezvous over every ordinal of the job."""
@@ -222,14 +222,19 @@ class JobView:
     kv_keys: int
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Contribution:
+class Contribution(NamedTuple):
+    """One ordinal's part of a round (a tuple: thousands are made per round at scale)."""
+
     ordinal: int
     tag: str
     payload: bytes
     # Whose ordinal it is when a host relay sends it for another process ("": the caller's).
-    # Not part of the content: a resend of the same contribution by its own process matches.
-    incarnation: str = dataclasses.field(default="", compare=False)
+    # Not part of the content: a resend of the same contribution by its own process matches
+    # (see ``same_content``).
+    incarnation: str = ""
+
+    def same_content(self, other: "Contribution") -> bool:
+        return self.ordinal == other.ordinal and self.tag == other.tag and self.payload == other.payload
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -759,7 +764,7 @@ class Core:
                 previous = Contribution(ordinal=c.ordinal, tag=rnd.tag, payload=rnd.result[rnd.position(c.ordinal)])
             else:
                 previous = rnd.arrivals.get(c.ordinal)
-            if previous is not None and previous != c:
+            if previous is not None and not previous.same_content(c):
                 raise CoreError(
                     Code.INVALID_ARGUMENT,
                     f"ordinal {c.ordinal} resent {rnd.describe()} with a different tag or payload; "

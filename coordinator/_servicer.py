@@ -283,10 +283,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 incarnation=request.incarnation,
                 replicas=request.replicas,
                 round_number=request.round,
-                contributions=[
-                    Contribution(ordinal=c.ordinal, tag=c.tag, payload=c.payload, incarnation=c.incarnation)
-                    for c in request.contributions
-                ],
+                contributions=[Contribution(c.ordinal, c.tag, c.payload, c.incarnation) for c in request.contributions],
                 deadline=None if timeout is None else now + timeout,
                 generation=request.generation,
             )
