@@ -252,10 +252,10 @@ class Round:
     error: CoreError | None = None
     # The servicer's response message, built once and shared by every waiter.
     response: object = None
+    key: RoundKey = dataclasses.field(init=False, repr=False)  # (generation, group, number)
 
-    @property
-    def key(self) -> RoundKey:
-        return (self.generation, self.group, self.number)
+    def __post_init__(self) -> None:
+        self.key = (self.generation, self.group, self.number)  # none of them ever changes
 
     @property
     def finished(self) -> bool:
