@@ -27,7 +27,8 @@ from ._errors import (
     UsageError,
     from_rpc_error,
 )
-from ._session import Session
+from ._relay import Relay, relay_path
+from ._session import LocalSession, Session
 from ._topology import Topology
 
 log = logging.getLogger("pjrt_rendezvous.client")
@@ -152,15 +153,10 @@ class Client:
         self._session_lock = threading.Lock()
         self._current_session: Session | None = None
         # Fan-in (client/_relay.py): the host's relay, its socket and our session with it.
-        self._relay_path: str | None = None
-        if _fan_in(settings, topology):
-            from ._relay import relay_path  # the relay serves with the coordinator's session code
-
-            self._relay_path = relay_path(settings.address, settings.job, topology.host)
-        self._relay = None  # ours (a _relay.Relay), when we are the host's first process
+        self._relay_path = relay_path(settings.address, settings.job, topology.host) if _fan_in(settings, topology) else None
+        self._relay: Relay | None = None  # ours, when we are the host's first process
         self._relay_started = False
-        self._relay_channel: grpc.Channel | None = None
-        self._relay_session: Session | None = None
+        self._relay_session: LocalSession | None = None
         self._relay_retry_at = 0.0
 
     # -- plumbing -------------------------------------------------------------------------
@@ -259,11 +255,14 @@ class Client:
                 raise UsageError("this client was closed; call init() again")
             if relay and self._relay_path is not None and time.monotonic() >= self._relay_retry_at:
                 if self._relay_session is None or self._relay_session.broken is not None:
-                    if self._relay_channel is None:
-                        self._relay_channel = grpc.insecure_channel(f"unix:{self._relay_path}", options=_CHANNEL_OPTIONS)
-                    stub = pb_grpc.CoordinatorStub(self._relay_channel)
-                    self._relay_session = Session(stub, None)
-                return self._relay_session
+                    try:
+                        self._relay_session = LocalSession(self._relay_path)
+                    except grpc.RpcError as exc:
+                        self._relay_session = None
+                        self._relay_retry_at = time.monotonic() + _RELAY_RETRY
+                        log.debug("%s; calling the coordinator directly", exc.details())
+                if self._relay_session is not None:
+                    return self._relay_session
             if self._current_session is None or self._current_session.broken is not None:
                 self._current_session = Session(self._stub, self._metadata)
             return self._current_session
@@ -280,8 +279,6 @@ class Client:
             if self._relay_path is None or self.topology.local_rank != 0 or self._relay_started:
                 return
             self._relay_started = True
-        from ._relay import Relay
-
         try:
             self._relay = Relay(self, self._relay_path)
         except Exception as exc:  # the host's processes call the coordinator directly
@@ -315,8 +312,6 @@ class Client:
                     session.close()
         if self._relay is not None:
             self._relay.close()
-        if self._relay_channel is not None:
-            self._relay_channel.close()
         self._channel.close()
 
     # -- liveness -------------------------------------------------------------------------

@@ -2,9 +2,11 @@
 
 The coordinator pays per message (bench/: 100-200 µs of Python gRPC each), so in a pod of
 thousands of processes its CPU per round limits scale. With ``fan_in="host"`` the process
-with local rank 0 on each host runs a :class:`Relay` on a Unix socket that only its user can
-open (``relay_path``). The host's processes, itself included, send their ``Rendezvous`` calls
-there, on the same ``Session`` protocol as the coordinator's; the relay sends one call per
+with local rank 0 on each host runs a :class:`Relay` on a Unix socket in a folder only its
+user can enter (``relay_path``). The host's processes, itself included, send their
+``Rendezvous`` calls there as ``SessionRequest`` messages, length-prefixed rather than in
+gRPC (``_session.LocalSession``: on one host gRPC's machinery would cost more than the relay
+saves); the relay sends one call per
 round for the whole host, each contribution naming its process, and hands the answer back
 to every caller. The coordinator still checks every contribution's owner and accounts per
 ordinal.
@@ -38,17 +40,13 @@ from google.protobuf.message import DecodeError
 
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
-from pjrt_rendezvous.coordinator._servicer import serve_session, session_answer, session_method_handler
-
 from ._errors import RemoteError
+from ._session import FRAME, frame, parser, serve_session, session_answer
 
 if TYPE_CHECKING:
     from ._client import Client
 
 log = logging.getLogger("pjrt_rendezvous.client")
-
-_SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
-
 
 def relay_path(address: str, job: str, host: str) -> str:
     """The Unix socket of the relay for ``job`` of the coordinator at ``address`` on ``host``
@@ -79,6 +77,20 @@ class _HostRound:
     timer: asyncio.TimerHandle | None = None
 
 
+class _Frames:
+    """What :func:`serve_session` writes answers to, for a LocalSession connection."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
+
+    async def write(self, message: bytes) -> None:
+        self._writer.write(frame(message))
+        await self._writer.drain()
+
+    async def abort(self, code: grpc.StatusCode, message: str) -> None:
+        raise ConnectionAbortedError(f"{code.name}: {message}")
+
+
 class Relay:
     """A host's relay, serving in a background thread of the process with local rank 0."""
 
@@ -93,7 +105,8 @@ class Relay:
         # pending at once, so the pool must not be what bounds them.
         self._senders = concurrent.futures.ThreadPoolExecutor(256, thread_name_prefix="pjrt-rendezvous-relay-send")
         self._loop = asyncio.new_event_loop()
-        self._server: grpc.aio.Server | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._writers: set[asyncio.StreamWriter] = set()  # one per connected process
         started: concurrent.futures.Future = concurrent.futures.Future()
         threading.Thread(target=self._serve, args=(started,), name="pjrt-rendezvous-relay", daemon=True).start()
         started.result(timeout=30)  # raises what went wrong (e.g. the socket's folder is not writable)
@@ -109,35 +122,57 @@ class Relay:
             return
         started.set_result(None)
         self._loop.run_forever()
+        self._loop.close()
 
     async def _start(self) -> None:
         _private_folder(self.path)
         if os.path.exists(self.path):
             os.unlink(self.path)  # left by an earlier run: its relay is gone
-        self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", -1)])
-        handler = session_method_handler(self._session)
-        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, {"Session": handler}),))
-        if not self._server.add_insecure_port(f"unix:{self.path}"):
-            raise OSError(f"cannot listen on {self.path}")
-        await self._server.start()
+        self._server = await asyncio.start_unix_server(self._connection, path=self.path)
 
-    async def _session(self, requests, context) -> None:
-        heard: set[str] = set()  # the processes speaking on this stream
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One process's LocalSession: length-prefixed SessionRequests in, SessionResponses out."""
+        heard: set[str] = set()  # the processes speaking on this connection
+        self._writers.add(writer)
+
+        async def requests():
+            parse = parser(pb.SessionRequest)
+            while True:
+                try:
+                    head = await reader.readexactly(FRAME.size)
+                    message = await reader.readexactly(FRAME.unpack(head)[0])
+                except asyncio.IncompleteReadError:
+                    return  # the process closed its end (or went away)
+                yield parse(message)
+
         try:
-            await serve_session(requests, context, lambda call: self._run(call, heard))
+            await serve_session(requests(), _Frames(writer), lambda call: self._run(call, heard))
+        except Exception as exc:  # a malformed message, a broken connection: this one ends
+            log.debug("host relay connection ended: %s", exc)
         finally:  # a process that went away is no longer waited for
             for incarnation in heard:
                 self._tasks.pop(incarnation, None)
+            self._writers.discard(writer)
+            writer.close()
 
     def close(self) -> None:
-        """Stops serving (callers fall back to the coordinator) and removes the socket."""
+        """Stops serving and closes every connection (their processes fall back to the
+        coordinator), then removes the socket."""
 
         async def stop() -> None:
-            await self._server.stop(None)
-            self._loop.stop()
+            self._server.close()
+            for writer in self._writers:
+                writer.transport.abort()  # the process's reader sees the end at once
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
 
         if self._loop.is_running():
-            asyncio.run_coroutine_threadsafe(stop(), self._loop)
+            try:
+                asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=10)
+            except Exception as exc:  # pragma: no cover - best effort on the way out
+                log.debug("stopping the host relay: %s", exc)
+            self._loop.call_soon_threadsafe(self._loop.stop)
         self._senders.shutdown(wait=False, cancel_futures=True)
         try:
             os.unlink(self.path)

@@ -15,20 +15,52 @@ for every call (see ``Client._call``).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import queue
+import socket
+import struct
 import threading
 import time
-from typing import Callable
+from typing import Awaitable, Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("pjrt_rendezvous.client")
 
 _CODES = {status.value[0]: status for status in grpc.StatusCode}
+
+# gRPC carries the status message in a trailer and drops trailers over 8 KiB (some at
+# random, all over 16 KiB): a longer message would reach the client as a bare
+# RESOURCE_EXHAUSTED. Non-ASCII text can take 3 bytes a character once escaped.
+_MESSAGE_CHARACTERS = 2000
+
+
+def clip(message: str) -> str:
+    if len(message) <= _MESSAGE_CHARACTERS:
+        return message
+    return f"{message[:_MESSAGE_CHARACTERS]} ... ({len(message) - _MESSAGE_CHARACTERS} more characters)"
+
+
+class Malformed:
+    """Stands in for a request body that does not parse, so the handler can refuse it."""
+
+    def __init__(self, type_name: str, error: Exception) -> None:
+        self.message = f"the request is not a valid {type_name}: {error}"
+
+
+def parser(message_class):
+    def parse(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError as exc:
+            return Malformed(message_class.DESCRIPTOR.full_name, exc)
+
+    return parse
 
 
 class StatusError(grpc.RpcError):
@@ -56,16 +88,35 @@ class _Pending:
 
 
 class Session:
-    """A ``Session`` stream and the calls waiting on it. Thread-safe."""
+    """A ``Session`` stream to the coordinator and the calls waiting on it. Thread-safe."""
 
     def __init__(self, stub, metadata) -> None:
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._responses = stub.Session(self._requests(), metadata=metadata)
+        self._start()
+
+    def _start(self) -> None:
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.broken: grpc.RpcError | None = None
-        self._responses = stub.Session(self._requests(), metadata=metadata)
         threading.Thread(target=self._read, name="pjrt-rendezvous-session", daemon=True).start()
+
+    # -- transport: gRPC (LocalSession overrides these) --------------------------------------
+
+    def _send(self, call: pb.SessionCall) -> None:
+        self._outbox.put(call)
+
+    def _answers(self):
+        return self._responses
+
+    def _finished(self) -> None:
+        self._outbox.put(None)  # lets gRPC's sending thread finish
+
+    def close(self) -> None:
+        """Ends the stream from this side (calls still waiting fail)."""
+        self._outbox.put(None)
+        self._responses.cancel()
 
     def _requests(self):
         """What gRPC's sending thread sends: every call queued while it sent the last."""
@@ -82,9 +133,11 @@ class Session:
                 calls.append(call)
             yield pb.SessionRequest(calls=calls)
 
+    # -- calls ---------------------------------------------------------------------------------
+
     def _read(self) -> None:
         try:
-            for response in self._responses:
+            for response in self._answers():
                 with self._lock:
                     answered = [(self._pending.pop(a.id, None), a) for a in response.answers]
                 for pending, answer in answered:
@@ -98,15 +151,10 @@ class Session:
             self.broken = error
             pending_calls = list(self._pending.values())
             self._pending.clear()
-        self._outbox.put(None)  # lets gRPC's sending thread finish
+        self._finished()
         for pending in pending_calls:
             pending.error = error
             pending.done.set()
-
-    def close(self) -> None:
-        """Ends the stream from this side (calls still waiting fail)."""
-        self._outbox.put(None)
-        self._responses.cancel()
 
     def call(
         self,
@@ -128,7 +176,12 @@ class Session:
                 raise self.broken
             call_id = next(self._ids)
             self._pending[call_id] = pending
-        self._outbox.put(pb.SessionCall(id=call_id, method=method, request=request.SerializeToString()))
+        try:
+            self._send(pb.SessionCall(id=call_id, method=method, request=request.SerializeToString()))
+        except BaseException:
+            with self._lock:
+                self._pending.pop(call_id, None)
+            raise
         started = time.monotonic()
         end = None if timeout is None else started + timeout
         reports = 0
@@ -147,7 +200,10 @@ class Session:
             with self._lock:
                 abandoned = self._pending.pop(call_id, None) is not None and self.broken is None
             if abandoned:
-                self._outbox.put(pb.SessionCall(id=call_id, cancel=True))
+                try:
+                    self._send(pb.SessionCall(id=call_id, cancel=True))
+                except grpc.RpcError:
+                    pass  # the session broke meanwhile: nothing left to stop
             raise
         if pending.error is not None:
             raise pending.error
@@ -155,3 +211,156 @@ class Session:
         if response.code:
             raise StatusError(_CODES.get(response.code, grpc.StatusCode.UNKNOWN), response.message)
         return response.response
+
+
+FRAME = struct.Struct(">I")  # the length of the serialized message that follows
+
+
+def read_frames(stream):
+    """The messages of a length-prefixed byte stream (a buffered file: ``read(n)`` returns
+    fewer than n bytes only at the end); ends quietly at a clean end between messages."""
+    while head := stream.read(FRAME.size):
+        size = FRAME.unpack(head)[0] if len(head) == FRAME.size else -1
+        message = stream.read(size) if size >= 0 else b""
+        if size < 0 or len(message) < size:
+            raise EOFError("the stream ended inside a message")
+        yield message
+
+
+def frame(message: bytes) -> bytes:
+    return FRAME.pack(len(message)) + message
+
+
+class LocalSession(Session):
+    """The same calls and answers over a Unix socket to the host's relay (fan-in).
+
+    Messages are length-prefixed instead of gRPC frames, and the calling thread writes its
+    own: on one host, the gRPC machinery (two hand-offs between threads, HTTP/2) would cost
+    more than the relay saves.
+    """
+
+    def __init__(self, path: str) -> None:
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._socket.connect(path)
+        except OSError as exc:
+            self._socket.close()
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"no host relay at {path}: {exc}") from exc
+        self._send_lock = threading.Lock()
+        self._start()
+
+    def _send(self, call: pb.SessionCall) -> None:
+        message = frame(pb.SessionRequest(calls=[call]).SerializeToString())
+        try:
+            with self._send_lock:
+                self._socket.sendall(message)
+        except OSError as exc:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"the host relay went away: {exc}") from exc
+
+    def _answers(self):
+        try:
+            for message in read_frames(self._socket.makefile("rb")):
+                yield pb.SessionResponse.FromString(message)
+        except (OSError, EOFError) as exc:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"the host relay went away: {exc}") from exc
+        raise StatusError(grpc.StatusCode.UNAVAILABLE, "the host relay closed the connection")
+
+    def _finished(self) -> None:
+        self._socket.close()
+
+    def close(self) -> None:
+        try:
+            self._socket.shutdown(socket.SHUT_RDWR)  # the reader sees the end and fails what waits
+        except OSError:
+            pass
+
+
+# -- serving (the coordinator's Session, and a host relay's) ---------------------------------
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+_ANSWERS_TAG = b"\x0a"  # SessionResponse.answers: field 1, length-delimited
+_RESPONSE_TAG = b"\x22"  # SessionAnswer.response: field 4, length-delimited
+
+
+def _session_response(answers: list[tuple[bytes, bytes]]) -> bytes:
+    """A serialized SessionResponse of (answer without response, response) pairs.
+
+    Encoded by hand so a response shared by many callers (a finished round, the world
+    table) is copied once into each caller's message, not three times through protobuf
+    objects: at 4,096 ordinals every process's answer to WaitWorld is in flight at once.
+    """
+    parts = []
+    for head, body in answers:
+        tail = [_RESPONSE_TAG, _varint(len(body)), body] if body else []
+        size = len(head) + sum(map(len, tail))
+        parts += [_ANSWERS_TAG, _varint(size), head, *tail]
+    return b"".join(parts)
+
+
+def session_answer(
+    call_id: int, status: grpc.StatusCode = grpc.StatusCode.OK, message: str = "", response: bytes = b""
+) -> tuple[bytes, bytes]:
+    """One call's answer as :func:`_session_response` takes it."""
+    if status is grpc.StatusCode.OK:
+        return pb.SessionAnswer(id=call_id).SerializeToString(), response
+    return pb.SessionAnswer(id=call_id, code=status.value[0], message=clip(message)).SerializeToString(), b""
+
+
+async def serve_session(requests, context, run: Callable[[pb.SessionCall], Awaitable[tuple[bytes, bytes]]]) -> None:
+    """Serves one Session stream: each call runs as its own task (``run`` returns its answer
+    as in :func:`_session_response`) and is answered when done, in any order (see the .proto).
+    Answers that are ready while the stream is busy writing go out together in the next
+    message; a cancel stops the call's task."""
+    calls: dict[int, asyncio.Task] = {}  # running, cancellable by the client
+    ready: list[tuple[bytes, bytes]] = []  # answers waiting for the stream
+    writer: asyncio.Task | None = None
+
+    async def write() -> None:
+        try:
+            while ready:
+                message = _session_response(ready)
+                ready.clear()
+                await context.write(message)
+        except Exception as exc:  # the stream is gone; the client resends on a new one
+            log.debug("session answers not sent: %s", exc)
+
+    async def answer(call: pb.SessionCall) -> None:
+        nonlocal writer
+        try:
+            build = await run(call)
+        finally:  # done: a late cancel must not stop the writer with others' answers
+            calls.pop(call.id, None)
+        ready.append(build)
+        if writer is None or writer.done():  # else the running writer takes it along
+            writer = asyncio.create_task(write())
+
+    try:
+        async for message in requests:
+            if isinstance(message, Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, clip(message.message))
+            for call in message.calls:
+                if call.cancel:
+                    task = calls.pop(call.id, None)
+                    if task is not None:
+                        task.cancel()
+                elif call.id not in calls:
+                    calls[call.id] = asyncio.create_task(answer(call))
+        # The client finished sending: answer what it asked, then end the stream.
+        while calls:
+            await asyncio.wait(list(calls.values()))
+        while writer is not None and not writer.done():
+            await writer
+    finally:
+        for task in calls.values():
+            task.cancel()
+        if writer is not None:
+            writer.cancel()

@@ -14,10 +14,11 @@ import time
 from typing import Awaitable, Callable
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
+
+from pjrt_rendezvous.client._session import Malformed, clip, parser, serve_session, session_answer
 
 from ._core import ALL, Code, Contribution, Core, CoreError, Registration, ThreadRequest, format_ranges
 
@@ -25,37 +26,8 @@ log = logging.getLogger("pjrt_rendezvous.coordinator")
 
 # The one place core codes become wire codes.
 _STATUS = {code: getattr(grpc.StatusCode, code.name) for code in Code}
-# gRPC carries the status message in a trailer and drops trailers over 8 KiB (some at
-# random, all over 16 KiB): a longer message would reach the client as a bare
-# RESOURCE_EXHAUSTED. Non-ASCII text can take 3 bytes a character once escaped.
-_MESSAGE_CHARACTERS = 2000
-
-
-def _clip(message: str) -> str:
-    if len(message) <= _MESSAGE_CHARACTERS:
-        return message
-    return f"{message[:_MESSAGE_CHARACTERS]} ... ({len(message) - _MESSAGE_CHARACTERS} more characters)"
-
-
-class _Malformed:
-    """Stands in for a request body that does not parse, so the handler can refuse it."""
-
-    def __init__(self, type_name: str, error: Exception) -> None:
-        self.message = f"the request is not a valid {type_name}: {error}"
-
-
-def _parser(message_class):
-    def parse(data: bytes):
-        try:
-            return message_class.FromString(data)
-        except DecodeError as exc:
-            return _Malformed(message_class.DESCRIPTOR.full_name, exc)
-
-    return parse
-
-
 async def _abort(context, code: Code, message: str) -> None:
-    await context.abort(_STATUS[code], _clip(message))
+    await context.abort(_STATUS[code], clip(message))
 
 
 def _translated(method):
@@ -63,7 +35,7 @@ def _translated(method):
 
     @functools.wraps(method)
     async def handler(self, request, context):
-        if isinstance(request, _Malformed):
+        if isinstance(request, Malformed):
             await _abort(context, Code.INVALID_ARGUMENT, request.message)
         try:
             return await method(self, request, context)
@@ -93,7 +65,7 @@ def add_to_server(servicer: "Servicer", server) -> None:
             factory = grpc.unary_unary_rpc_method_handler
         handlers[method.name] = factory(
             getattr(servicer, method.name),
-            request_deserializer=_parser(getattr(pb, method.input_type.name)),
+            request_deserializer=parser(getattr(pb, method.input_type.name)),
             response_serializer=_serialize,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
@@ -139,7 +111,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
         self._on_call = on_call
         # The unary methods a Session stream carries: name -> (handler, request parser).
         self._unary = {
-            m.name: (getattr(type(self), m.name).__wrapped__, _parser(getattr(pb, m.input_type.name)))
+            m.name: (getattr(type(self), m.name).__wrapped__, parser(getattr(pb, m.input_type.name)))
             for m in pb.DESCRIPTOR.services_by_name["Coordinator"].methods
             if not m.client_streaming and not m.server_streaming
         }
@@ -329,7 +301,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
 
     async def Watch(self, request: pb.WatchRequest, context):
         """Streams the job's events (deaths, restarts) from the moment of the call on."""
-        if isinstance(request, _Malformed):
+        if isinstance(request, Malformed):
             await _abort(context, Code.INVALID_ARGUMENT, request.message)
         try:
             self._core.touch(request.job, request.incarnation, self._clock())
@@ -365,7 +337,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
             handler, parse = entry
             try:
                 request = parse(call.request)
-                if isinstance(request, _Malformed):
+                if isinstance(request, Malformed):
                     raise CoreError(Code.INVALID_ARGUMENT, request.message)
                 result = await handler(self, request, None)
                 status = grpc.StatusCode.OK
@@ -476,102 +448,6 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 for v in views
             ]
         )
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-_ANSWERS_TAG = b"\x0a"  # SessionResponse.answers: field 1, length-delimited
-_RESPONSE_TAG = b"\x22"  # SessionAnswer.response: field 4, length-delimited
-
-
-def _session_response(answers: list[tuple[bytes, bytes]]) -> bytes:
-    """A serialized SessionResponse of (answer without response, response) pairs.
-
-    Encoded by hand so a response shared by many callers (a finished round, the world
-    table) is copied once into each caller's message, not three times through protobuf
-    objects: at 4,096 ordinals every process's answer to WaitWorld is in flight at once.
-    """
-    parts = []
-    for head, body in answers:
-        tail = [_RESPONSE_TAG, _varint(len(body)), body] if body else []
-        size = len(head) + sum(map(len, tail))
-        parts += [_ANSWERS_TAG, _varint(size), head, *tail]
-    return b"".join(parts)
-
-
-def session_answer(
-    call_id: int, status: grpc.StatusCode = grpc.StatusCode.OK, message: str = "", response: bytes = b""
-) -> tuple[bytes, bytes]:
-    """One call's answer as :func:`_session_response` takes it."""
-    if status is grpc.StatusCode.OK:
-        return pb.SessionAnswer(id=call_id).SerializeToString(), response
-    return pb.SessionAnswer(id=call_id, code=status.value[0], message=_clip(message)).SerializeToString(), b""
-
-
-def session_method_handler(serve: Callable[..., Awaitable[None]]) -> grpc.RpcMethodHandler:
-    """The gRPC handler of a Session method served by ``serve(requests, context)`` (a host
-    relay's; the coordinator's goes through :func:`add_to_server`)."""
-    return grpc.stream_stream_rpc_method_handler(
-        serve, request_deserializer=_parser(pb.SessionRequest), response_serializer=_serialize
-    )
-
-
-async def serve_session(requests, context, run: Callable[[pb.SessionCall], Awaitable[tuple[bytes, bytes]]]) -> None:
-    """Serves one Session stream: each call runs as its own task (``run`` returns its answer
-    as in :func:`_session_response`) and is answered when done, in any order (see the .proto).
-    Answers that are ready while the stream is busy writing go out together in the next
-    message; a cancel stops the call's task."""
-    calls: dict[int, asyncio.Task] = {}  # running, cancellable by the client
-    ready: list[tuple[bytes, bytes]] = []  # answers waiting for the stream
-    writer: asyncio.Task | None = None
-
-    async def write() -> None:
-        try:
-            while ready:
-                message = _session_response(ready)
-                ready.clear()
-                await context.write(message)
-        except Exception as exc:  # the stream is gone; the client resends on a new one
-            log.debug("session answers not sent: %s", exc)
-
-    async def answer(call: pb.SessionCall) -> None:
-        nonlocal writer
-        try:
-            build = await run(call)
-        finally:  # done: a late cancel must not stop the writer with others' answers
-            calls.pop(call.id, None)
-        ready.append(build)
-        if writer is None or writer.done():  # else the running writer takes it along
-            writer = asyncio.create_task(write())
-
-    try:
-        async for message in requests:
-            if isinstance(message, _Malformed):
-                await _abort(context, Code.INVALID_ARGUMENT, message.message)
-            for call in message.calls:
-                if call.cancel:
-                    task = calls.pop(call.id, None)
-                    if task is not None:
-                        task.cancel()
-                elif call.id not in calls:
-                    calls[call.id] = asyncio.create_task(answer(call))
-        # The client finished sending: answer what it asked, then end the stream.
-        while calls:
-            await asyncio.wait(list(calls.values()))
-        while writer is not None and not writer.done():
-            await writer
-    finally:
-        for task in calls.values():
-            task.cancel()
-        if writer is not None:
-            writer.cancel()
 
 
 def _world_processes(table) -> list[pb.WorldProcess]:

@@ -182,3 +182,33 @@ def test_a_relay_refuses_a_socket_folder_others_can_enter(tmp_path, monkeypatch)
         assert clients[0]._relay is None and clients[0]._relay_path is None
         for c in clients:
             c.close()
+
+
+def test_frames_round_trip_and_a_cut_message_is_an_error():
+    import io
+
+    from pjrt_rendezvous.client._session import frame, read_frames
+
+    data = frame(b"") + frame(b"abc") + frame(b"x" * 70_000)
+    assert list(read_frames(io.BytesIO(data))) == [b"", b"abc", b"x" * 70_000]
+    for cut in (len(data) - 1, 2, len(frame(b"")) + 5):
+        with pytest.raises(EOFError):
+            list(read_frames(io.BytesIO(data[:cut])))
+
+
+def test_a_malformed_message_ends_only_its_own_connection_to_the_relay(coordinator):
+    import socket
+
+    from pjrt_rendezvous.client._session import frame
+
+    clients = make_clients(coordinator.address)
+    run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
+    with socket.socket(socket.AF_UNIX) as rogue:
+        rogue.connect(clients[0]._relay.path)
+        rogue.sendall(frame(b"\xff\xff\xff"))
+        rogue.settimeout(10)
+        assert rogue.recv(1) == b""  # closed by the relay
+    results = run_threads(clients, lambda client, binding: client.rendezvous(binding, "after"))
+    assert all(out == [b""] * (PROCESSES * THREADS) for out in results.values()), results
+    for c in clients:
+        c.close()

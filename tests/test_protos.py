@@ -44,7 +44,7 @@ def test_protocol_package_is_versioned():
 def test_hand_encoded_session_responses_parse_as_protobuf_would(sizes):
     """The servicer writes SessionResponse bytes by hand (one copy of a shared response per
     caller); they must parse to exactly the message protobuf would have built."""
-    from pjrt_rendezvous.coordinator._servicer import _session_response
+    from pjrt_rendezvous.client._session import _session_response
 
     answers = [
         pb.SessionAnswer(id=2**40 + i, response=bytes([i % 251]) * n) if n else pb.SessionAnswer(id=i, code=4, message="late")
