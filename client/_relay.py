@@ -99,7 +99,7 @@ class Relay:
         self.path = path
         self._window = client.settings.batch_window
         self._devices = client.topology.devices_per_process
-        self._tasks: dict[str, int] = {}  # incarnation -> task id, of processes with an open stream
+        self._tasks: dict[str, int] = {}  # incarnation -> task id, of processes with an open connection
         self._rounds: dict[tuple, _HostRound] = {}
         # Sending blocks a thread until the round ends; rounds of different groups can be
         # pending at once, so the pool must not be what bounds them.
@@ -118,6 +118,7 @@ class Relay:
         try:
             self._loop.run_until_complete(self._start())
         except BaseException as exc:
+            self._loop.close()
             started.set_exception(exc)
             return
         started.set_result(None)
