@@ -11,6 +11,10 @@ call behind it.
 A broken stream fails every call on it with the stream's error (UNAVAILABLE when the
 coordinator went away); the client's retry opens a new session and resends, which is safe
 for every call (see ``Client._call``).
+
+:class:`LocalSession` carries the same messages over a Unix socket to the host's relay
+(fan-in, ``_relay.py``). The serving end, :func:`serve_session`, is shared by the
+coordinator's servicer and the relay.
 """
 
 from __future__ import annotations
@@ -336,10 +340,10 @@ async def serve_session(requests, context, run: Callable[[pb.SessionCall], Await
     async def answer(call: pb.SessionCall) -> None:
         nonlocal writer
         try:
-            build = await run(call)
+            reply = await run(call)
         finally:  # done: a late cancel must not stop the writer with others' answers
             calls.pop(call.id, None)
-        ready.append(build)
+        ready.append(reply)
         if writer is None or writer.done():  # else the running writer takes it along
             writer = asyncio.create_task(write())
 
