@@ -273,6 +273,15 @@ class Client:
             self._relay_retry_at = time.monotonic() + _RELAY_RETRY
         log.debug("host relay at %s unavailable (%s); calling the coordinator directly", self._relay_path, exc.details())
 
+    def _leave_relay(self) -> None:
+        """A process of our host is gone, perhaps the one running the relay (a stuck relay
+        would keep our rounds from hearing of it): calls waiting there are resent directly,
+        and the coordinator answers them (a resent contribution counts once)."""
+        with self._session_lock:
+            session = self._relay_session
+        if session is not None:
+            session.close()
+
     def _start_relay(self) -> None:
         """Fan-in: the host's first process (local rank 0) starts the host's relay."""
         with self._lock:
@@ -368,6 +377,11 @@ class Client:
                     level = logging.INFO if event.kind == pb.WatchEvent.PROCESS_LEFT else logging.WARNING
                     log.log(level, "job %s: %s", self.settings.job, event.message)
                     self._adopt_generation(event.generation)
+                    if event.host == self.topology.host and event.kind in (
+                        pb.WatchEvent.PROCESS_DEAD,
+                        pb.WatchEvent.PROCESS_LEFT,
+                    ):
+                        self._leave_relay()
             except grpc.RpcError as exc:
                 if self._stopped.is_set() or exc.code() in (
                     grpc.StatusCode.CANCELLED,

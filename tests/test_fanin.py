@@ -212,3 +212,36 @@ def test_a_malformed_message_ends_only_its_own_connection_to_the_relay(coordinat
     assert all(out == [b""] * (PROCESSES * THREADS) for out in results.values()), results
     for c in clients:
         c.close()
+
+
+def test_a_stuck_relay_whose_process_is_declared_dead_does_not_hang_its_host(monkeypatch):
+    """Host 0's relay stops forwarding and its process stops heartbeating (as if frozen):
+    once the coordinator declares that process dead, its sibling's waiting round is resent
+    directly and fails at once naming the dead process, instead of waiting for its deadline."""
+    with Coordinator(port=0, heartbeat_timeout=3) as coordinator:
+        clients = make_clients(coordinator.address)
+        run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
+        frozen = clients[0]
+        release = threading.Event()
+        monkeypatch.setattr(frozen._relay, "_send_one", lambda request, deadline: release.wait(60) and b"")
+        frozen._stopped.set()  # no more heartbeats from the relay's process
+        outcome = {}
+
+        def sibling() -> None:
+            binding = clients[1].bind_thread(0)
+            try:
+                clients[1].rendezvous(binding, "stuck", timeout=60)
+            except Exception as exc:
+                outcome["error"] = exc
+            finally:
+                clients[1].unbind_thread()
+
+        thread = threading.Thread(target=sibling)
+        thread.start()
+        thread.join(30)
+        release.set()
+        assert not thread.is_alive(), "the sibling waited on a stuck relay"
+        assert isinstance(outcome.get("error"), pr.ParticipantFailedError), outcome
+        assert "a member died (ordinals 0-1 on sim-host-0" in str(outcome["error"])
+        for c in clients:
+            c.close(leave=False)
