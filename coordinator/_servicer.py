@@ -15,10 +15,9 @@ from typing import Awaitable, Callable
 
 import grpc
 
+from pjrt_rendezvous.client._session import Malformed, clip, parser, serve_session, session_answer
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
-
-from pjrt_rendezvous.client._session import Malformed, clip, parser, serve_session, session_answer
 
 from ._core import ALL, Code, Contribution, Core, CoreError, Registration, ThreadRequest, format_ranges
 
