@@ -110,8 +110,10 @@ def _payload_bytes(payload) -> bytes:
 class _Batch:
     """One process's arrivals at one round; the first thread (leader) sends them all."""
 
-    def __init__(self, members: frozenset[int] | None, generation: int) -> None:
-        self.members = members  # local ordinals expected; None = every local ordinal
+    def __init__(self, group: tuple[int, ...], number: int, generation: int) -> None:
+        self.group = group
+        self.number = number  # the round of the group
+        self.members = None if group == ALL else frozenset(group)  # None: every local ordinal
         self.generation = generation  # the one its round number belongs to
         self.contributions: dict[int, pb.Contribution] = {}
         self.deadline: float | None = None
@@ -555,59 +557,65 @@ class Client:
             batch = self._batches.get(key)
             leader = batch is None
             if leader:
-                batch = self._batches[key] = _Batch(None if group == ALL else frozenset(group), self._generation)
+                batch = self._batches[key] = _Batch(group, round_number, self._generation)
             batch.contributions[ordinal] = contribution
             if deadline is not None and (batch.deadline is None or deadline < batch.deadline):
                 batch.deadline = deadline
             self._inside[ordinal] = key
-            self._arrived.notify_all()
+            # Wake the leaders only when one has all it waits for: a wake-up per sibling
+            # arrival cost more than the round itself with 8 threads.
+            if any(self._gathered(b) for b in self._batches.values()):
+                self._arrived.notify_all()
             if leader:
-                self._gather_siblings(group, round_number, batch)
+                self._gather_siblings(batch)
                 del self._batches[key]
-        try:
-            if leader:
-                try:
-                    batch.payloads = self._send_round(replicas, group, round_number, batch)
-                except BaseException as exc:
-                    batch.error = exc
-                finally:
-                    batch.done.set()
-            else:
-                batch.done.wait()
-        finally:
-            with self._lock:
-                self._inside.pop(ordinal, None)
+        if leader:
+            try:
+                batch.payloads = self._send_round(replicas, group, round_number, batch)
+            except BaseException as exc:
+                batch.error = exc
+            finally:
+                with self._lock:  # no member is blocked in this round any more
+                    for member in batch.contributions:
+                        if self._inside.get(member) == key:
+                            del self._inside[member]
+                batch.done.set()
+        else:
+            batch.done.wait()
         if batch.error is not None:
             if leader or not isinstance(batch.error, RendezvousError):
                 raise batch.error
             raise _copy_error(batch.error) from batch.error.__cause__
         return list(batch.payloads)
 
-    def _gather_siblings(self, group: tuple[int, ...], round_number: int, batch: _Batch) -> None:
-        """With the lock held: waits briefly for this process's other members of the round.
-
-        A sibling is awaited only while it has not reached this round yet (its round counter
-        for the group is not past it) and is not blocked in another rendezvous.
-        """
-
-        def awaited(ordinal: int) -> bool:
-            if batch.members is not None and ordinal not in batch.members:
-                return False
-            if self._rounds.get((ordinal, group), 0) > round_number:
-                return False  # already arrived at this round
-            inside = self._inside.get(ordinal)
-            # Blocked in another group's round, it cannot come now; still finishing an
-            # earlier round of this group (its result is on the way), it will.
-            return inside is None or inside[0] == group
-
+    def _gather_siblings(self, batch: _Batch) -> None:
+        """With the lock held: waits briefly for this process's other members of the round."""
         window_end = time.monotonic() + self.settings.batch_window
-        while any(awaited(o) for o in self._local_ordinals()):
+        while not self._gathered(batch):
             remaining = window_end - time.monotonic()
             if batch.deadline is not None:
                 remaining = min(remaining, batch.deadline - time.monotonic())
             if remaining <= 0:
                 return
             self._arrived.wait(remaining)
+
+    def _gathered(self, batch: _Batch) -> bool:
+        """With the lock held: whether no sibling the batch's round may still get is missing.
+
+        A sibling is awaited only while it has not reached this round yet (its round counter
+        for the group is not past it) and is not blocked in another rendezvous.
+        """
+        for ordinal in self._local_ordinals():
+            if batch.members is not None and ordinal not in batch.members:
+                continue
+            if self._rounds.get((ordinal, batch.group), 0) > batch.number:
+                continue  # already arrived at this round
+            inside = self._inside.get(ordinal)
+            # Blocked in another group's round, it cannot come now; still finishing an
+            # earlier round of this group (its result is on the way), it will.
+            if inside is None or inside[0] == batch.group:
+                return False
+        return True
 
     def _send_round(self, replicas: list[int], group: tuple[int, ...], round_number: int, batch: _Batch) -> list[bytes]:
         request = pb.RendezvousRequest(
