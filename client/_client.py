@@ -1,8 +1,9 @@
-"""The process-wide client: one channel, thread bindings, combined rendezvous calls, key-value.
+"""The process-wide client: one channel and one Session stream (``_session``), thread
+bindings, combined rendezvous calls, host fan-in (``_relay``), key-value.
 
 Thread safety: a :class:`Client` is shared by every thread of a process. ``_lock`` guards
 the binding table and the open rendezvous batches; it is held only to read or change them,
-never across an RPC.
+never across a call. ``_session_lock`` guards the sessions.
 """
 
 from __future__ import annotations
@@ -177,7 +178,7 @@ class Client:
         progress: Callable[[float], None] | None = None,
         relay: bool = False,
     ):
-        """Sends one RPC, retrying transient failures, and maps errors (the one place).
+        """Sends one call on a session, retrying transient failures, and maps errors (the one place).
 
         Retries stop at ``connect_timeout`` or at ``deadline``, whichever is first. Every
         request is safe to resend: rounds carry (group, round), non-idempotent key-value
@@ -551,7 +552,7 @@ class Client:
         with self._lock:
             round_number = self._rounds.get((ordinal, group), 0)
             self._rounds[(ordinal, group)] = round_number + 1
-            # Siblings share an RPC only with the very same replicas list: the coordinator
+            # Siblings share a call only with the very same replicas list: the coordinator
             # must see (and refuse) a sibling's malformed list too.
             key = (group, round_number, tuple(replicas))
             batch = self._batches.get(key)

@@ -82,7 +82,7 @@ class Settings:
             with exponential backoff and jitter, before a call fails; always also bounded
             by the call's own deadline.
         batch_window: how long the first thread of a process to reach a round waits for its
-            sibling threads, so one RPC carries them all. Costs no latency: the round cannot
+            sibling threads, so one call carries them all. Costs no latency: the round cannot
             finish without them anyway. A host relay (``fan_in``) waits as long for the
             host's processes.
         fan_in: "host": the rendezvous calls of a host's processes go through a relay in
