@@ -36,17 +36,18 @@ import time
 from typing import TYPE_CHECKING
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
 from ._errors import RemoteError
-from ._session import FRAME, frame, parser, serve_session, session_answer
+from ._session import FRAME, Malformed, frame, parser, serve_session, session_answer
 
 if TYPE_CHECKING:
     from ._client import Client
 
 log = logging.getLogger("pjrt_rendezvous.client")
+
+_parse_rendezvous = parser(pb.RendezvousRequest)
 
 def relay_path(address: str, job: str, host: str) -> str:
     """The Unix socket of the relay for ``job`` of the coordinator at ``address`` on ``host``
@@ -186,11 +187,9 @@ class Relay:
         if call.method != "Rendezvous":
             message = f"a host relay carries only Rendezvous calls, not {call.method!r}"
             return session_answer(call.id, grpc.StatusCode.UNIMPLEMENTED, message)
-        try:
-            request = pb.RendezvousRequest.FromString(call.request)
-        except DecodeError as exc:
-            message = f"the request is not a valid RendezvousRequest: {exc}"
-            return session_answer(call.id, grpc.StatusCode.INVALID_ARGUMENT, message)
+        request = _parse_rendezvous(call.request)
+        if isinstance(request, Malformed):
+            return session_answer(call.id, grpc.StatusCode.INVALID_ARGUMENT, request.message)
         if not request.contributions:  # the coordinator refuses it, with its own message
             return _answer(call.id, await self._loop.run_in_executor(self._senders, self._send_one, request, None))
         for c in request.contributions:
