@@ -40,7 +40,7 @@ ENV PATH=/opt/pjrt-rendezvous/bin:$PATH \
 VOLUME ["/var/lib/pjrt-rendezvous"]
 WORKDIR /var/lib/pjrt-rendezvous
 USER 10001:10001
-EXPOSE 7481
+EXPOSE 7481 7482
 # The gRPC health service through the project's own CLI: exit code 0 when SERVING. It
 # checks this container (127.0.0.1 at PJRT_RENDEZVOUS_PORT) and needs no token; with TLS,
 # set PJRT_RENDEZVOUS_TLS_CA (and PJRT_RENDEZVOUS_TLS_SERVER_NAME if the certificate does

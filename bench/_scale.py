@@ -2,8 +2,9 @@
 
 A simulated process behaves on the wire like a real client process of its server:
 
-- ours: its own gRPC channel (own TCP connection) and one Session stream carrying its calls
-  as the client's does: one Register per thread (as each thread's ``bind_thread`` does), a
+- ours: its own connection to the session port carrying its calls as the client's does
+  (length-prefixed Session messages, ``client/_session.py``), and a gRPC channel for its
+  Watch stream: one Register per thread (as each thread's ``bind_thread`` does), a
   Heartbeat every 5 s, one WaitWorld, then one Rendezvous per round carrying all its
   threads' contributions (as the client combines them); plus a Watch stream. Requests are
   serialized with the generated protobuf classes; responses are not parsed (a real client
@@ -67,6 +68,7 @@ async def _gen_ours(a) -> None:
 
     import grpc
 
+    from pjrt_rendezvous.client._session import FRAME, frame
     from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
     loop = asyncio.get_running_loop()
@@ -83,15 +85,22 @@ async def _gen_ours(a) -> None:
     _emit({"ready": True, "connect_s": t_connected - t_start})
     await loop.run_in_executor(None, _await_go)
 
-    # One Session per simulated process: calls go out as messages with an id, a reader task
-    # hands each answer to the call waiting for it (client/_session.py does this with threads).
-    sessions = {i: ch.stream_stream(_RPC + "Session")() for i, ch in channels.items()}
-    send_locks = {i: asyncio.Lock() for i in sims}  # one write at a time per stream
+    # One session per simulated process on the session port: calls go out as messages with
+    # an id, a reader task hands each answer to the call waiting for it (the client's
+    # SocketSession does this with a thread).
+    host = a.address.rsplit(":", 1)[0]
+    sessions: dict[int, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
+    for i in sims:
+        sessions[i] = await asyncio.open_connection(host, a.session_port)
+        sessions[i][1].write(frame(pb.SessionHello().SerializeToString()))
     waiting: dict[tuple[int, int], asyncio.Future] = {}
     ids = iter(range(1, 1 << 62))
 
     async def read_answers(i: int) -> None:
-        async for data in sessions[i]:
+        reader = sessions[i][0]
+        while True:
+            head = await reader.readexactly(FRAME.size)
+            data = await reader.readexactly(FRAME.unpack(head)[0])
             for answer in pb.SessionResponse.FromString(data).answers:
                 future = waiting.pop((i, answer.id), None)
                 if future is not None and not future.done():
@@ -116,9 +125,8 @@ async def _gen_ours(a) -> None:
     async def call(i: int, method: str, body: bytes) -> bytes:
         call_id = next(ids)
         future = waiting[(i, call_id)] = loop.create_future()
-        async with send_locks[i]:
-            call = pb.SessionCall(id=call_id, method=method, request=body)
-            await sessions[i].write(pb.SessionRequest(calls=[call]).SerializeToString())
+        call = pb.SessionCall(id=call_id, method=method, request=body)
+        sessions[i][1].write(frame(pb.SessionRequest(calls=[call]).SerializeToString()))
         answer = await asyncio.wait_for(future, TIMEOUT_S + 10)
         if answer.code:
             raise RuntimeError(f"{method} failed with status {answer.code}: {answer.message}")
@@ -187,8 +195,10 @@ async def _gen_ours(a) -> None:
     await asyncio.gather(*beats, return_exceptions=True)
     for stream in streams:
         stream.cancel()
-    for session in sessions.values():
-        session.cancel()
+    for reader in readers:
+        reader.cancel()
+    for _, writer in sessions.values():
+        writer.close()
     await asyncio.gather(*readers, return_exceptions=True)
     _emit({"t_connected": t_connected, "t_formed": t_formed, "samples": samples, "cpu": cpu[1] - cpu[0]})
     await asyncio.gather(*(ch.close() for ch in channels.values()))
@@ -311,6 +321,7 @@ def _run_one(system: str, P: int, T: int, rounds: int, log, profile: str | None 
                 sys.executable, os.path.abspath(__file__), "gen", "--system", system, "--address", server.address,
                 "--job", job, "--P", str(P), "--T", str(T), "--first", str(first), "--count", str(count),
                 "--rounds", str(rounds), "--warmup", str(max(3, rounds // 10)), "--server-pid", str(server.pid),
+                "--session-port", str(server.session_port or 0),
             ]
             logs.append(tempfile.TemporaryFile(mode="w+"))
             gens.append(
@@ -418,8 +429,8 @@ def best_ours(entry: dict) -> tuple[str, dict] | None:
 
 def render(scale: dict) -> str:
     lines = [
-        "## Scale: simulated participants over real gRPC (bench/_scale.py)\n",
-        "Each simulated process has its own connection and one Session stream, and behaves on the wire "
+        "## Scale: simulated participants over real sockets (bench/_scale.py)\n",
+        "Each simulated process has its own connection to the session port (and a gRPC channel for its Watch stream), and behaves on the wire "
         "like a client process of ours: a Register per thread, a Watch stream, heartbeats every 5 s, "
         "WaitWorld, then per round one Rendezvous carrying its threads (direct), or, with host fan-in, "
         f"one Rendezvous per simulated host of {SIM_PER_HOST} processes carrying all of theirs (what each "
@@ -495,7 +506,7 @@ def main(argv=None) -> int:
     gen = sub.add_parser("gen")
     for name in ("--system", "--address", "--job"):
         gen.add_argument(name, required=True)
-    for name in ("--P", "--T", "--first", "--count", "--rounds", "--warmup", "--server-pid"):
+    for name in ("--P", "--T", "--first", "--count", "--rounds", "--warmup", "--server-pid", "--session-port"):
         gen.add_argument(name, type=int, required=True)
     drive = sub.add_parser("run", help="the scale run alone")
     drive.add_argument("--sizes", default="8x8,64x8,512x8")

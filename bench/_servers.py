@@ -1,6 +1,7 @@
 """The servers under test, each in its own process, and what /proc says about them.
 
-- ours: the real CLI, ``python -m pjrt_rendezvous.coordinator serve --port 0``;
+- ours: the real CLI, ``python -m pjrt_rendezvous.coordinator serve --port 0`` (and a free
+  session port);
 - TCPStore: a master store (libuv backend) in a process of its own (``python _servers.py tcpstore``);
 - JAX: the XLA coordination service in a dedicated process (``python _servers.py jax N``), so its
   CPU and memory are not mixed with a client's. ``jax.distributed.initialize`` would host it in
@@ -89,6 +90,13 @@ class Server:
                 raise RuntimeError(f"{kind} server did not start; see {self.log.name}")
         self.address = line.rsplit(" ", 1)[1].strip()
         self.pid = self.proc.pid
+        self.session_port: int | None = None  # ours: the session port (client/_session.py)
+        if kind == "ours":
+            line = self.proc.stdout.readline()
+            if "session port" not in line:
+                self.stop()
+                raise RuntimeError(f"{kind} server named no session port; see {self.log.name}")
+            self.session_port = int(line.rsplit(":", 1)[1])
 
     def cpu(self) -> float:
         return cpu_seconds(self.pid)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import threading
 import time
@@ -29,7 +30,7 @@ from ._errors import (
     from_rpc_error,
 )
 from ._relay import Relay, relay_path
-from ._session import LocalSession, Session
+from ._session import Session, SocketSession
 from ._topology import Topology
 
 log = logging.getLogger("pjrt_rendezvous.client")
@@ -64,6 +65,11 @@ _RESPONSES = {
 }
 
 _RELAY_RETRY = 5.0  # seconds: after the host's relay failed, call the coordinator directly this long
+# The coordinator's session port: how long to try connecting; how long to use gRPC's stream
+# after a refused connection (a coordinator restarting). A connection that timed out (a
+# firewall, a container that does not publish the port) is not tried again.
+_SESSION_PORT_CONNECT = 2.0
+_SESSION_PORT_RETRY = 10.0
 
 _bound = threading.local()
 
@@ -159,8 +165,11 @@ class Client:
         self._relay_path = relay_path(settings.address, settings.job, topology.host) if _fan_in(settings, topology) else None
         self._relay: Relay | None = None  # ours, when we are the host's first process
         self._relay_started = False
-        self._relay_session: LocalSession | None = None
+        self._relay_session: SocketSession | None = None
         self._relay_retry_at = 0.0
+        # The coordinator's session port, once a Register or Heartbeat answer names it (0: none).
+        self._session_port = 0
+        self._session_port_retry_at = 0.0
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -259,7 +268,7 @@ class Client:
             if relay and self._relay_path is not None and time.monotonic() >= self._relay_retry_at:
                 if self._relay_session is None or self._relay_session.broken is not None:
                     try:
-                        self._relay_session = LocalSession(self._relay_path)
+                        self._relay_session = SocketSession.local(self._relay_path)
                     except grpc.RpcError as exc:
                         self._relay_session = None
                         self._relay_retry_at = time.monotonic() + _RELAY_RETRY
@@ -267,8 +276,41 @@ class Client:
                 if self._relay_session is not None:
                     return self._relay_session
             if self._current_session is None or self._current_session.broken is not None:
-                self._current_session = Session(self._stub, self._metadata)
+                self._current_session = self._open_session()
             return self._current_session
+
+    def _open_session(self) -> Session:
+        """On the coordinator's session port when it offers one and it has not failed
+        lately, else on gRPC. Called with the session lock held."""
+        if self._session_port and time.monotonic() >= self._session_port_retry_at:
+            host = self.settings.address.rpartition(":")[0].strip("[]")
+            authorization = f"Bearer {self.settings.token}" if self.settings.token else ""
+            try:
+                return SocketSession.tcp(host, self._session_port, authorization, _SESSION_PORT_CONNECT)
+            except grpc.RpcError as exc:
+                if isinstance(exc.__cause__, TimeoutError):
+                    self._session_port_retry_at = math.inf
+                    log.warning(
+                        "%s; using gRPC from now on (open the port to the coordinator, or set "
+                        "PJRT_RENDEZVOUS_TRANSPORT=grpc)", exc.details()
+                    )
+                else:
+                    self._session_port_retry_at = time.monotonic() + _SESSION_PORT_RETRY
+                    log.info("%s; using gRPC for %.0f s", exc.details(), _SESSION_PORT_RETRY)
+        return Session(self._stub, self._metadata)
+
+    def _learn_session_port(self, port: int) -> None:
+        """The coordinator offers ``port`` (0: none), told in a Register or Heartbeat answer:
+        the next session uses it (``Settings.transport``), so a gRPC stream in use ends once
+        its calls are answered, unless the port failed lately (``_open_session``)."""
+        if self.settings.transport != "auto" or self.settings.tls_ca is not None:
+            return  # never the token in plain text next to a TLS channel
+        with self._session_lock:
+            if port != self._session_port:
+                self._session_port, self._session_port_retry_at = port, 0.0
+            if port and type(self._current_session) is Session and time.monotonic() >= self._session_port_retry_at:
+                self._current_session.retire()
+                self._current_session = None
 
     def _relay_failed(self, exc: grpc.RpcError) -> None:
         """The host's relay is not there (yet, or any more): the coordinator directly for a while."""
@@ -370,6 +412,7 @@ class Client:
                     return  # declared dead or closed: nothing left to keep alive
                 continue
             self._adopt_generation(response.generation)
+            self._learn_session_port(response.session_port)
 
     def _watch_loop(self) -> None:
         request = pb.WatchRequest(job=self.settings.job, incarnation=self.incarnation)
@@ -466,6 +509,7 @@ class Client:
             raise
         (assignment,) = response.assignments
         self._heartbeat_timeout = response.heartbeat_timeout
+        self._learn_session_port(response.session_port)
         self._adopt_generation(response.generation)
         self._start_background()
         self._start_relay()

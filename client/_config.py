@@ -31,6 +31,7 @@ _VARIABLES: dict[str, str] = {
     "connect_timeout": "PJRT_RENDEZVOUS_CONNECT_TIMEOUT",
     "batch_window": "PJRT_RENDEZVOUS_BATCH_WINDOW",
     "fan_in": "PJRT_RENDEZVOUS_FAN_IN",
+    "transport": "PJRT_RENDEZVOUS_TRANSPORT",
     "heartbeat_interval": "PJRT_RENDEZVOUS_HEARTBEAT_INTERVAL",
     "progress_interval": "PJRT_RENDEZVOUS_PROGRESS_INTERVAL",
     "token": "PJRT_RENDEZVOUS_TOKEN",
@@ -39,10 +40,11 @@ _VARIABLES: dict[str, str] = {
     "tls_cert": "PJRT_RENDEZVOUS_TLS_CERT",
     "tls_key": "PJRT_RENDEZVOUS_TLS_KEY",
 }
-_TEXT = {"job", "fan_in", "token", "token_file", "tls_ca", "tls_cert", "tls_key"}
+_TEXT = {"job", "fan_in", "transport", "token", "token_file", "tls_ca", "tls_cert", "tls_key"}
 FAN_IN_MODES = ("auto", "host", "off")
 # With fan_in="auto", hosts relay for their processes from this many hosts on.
 FAN_IN_AUTO_HOSTS = 16
+TRANSPORTS = ("auto", "grpc")
 
 
 def check_timeout(value: Any, what: str = "timeout") -> float | None:
@@ -91,6 +93,9 @@ class Settings:
             process (client/_relay.py); "off": every process calls the coordinator; "auto"
             (default): "host" in worlds of at least 16 hosts with more than one process
             each.
+        transport: "auto" (default): calls travel on the coordinator's session port
+            (length-prefixed messages on plain TCP, cheaper than gRPC) when it offers one
+            and this client does not use TLS, else on gRPC; "grpc": always on gRPC.
         heartbeat_interval: seconds between heartbeats (shortened to a third of the
             coordinator's heartbeat timeout when that is smaller).
         progress_interval: while blocked, log a "still waiting for ..." line naming the
@@ -106,6 +111,7 @@ class Settings:
     connect_timeout: float = 60.0
     batch_window: float = 1.0
     fan_in: str = "auto"
+    transport: str = "auto"
     heartbeat_interval: float = 5.0
     progress_interval: float | None = 60.0
     token: str | None = dataclasses.field(default=None, repr=False)
@@ -125,6 +131,8 @@ class Settings:
             raise UsageError(f"batch_window must be >= 0 seconds, got {self.batch_window!r}")
         if self.fan_in not in FAN_IN_MODES:
             raise UsageError(f"fan_in must be one of {', '.join(FAN_IN_MODES)}, got {self.fan_in!r}")
+        if self.transport not in TRANSPORTS:
+            raise UsageError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         if check_timeout(self.heartbeat_interval, "heartbeat_interval") is None:
             raise UsageError("heartbeat_interval must be finite")
         object.__setattr__(self, "progress_interval", check_timeout(self.progress_interval, "progress_interval"))

@@ -5,7 +5,7 @@ thousands of processes its CPU per round limits scale. With ``fan_in="host"`` th
 with local rank 0 on each host runs a :class:`Relay` on a Unix socket in a folder only its
 user can enter (``relay_path``). The host's processes, itself included, send their
 ``Rendezvous`` calls there as ``SessionRequest`` messages, length-prefixed rather than in
-gRPC (``_session.LocalSession``: on one host gRPC's machinery would cost more than the relay
+gRPC (``_session.SocketSession``: on one host gRPC's machinery would cost more than the relay
 saves); the relay sends one call per
 round for the whole host, each contribution naming its process, and hands the answer back
 to every caller. The coordinator still checks every contribution's owner and accounts per
@@ -40,7 +40,7 @@ import grpc
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
 from ._errors import RemoteError
-from ._session import FRAME, Malformed, frame, parser, serve_session, session_answer
+from ._session import Malformed, parser, serve_frames, session_answer
 
 if TYPE_CHECKING:
     from ._client import Client
@@ -76,20 +76,6 @@ class _HostRound:
     arrived: set[int] = dataclasses.field(default_factory=set)
     deadline: float | None = None
     timer: asyncio.TimerHandle | None = None
-
-
-class _Frames:
-    """What :func:`serve_session` writes answers to, for a LocalSession connection."""
-
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
-        self._writer = writer
-
-    async def write(self, message: bytes) -> None:
-        self._writer.write(frame(message))
-        await self._writer.drain()
-
-    async def abort(self, code: grpc.StatusCode, message: str) -> None:
-        raise ConnectionAbortedError(f"{code.name}: {message}")
 
 
 class Relay:
@@ -133,22 +119,11 @@ class Relay:
         self._server = await asyncio.start_unix_server(self._connection, path=self.path)
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One process's LocalSession: length-prefixed SessionRequests in, SessionResponses out."""
+        """One process's SocketSession: length-prefixed SessionRequests in, SessionResponses out."""
         heard: set[str] = set()  # the processes speaking on this connection
         self._writers.add(writer)
-
-        async def requests():
-            parse = parser(pb.SessionRequest)
-            while True:
-                try:
-                    head = await reader.readexactly(FRAME.size)
-                    message = await reader.readexactly(FRAME.unpack(head)[0])
-                except asyncio.IncompleteReadError:
-                    return  # the process closed its end (or went away)
-                yield parse(message)
-
         try:
-            await serve_session(requests(), _Frames(writer), lambda call: self._run(call, heard))
+            await serve_frames(reader, writer, lambda call: self._run(call, heard))
         except Exception as exc:  # a malformed message, a broken connection: this one ends
             log.debug("host relay connection ended: %s", exc)
         finally:  # a process that went away is no longer waited for

@@ -12,9 +12,10 @@ A broken stream fails every call on it with the stream's error (UNAVAILABLE when
 coordinator went away); the client's retry opens a new session and resends, which is safe
 for every call (see ``Client._call``).
 
-:class:`LocalSession` carries the same messages over a Unix socket to the host's relay
-(fan-in, ``_relay.py``). The serving end, :func:`serve_session`, is shared by the
-coordinator's servicer and the relay.
+:class:`SocketSession` carries the same messages length-prefixed on a plain socket: to the
+coordinator's session port when it offers one (cheaper than gRPC's stream), and over a Unix
+socket to the host's relay (fan-in, ``_relay.py``). The serving end, :func:`serve_session`
+(and :func:`serve_frames` for sockets), is shared by the coordinator and the relay.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
+
+from ._topology import host_port
 
 log = logging.getLogger("pjrt_rendezvous.client")
 
@@ -104,9 +107,10 @@ class Session:
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
         self.broken: grpc.RpcError | None = None
+        self.heard = time.monotonic()  # when the last answer came
         threading.Thread(target=self._read, name="pjrt-rendezvous-session", daemon=True).start()
 
-    # -- transport: gRPC (LocalSession overrides these) --------------------------------------
+    # -- transport: gRPC (SocketSession overrides these) --------------------------------------
 
     def _send(self, call: pb.SessionCall) -> None:
         self._outbox.put(call)
@@ -121,6 +125,14 @@ class Session:
         """Ends the stream from this side (calls still waiting fail)."""
         self._outbox.put(None)
         self._responses.cancel()
+
+    def retire(self) -> None:
+        """Ends the stream once the calls on it are answered; a later call fails with
+        UNAVAILABLE, so it is resent on the session that replaced this one."""
+        with self._lock:
+            if self.broken is None:
+                self.broken = StatusError(grpc.StatusCode.UNAVAILABLE, "the session was replaced")
+        self._finished()
 
     def _requests(self):
         """What gRPC's sending thread sends: every call queued while it sent the last."""
@@ -142,6 +154,7 @@ class Session:
     def _read(self) -> None:
         try:
             for response in self._answers():
+                self.heard = time.monotonic()
                 with self._lock:
                     answered = [(self._pending.pop(a.id, None), a) for a in response.answers]
                 for pending, answer in answered:
@@ -218,6 +231,9 @@ class Session:
 
 
 FRAME = struct.Struct(">I")  # the length of the serialized message that follows
+PING_EVERY = 10.0  # seconds without an answer before a SocketSession pings
+PING_TIMEOUT = 5.0
+_PING = pb.SessionRequest()  # any message: a ping's request is empty
 
 
 def read_frames(stream):
@@ -235,39 +251,87 @@ def frame(message: bytes) -> bytes:
     return FRAME.pack(len(message)) + message
 
 
-class LocalSession(Session):
-    """The same calls and answers over a Unix socket to the host's relay (fan-in).
+class SocketSession(Session):
+    """The same calls and answers as length-prefixed messages on a stream socket: to the
+    coordinator's session port (:meth:`tcp`) or to the host's relay (:meth:`local`).
 
-    Messages are length-prefixed instead of gRPC frames, and the calling thread writes its
-    own: on one host, the gRPC machinery (two hand-offs between threads, HTTP/2) would cost
-    more than the relay saves.
+    The calling thread writes its own message and one reader thread takes the answers: gRPC's
+    stream costs each message two hand-offs between threads and HTTP/2 framing, which at
+    one message per round and process is most of a process's CPU (``bench/``).
     """
 
-    def __init__(self, path: str) -> None:
-        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self._socket.connect(path)
-        except OSError as exc:
-            self._socket.close()
-            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"no host relay at {path}: {exc}") from exc
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self._socket = sock
+        self._peer = peer
         self._send_lock = threading.Lock()
         self._start()
+        threading.Thread(target=self._keepalive, name="pjrt-rendezvous-keepalive", daemon=True).start()
 
-    def _send(self, call: pb.SessionCall) -> None:
-        message = frame(pb.SessionRequest(calls=[call]).SerializeToString())
+    def _keepalive(self) -> None:
+        """A connection that silently stops passing bytes (a dead host, a dropped NAT entry,
+        a frozen peer) must fail within seconds so its calls are resent, as gRPC's keepalive
+        does for its stream: after PING_EVERY seconds without an answer, a ping (a call
+        without a method) must be answered within PING_TIMEOUT."""
+        while self.broken is None:
+            time.sleep(max(0.0, self.heard + PING_EVERY - time.monotonic()))
+            if self.broken is not None or time.monotonic() - self.heard < PING_EVERY:
+                continue
+            try:
+                self.call("", _PING, PING_TIMEOUT)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    log.warning("%s did not answer a ping within %g s; closing the connection", self._peer, PING_TIMEOUT)
+                    self.close()  # the calls waiting on it fail with UNAVAILABLE and are resent
+                return
+
+    @classmethod
+    def local(cls, path: str) -> "SocketSession":
+        """A session with the host's relay at Unix socket ``path``."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(path)
+        except OSError as exc:
+            sock.close()
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"no host relay at {path}: {exc}") from exc
+        return cls(sock, "the host relay")
+
+    @classmethod
+    def tcp(cls, host: str, port: int, authorization: str, connect_timeout: float) -> "SocketSession":
+        """A session on the coordinator's session port; ``authorization`` as in gRPC's metadata."""
+        try:
+            sock = socket.create_connection((host, port), timeout=connect_timeout)
+        except OSError as exc:
+            raise StatusError(
+                grpc.StatusCode.UNAVAILABLE, f"cannot connect to the session port {host_port(host, port)}: {exc}"
+            ) from exc
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        session = cls(sock, f"the coordinator's session port {host_port(host, port)}")
+        session._write(pb.SessionHello(authorization=authorization))
+        return session
+
+    def _write(self, message) -> None:
+        data = frame(message.SerializeToString())
         try:
             with self._send_lock:
-                self._socket.sendall(message)
+                self._socket.sendall(data)
         except OSError as exc:
-            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"the host relay went away: {exc}") from exc
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"{self._peer} went away: {exc}") from exc
+
+    def _send(self, call: pb.SessionCall) -> None:
+        self._write(pb.SessionRequest(calls=[call]))
 
     def _answers(self):
         try:
             for message in read_frames(self._socket.makefile("rb")):
-                yield pb.SessionResponse.FromString(message)
+                response = pb.SessionResponse.FromString(message)
+                if response.answers and response.answers[0].id == 0:  # the end, with its status
+                    answer = response.answers[0]
+                    raise StatusError(_CODES.get(answer.code, grpc.StatusCode.UNKNOWN), answer.message)
+                yield response
         except (OSError, EOFError) as exc:
-            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"the host relay went away: {exc}") from exc
-        raise StatusError(grpc.StatusCode.UNAVAILABLE, "the host relay closed the connection")
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"{self._peer} went away: {exc}") from exc
+        raise StatusError(grpc.StatusCode.UNAVAILABLE, f"{self._peer} closed the connection")
 
     def _finished(self) -> None:
         self._socket.close()
@@ -352,7 +416,11 @@ async def serve_session(requests, context, run: Callable[[pb.SessionCall], Await
             if isinstance(message, Malformed):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, clip(message.message))
             for call in message.calls:
-                if call.cancel:
+                if not call.method and not call.cancel:  # a ping
+                    ready.append(session_answer(call.id))
+                    if writer is None or writer.done():
+                        writer = asyncio.create_task(write())
+                elif call.cancel:
                     task = calls.pop(call.id, None)
                     if task is not None:
                         task.cancel()
@@ -368,3 +436,53 @@ async def serve_session(requests, context, run: Callable[[pb.SessionCall], Await
             task.cancel()
         if writer is not None:
             writer.cancel()
+
+
+class _Frames:
+    """What :func:`serve_session` writes answers to, on a :class:`SocketSession` connection."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
+
+    async def write(self, message: bytes) -> None:
+        self._writer.write(frame(message))
+        await self._writer.drain()
+
+    async def abort(self, code: grpc.StatusCode, message: str) -> None:
+        await self.write(_session_response([session_answer(0, code, message)]))
+        raise ConnectionAbortedError(f"{code.name}: {message}")
+
+
+async def serve_frames(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    run: Callable[[pb.SessionCall], Awaitable[tuple[bytes, bytes]]],
+    hello: Callable[[pb.SessionHello], tuple[grpc.StatusCode, str] | None] | None = None,
+) -> None:
+    """Serves one :class:`SocketSession` connection with :func:`serve_session` until the peer
+    closes it. With ``hello``, the first message is a SessionHello that ``hello`` accepts
+    (None) or refuses with a status, which ends the connection. Raises what ended it
+    otherwise (a malformed message, a broken connection)."""
+    frames = _Frames(writer)
+
+    async def read():
+        try:
+            head = await reader.readexactly(FRAME.size)
+            return await reader.readexactly(FRAME.unpack(head)[0])
+        except asyncio.IncompleteReadError:
+            return None  # the peer closed its end (or went away)
+
+    if hello is not None:
+        greeting = parser(pb.SessionHello)(await read() or b"")
+        refusal = (
+            (grpc.StatusCode.INVALID_ARGUMENT, greeting.message) if isinstance(greeting, Malformed) else hello(greeting)
+        )
+        if refusal is not None:
+            await frames.abort(*refusal)
+
+    async def requests():
+        parse = parser(pb.SessionRequest)
+        while (message := await read()) is not None:
+            yield parse(message)
+
+    await serve_session(requests(), frames, run)

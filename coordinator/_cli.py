@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 
 from ._core import Limits
 from ._monitor import DEFAULT_LATE_AFTER
-from ._server import DEFAULT_HEARTBEAT_TIMEOUT
+from ._server import DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_SESSION_PORT
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_HEALTH_TIMEOUT = 5.0
@@ -40,6 +40,7 @@ SERVE_VARIABLES: dict[str, str] = {
     "tls_key": "PJRT_RENDEZVOUS_SERVER_TLS_KEY",
     "tls_ca": "PJRT_RENDEZVOUS_SERVER_TLS_CA",
     "grace": "PJRT_RENDEZVOUS_GRACE",
+    "session_port": "PJRT_RENDEZVOUS_SESSION_PORT",
     "metrics_port": "PJRT_RENDEZVOUS_METRICS_PORT",
     "metrics_host": "PJRT_RENDEZVOUS_METRICS_HOST",
     "late_after": "PJRT_RENDEZVOUS_LATE_AFTER",
@@ -62,6 +63,11 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {port}")
     return port
+
+
+def _session_port(text: str) -> int | str | None:
+    word = text.strip().lower()
+    return None if word == "off" else word if word == "auto" else _port(text)
 
 
 def _seconds(text: str) -> float | None:
@@ -152,6 +158,7 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                 bad_variables.append(f"{variable}={text!r}: {exc}")
         metavar = {
             _port: "PORT",
+            _session_port: "{PORT,auto,off}",
             _positive: "N",
             _seconds: "SECONDS",
             _non_negative_seconds: "SECONDS",
@@ -195,6 +202,14 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     option("--tls-key", pathlib.Path, None, "PEM private key of --tls-cert")
     option("--tls-ca", pathlib.Path, None, "PEM CA that must sign client certificates (mutual TLS)")
     option("--grace", _non_negative_seconds, 5.0, "seconds in-flight calls get on shutdown (default 5)")
+    option(
+        "--session-port",
+        _session_port,
+        "auto",
+        f"also serve clients' calls as length-prefixed messages on plain TCP on this port, "
+        f"cheaper than gRPC (default 'auto': {DEFAULT_SESSION_PORT}, or a free one with --port 0; "
+        "0 picks a free one; 'off' none; none with TLS)",
+    )
     option(
         "--metrics-port",
         _port,
@@ -275,6 +290,16 @@ def _version() -> str:
 # -- serve ----------------------------------------------------------------------------------
 
 
+def session_port(args) -> int | None:
+    """The session port ``serve`` opens: none with TLS; "auto" is 7482, or a free one
+    when the gRPC port is a free one too (tests, benchmarks)."""
+    if args.tls_cert:
+        return None
+    if args.session_port == "auto":
+        return 0 if args.port == 0 else DEFAULT_SESSION_PORT
+    return args.session_port
+
+
 def _serve(args, env: Mapping[str, str]) -> int:
     from . import _logging
     from ._core import CoreError
@@ -285,6 +310,8 @@ def _serve(args, env: Mapping[str, str]) -> int:
 
     def ready(running) -> None:
         print(f"pjrt-rendezvous coordinator listening on {args.host}:{running.port}", flush=True)
+        if running.session_port is not None:
+            print(f"pjrt-rendezvous session port {args.host}:{running.session_port}", flush=True)
         if running.metrics_port is not None:
             host = args.host if args.metrics_host is None else args.metrics_host
             print(f"pjrt-rendezvous metrics on http://{host}:{running.metrics_port}/metrics", flush=True)
@@ -309,6 +336,7 @@ def _serve(args, env: Mapping[str, str]) -> int:
             tls_key=args.tls_key.read_bytes() if args.tls_key else None,
             tls_ca=args.tls_ca.read_bytes() if args.tls_ca else None,
             grace=args.grace,
+            session_port=session_port(args),
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
             late_after=args.late_after,

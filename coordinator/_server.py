@@ -17,6 +17,7 @@ import hmac
 import logging
 import pathlib
 import signal
+import socket
 import threading
 import time
 
@@ -24,6 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pjrt_rendezvous.client._session import serve_frames
 from pjrt_rendezvous.client._topology import host_port
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
@@ -38,6 +40,7 @@ log = logging.getLogger("pjrt_rendezvous.coordinator")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 DEFAULT_JOB = "default"
 DEFAULT_HEARTBEAT_TIMEOUT = 60.0
+DEFAULT_SESSION_PORT = 7482  # of `pjrt-rendezvous serve`; next to the gRPC port, 7481
 
 # Our own limits (Limits) give precise messages; gRPC's 4 MiB default would refuse large
 # rendezvous results with a generic error first.
@@ -77,6 +80,10 @@ class ServerOptions:
         metrics_port: serve Prometheus metrics over HTTP at ``/metrics`` on this port (0
             picks a free one); None serves none. Unauthenticated, like most exporters.
         metrics_host: where the metrics endpoint listens; None: the same as ``host``.
+        session_port: also serve the Session stream as length-prefixed messages on plain
+            TCP on this port (0 picks a free one; clients learn it from their Register and
+            Heartbeat answers). Cheaper than gRPC's stream for both ends; None serves none.
+            With TLS, 0 means none: the session port has no TLS.
         late_after: log a rendezvous round still waiting after this long (once per
             round, naming who is missing); None never.
     """
@@ -95,6 +102,7 @@ class ServerOptions:
     grace: float = 5.0
     metrics_port: int | None = None
     metrics_host: str | None = None
+    session_port: int | None = 0
     late_after: float | None = DEFAULT_LATE_AFTER
 
     def __post_init__(self) -> None:
@@ -106,6 +114,10 @@ class ServerOptions:
             raise ValueError("TLS needs both a certificate and its key (--tls-cert and --tls-key)")
         if self.tls_ca is not None and self.tls_cert is None:
             raise ValueError("--tls-ca (mutual TLS) needs --tls-cert and --tls-key too")
+        if self.session_port is not None and not 0 <= self.session_port <= 65535:
+            raise ValueError(f"session port must be in [0, 65535], got {self.session_port}")
+        if self.session_port and self.tls_cert is not None:
+            raise ValueError("the session port is plain TCP: with TLS, leave it out (clients use gRPC's stream)")
         if self.token is not None and not self.token.strip():
             raise ValueError("the token is empty")
 
@@ -145,6 +157,59 @@ class _TokenCheck(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
 
 
+class _SessionPort:
+    """The Session stream without gRPC: length-prefixed messages on plain TCP
+    (``client/_session.py``: ``SocketSession``, ``serve_frames``). A message costs the
+    coordinator about a third of one on gRPC's stream, and the client far less
+    (bench/RESULTS.md). The token check is the same as gRPC's."""
+
+    def __init__(self, servicer: Servicer, token: str | None) -> None:
+        self._servicer = servicer
+        self._expected = None if token is None else f"Bearer {token}".encode()
+        self._server: asyncio.AbstractServer | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self, host: str, port: int) -> int:
+        # Like gRPC's port: "" or "0.0.0.0" listen everywhere (IPv4), "::" on both families.
+        self._server = await asyncio.start_server(self._connection, host or None, port, reuse_address=True)
+        return self._server.sockets[0].getsockname()[1]
+
+    def _hello(self, greeting: pb.SessionHello) -> tuple[grpc.StatusCode, str] | None:
+        if self._expected is None or hmac.compare_digest(greeting.authorization.encode(), self._expected):
+            return None
+        reason = "no token" if not greeting.authorization else "a wrong token"
+        log.warning("refused a session on the session port: the caller sent %s", reason)
+        return grpc.StatusCode.UNAUTHENTICATED, (
+            f"session refused: {reason}; set PJRT_RENDEZVOUS_TOKEN or PJRT_RENDEZVOUS_TOKEN_FILE"
+        )
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        # A client host that vanished is noticed (its connection and waiting calls freed)
+        # after about two minutes of silence, as with gRPC's keepalive enforcement.
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6)):
+            if hasattr(socket, option):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+        try:
+            await serve_frames(reader, writer, self._servicer._session_call, self._hello)
+        except Exception as exc:  # a malformed message, a refused hello, a broken connection
+            log.debug("a session on the session port ended: %s", exc)
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+
+    def close_listener(self) -> None:
+        self._server.close()
+
+    def close(self) -> None:
+        """Drops every connection (their clients resend, to a restarted coordinator)."""
+        self._server.close()
+        for writer in list(self._writers):
+            writer.transport.abort()
+
+
 class _StateWriter:
     """Group commit of the state file: a caller returns once a write covering its change
     (``core.version`` at the call) is on disk. The snapshot is taken on the event loop
@@ -181,15 +246,19 @@ class RunningServer:
         *,
         metrics: Metrics | None = None,
         metrics_server: asyncio.AbstractServer | None = None,
+        sessions: _SessionPort | None = None,
+        session_port: int | None = None,
     ) -> None:
         self.server = server
         self.port = port
+        self.session_port = session_port
         self.core = core
         self.metrics = metrics
         self.metrics_port: int | None = (
             None if metrics_server is None else metrics_server.sockets[0].getsockname()[1]
         )
         self._metrics_server = metrics_server
+        self._sessions = sessions
         self._health = health_servicer
         self._tasks = tasks
 
@@ -198,7 +267,13 @@ class RunningServer:
         for task in self._tasks:
             task.cancel()
         await self._health.enter_graceful_shutdown()
-        await self.server.stop(grace)
+        if self._sessions is None:
+            await self.server.stop(grace)
+        else:
+            # No new sessions; those open get the grace like gRPC's calls, then end.
+            self._sessions.close_listener()
+            await self.server.stop(grace)
+            self._sessions.close()
         if self._metrics_server is not None:
             self._metrics_server.close()
             await self._metrics_server.wait_closed()
@@ -261,7 +336,11 @@ async def start_server(options: ServerOptions = ServerOptions(), *, core: Core |
         port = server.add_insecure_port(address)
     await server.start()
     metrics_server = None
+    sessions = session_port = None
     try:
+        if options.session_port is not None and options.tls_cert is None:
+            sessions = _SessionPort(servicer, options.token)
+            session_port = servicer.session_port = await sessions.start(options.host, options.session_port)
         if writer is not None:
             await writer.flush()  # a new state file exists from the start
         if metrics is not None:
@@ -271,6 +350,8 @@ async def start_server(options: ServerOptions = ServerOptions(), *, core: Core |
                 options.metrics_port,
             )
     except BaseException:
+        if sessions is not None:
+            sessions.close()
         await server.stop(None)
         raise
     for service in ("", SERVICE_NAME):
@@ -278,7 +359,15 @@ async def start_server(options: ServerOptions = ServerOptions(), *, core: Core |
     loop = asyncio.get_running_loop()
     tasks = [loop.create_task(servicer.watch_liveness()), loop.create_task(monitor.watch())]
     return RunningServer(
-        server, port, core, health_servicer, tasks, metrics=metrics, metrics_server=metrics_server
+        server,
+        port,
+        core,
+        health_servicer,
+        tasks,
+        metrics=metrics,
+        metrics_server=metrics_server,
+        sessions=sessions,
+        session_port=session_port,
     )
 
 
@@ -308,6 +397,11 @@ class Coordinator:
     @property
     def core(self) -> Core | None:
         return None if self._running is None else self._running.core
+
+    @property
+    def session_port(self) -> int | None:
+        """The session port (``session_port=`` option), or None."""
+        return None if self._running is None else self._running.session_port
 
     @property
     def metrics_port(self) -> int | None:
@@ -400,12 +494,19 @@ def serve_forever(options: ServerOptions, *, on_ready=None) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stopping.set)
         where = f"{options.host}:{running.port}"
+        if running.session_port is not None:
+            where += f" (session port {running.session_port})"
         metrics = "" if running.metrics_port is None else f", metrics on port {running.metrics_port}"
         log.info(
             "listening on %s%s",
             where,
             metrics,
-            extra={"event": "listening", "port": running.port, "metrics_port": running.metrics_port},
+            extra={
+                "event": "listening",
+                "port": running.port,
+                "session_port": running.session_port,
+                "metrics_port": running.metrics_port,
+            },
         )
         _notify.notify(f"READY=1\nSTATUS=serving on {where}{metrics}")
         interval = _notify.watchdog_interval()

@@ -122,6 +122,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
         self._persist = persist or _nothing
         self._waiters: dict[tuple, set[asyncio.Future]] = collections.defaultdict(set)
         self._world_tables: dict[str, tuple[int, bytes]] = {}  # job -> (core version, WaitWorldResponse)
+        # Told to clients in Register and Heartbeat answers (0: none; see _server._SessionPort).
+        self.session_port = 0
 
     # -- waiting --------------------------------------------------------------------------
 
@@ -212,6 +214,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
             world_size=registered.world_size,
             generation=registered.generation,
             heartbeat_timeout=self._core.heartbeat_timeout or 0.0,
+            session_port=self.session_port,
             assignments=[
                 pb.Assignment(thread_index=a.thread_index, ordinal=a.ordinal, local_ordinal=a.local_ordinal)
                 for a in registered.assignments
@@ -288,7 +291,9 @@ class Servicer(pb_grpc.CoordinatorServicer):
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
         generation = self._core.touch(request.job, request.incarnation, self._clock())
         return pb.HeartbeatResponse(
-            generation=generation, heartbeat_timeout=self._core.heartbeat_timeout or 0.0
+            generation=generation,
+            heartbeat_timeout=self._core.heartbeat_timeout or 0.0,
+            session_port=self.session_port,
         )
 
     @_translated

@@ -1,6 +1,8 @@
 """A threaded TCP proxy on loopback for fault injection in tests.
 
-:class:`Proxy` listens on ``127.0.0.1:0`` and forwards every connection to ``upstream``.
+:class:`Proxy` listens on ``127.0.0.1:0`` and forwards every connection to ``upstream``;
+given the coordinator's session port, it listens on 127.0.0.2 on a free port and on that
+port number, and forwards each to its own.
 While it runs a test can make it
 
 - drop every open connection (:meth:`Proxy.drop`), optionally refusing new ones for a while
@@ -107,14 +109,15 @@ class _Link:
 
 
 class Proxy:
-    """A TCP proxy on ``127.0.0.1:0`` in front of ``upstream`` (``"host:port"``) that injects faults.
+    """A TCP proxy on ``127.0.0.1:0`` in front of ``upstream`` (``"host:port"``) that injects faults
+    (with ``session_port``, on 127.0.0.2 in front of both of the coordinator's ports).
 
     Usable as a context manager; ``address`` is what clients should dial.
     """
 
-    def __init__(self, upstream: str, *, seed: int = 0) -> None:
+    def __init__(self, upstream: str, *, seed: int = 0, session_port: int | None = None) -> None:
         host, port = upstream.rsplit(":", 1)
-        self.upstream = (host.strip("[]"), int(port))
+        host = host.strip("[]")
         self.delay = 0.0
         self.cut_after: tuple[int, int] | None = None
         self.stats: collections.Counter = collections.Counter()
@@ -122,15 +125,26 @@ class Proxy:
         self._lock = threading.Lock()
         self._links: set[_Link] = set()
         self._refuse_until = 0.0
-        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind(("127.0.0.1", 0))
-        self._listener.listen(128)
-        self._listener.settimeout(0.1)  # so the accept loop notices close()
-        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        # With the coordinator's session port, clients dial it on the host they dial the
+        # gRPC port on: the proxy takes another loopback address to offer the same number.
+        here = "127.0.0.1" if session_port is None else "127.0.0.2"
+        routes = [(0, (host, int(port)))] + ([] if session_port is None else [(session_port, (host, session_port))])
+        self._listeners = []
+        for listen_port, target in routes:
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((here, listen_port))
+            listener.listen(128)
+            listener.settimeout(0.1)  # so the accept loop notices close()
+            self._listeners.append((listener, target))
+        self.address = f"{here}:{self._listeners[0][0].getsockname()[1]}"
         self._running = True
-        self._acceptor = threading.Thread(target=self._accept_loop, daemon=True, name="proxy-accept")
-        self._acceptor.start()
+        self._acceptors = [
+            threading.Thread(target=self._accept_loop, args=route, daemon=True, name="proxy-accept")
+            for route in self._listeners
+        ]
+        for acceptor in self._acceptors:
+            acceptor.start()
 
     # -- faults -------------------------------------------------------------------------------
 
@@ -177,10 +191,10 @@ class Proxy:
         with self._lock:
             self._links.discard(link)
 
-    def _accept_loop(self) -> None:
+    def _accept_loop(self, listener: socket.socket, target: tuple[str, int]) -> None:
         while self._running:
             try:
-                downstream, _ = self._listener.accept()
+                downstream, _ = listener.accept()
             except socket.timeout:
                 continue
             except OSError:
@@ -195,7 +209,7 @@ class Proxy:
                 _close(downstream, reset=True)
                 continue
             try:
-                upstream = socket.create_connection(self.upstream, timeout=5)
+                upstream = socket.create_connection(target, timeout=5)
                 upstream.settimeout(None)
             except OSError:
                 self._count("upstream-failed")
@@ -212,8 +226,10 @@ class Proxy:
     def close(self) -> None:
         """Stops accepting and closes every connection."""
         self._running = False
-        self._acceptor.join(5)
-        self._listener.close()
+        for acceptor in self._acceptors:
+            acceptor.join(5)
+        for listener, _ in self._listeners:
+            listener.close()
         with self._lock:
             links = list(self._links)
         for link in links:

@@ -56,6 +56,10 @@ class Serve:
             assert match, f"serve did not start: {first!r} {self.stderr()}"
             self.port = int(match.group(2))
             self.address = f"127.0.0.1:{self.port}"
+            self.session_port = None
+            tls = "--tls-cert" in args or "PJRT_RENDEZVOUS_SERVER_TLS_CERT" in (env or {})
+            if not tls and dict(zip(args, args[1:])).get("--session-port") != "off":  # none with TLS
+                self.session_port = int(re.search(r"session port \S+:(\d+)$", self.read_stdout_line()).group(1))
             self.metrics_port = None
             if "--metrics-port" in args or "PJRT_RENDEZVOUS_METRICS_PORT" in (env or {}):
                 self.metrics_port = int(re.search(r":(\d+)/metrics$", self.read_stdout_line()).group(1))
@@ -312,7 +316,7 @@ def test_health_wait_returns_once_the_coordinator_listens():
     try:
         time.sleep(1.0)
         assert waiting.poll() is None  # still waiting: nothing listens yet
-        with Serve("--port", str(port), port_flag=False) as server:
+        with Serve("--port", str(port), "--session-port", "0", port_flag=False) as server:
             out, err = waiting.communicate(timeout=60)
             assert waiting.returncode == 0, err
             assert "SERVING" in out

@@ -168,7 +168,8 @@ def test_ready_and_stopping_reach_a_real_notify_socket(kind):
         try:
             with Serve(env={"NOTIFY_SOCKET": address}, program=[str(CONSOLE_SCRIPT)]) as server:
                 (ready,) = _messages_until(sock, "READY=1")
-                assert f"STATUS=serving on 127.0.0.1:{server.port}" in ready.split("\n")
+                status = f"STATUS=serving on 127.0.0.1:{server.port} (session port {server.session_port})"
+                assert status in ready.split("\n")
                 health = run_cli("health", "--address", server.address, "--timeout", "5")
                 assert health.returncode == 0, health.stderr
                 server.terminate()
@@ -269,7 +270,6 @@ def test_dockerfile_agrees_with_the_package():
 
     user = final["USER"].split(":")[0]
     assert user not in ("root", "0")
-    assert final["EXPOSE"].split() == [str(DEFAULT_PORT)]
     entrypoint = exec_form(final["ENTRYPOINT"])
     assert entrypoint == [SCRIPT_NAME]
     command = exec_form(final["CMD"])
@@ -277,6 +277,7 @@ def test_dockerfile_agrees_with_the_package():
     assert {k for k in env if k.startswith("PJRT_")} <= SERVE_VARIABLES
     serve = parse_cli(command, env)
     assert serve.command == "serve" and serve.port == DEFAULT_PORT and serve.host == "0.0.0.0"
+    assert final["EXPOSE"].split() == [str(DEFAULT_PORT), str(_cli.session_port(serve))]
     (volume,) = exec_form(final["VOLUME"])
     assert str(serve.state_file).startswith(volume + "/")
 
@@ -368,11 +369,15 @@ def test_coordinator_deployment_agrees_with_the_code(manifests):
     assert serve.command == "serve" and serve.port == DEFAULT_PORT and serve.host == "0.0.0.0"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports["grpc"] == serve.port and ports["metrics"] == serve.metrics_port
+    assert ports["session"] == _cli.session_port(serve)
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"]["port"] == serve.port, probe
         assert "service" not in container[probe]["grpc"]  # the server-wide status, which serve sets
-    (grpc_port,) = service["spec"]["ports"]
-    assert grpc_port["port"] == DEFAULT_PORT and grpc_port["targetPort"] == "grpc"
+    # Clients dial the session port on the Service's address: the same number there.
+    service_ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert service_ports.keys() == {"grpc", "session"}
+    assert service_ports["grpc"]["port"] == DEFAULT_PORT and service_ports["grpc"]["targetPort"] == "grpc"
+    assert service_ports["session"]["port"] == ports["session"] and service_ports["session"]["targetPort"] == "session"
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert str(serve.state_file).startswith(mounts["state"] + "/")
@@ -412,7 +417,7 @@ def test_training_job_finds_the_coordinator_by_dns_and_uses_the_client(manifests
     (container,) = pod["containers"]
     env = plain_env(container)
     assert set(e["name"] for e in container["env"]) <= KNOWN_VARIABLES | {"PJRT_DEVICE"}
-    (grpc_port,) = service["spec"]["ports"]
+    grpc_port = {p["name"]: p for p in service["spec"]["ports"]}["grpc"]
     wanted = f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc:{grpc_port['port']}"
     assert env["PJRT_RENDEZVOUS_ADDRESS"] == wanted
     assert pr.detect_topology({"PJRT_RENDEZVOUS_ADDRESS": wanted}).address == wanted

@@ -7,12 +7,14 @@ import os
 import stat
 import threading
 
+import grpc
 import pytest
 from test_metrics import scrape, value
 
 import pjrt_rendezvous.client as pr
 from pjrt_rendezvous.client._demo import simulated_env
 from pjrt_rendezvous.coordinator import Coordinator
+from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
 HOSTS, PER_HOST, THREADS = 2, 2, 2
 PROCESSES = HOSTS * PER_HOST
@@ -199,7 +201,7 @@ def test_frames_round_trip_and_a_cut_message_is_an_error():
 def test_a_malformed_message_ends_only_its_own_connection_to_the_relay(coordinator):
     import socket
 
-    from pjrt_rendezvous.client._session import frame
+    from pjrt_rendezvous.client._session import frame, read_frames
 
     clients = make_clients(coordinator.address)
     run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
@@ -207,7 +209,11 @@ def test_a_malformed_message_ends_only_its_own_connection_to_the_relay(coordinat
         rogue.connect(clients[0]._relay.path)
         rogue.sendall(frame(b"\xff\xff\xff"))
         rogue.settimeout(10)
-        assert rogue.recv(1) == b""  # closed by the relay
+        # The relay says why (an answer with id 0 ends the connection), then closes it.
+        (message,) = list(read_frames(rogue.makefile("rb")))
+        (answer,) = pb.SessionResponse.FromString(message).answers
+        assert (answer.id, answer.code) == (0, grpc.StatusCode.INVALID_ARGUMENT.value[0])
+        assert "not a valid pjrt_rendezvous.v1.SessionRequest" in answer.message
     results = run_threads(clients, lambda client, binding: client.rendezvous(binding, "after"))
     assert all(out == [b""] * (PROCESSES * THREADS) for out in results.values()), results
     for c in clients:

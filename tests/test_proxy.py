@@ -152,7 +152,7 @@ def test_rounds_complete_exactly_once_while_the_proxy_drops_refuses_and_cuts(coo
     """2 clients x 2 threads, 150 rounds through a proxy that keeps dropping, refusing and cutting connections:
     identical results for all, each round completed once."""
     world = 4
-    with Proxy(coordinator.address, seed=1) as proxy:
+    with Proxy(coordinator.address, seed=1, session_port=coordinator.session_port) as proxy:
         proxy.delay = 0.002  # keeps calls in flight long enough for faults to land mid-call
         # gRPC pools connections per target, so both clients share one TCP connection here;
         # test_processes_through_the_proxy gives each process its own.
@@ -212,7 +212,7 @@ def test_a_call_dropped_while_waiting_is_resent_and_joins_its_round_once(coordin
     """Ordinal 0 waits in a round; its connection drops; the resent call is the same arrival, and the round completes
     once for both."""
     observer = make_client(coordinator.address, tasks=1)
-    with Proxy(coordinator.address) as proxy:
+    with Proxy(coordinator.address, session_port=coordinator.session_port) as proxy:
         via_proxy = make_client(proxy.address, task=0)
         direct = make_client(coordinator.address, task=1)
         outcome = {}
@@ -248,7 +248,7 @@ def test_an_answer_lost_on_the_way_back_is_fetched_again_from_the_finished_round
     """The round completes but the proxy loses ordinal 0's answer: the resend gets the stored result; the round is not
     run twice."""
     observer = make_client(coordinator.address, tasks=1)
-    with Proxy(coordinator.address) as proxy:
+    with Proxy(coordinator.address, session_port=coordinator.session_port) as proxy:
         via_proxy = make_client(proxy.address, task=0)
         direct = make_client(coordinator.address, task=1)
         outcome = {}
@@ -285,7 +285,7 @@ def test_kv_changes_apply_once_through_a_proxy_that_cuts_connections(coordinator
     """4 threads x 50 adds and 25 appends through a proxy cutting every connection after 150-2500 bytes: each add
     counted once, each append present once."""
     threads, adds, appends = 4, 50, 25
-    with Proxy(coordinator.address, seed=3) as proxy:
+    with Proxy(coordinator.address, seed=3, session_port=coordinator.session_port) as proxy:
         proxy.cut_after = (150, 2500)
         client = make_client(proxy.address, tasks=1)
         values, errors = [], []
@@ -328,7 +328,7 @@ def test_delayed_bytes_slow_calls_down_but_answers_stay_exact(coordinator, retri
     """With 50 ms added per chunk, rounds between a proxied and a direct member complete with identical results, and a
     short wait gets the server's own timeout message."""
     rounds, delay = 8, 0.05
-    with Proxy(coordinator.address) as proxy:
+    with Proxy(coordinator.address, session_port=coordinator.session_port) as proxy:
         slow = make_client(proxy.address, task=0)
         fast = make_client(coordinator.address, task=1)
         got, connected = {}, threading.Event()
@@ -360,7 +360,7 @@ def test_delayed_bytes_slow_calls_down_but_answers_stay_exact(coordinator, retri
 def test_refused_connections_are_retried_until_accepted_or_connect_timeout(coordinator, retries):
     """While the proxy refuses connections a call retries and completes once it accepts; refused beyond connect_timeout
     it fails with CoordinatorUnavailableError naming the address."""
-    with Proxy(coordinator.address) as proxy:
+    with Proxy(coordinator.address, session_port=coordinator.session_port) as proxy:
         proxy.refuse(1.5)
         patient = make_client(proxy.address, tasks=1)
         started = time.monotonic()
@@ -383,10 +383,11 @@ def test_refused_connections_are_retried_until_accepted_or_connect_timeout(coord
 
 
 def test_a_silently_dead_connection_is_noticed_and_the_waiting_call_resent(coordinator):
-    """A member whose connection is blackholed while it waits notices (keepalive), resends, and gets the round's result
-    within 20 s."""
+    """A member whose connections are blackholed while it waits notices (the session port's
+    pings; gRPC's keepalive for its watch stream), resends, and gets the round's result within
+    20 s."""
     observer = make_client(coordinator.address, tasks=1)
-    with Proxy(coordinator.address) as proxy:
+    with Proxy(coordinator.address, session_port=coordinator.session_port) as proxy:
         silent = make_client(proxy.address, task=0, timeout=None)
         direct = make_client(coordinator.address, task=1)
         outcome = {}
@@ -401,7 +402,7 @@ def test_a_silently_dead_connection_is_noticed_and_the_waiting_call_resent(coord
         a = threading.Thread(target=member_a)
         a.start()
         wait_for_arrival(observer, [0])
-        assert proxy.blackhole() == 1
+        assert proxy.blackhole() == 2  # its gRPC channel (the watch stream) and its session
         with direct.bind_thread(0) as binding:
             assert direct.rendezvous(binding, "r", b"b") == [b"a", b"b"]
         a.join(20)
@@ -473,7 +474,7 @@ def test_processes_through_the_proxy_complete_each_round_once(coordinator, tmp_p
     rounds = 100
     worker = tmp_path / "proxy_worker.py"
     worker.write_text(WORKER)
-    with Proxy(coordinator.address, seed=5) as proxy:
+    with Proxy(coordinator.address, seed=5, session_port=coordinator.session_port) as proxy:
         proxy.delay = 0.002
         children = []
         for task in range(2):

@@ -96,6 +96,7 @@ def test_tls_server_refuses_plaintext_and_accepts_its_ca(pki):
     """Against a TLS server a plaintext client fails; a client trusting the CA works."""
     cert, key = (pki / "server.pem").read_bytes(), (pki / "server.key").read_bytes()
     with Coordinator(port=0, tls_cert=cert, tls_key=key) as c:
+        assert c.session_port is None  # plain TCP: not next to TLS
         assert outcome(client_for(c.address)) == "CoordinatorUnavailableError"
         assert outcome(client_for(c.address, tls_ca=str(pki / "ca.pem"))) == "ok"
         assert outcome(client_for(c.address, tls_ca=str(pki / "rogue-ca.pem"))) == "CoordinatorUnavailableError"

@@ -90,7 +90,7 @@ def test_serve_refuses_a_corrupt_state_file(tmp_path):
 def start_coordinator(port, state_file):
     server = subprocess.Popen(
         [sys.executable, "-m", "pjrt_rendezvous.coordinator", "serve", "--port", str(port),
-         "--state-file", str(state_file), "--heartbeat-timeout", "30"],
+         "--session-port", "0", "--state-file", str(state_file), "--heartbeat-timeout", "30"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     line = server.stdout.readline()

@@ -50,16 +50,18 @@ class Assignment(_message.Message):
     def __init__(self, thread_index: _Optional[int] = ..., ordinal: _Optional[int] = ..., local_ordinal: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("world_size", "assignments", "generation", "heartbeat_timeout")
+    __slots__ = ("world_size", "assignments", "generation", "heartbeat_timeout", "session_port")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENTS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_PORT_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     assignments: _containers.RepeatedCompositeFieldContainer[Assignment]
     generation: int
     heartbeat_timeout: float
-    def __init__(self, world_size: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., generation: _Optional[int] = ..., heartbeat_timeout: _Optional[float] = ...) -> None: ...
+    session_port: int
+    def __init__(self, world_size: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., generation: _Optional[int] = ..., heartbeat_timeout: _Optional[float] = ..., session_port: _Optional[int] = ...) -> None: ...
 
 class WaitWorldRequest(_message.Message):
     __slots__ = ("job", "timeout")
@@ -176,12 +178,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("generation", "heartbeat_timeout")
+    __slots__ = ("generation", "heartbeat_timeout", "session_port")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_PORT_FIELD_NUMBER: _ClassVar[int]
     generation: int
     heartbeat_timeout: float
-    def __init__(self, generation: _Optional[int] = ..., heartbeat_timeout: _Optional[float] = ...) -> None: ...
+    session_port: int
+    def __init__(self, generation: _Optional[int] = ..., heartbeat_timeout: _Optional[float] = ..., session_port: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("job", "incarnation")
@@ -366,6 +370,12 @@ class SessionRequest(_message.Message):
     CALLS_FIELD_NUMBER: _ClassVar[int]
     calls: _containers.RepeatedCompositeFieldContainer[SessionCall]
     def __init__(self, calls: _Optional[_Iterable[_Union[SessionCall, _Mapping]]] = ...) -> None: ...
+
+class SessionHello(_message.Message):
+    __slots__ = ("authorization",)
+    AUTHORIZATION_FIELD_NUMBER: _ClassVar[int]
+    authorization: str
+    def __init__(self, authorization: _Optional[str] = ...) -> None: ...
 
 class SessionCall(_message.Message):
     __slots__ = ("id", "method", "request", "cancel")

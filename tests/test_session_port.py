@@ -1,0 +1,154 @@
+"""The coordinator's session port: the Session stream as length-prefixed messages on plain
+TCP (client/_session.py ``SocketSession``, coordinator/_server.py ``_SessionPort``)."""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+
+import grpc
+import pytest
+from test_cli import Serve
+from test_fanin import make_clients, run_threads
+
+import pjrt_rendezvous.client as pr
+from pjrt_rendezvous.client._session import Session, SocketSession, frame, read_frames
+from pjrt_rendezvous.coordinator import Coordinator
+from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
+
+ALL = list(range(8))  # make_clients: 4 processes x 2 threads
+
+
+def gather(clients, tag: str) -> dict:
+    return run_threads(clients, lambda client, binding: client.rendezvous(binding, tag, b"%d" % binding.ordinal))
+
+
+def expected() -> list[bytes]:
+    return [b"%d" % o for o in ALL]
+
+
+def refusal(sock: socket.socket) -> pb.SessionAnswer:
+    """The one message the coordinator sends before it closes a refused connection."""
+    sock.settimeout(10)
+    (message,) = list(read_frames(sock.makefile("rb")))
+    (answer,) = pb.SessionResponse.FromString(message).answers
+    assert answer.id == 0
+    return answer
+
+
+def test_calls_move_to_the_session_port_once_the_coordinator_names_it():
+    """The first Register travels on gRPC and names the port; every later call, rounds
+    included, travels on the port. With transport="grpc" they all stay on gRPC."""
+    with Coordinator(port=0) as coordinator:
+        assert coordinator.session_port
+        clients = make_clients(coordinator.address, fan_in="off")
+        results = gather(clients, "first")
+        assert all(out == expected() for out in results.values()), results
+        assert all(type(c._current_session) is SocketSession for c in clients)
+        for c in clients:
+            c.close()
+        clients = make_clients(coordinator.address, fan_in="off", transport="grpc")
+        results = gather(clients, "second")
+        assert all(out == expected() for out in results.values()), results
+        assert all(type(c._current_session) is Session for c in clients)
+        for c in clients:
+            c.close()
+
+
+def test_an_unknown_transport_is_refused():
+    with pytest.raises(pr.UsageError, match="transport must be one of auto, grpc"):
+        pr.Settings(address="127.0.0.1:1", transport="udp")
+
+
+def test_the_token_is_checked_on_the_session_port():
+    """A wrong token is refused with UNAUTHENTICATED and the reason; the right one works."""
+    with Coordinator(port=0, token="s3cr3t-token") as coordinator:
+        for given, reason in (("", "no token"), ("Bearer guess", "a wrong token")):
+            with socket.create_connection(("127.0.0.1", coordinator.session_port)) as sock:
+                sock.sendall(frame(pb.SessionHello(authorization=given).SerializeToString()))
+                answer = refusal(sock)
+            assert answer.code == grpc.StatusCode.UNAUTHENTICATED.value[0]
+            assert reason in answer.message and "PJRT_RENDEZVOUS_TOKEN" in answer.message
+        clients = make_clients(coordinator.address, fan_in="off", token="s3cr3t-token")
+        assert all(out == expected() for out in gather(clients, "t").values())
+        assert all(type(c._current_session) is SocketSession for c in clients)
+        for c in clients:
+            c.close()
+
+
+def test_garbage_on_the_session_port_ends_only_that_connection():
+    """Unparsable hellos and requests are refused with INVALID_ARGUMENT; random bytes and
+    abrupt ends are survived; the clients' rounds go on."""
+    rng = random.Random(5)
+    with Coordinator(port=0) as coordinator:
+        clients = make_clients(coordinator.address, fan_in="off")
+        gather(clients, "warm")
+        with socket.create_connection(("127.0.0.1", coordinator.session_port)) as sock:
+            sock.sendall(frame(b"\xff\xff\xff"))
+            answer = refusal(sock)
+            assert answer.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert "SessionHello" in answer.message
+        with socket.create_connection(("127.0.0.1", coordinator.session_port)) as sock:
+            sock.sendall(frame(pb.SessionHello().SerializeToString()) + frame(b"\xff\xff\xff"))
+            answer = refusal(sock)
+            assert answer.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert "SessionRequest" in answer.message
+        for _ in range(20):
+            with socket.create_connection(("127.0.0.1", coordinator.session_port)) as sock:
+                sock.sendall(rng.randbytes(rng.randrange(1, 64)))
+        results = gather(clients, "after")
+        assert all(out == expected() for out in results.values()), results
+        for c in clients:
+            c.close()
+
+
+def test_an_unreachable_session_port_leaves_calls_on_grpc():
+    """A port nobody listens on (a container that does not publish it): calls go on gRPC."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        closed = unused.getsockname()[1]
+    with Coordinator(port=0, session_port=None) as coordinator:
+        assert coordinator.session_port is None
+        clients = make_clients(coordinator.address, fan_in="off")
+        gather(clients, "first")
+        assert all(type(c._current_session) is Session for c in clients)
+        for c in clients:
+            c._learn_session_port(closed)  # as if the coordinator had named it
+        results = gather(clients, "second")
+        assert all(out == expected() for out in results.values()), results
+        assert all(type(c._current_session) is Session for c in clients)
+        for c in clients:
+            c.close()
+
+
+def test_a_restarted_coordinator_moves_its_clients_to_its_new_session_port(tmp_path):
+    """The coordinator restarts on the same gRPC port with a new session port: the clients'
+    next calls are resent (the old port refuses them, gRPC carries them) and their
+    heartbeats name the new port, which the calls move to."""
+    state = tmp_path / "state"
+    with Serve("--session-port", "0", "--state-file", str(state)) as first:
+        port, old = first.port, first.session_port
+        clients = make_clients(first.address, fan_in="off", heartbeat_interval=0.2)
+        assert all(out == expected() for out in gather(clients, "before").values())
+        first.stop()
+    with Serve("--port", str(port), "--session-port", "0", "--state-file", str(state), port_flag=False) as second:
+        assert second.session_port != old
+        results = gather(clients, "after")
+        assert all(out == expected() for out in results.values()), results
+        deadline = time.monotonic() + 30
+        while not all(c._session_port == second.session_port for c in clients):
+            assert time.monotonic() < deadline, [c._session_port for c in clients]
+            time.sleep(0.1)
+        results = gather(clients, "moved")
+        assert all(out == expected() for out in results.values()), results
+        assert all(type(c._current_session) is SocketSession for c in clients)
+        for c in clients:
+            c.close()
+
+
+def test_a_session_port_with_tls_is_refused():
+    """The session port has no TLS: asking for one with TLS is an error (by default a TLS
+    coordinator offers none: tests/test_security.py)."""
+    with pytest.raises(ValueError, match="session port is plain TCP"):
+        Coordinator(port=0, session_port=7482, tls_cert=b"x", tls_key=b"y").start()
