@@ -40,7 +40,7 @@ import grpc
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
 from ._errors import RemoteError
-from ._session import Malformed, parser, serve_frames, session_answer
+from ._session import FramedSession, Malformed, parser, session_answer
 
 if TYPE_CHECKING:
     from ._client import Client
@@ -93,7 +93,7 @@ class Relay:
         self._senders = concurrent.futures.ThreadPoolExecutor(256, thread_name_prefix="pjrt-rendezvous-relay-send")
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.AbstractServer | None = None
-        self._writers: set[asyncio.StreamWriter] = set()  # one per connected process
+        self._connections: set[FramedSession] = set()  # one per connected process
         started: concurrent.futures.Future = concurrent.futures.Future()
         threading.Thread(target=self._serve, args=(started,), name="pjrt-rendezvous-relay", daemon=True).start()
         started.result(timeout=30)  # raises what went wrong (e.g. the socket's folder is not writable)
@@ -116,21 +116,20 @@ class Relay:
         _private_folder(self.path)
         if os.path.exists(self.path):
             os.unlink(self.path)  # left by an earlier run: its relay is gone
-        self._server = await asyncio.start_unix_server(self._connection, path=self.path)
+        self._server = await self._loop.create_unix_server(self._connection, path=self.path)
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _connection(self) -> FramedSession:
         """One process's SocketSession: length-prefixed SessionRequests in, SessionResponses out."""
         heard: set[str] = set()  # the processes speaking on this connection
-        self._writers.add(writer)
-        try:
-            await serve_frames(reader, writer, lambda call: self._run(call, heard))
-        except Exception as exc:  # a malformed message, a broken connection: this one ends
-            log.debug("host relay connection ended: %s", exc)
-        finally:  # a process that went away is no longer waited for
+
+        def closed(connection: FramedSession) -> None:  # a process gone is no longer waited for
             for incarnation in heard:
                 self._tasks.pop(incarnation, None)
-            self._writers.discard(writer)
-            writer.close()
+            self._connections.discard(connection)
+
+        connection = FramedSession(lambda call: self._run(call, heard), on_close=closed)
+        self._connections.add(connection)
+        return connection
 
     def close(self) -> None:
         """Stops serving and closes every connection (their processes fall back to the
@@ -138,8 +137,9 @@ class Relay:
 
         async def stop() -> None:
             self._server.close()
-            for writer in self._writers:
-                writer.transport.abort()  # the process's reader sees the end at once
+            for connection in list(self._connections):
+                if connection.transport is not None:
+                    connection.transport.abort()  # the process's reader sees the end at once
             for task in asyncio.all_tasks():
                 if task is not asyncio.current_task():
                     task.cancel()

@@ -15,7 +15,7 @@ for every call (see ``Client._call``).
 :class:`SocketSession` carries the same messages length-prefixed on a plain socket: to the
 coordinator's session port when it offers one (cheaper than gRPC's stream), and over a Unix
 socket to the host's relay (fan-in, ``_relay.py``). The serving end, :func:`serve_session`
-(and :func:`serve_frames` for sockets), is shared by the coordinator and the relay.
+(and :class:`FramedSession` for sockets), is shared by the coordinator and the relay.
 """
 
 from __future__ import annotations
@@ -416,11 +416,7 @@ async def serve_session(requests, context, run: Callable[[pb.SessionCall], Await
             if isinstance(message, Malformed):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, clip(message.message))
             for call in message.calls:
-                if not call.method and not call.cancel:  # a ping
-                    ready.append(session_answer(call.id))
-                    if writer is None or writer.done():
-                        writer = asyncio.create_task(write())
-                elif call.cancel:
+                if call.cancel:
                     task = calls.pop(call.id, None)
                     if task is not None:
                         task.cancel()
@@ -438,51 +434,103 @@ async def serve_session(requests, context, run: Callable[[pb.SessionCall], Await
             writer.cancel()
 
 
-class _Frames:
-    """What :func:`serve_session` writes answers to, on a :class:`SocketSession` connection."""
+class FramedSession(asyncio.Protocol):
+    """The serving end of one :class:`SocketSession` connection (the coordinator's session
+    port, a host's relay): each call runs as a task (``run`` returns its answer as in
+    :func:`_session_response`) and is answered when done, in any order; a ping at once; a
+    cancel stops the call's task. Frames are parsed in ``data_received`` and answers written
+    straight to the transport: no stream reader or writer task per message.
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
-        self._writer = writer
+    With ``hello``, the first message is a SessionHello that ``hello`` accepts (None) or
+    refuses with a status. A refusal, or a message that does not parse, is answered with id
+    0 and that status, and the connection closed. ``on_close`` runs when it ends.
+    """
 
-    async def write(self, message: bytes) -> None:
-        self._writer.write(frame(message))
-        await self._writer.drain()
+    # A peer that stops reading its answers must not grow our memory without bound.
+    MAX_UNSENT = 256 << 20
 
-    async def abort(self, code: grpc.StatusCode, message: str) -> None:
-        await self.write(_session_response([session_answer(0, code, message)]))
-        raise ConnectionAbortedError(f"{code.name}: {message}")
+    def __init__(
+        self,
+        run: Callable[[pb.SessionCall], Awaitable[tuple[bytes, bytes]]],
+        hello: Callable[[pb.SessionHello], tuple[grpc.StatusCode, str] | None] | None = None,
+        on_close: Callable[["FramedSession"], None] | None = None,
+    ) -> None:
+        self._run = run
+        self._hello = hello
+        self._on_close = on_close
+        self._buffer = bytearray()
+        self._calls: dict[int, asyncio.Task] = {}
+        self.transport: asyncio.Transport | None = None
 
+    def connection_made(self, transport) -> None:
+        self.transport = transport
 
-async def serve_frames(
-    reader: asyncio.StreamReader,
-    writer: asyncio.StreamWriter,
-    run: Callable[[pb.SessionCall], Awaitable[tuple[bytes, bytes]]],
-    hello: Callable[[pb.SessionHello], tuple[grpc.StatusCode, str] | None] | None = None,
-) -> None:
-    """Serves one :class:`SocketSession` connection with :func:`serve_session` until the peer
-    closes it. With ``hello``, the first message is a SessionHello that ``hello`` accepts
-    (None) or refuses with a status, which ends the connection. Raises what ended it
-    otherwise (a malformed message, a broken connection)."""
-    frames = _Frames(writer)
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        start = 0
+        while len(buffer) - start >= FRAME.size:
+            end = start + FRAME.size + FRAME.unpack_from(buffer, start)[0]
+            if len(buffer) < end:
+                break
+            message = bytes(buffer[start + FRAME.size : end])
+            start = end
+            if not self._message(message):
+                return
+        del buffer[:start]
 
-    async def read():
+    def _message(self, message: bytes) -> bool:
+        if self._hello is not None:
+            greeting = _parse_hello(message)
+            if isinstance(greeting, Malformed):
+                return self._refuse(grpc.StatusCode.INVALID_ARGUMENT, greeting.message)
+            refusal = self._hello(greeting)
+            if refusal is not None:
+                return self._refuse(*refusal)
+            self._hello = None
+            return True
+        request = _parse_request(message)
+        if isinstance(request, Malformed):
+            return self._refuse(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        for call in request.calls:
+            if call.cancel:
+                task = self._calls.pop(call.id, None)
+                if task is not None:
+                    task.cancel()
+            elif not call.method:  # a ping
+                self._send([session_answer(call.id)])
+            elif call.id not in self._calls:
+                self._calls[call.id] = asyncio.get_running_loop().create_task(self._answer(call))
+        return True
+
+    async def _answer(self, call: pb.SessionCall) -> None:
         try:
-            head = await reader.readexactly(FRAME.size)
-            return await reader.readexactly(FRAME.unpack(head)[0])
-        except asyncio.IncompleteReadError:
-            return None  # the peer closed its end (or went away)
+            reply = await self._run(call)
+        finally:  # done: a late cancel finds nothing to stop
+            self._calls.pop(call.id, None)
+        self._send([reply])
 
-    if hello is not None:
-        greeting = parser(pb.SessionHello)(await read() or b"")
-        refusal = (
-            (grpc.StatusCode.INVALID_ARGUMENT, greeting.message) if isinstance(greeting, Malformed) else hello(greeting)
-        )
-        if refusal is not None:
-            await frames.abort(*refusal)
+    def _send(self, answers: list[tuple[bytes, bytes]]) -> None:
+        if self.transport.is_closing():
+            return  # the peer resends on a new connection
+        self.transport.write(frame(_session_response(answers)))
+        if self.transport.get_write_buffer_size() > self.MAX_UNSENT:
+            log.warning("a session peer does not read its answers; closing its connection")
+            self.transport.abort()
 
-    async def requests():
-        parse = parser(pb.SessionRequest)
-        while (message := await read()) is not None:
-            yield parse(message)
+    def _refuse(self, code: grpc.StatusCode, message: str) -> bool:
+        log.debug("refused a session: %s: %s", code.name, message)
+        self._send([session_answer(0, code, message)])
+        self.transport.close()
+        return False
 
-    await serve_session(requests(), frames, run)
+    def connection_lost(self, exc) -> None:
+        for task in self._calls.values():
+            task.cancel()
+        self._calls.clear()
+        if self._on_close is not None:
+            self._on_close(self)
+
+
+_parse_hello = parser(pb.SessionHello)
+_parse_request = parser(pb.SessionRequest)

@@ -695,11 +695,12 @@ class Core:
             raise CoreError(
                 Code.INVALID_ARGUMENT, f"ordinals {format_ranges(ordinals)} contribute twice in one call"
             )
-        relayed = {c.incarnation for c in contributions if c.incarnation and c.incarnation != incarnation}
+        relayed = {c.incarnation for c in contributions} - {"", incarnation}
         for other in sorted(relayed):  # a relay speaks for live, registered processes only
             self._process(state, other, now)
+        owners, max_tag, max_payload = state.members, self.limits.max_tag_length, self.limits.max_payload_bytes
         for c in contributions:
-            member = state.members.get(c.ordinal)
+            member = owners.get(c.ordinal)
             if member is None or member.incarnation != (c.incarnation or incarnation):
                 owner = "not registered" if member is None else (
                     f"registered by {state.processes[member.incarnation].label()}"
@@ -711,17 +712,17 @@ class Core:
                     f"{'calling process' if claimed is process else 'process a host relay named'} "
                     f"({claimed.label()}); bind the thread first",
                 )
-            if len(c.tag) > self.limits.max_tag_length:
+            if len(c.tag) > max_tag:
                 raise CoreError(
                     Code.INVALID_ARGUMENT,
                     f"tag of {len(c.tag)} characters exceeds the limit of "
-                    f"{self.limits.max_tag_length} (max_tag_length)",
+                    f"{max_tag} (max_tag_length)",
                 )
-            if len(c.payload) > self.limits.max_payload_bytes:
+            if len(c.payload) > max_payload:
                 raise CoreError(
                     Code.RESOURCE_EXHAUSTED,
                     f"payload of ordinal {c.ordinal} is {len(c.payload)} bytes, over the limit of "
-                    f"{self.limits.max_payload_bytes} bytes (max_payload_bytes)",
+                    f"{max_payload} bytes (max_payload_bytes)",
                 )
         out_of_range = [o for o in replicas if not 0 <= o < world]
         if out_of_range:

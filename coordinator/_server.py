@@ -25,7 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pjrt_rendezvous.client._session import serve_frames
+from pjrt_rendezvous.client._session import FramedSession
 from pjrt_rendezvous.client._topology import host_port
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
@@ -159,7 +159,7 @@ class _TokenCheck(grpc.aio.ServerInterceptor):
 
 class _SessionPort:
     """The Session stream without gRPC: length-prefixed messages on plain TCP
-    (``client/_session.py``: ``SocketSession``, ``serve_frames``). A message costs the
+    (``client/_session.py``: ``SocketSession``, ``FramedSession``). A message costs the
     coordinator about a third of one on gRPC's stream, and the client far less
     (bench/RESULTS.md). The token check is the same as gRPC's."""
 
@@ -167,11 +167,12 @@ class _SessionPort:
         self._servicer = servicer
         self._expected = None if token is None else f"Bearer {token}".encode()
         self._server: asyncio.AbstractServer | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
+        self._connections: set[FramedSession] = set()
 
     async def start(self, host: str, port: int) -> int:
         # Like gRPC's port: "" or "0.0.0.0" listen everywhere (IPv4), "::" on both families.
-        self._server = await asyncio.start_server(self._connection, host or None, port, reuse_address=True)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._connection, host or None, port, reuse_address=True)
         return self._server.sockets[0].getsockname()[1]
 
     def _hello(self, greeting: pb.SessionHello) -> tuple[grpc.StatusCode, str] | None:
@@ -183,22 +184,10 @@ class _SessionPort:
             f"session refused: {reason}; set PJRT_RENDEZVOUS_TOKEN or PJRT_RENDEZVOUS_TOKEN_FILE"
         )
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.add(writer)
-        # A client host that vanished is noticed (its connection and waiting calls freed)
-        # after about two minutes of silence, as with gRPC's keepalive enforcement.
-        sock = writer.get_extra_info("socket")
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        for option, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6)):
-            if hasattr(socket, option):
-                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
-        try:
-            await serve_frames(reader, writer, self._servicer._session_call, self._hello)
-        except Exception as exc:  # a malformed message, a refused hello, a broken connection
-            log.debug("a session on the session port ended: %s", exc)
-        finally:
-            self._writers.discard(writer)
-            writer.close()
+    def _connection(self) -> FramedSession:
+        connection = _Connection(self._servicer._session_call, self._hello, self._connections.discard)
+        self._connections.add(connection)
+        return connection
 
     def close_listener(self) -> None:
         self._server.close()
@@ -206,8 +195,20 @@ class _SessionPort:
     def close(self) -> None:
         """Drops every connection (their clients resend, to a restarted coordinator)."""
         self._server.close()
-        for writer in list(self._writers):
-            writer.transport.abort()
+        for connection in list(self._connections):
+            connection.transport.abort()
+
+
+class _Connection(FramedSession):
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        # A client host that vanished is noticed (its connection and waiting calls freed)
+        # after about two minutes of silence, as with gRPC's keepalive enforcement.
+        sock = transport.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6)):
+            if hasattr(socket, option):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 class _StateWriter:

@@ -10,6 +10,7 @@ import asyncio
 import collections
 import functools
 import logging
+import operator
 import time
 from typing import Awaitable, Callable
 
@@ -22,6 +23,10 @@ from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 from ._core import ALL, Code, Contribution, Core, CoreError, Registration, ThreadRequest, format_ranges
 
 log = logging.getLogger("pjrt_rendezvous.coordinator")
+
+# A Contribution message's fields in Contribution's order: read in C, not a Python loop
+# (half the cost per contribution, thousands of which arrive per round at scale).
+_CONTRIBUTION_FIELDS = operator.attrgetter(*Contribution._fields)
 
 # The one place core codes become wire codes.
 _STATUS = {code: getattr(grpc.StatusCode, code.name) for code in Code}
@@ -257,7 +262,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 incarnation=request.incarnation,
                 replicas=request.replicas,
                 round_number=request.round,
-                contributions=[Contribution(c.ordinal, c.tag, c.payload, c.incarnation) for c in request.contributions],
+                contributions=list(map(Contribution._make, map(_CONTRIBUTION_FIELDS, request.contributions))),
                 deadline=None if timeout is None else now + timeout,
                 generation=request.generation,
             )
