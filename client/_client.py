@@ -15,6 +15,7 @@ import os
 import threading
 import time
 import uuid
+from _thread import allocate_lock as _allocate_lock
 from typing import Callable, Sequence, TypeVar
 
 import grpc
@@ -124,7 +125,9 @@ class _Batch:
         self.generation = generation  # the one its round number belongs to
         self.contributions: dict[int, pb.Contribution] = {}
         self.deadline: float | None = None
-        self.done = threading.Event()
+        # One held lock per member thread waiting for the leader, released when the round
+        # is done: cheaper to wake than an Event (a Condition and a lock per wait).
+        self.waiters: list = []
         self.payloads: list[bytes] | None = None
         self.error: BaseException | None = None
 
@@ -150,6 +153,7 @@ class Client:
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
         self._bindings: dict[int, Binding] = {}  # thread index -> binding
+        self._local: frozenset[int] | None = None  # their ordinals (_local_ordinals)
         self._batches: dict[tuple[tuple[int, ...], int], _Batch] = {}
         self._rounds: dict[tuple[int, tuple[int, ...]], int] = {}  # (ordinal, group) -> next round
         self._generation = 0  # the job generation our round counters belong to
@@ -523,6 +527,7 @@ class Client:
         )
         with self._lock:
             self._bindings[thread_index] = binding
+            self._local = None
         _bound.binding = binding
         return binding
 
@@ -533,10 +538,14 @@ class Client:
             return
         with self._lock:
             self._bindings.pop(binding.thread_index, None)
+            self._local = None
         _bound.binding = None
 
-    def _local_ordinals(self) -> set[int]:
-        return {b.ordinal for b in self._bindings.values() if b is not None}
+    def _local_ordinals(self) -> frozenset[int]:
+        """The ordinals of the bound threads (cached: asked at every arrival of every round)."""
+        if self._local is None:
+            self._local = frozenset(b.ordinal for b in self._bindings.values() if b is not None)
+        return self._local
 
     def wait_world(self, *, timeout=DEFAULT) -> list[pb.Participant]:
         """Blocks until every ordinal of the job is registered; returns the rank table (one
@@ -607,6 +616,10 @@ class Client:
             if deadline is not None and (batch.deadline is None or deadline < batch.deadline):
                 batch.deadline = deadline
             self._inside[ordinal] = key
+            if not leader:
+                waiter = _allocate_lock()
+                waiter.acquire()
+                batch.waiters.append(waiter)
             # Wake the leaders only when one has all it waits for: a wake-up per sibling
             # arrival cost more than the round itself with 8 threads.
             if any(self._gathered(b) for b in self._batches.values()):
@@ -624,9 +637,10 @@ class Client:
                     for member in batch.contributions:
                         if self._inside.get(member) == key:
                             del self._inside[member]
-                batch.done.set()
+                for waiter in batch.waiters:  # complete: members join before the leader sends
+                    waiter.release()
         else:
-            batch.done.wait()
+            waiter.acquire()
         if batch.error is not None:
             if leader or not isinstance(batch.error, RendezvousError):
                 raise batch.error
