@@ -154,6 +154,7 @@ class ForkedServer:
         ctx = multiprocessing.get_context("fork")
         parent, child = ctx.Pipe()
         self.kind = kind
+        self.session_port = None  # ours only
         self.proc = ctx.Process(target=_forked_main, args=(child, target, args), daemon=True)
         self.proc.start()
         child.close()

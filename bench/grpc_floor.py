@@ -1,12 +1,13 @@
-"""The floor under any grpc.aio coordinator: server CPU per message of an echo server.
+"""The floor under any Python coordinator: server CPU per message of an echo server.
 
     python bench/grpc_floor.py [--clients 8,64] [--rounds 300] [--uvloop]
 
 N clients (each its own connection) make one call per round, all at once, like a barrier;
-the server only echoes. Compares a unary call per round with one long-lived bidirectional
-stream per client (one message each way per round). Whatever our servicer does comes on
-top of these numbers, so they bound what Python-level optimization can reach and tell
-whether "one stream per process" (issue 5) is worth its protocol change.
+the server only echoes. Compares a grpc.aio unary call per round, one long-lived gRPC
+bidirectional stream per client (one message each way per round), and length-prefixed
+messages on plain TCP served by an asyncio Protocol (what the coordinator's session port
+does). Whatever our servicer does comes on top of these numbers, so they bound what
+Python-level optimization can reach and tell whether a protocol change is worth it.
 """
 
 from __future__ import annotations
@@ -45,14 +46,55 @@ async def _serve() -> None:
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    print(port, flush=True)
+    framed = await asyncio.get_running_loop().create_server(_FramedEcho, "127.0.0.1", 0)
+    print(port, framed.sockets[0].getsockname()[1], flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
     await server.stop(None)
 
 
-async def _drive(port: int, pid: int, clients: int, rounds: int, mode: str, payload: bytes) -> tuple[float, float]:
+class _FramedEcho(asyncio.Protocol):
+    """Echoes each length-prefixed message (4-byte big-endian length, then the bytes)."""
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.buffer = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while len(self.buffer) >= 4:
+            end = 4 + int.from_bytes(self.buffer[:4], "big")
+            if len(self.buffer) < end:
+                break
+            self.transport.write(bytes(self.buffer[:end]))
+            del self.buffer[:end]
+
+
+async def _drive_framed(port: int, pid: int, clients: int, rounds: int, payload: bytes) -> tuple[float, float]:
+    connections = [await asyncio.open_connection("127.0.0.1", port) for _ in range(clients)]
+    message = len(payload).to_bytes(4, "big") + payload
+
+    async def one(connection):
+        reader, writer = connection
+        writer.write(message)
+        await reader.readexactly(len(message))
+
+    for _ in range(20):
+        await asyncio.gather(*(one(c) for c in connections))
+    cpu0, t0 = cpu_seconds(pid), time.monotonic()
+    for _ in range(rounds):
+        await asyncio.gather(*(one(c) for c in connections))
+    wall, cpu = time.monotonic() - t0, cpu_seconds(pid) - cpu0
+    for _, writer in connections:
+        writer.close()
+    return wall / rounds, cpu / rounds
+
+
+async def _drive(ports: tuple[int, int], pid: int, clients: int, rounds: int, mode: str, payload: bytes) -> tuple[float, float]:
+    if mode == "framed":
+        return await _drive_framed(ports[1], pid, clients, rounds, payload)
     import grpc
 
+    port = ports[0]
     channels = [
         grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
         for _ in range(clients)
@@ -103,14 +145,15 @@ def main() -> int:
     argv = [sys.executable, os.path.abspath(__file__), "--serve"] + (["--uvloop"] if args.uvloop else [])
     server = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        port = int(server.stdout.readline())
+        ports = tuple(int(p) for p in server.stdout.readline().split())
         print("| clients | mode | round (ms) | server CPU per round (ms) | server CPU per message (µs) |")
         print("|---|---|---|---|---|")
         for n in (int(x) for x in args.clients.split(",")):
-            results: dict[str, list] = {"unary": [], "bidi": []}
-            for rep in range(args.reps):  # alternate the modes
-                for mode in ("unary", "bidi") if rep % 2 == 0 else ("bidi", "unary"):
-                    results[mode].append(asyncio.run(_drive(port, server.pid, n, args.rounds, mode, b"x" * args.payload)))
+            modes = ("unary", "bidi", "framed")
+            results: dict[str, list] = {mode: [] for mode in modes}
+            for rep in range(args.reps):  # rotate the order of the modes
+                for mode in modes[rep % 3 :] + modes[: rep % 3]:
+                    results[mode].append(asyncio.run(_drive(ports, server.pid, n, args.rounds, mode, b"x" * args.payload)))
             for mode, values in results.items():
                 wall = sorted(v[0] for v in values)[len(values) // 2]
                 cpu = sorted(v[1] for v in values)[len(values) // 2]

@@ -502,7 +502,7 @@ class FramedSession(asyncio.Protocol):
                 if task is not None:
                     task.cancel()
             elif not call.method:  # a ping
-                self._send([session_answer(call.id)])
+                self._send(session_answer(call.id))
             elif call.id not in self._calls:
                 self._calls[call.id] = asyncio.get_running_loop().create_task(self._answer(call))
         return True
@@ -512,19 +512,19 @@ class FramedSession(asyncio.Protocol):
             reply = await self._run(call)
         finally:  # done: a late cancel finds nothing to stop
             self._calls.pop(call.id, None)
-        self._send([reply])
+        self._send(reply)
 
-    def _send(self, answers: list[tuple[bytes, bytes]]) -> None:
+    def _send(self, answer: tuple[bytes, bytes]) -> None:
         if self.transport.is_closing():
             return  # the peer resends on a new connection
-        self.transport.write(frame(_session_response(answers)))
+        self.transport.write(frame(_session_response([answer])))
         if self.transport.get_write_buffer_size() > self.MAX_UNSENT:
             log.warning("a session peer does not read its answers; closing its connection")
             self.transport.abort()
 
     def _refuse(self, code: grpc.StatusCode, message: str) -> bool:
         log.debug("refused a session: %s: %s", code.name, message)
-        self._send([session_answer(0, code, message)])
+        self._send(session_answer(0, code, message))
         self.transport.close()
         return False
 

@@ -122,6 +122,16 @@ class ServerOptions:
             raise ValueError("the token is empty")
 
 
+def _token_refusal(expected: bytes, given: str | bytes, what: str) -> str | None:
+    """None when ``given`` (the ``authorization`` a caller sent) is the token, else the
+    message to refuse ``what`` with; logged without the secret."""
+    if hmac.compare_digest(given.encode() if isinstance(given, str) else given, expected):
+        return None
+    reason = "no token" if not given else "a wrong token"
+    log.warning("refused %s: the caller sent %s", what, reason)
+    return f"{what} refused: {reason}; set PJRT_RENDEZVOUS_TOKEN or PJRT_RENDEZVOUS_TOKEN_FILE"
+
+
 class _TokenCheck(grpc.aio.ServerInterceptor):
     """Refuses calls without the shared secret: UNAUTHENTICATED, logged without the secret."""
 
@@ -133,11 +143,9 @@ class _TokenCheck(grpc.aio.ServerInterceptor):
         if handler is None or details.method.startswith("/grpc.health.v1.Health/"):
             return handler
         given = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._expected):
+        message = _token_refusal(self._expected, given, details.method)
+        if message is None:
             return handler
-        reason = "no token" if not given else "a wrong token"
-        log.warning("refused %s: the caller sent %s", details.method, reason)
-        message = f"{details.method} refused: {reason}; set PJRT_RENDEZVOUS_TOKEN or PJRT_RENDEZVOUS_TOKEN_FILE"
 
         async def deny(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
@@ -176,13 +184,10 @@ class _SessionPort:
         return self._server.sockets[0].getsockname()[1]
 
     def _hello(self, greeting: pb.SessionHello) -> tuple[grpc.StatusCode, str] | None:
-        if self._expected is None or hmac.compare_digest(greeting.authorization.encode(), self._expected):
+        if self._expected is None:
             return None
-        reason = "no token" if not greeting.authorization else "a wrong token"
-        log.warning("refused a session on the session port: the caller sent %s", reason)
-        return grpc.StatusCode.UNAUTHENTICATED, (
-            f"session refused: {reason}; set PJRT_RENDEZVOUS_TOKEN or PJRT_RENDEZVOUS_TOKEN_FILE"
-        )
+        message = _token_refusal(self._expected, greeting.authorization, "a session on the session port")
+        return None if message is None else (grpc.StatusCode.UNAUTHENTICATED, message)
 
     def _connection(self) -> FramedSession:
         connection = _Connection(self._servicer._session_call, self._hello, self._connections.discard)
@@ -196,10 +201,13 @@ class _SessionPort:
         """Drops every connection (their clients resend, to a restarted coordinator)."""
         self._server.close()
         for connection in list(self._connections):
-            connection.transport.abort()
+            if connection.transport is not None:
+                connection.transport.abort()
 
 
 class _Connection(FramedSession):
+    """A client's connection to the session port, with TCP keepalive."""
+
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         # A client host that vanished is noticed (its connection and waiting calls freed)
