@@ -6,7 +6,9 @@ A simulated process behaves on the wire like a real client process of its server
   (length-prefixed Session messages, ``client/_session.py``), and a gRPC channel for its
   Watch stream: one Register per thread (as each thread's ``bind_thread`` does), a
   Heartbeat every 5 s, one WaitWorld, then one Rendezvous per round carrying all its
-  threads' contributions (as the client combines them); plus a Watch stream. Requests are
+  threads' contributions (as the client combines them); plus a Watch stream. (A real
+  client's first Register travels on gRPC, whose answer names the session port; a simulated
+  one is given the port.) Requests are
   serialized with the generated protobuf classes; responses are not parsed (a real client
   on another host would pay that, not the coordinator).
 - TCPStore: one client per process (threads combined locally), the add / last-sets / wait
