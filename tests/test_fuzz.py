@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pjrt_rendezvous.client._session import FRAME, frame
 from pjrt_rendezvous.coordinator import Coordinator, Limits
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
@@ -486,8 +487,14 @@ def test_fuzz_session_calls(server, calls):
     assert ready.wait(30), "the session did not end after the client finished sending"
     reader.join()
     assert responses.code() == grpc.StatusCode.OK, responses.details()
+    judge_session("session", batch, answered)
+    server.check_health()
+
+
+def judge_session(where: str, batch: list[pb.SessionCall], answered: dict[int, pb.SessionAnswer]) -> None:
+    """Every answered call got OK, a documented status or UNIMPLEMENTED, with a message."""
     for call in batch:
-        SENT[f"session:{call.method or '(empty)'}"] += 1
+        SENT[f"{where}:{call.method or '(empty)'}"] += 1
         answer = answered.get(call.id)
         if answer is None:
             continue  # a wait that never ends (a blocking get, a round of two), cancelled
@@ -496,7 +503,49 @@ def test_fuzz_session_calls(server, calls):
         if code != grpc.StatusCode.OK:
             assert answer.message.strip()
             allowed = DOCUMENTED | {grpc.StatusCode.UNIMPLEMENTED}
-            assert code in allowed, f"{call.method} answered {code.name} on a session: {answer.message!r}"
+            assert code in allowed, f"{call.method} answered {code.name} on a {where}: {answer.message!r}"
+
+
+@FUZZ
+@given(
+    calls=st.lists(
+        st.tuples(st.sampled_from([m.name for m in METHODS] + ["", "Nope", "Session", "Watch"]), bodies()),
+        min_size=1,
+        max_size=8,
+    ),
+    cuts=st.lists(st.integers(min_value=1, max_value=200), max_size=4),
+)
+def test_fuzz_session_port_calls(server, calls, cuts):
+    """The same batches on the session port, their bytes sent in random pieces (150 examples):
+    the same answers as on the gRPC stream (a call without a method is a ping: OK), calls
+    still waiting are cancelled, and the connection and the server keep working."""
+    batch = [pb.SessionCall(id=i + 1, method=name, request=body) for i, (name, body) in enumerate(calls)]
+    data = frame(pb.SessionHello().SerializeToString()) + frame(pb.SessionRequest(calls=batch).SerializeToString())
+    answered: dict[int, pb.SessionAnswer] = {}
+    with socket.create_connection(("127.0.0.1", server.coordinator.session_port), timeout=5) as sock:
+        start = 0
+        for cut in sorted(cuts) + [len(data)]:
+            sock.sendall(data[start:cut])
+            start = max(start, cut)
+        sock.settimeout(0.02)
+        received = b""
+        deadline = time.monotonic() + FOREVER_TIMEOUT
+        while time.monotonic() < deadline and len(answered) < len(batch):
+            try:
+                chunk = sock.recv(1 << 16)
+            except socket.timeout:
+                continue
+            assert chunk, "the session port closed a connection that sent only well-formed messages"
+            received += chunk
+            while len(received) >= FRAME.size and len(received) >= FRAME.size + FRAME.unpack_from(received)[0]:
+                end = FRAME.size + FRAME.unpack_from(received)[0]
+                answers = pb.SessionResponse.FromString(received[FRAME.size : end]).answers
+                assert all(a.id != 0 for a in answers), [a.message for a in answers]
+                answered.update((a.id, a) for a in answers)
+                received = received[end:]
+        cancels = [pb.SessionCall(id=c.id, cancel=True) for c in batch if c.id not in answered]
+        sock.sendall(frame(pb.SessionRequest(calls=cancels).SerializeToString()))
+    judge_session("session port", batch, answered)
     server.check_health()
 
 
