@@ -450,14 +450,17 @@ def test_fuzz_random_protobuf_bodies(server, method, body):
     server.check_health()
 
 
-@FUZZ
-@given(
-    calls=st.lists(
+def session_calls():
+    """1-8 calls of any method name (unknown and streaming ones too) with a random body."""
+    return st.lists(
         st.tuples(st.sampled_from([m.name for m in METHODS] + ["", "Nope", "Session", "Watch"]), bodies()),
         min_size=1,
         max_size=8,
     )
-)
+
+
+@FUZZ
+@given(calls=session_calls())
 def test_fuzz_session_calls(server, calls):
     """Batches of calls with any method name and a random body on one Session stream (150 examples): every call that
     answers at once gets OK, a documented status or UNIMPLEMENTED (unknown or streaming methods), never UNKNOWN; calls
@@ -507,14 +510,7 @@ def judge_session(where: str, batch: list[pb.SessionCall], answered: dict[int, p
 
 
 @FUZZ
-@given(
-    calls=st.lists(
-        st.tuples(st.sampled_from([m.name for m in METHODS] + ["", "Nope", "Session", "Watch"]), bodies()),
-        min_size=1,
-        max_size=8,
-    ),
-    cuts=st.lists(st.integers(min_value=1, max_value=200), max_size=4),
-)
+@given(calls=session_calls(), cuts=st.lists(st.integers(min_value=1, max_value=200), max_size=4))
 def test_fuzz_session_port_calls(server, calls, cuts):
     """The same batches on the session port, their bytes sent in random pieces (150 examples):
     the same answers as on the gRPC stream (a call without a method is a ping: OK), calls

@@ -28,6 +28,12 @@ def expected() -> list[bytes]:
     return [b"%d" % o for o in ALL]
 
 
+def assert_round(clients, tag: str) -> None:
+    """A full round of ``clients`` gives every thread every ordinal's payload."""
+    results = gather(clients, tag)
+    assert all(out == expected() for out in results.values()), results
+
+
 def refusal(sock: socket.socket) -> pb.SessionAnswer:
     """The one message the coordinator sends before it closes a refused connection."""
     sock.settimeout(10)
@@ -43,14 +49,12 @@ def test_calls_move_to_the_session_port_once_the_coordinator_names_it():
     with Coordinator(port=0) as coordinator:
         assert coordinator.session_port
         clients = make_clients(coordinator.address, fan_in="off")
-        results = gather(clients, "first")
-        assert all(out == expected() for out in results.values()), results
+        assert_round(clients, "first")
         assert all(type(c._current_session) is SocketSession for c in clients)
         for c in clients:
             c.close()
         clients = make_clients(coordinator.address, fan_in="off", transport="grpc")
-        results = gather(clients, "second")
-        assert all(out == expected() for out in results.values()), results
+        assert_round(clients, "second")
         assert all(type(c._current_session) is Session for c in clients)
         for c in clients:
             c.close()
@@ -71,7 +75,7 @@ def test_the_token_is_checked_on_the_session_port():
             assert answer.code == grpc.StatusCode.UNAUTHENTICATED.value[0]
             assert reason in answer.message and "PJRT_RENDEZVOUS_TOKEN" in answer.message
         clients = make_clients(coordinator.address, fan_in="off", token="s3cr3t-token")
-        assert all(out == expected() for out in gather(clients, "t").values())
+        assert_round(clients, "t")
         assert all(type(c._current_session) is SocketSession for c in clients)
         for c in clients:
             c.close()
@@ -97,8 +101,7 @@ def test_garbage_on_the_session_port_ends_only_that_connection():
         for _ in range(20):
             with socket.create_connection(("127.0.0.1", coordinator.session_port)) as sock:
                 sock.sendall(rng.randbytes(rng.randrange(1, 64)))
-        results = gather(clients, "after")
-        assert all(out == expected() for out in results.values()), results
+        assert_round(clients, "after")
         for c in clients:
             c.close()
 
@@ -115,8 +118,7 @@ def test_an_unreachable_session_port_leaves_calls_on_grpc():
         assert all(type(c._current_session) is Session for c in clients)
         for c in clients:
             c._learn_session_port(closed)  # as if the coordinator had named it
-        results = gather(clients, "second")
-        assert all(out == expected() for out in results.values()), results
+        assert_round(clients, "second")
         assert all(type(c._current_session) is Session for c in clients)
         for c in clients:
             c.close()
@@ -130,18 +132,16 @@ def test_a_restarted_coordinator_moves_its_clients_to_its_new_session_port(tmp_p
     with Serve("--session-port", "0", "--state-file", str(state)) as first:
         port, old = first.port, first.session_port
         clients = make_clients(first.address, fan_in="off", heartbeat_interval=0.2)
-        assert all(out == expected() for out in gather(clients, "before").values())
+        assert_round(clients, "before")
         first.stop()
     with Serve("--port", str(port), "--session-port", "0", "--state-file", str(state), port_flag=False) as second:
         assert second.session_port != old
-        results = gather(clients, "after")
-        assert all(out == expected() for out in results.values()), results
+        assert_round(clients, "after")
         deadline = time.monotonic() + 30
         while not all(c._session_port == second.session_port for c in clients):
             assert time.monotonic() < deadline, [c._session_port for c in clients]
             time.sleep(0.1)
-        results = gather(clients, "moved")
-        assert all(out == expected() for out in results.values()), results
+        assert_round(clients, "moved")
         assert all(type(c._current_session) is SocketSession for c in clients)
         for c in clients:
             c.close()
