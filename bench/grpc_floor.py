@@ -69,6 +69,18 @@ class _FramedEcho(asyncio.Protocol):
             del self.buffer[:end]
 
 
+async def _timed(one, targets: list, pid: int, rounds: int) -> tuple[float, float]:
+    """Wall time and server CPU per round of ``one(target)`` for every target at once,
+    after 20 untimed rounds."""
+    for _ in range(20):
+        await asyncio.gather(*(one(t) for t in targets))
+    cpu0, t0 = cpu_seconds(pid), time.monotonic()
+    for _ in range(rounds):
+        await asyncio.gather(*(one(t) for t in targets))
+    wall, cpu = time.monotonic() - t0, cpu_seconds(pid) - cpu0
+    return wall / rounds, cpu / rounds
+
+
 async def _drive_framed(port: int, pid: int, clients: int, rounds: int, payload: bytes) -> tuple[float, float]:
     connections = [await asyncio.open_connection("127.0.0.1", port) for _ in range(clients)]
     message = len(payload).to_bytes(4, "big") + payload
@@ -78,15 +90,10 @@ async def _drive_framed(port: int, pid: int, clients: int, rounds: int, payload:
         writer.write(message)
         await reader.readexactly(len(message))
 
-    for _ in range(20):
-        await asyncio.gather(*(one(c) for c in connections))
-    cpu0, t0 = cpu_seconds(pid), time.monotonic()
-    for _ in range(rounds):
-        await asyncio.gather(*(one(c) for c in connections))
-    wall, cpu = time.monotonic() - t0, cpu_seconds(pid) - cpu0
+    result = await _timed(one, connections, pid, rounds)
     for _, writer in connections:
         writer.close()
-    return wall / rounds, cpu / rounds
+    return result
 
 
 async def _drive(ports: tuple[int, int], pid: int, clients: int, rounds: int, mode: str, payload: bytes) -> tuple[float, float]:
@@ -113,17 +120,12 @@ async def _drive(ports: tuple[int, int], pid: int, clients: int, rounds: int, mo
             await call.write(payload)
             await call.read()
 
-    for _ in range(20):
-        await asyncio.gather(*(one(c) for c in calls))
-    cpu0, t0 = cpu_seconds(pid), time.monotonic()
-    for _ in range(rounds):
-        await asyncio.gather(*(one(c) for c in calls))
-    wall, cpu = time.monotonic() - t0, cpu_seconds(pid) - cpu0
+    result = await _timed(one, calls, pid, rounds)
     if mode == "bidi":
         for c in calls:
             await c.done_writing()
     await asyncio.gather(*(c.close() for c in channels))
-    return wall / rounds, cpu / rounds
+    return result
 
 
 def main() -> int:

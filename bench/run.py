@@ -473,7 +473,7 @@ def render(args, results: dict, systems: list[str], skipped: dict, scale: dict |
         out.append("\n## Where our coordinator spends its time (py-spy, Python frames)\n")
         out.append(
             "Sampled without pausing the process. `Handle._run` self time is native code run from "
-            "event-loop callbacks: gRPC's Cython/C core (completion queue, HTTP/2, protobuf).\n"
+            "event-loop callbacks: gRPC's Cython/C core (completion queue, HTTP/2, protobuf) and socket reads.\n"
         )
         for title, path in profiles:
             try:

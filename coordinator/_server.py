@@ -276,12 +276,11 @@ class RunningServer:
         for task in self._tasks:
             task.cancel()
         await self._health.enter_graceful_shutdown()
-        if self._sessions is None:
-            await self.server.stop(grace)
-        else:
-            # No new sessions; those open get the grace like gRPC's calls, then end.
+        # No new sessions; those open get the grace like gRPC's calls, then end.
+        if self._sessions is not None:
             self._sessions.close_listener()
-            await self.server.stop(grace)
+        await self.server.stop(grace)
+        if self._sessions is not None:
             self._sessions.close()
         if self._metrics_server is not None:
             self._metrics_server.close()

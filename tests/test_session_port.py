@@ -34,6 +34,14 @@ def assert_round(clients, tag: str) -> None:
     assert all(out == expected() for out in results.values()), results
 
 
+def assert_round_on(clients, tag: str, session_type: type) -> None:
+    """A checked round, after which every client's session is of ``session_type``; closes them."""
+    assert_round(clients, tag)
+    assert all(type(c._current_session) is session_type for c in clients)
+    for c in clients:
+        c.close()
+
+
 def refusal(sock: socket.socket) -> pb.SessionAnswer:
     """The one message the coordinator sends before it closes a refused connection."""
     sock.settimeout(10)
@@ -49,15 +57,9 @@ def test_calls_move_to_the_session_port_once_the_coordinator_names_it():
     with Coordinator(port=0) as coordinator:
         assert coordinator.session_port
         clients = make_clients(coordinator.address, fan_in="off")
-        assert_round(clients, "first")
-        assert all(type(c._current_session) is SocketSession for c in clients)
-        for c in clients:
-            c.close()
+        assert_round_on(clients, "first", SocketSession)
         clients = make_clients(coordinator.address, fan_in="off", transport="grpc")
-        assert_round(clients, "second")
-        assert all(type(c._current_session) is Session for c in clients)
-        for c in clients:
-            c.close()
+        assert_round_on(clients, "second", Session)
 
 
 def test_an_unknown_transport_is_refused():
@@ -75,10 +77,7 @@ def test_the_token_is_checked_on_the_session_port():
             assert answer.code == grpc.StatusCode.UNAUTHENTICATED.value[0]
             assert reason in answer.message and "PJRT_RENDEZVOUS_TOKEN" in answer.message
         clients = make_clients(coordinator.address, fan_in="off", token="s3cr3t-token")
-        assert_round(clients, "t")
-        assert all(type(c._current_session) is SocketSession for c in clients)
-        for c in clients:
-            c.close()
+        assert_round_on(clients, "t", SocketSession)
 
 
 def test_garbage_on_the_session_port_ends_only_that_connection():
@@ -118,10 +117,7 @@ def test_an_unreachable_session_port_leaves_calls_on_grpc():
         assert all(type(c._current_session) is Session for c in clients)
         for c in clients:
             c._learn_session_port(closed)  # as if the coordinator had named it
-        assert_round(clients, "second")
-        assert all(type(c._current_session) is Session for c in clients)
-        for c in clients:
-            c.close()
+        assert_round_on(clients, "second", Session)
 
 
 def test_a_restarted_coordinator_moves_its_clients_to_its_new_session_port(tmp_path):
@@ -141,10 +137,7 @@ def test_a_restarted_coordinator_moves_its_clients_to_its_new_session_port(tmp_p
         while not all(c._session_port == second.session_port for c in clients):
             assert time.monotonic() < deadline, [c._session_port for c in clients]
             time.sleep(0.1)
-        assert_round(clients, "moved")
-        assert all(type(c._current_session) is SocketSession for c in clients)
-        for c in clients:
-            c.close()
+        assert_round_on(clients, "moved", SocketSession)
 
 
 def test_a_session_port_with_tls_is_refused():
