@@ -86,6 +86,9 @@ class StatusError(grpc.RpcError):
         return self._details
 
 
+_READER_JOIN = 5.0  # seconds close() waits for the session's reader thread
+
+
 class _Pending:
     __slots__ = ("done", "response", "error")
 
@@ -112,7 +115,8 @@ class Session:
         self._ids = itertools.count(1)
         self.broken: grpc.RpcError | None = None
         self.heard = time.monotonic()  # when the last answer came
-        threading.Thread(target=self._read, name="pjrt-rendezvous-session", daemon=True).start()
+        self._reader = threading.Thread(target=self._read, name="pjrt-rendezvous-session", daemon=True)
+        self._reader.start()
 
     # -- transport: gRPC (SocketSession overrides these) --------------------------------------
 
@@ -129,6 +133,13 @@ class Session:
         """Ends the stream from this side (calls still waiting fail)."""
         self._outbox.put(None)
         self._responses.cancel()
+        self._join_reader()
+        self._responses = None  # the call is finalized now, while gRPC's threads run (see _read)
+
+    def _join_reader(self) -> None:
+        """Waits briefly for the reader thread to see the end of the stream."""
+        if threading.current_thread() is not self._reader:
+            self._reader.join(_READER_JOIN)
 
     def retire(self) -> None:
         """Ends the stream once the calls on it are answered; a later call fails with
@@ -167,7 +178,13 @@ class Session:
                         pending.done.release()
             error: grpc.RpcError = StatusError(grpc.StatusCode.UNAVAILABLE, "the coordinator ended the session")
         except grpc.RpcError as exc:
-            error = exc
+            # The exception a gRPC stream raises is its call object, and its traceback's frames
+            # hold it again: a cycle only the garbage collector frees, perhaps at interpreter
+            # exit, where the call's finalizer waits for a lock a frozen daemon thread may
+            # hold (`pjrt-rendezvous status` hung at exit about once in 150 runs). Break the
+            # cycle and keep our own error, so the call is freed by close().
+            exc.__traceback__ = None
+            error = exc if isinstance(exc, StatusError) else StatusError(exc.code(), exc.details() or str(exc))
         with self._lock:
             self.broken = error
             pending_calls = list(self._pending.values())
@@ -345,6 +362,7 @@ class SocketSession(Session):
             self._socket.shutdown(socket.SHUT_RDWR)  # the reader sees the end and fails what waits
         except OSError:
             pass
+        self._join_reader()
 
 
 # -- serving (the coordinator's Session, and a host relay's) ---------------------------------

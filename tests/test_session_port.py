@@ -145,3 +145,27 @@ def test_a_session_port_with_tls_is_refused():
     coordinator offers none: tests/test_security.py)."""
     with pytest.raises(ValueError, match="session port is plain TCP"):
         Coordinator(port=0, session_port=7482, tls_cert=b"x", tls_key=b"y").start()
+
+
+def test_closing_a_grpc_session_frees_its_call_at_once():
+    """The gRPC call behind a closed session is freed by close() itself, not left to the
+    garbage collector: collected at interpreter exit, its finalizer could wait forever for
+    a lock held by a daemon thread the exit froze (`pjrt-rendezvous status` hung so)."""
+    import gc
+    import weakref
+
+    with Coordinator(port=0, world_size=2) as coordinator:
+        client = pr.Client(
+            pr.Settings(address=coordinator.address, transport="grpc"),
+            pr.detect_topology({}, address=coordinator.address),
+        )
+        client.status("")
+        call = weakref.ref(client._current_session._responses)
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            client.close()
+            assert call() is None
+        finally:
+            if enabled:
+                gc.enable()
