@@ -116,18 +116,27 @@ def _payload_bytes(payload) -> bytes:
 
 
 class _Batch:
-    """One process's arrivals at one round; the first thread (leader) sends them all."""
+    """One process's arrivals at one round, sent in one call by the sibling whose arrival
+    completes it, or by the first to arrive once the batch window passes."""
 
-    def __init__(self, group: tuple[int, ...], number: int, generation: int) -> None:
+    __slots__ = ("group", "number", "members", "expected", "generation", "contributions", "deadline",
+                 "first", "waiters", "done", "payloads", "error")
+
+    def __init__(self, group: tuple[int, ...], number: int, generation: int, local: frozenset[int]) -> None:
         self.group = group
         self.number = number  # the round of the group
         self.members = None if group == ALL else frozenset(group)  # None: every local ordinal
+        # Local ordinals the round may get: once all are in, the round is complete at once.
+        self.expected = len(local) if self.members is None else len(local & self.members)
         self.generation = generation  # the one its round number belongs to
         self.contributions: dict[int, pb.Contribution] = {}
         self.deadline: float | None = None
-        # One held lock per member thread waiting for the leader, released when the round
-        # is done: cheaper to wake than an Event (a Condition and a lock per wait).
+        # One held lock per thread waiting for the sender, released when the round is done:
+        # cheaper to wake than an Event (a Condition and a lock per wait). ``first`` is the
+        # first thread's, released early to make it send (``Client._signal_gathered``).
+        self.first = None
         self.waiters: list = []
+        self.done = False  # the sender has the answer; no waiter joins any more
         self.payloads: list[bytes] | None = None
         self.error: BaseException | None = None
 
@@ -151,7 +160,6 @@ class Client:
         self._metadata = (("authorization", f"Bearer {settings.token}"),) if settings.token else None
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self._lock = threading.Lock()
-        self._arrived = threading.Condition(self._lock)
         self._bindings: dict[int, Binding] = {}  # thread index -> binding
         self._local: frozenset[int] | None = None  # their ordinals (_local_ordinals)
         self._batches: dict[tuple[tuple[int, ...], int], _Batch] = {}
@@ -609,54 +617,78 @@ class Client:
             # must see (and refuse) a sibling's malformed list too.
             key = (group, round_number, tuple(replicas))
             batch = self._batches.get(key)
-            leader = batch is None
-            if leader:
-                batch = self._batches[key] = _Batch(group, round_number, self._generation)
+            first = batch is None
+            if first:
+                batch = self._batches[key] = _Batch(group, round_number, self._generation, self._local_ordinals())
             batch.contributions[ordinal] = contribution
             if deadline is not None and (batch.deadline is None or deadline < batch.deadline):
                 batch.deadline = deadline
             self._inside[ordinal] = key
-            if not leader:
+            # The thread whose arrival completes the round sends it: no thread is woken to
+            # send, and siblings are not woken at each arrival.
+            send = self._gathered(batch)
+            if send:
+                del self._batches[key]
+            else:
                 waiter = _allocate_lock()
                 waiter.acquire()
                 batch.waiters.append(waiter)
-            # Wake the leaders only when one has all it waits for: a wake-up per sibling
-            # arrival cost more than the round itself with 8 threads.
-            if any(self._gathered(b) for b in self._batches.values()):
-                self._arrived.notify_all()
-            if leader:
-                self._gather_siblings(batch)
-                del self._batches[key]
-        if leader:
+                if first:
+                    batch.first = waiter
+            if len(self._batches) > (not send):
+                self._signal_gathered(batch)
+        if not send:
+            send = self._wait_for_sender(key, batch, waiter, first)
+        if send:
             try:
                 batch.payloads = self._send_round(replicas, group, round_number, batch)
             except BaseException as exc:
                 batch.error = exc
             finally:
                 with self._lock:  # no member is blocked in this round any more
+                    batch.done = True
                     for member in batch.contributions:
                         if self._inside.get(member) == key:
                             del self._inside[member]
-                for waiter in batch.waiters:  # complete: members join before the leader sends
+                for waiter in batch.waiters:
                     waiter.release()
-        else:
-            waiter.acquire()
         if batch.error is not None:
-            if leader or not isinstance(batch.error, RendezvousError):
+            if send or not isinstance(batch.error, RendezvousError):
                 raise batch.error
             raise _copy_error(batch.error) from batch.error.__cause__
         return list(batch.payloads)
 
-    def _gather_siblings(self, batch: _Batch) -> None:
-        """With the lock held: waits briefly for this process's other members of the round."""
-        window_end = time.monotonic() + self.settings.batch_window
-        while not self._gathered(batch):
-            remaining = window_end - time.monotonic()
+    def _signal_gathered(self, arrived: _Batch) -> None:
+        """With the lock held: an arrival may complete other batches too (its thread is no
+        longer awaited there: it is blocked in another round); their first threads send them."""
+        for batch in self._batches.values():
+            if batch is not arrived and batch.first in batch.waiters and self._gathered(batch):
+                batch.waiters.remove(batch.first)
+                batch.first.release()
+
+    def _wait_for_sender(self, key: tuple, batch: _Batch, waiter, first: bool) -> bool:
+        """Waits until the round is done; True when this thread must send it instead: it
+        arrived first, and its siblings did not complete the round within the batch window
+        (or an arrival elsewhere completed it, ``_signal_gathered``)."""
+        if first:
+            end = time.monotonic() + self.settings.batch_window
             if batch.deadline is not None:
-                remaining = min(remaining, batch.deadline - time.monotonic())
-            if remaining <= 0:
-                return
-            self._arrived.wait(remaining)
+                end = min(end, batch.deadline)
+            waiter.acquire(True, max(0.0, end - time.monotonic()))
+            with self._lock:
+                if self._batches.get(key) is batch:  # no sibling sends it: send what arrived
+                    del self._batches[key]
+                    if waiter in batch.waiters:
+                        batch.waiters.remove(waiter)
+                    return True
+                if batch.done:
+                    return False
+                if waiter not in batch.waiters:  # signalled, but a late sibling sends it
+                    waiter = _allocate_lock()
+                    waiter.acquire()
+                    batch.waiters.append(waiter)
+        waiter.acquire()
+        return False
 
     def _gathered(self, batch: _Batch) -> bool:
         """With the lock held: whether no sibling the batch's round may still get is missing.
@@ -664,6 +696,8 @@ class Client:
         A sibling is awaited only while it has not reached this round yet (its round counter
         for the group is not past it) and is not blocked in another rendezvous.
         """
+        if len(batch.contributions) >= batch.expected:
+            return True
         for ordinal in self._local_ordinals():
             if batch.members is not None and ordinal not in batch.members:
                 continue

@@ -210,6 +210,57 @@ def test_threads_of_one_process_share_one_rpc_per_round(coordinator):
     assert calls == [[0, 1]] * 5
 
 
+def test_a_thread_whose_sibling_is_in_another_round_arrives_at_once(coordinator):
+    """The first thread at a full-world round waits for its sibling only until the sibling
+    enters a subset round instead: then it sends its own arrival at once, so the coordinator
+    knows who is really missing (not after the 30 s batch window)."""
+    clients, calls = [], []
+    for task in range(2):
+        env = simulated_env(address=coordinator.address, accelerator="v3-8", task=task, processes=2, hosts=1, threads=2)
+        client = pr.Client(pr.Settings(address=coordinator.address, timeout=20, batch_window=30),
+                           pr.detect_topology(env, address=coordinator.address))
+        original = client._send_round
+
+        def counting(replicas, group, round_number, batch, original=original, task=task):
+            calls.append((task, list(group), sorted(batch.contributions)))
+            return original(replicas, group, round_number, batch)
+
+        client._send_round = counting  # observation only: the real RPC still goes out
+        clients.append(client)
+    results, seen = {}, []
+    bound = threading.Barrier(4)
+
+    def thread_main(client, index):
+        binding = client.bind_thread(index)
+        bound.wait(30)
+        try:
+            if binding.ordinal == 1:  # once its sibling waits in the full-world round
+                time.sleep(0.3)
+            if binding.ordinal == 3:  # while ordinal 1 waits for it in their pair round
+                time.sleep(1.5)
+                (job,) = client.status().jobs
+                seen.extend((list(r.replicas), list(r.arrived)) for r in job.pending_rounds)
+            if index == 1:
+                results[(binding.ordinal, "pair")] = client.rendezvous(binding, "pair", b"p", [1, 3])
+            results[(binding.ordinal, "all")] = client.rendezvous(binding, "all", b"%d" % binding.ordinal)
+        finally:
+            client.unbind_thread()
+
+    threads = [threading.Thread(target=thread_main, args=(c, i)) for c in clients for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for client in clients:
+        client.close()
+    assert results == {
+        (1, "pair"): [b"p", b"p"], (3, "pair"): [b"p", b"p"], **{(o, "all"): [b"0", b"1", b"2", b"3"] for o in range(4)}
+    }
+    # Ordinal 2 still waits (for up to the batch window) for its sibling 3, which is in no round.
+    assert sorted(seen) == [([], [0]), ([1, 3], [1])]
+    assert (0, [], [0]) in calls and (0, [], [1]) in calls
+
+
 def test_serve_cli_health_reflection_and_status():
     """`pjrt-rendezvous serve --port 0` prints its port, answers health and reflection, and `status` reads it."""
     server = subprocess.Popen(
