@@ -24,6 +24,7 @@ import asyncio
 import itertools
 import logging
 import queue
+import select
 import socket
 import struct
 import threading
@@ -90,15 +91,17 @@ _READER_JOIN = 5.0  # seconds close() waits for the session's reader thread
 
 
 class _Pending:
-    __slots__ = ("done", "response", "error")
+    __slots__ = ("done", "response", "error", "woken")
 
     def __init__(self) -> None:
         # Held until the answer (or the error) is in: one release wakes the caller, cheaper
-        # than an Event. Released exactly once, by whoever pops the call from ``_pending``.
+        # than an Event. Released by whoever pops the call from ``_pending`` (a SocketSession
+        # also releases it to make the caller read: ``woken`` says it is released).
         self.done = _allocate_lock()
         self.done.acquire()
         self.response: pb.SessionAnswer | None = None
         self.error: grpc.RpcError | None = None
+        self.woken = False
 
 
 class Session:
@@ -107,24 +110,26 @@ class Session:
     def __init__(self, stub, metadata) -> None:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._responses = stub.Session(self._requests(), metadata=metadata)
-        self._start()
+        self._init_calls()
+        self._reader = threading.Thread(target=self._read, name="pjrt-rendezvous-session", daemon=True)
+        self._reader.start()
 
-    def _start(self) -> None:
+    def _init_calls(self) -> None:
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
         self.broken: grpc.RpcError | None = None
         self.heard = time.monotonic()  # when the last answer came
-        self._reader = threading.Thread(target=self._read, name="pjrt-rendezvous-session", daemon=True)
-        self._reader.start()
 
     # -- transport: gRPC (SocketSession overrides these) --------------------------------------
 
     def _send(self, call: pb.SessionCall) -> None:
         self._outbox.put(call)
 
-    def _answers(self):
-        return self._responses
+    def _wait(self, pending: _Pending, timeout: float) -> bool:
+        """Until ``pending`` is answered or failed (True) or ``timeout`` seconds pass (False;
+        -1: no limit). The reader thread hands each answer to its caller."""
+        return pending.done.acquire(True, timeout)
 
     def _finished(self) -> None:
         self._outbox.put(None)  # lets gRPC's sending thread finish
@@ -133,13 +138,9 @@ class Session:
         """Ends the stream from this side (calls still waiting fail)."""
         self._outbox.put(None)
         self._responses.cancel()
-        self._join_reader()
-        self._responses = None  # the call is finalized now, while gRPC's threads run (see _read)
-
-    def _join_reader(self) -> None:
-        """Waits briefly for the reader thread to see the end of the stream."""
-        if threading.current_thread() is not self._reader:
+        if threading.current_thread() is not self._reader:  # it sees the end of the stream
             self._reader.join(_READER_JOIN)
+        self._responses = None  # the call is finalized now, while gRPC's threads run (see _read)
 
     def retire(self) -> None:
         """Ends the stream once the calls on it are answered; a later call fails with
@@ -168,7 +169,7 @@ class Session:
 
     def _read(self) -> None:
         try:
-            for response in self._answers():
+            for response in self._responses:
                 self.heard = time.monotonic()
                 with self._lock:
                     answered = [(self._pending.pop(a.id, None), a) for a in response.answers]
@@ -226,7 +227,7 @@ class Session:
         try:
             while True:
                 wake = [t for t in (end, None if progress is None else started + interval * (reports + 1)) if t is not None]
-                if pending.done.acquire(True, -1 if not wake else max(0.0, min(wake) - time.monotonic())):
+                if self._wait(pending, -1 if not wake else max(0.0, min(wake) - time.monotonic())):
                     break
                 now = time.monotonic()
                 if end is not None and now >= end:
@@ -255,17 +256,21 @@ FRAME = struct.Struct(">I")  # the length of the serialized message that follows
 PING_EVERY = 10.0  # seconds without an answer before a SocketSession pings
 PING_TIMEOUT = 5.0
 _PING = pb.SessionRequest()  # any message: a ping's request is empty
+_RECEIVE = 1 << 16  # bytes a SocketSession asks of its socket at a time
 
 
-def read_frames(stream):
-    """The messages of a length-prefixed byte stream (a buffered file: ``read(n)`` returns
-    fewer than n bytes only at the end); ends quietly at a clean end between messages."""
-    while head := stream.read(FRAME.size):
-        size = FRAME.unpack(head)[0] if len(head) == FRAME.size else -1
-        message = stream.read(size) if size >= 0 else b""
-        if size < 0 or len(message) < size:
-            raise EOFError("the stream ended inside a message")
-        yield message
+def take_frames(buffer: bytearray) -> list[bytes]:
+    """Removes the complete messages at the start of a length-prefixed byte ``buffer`` and
+    returns them; the start of an incomplete one stays for the bytes still to come."""
+    messages, start = [], 0
+    while len(buffer) - start >= FRAME.size:
+        end = start + FRAME.size + FRAME.unpack_from(buffer, start)[0]
+        if len(buffer) < end:
+            break
+        messages.append(bytes(buffer[start + FRAME.size : end]))
+        start = end
+    del buffer[:start]
+    return messages
 
 
 def frame(message: bytes) -> bytes:
@@ -276,16 +281,23 @@ class SocketSession(Session):
     """The same calls and answers as length-prefixed messages on a stream socket: to the
     coordinator's session port (:meth:`tcp`) or to the host's relay (:meth:`local`).
 
-    The calling thread writes its own message and one reader thread takes the answers: gRPC's
-    stream costs each message two hand-offs between threads and HTTP/2 framing, which at
-    one message per round and process is most of a process's CPU (``bench/``).
+    The calling thread writes its own message, and the callers waiting for answers take
+    turns reading the socket: the one holding ``_reading`` reads for all and hands each
+    answer to its caller (and its turn to another waiting caller when its own answer is in).
+    gRPC's stream costs each message two hand-offs between threads and HTTP/2 framing, and
+    a reader thread would cost one more wake per answer: at one message per round and
+    process, that is most of a process's CPU (``bench/``).
     """
 
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self._socket = sock
         self._peer = peer
         self._send_lock = threading.Lock()
-        self._start()
+        self._init_calls()
+        self._reading = threading.Lock()  # held by the caller reading answers for all
+        self._buffer = bytearray()  # received bytes not yet taken as messages
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN)
         threading.Thread(target=self._keepalive, name="pjrt-rendezvous-keepalive", daemon=True).start()
 
     def _keepalive(self) -> None:
@@ -342,27 +354,96 @@ class SocketSession(Session):
     def _send(self, call: pb.SessionCall) -> None:
         self._write(pb.SessionRequest(calls=[call]))
 
-    def _answers(self):
-        try:
-            for message in read_frames(self._socket.makefile("rb")):
-                response = pb.SessionResponse.FromString(message)
-                if response.answers and response.answers[0].id == 0:  # the end, with its status
-                    answer = response.answers[0]
-                    raise StatusError(_CODES.get(answer.code, grpc.StatusCode.UNKNOWN), answer.message)
-                yield response
-        except (OSError, EOFError) as exc:
-            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"{self._peer} went away: {exc}") from exc
-        raise StatusError(grpc.StatusCode.UNAVAILABLE, f"{self._peer} closed the connection")
+    # -- reading, by the waiting callers in turn ------------------------------------------------
 
-    def _finished(self) -> None:
+    def _wait(self, pending: _Pending, timeout: float) -> bool:
+        end = None if timeout < 0 else time.monotonic() + timeout
+        while pending.response is None and pending.error is None:
+            if self._reading.acquire(False):
+                try:
+                    self._read_until(pending, end)
+                finally:
+                    self._reading.release()
+                    self._hand_over()
+                return pending.response is not None or pending.error is not None
+            # Another caller reads: it hands over our answer, or its turn when it has its own.
+            if not pending.done.acquire(True, -1 if end is None else max(0.0, end - time.monotonic())):
+                return False
+            with self._lock:
+                pending.woken = False
+        return True
+
+    def _wake(self, pending: _Pending) -> None:
+        """With ``_lock`` held: releases the caller of ``pending`` unless it is released already."""
+        if not pending.woken:
+            pending.woken = True
+            pending.done.release()
+
+    def _hand_over(self) -> None:
+        """After a reader's turn: a caller still waiting for its answer reads next."""
+        with self._lock:
+            for pending in self._pending.values():
+                if not pending.woken:
+                    self._wake(pending)
+                    return
+
+    def _read_until(self, pending: _Pending, end: float | None) -> None:
+        """Reads answers, handing each to its caller, until ``pending``'s is in, the session
+        breaks, or ``end`` passes."""
+        while True:
+            for message in take_frames(self._buffer):
+                self._dispatch(message)
+            if pending.response is not None or pending.error is not None:
+                return
+            if end is not None and not self._poll.poll(max(0.0, end - time.monotonic()) * 1000):
+                return
+            try:
+                data = self._socket.recv(_RECEIVE)
+            except OSError as exc:
+                return self._break(StatusError(grpc.StatusCode.UNAVAILABLE, f"{self._peer} went away: {exc}"))
+            if not data:
+                return self._break(StatusError(grpc.StatusCode.UNAVAILABLE, f"{self._peer} closed the connection"))
+            self._buffer += data
+
+    def _dispatch(self, message: bytes) -> None:
+        try:
+            response = pb.SessionResponse.FromString(message)
+        except DecodeError as exc:
+            return self._break(StatusError(grpc.StatusCode.UNAVAILABLE, f"{self._peer} sent a malformed answer: {exc}"))
+        if response.answers and response.answers[0].id == 0:  # the end, with its status
+            answer = response.answers[0]
+            return self._break(StatusError(_CODES.get(answer.code, grpc.StatusCode.UNKNOWN), answer.message))
+        self.heard = time.monotonic()
+        with self._lock:
+            for answer in response.answers:
+                pending = self._pending.pop(answer.id, None)
+                if pending is not None:  # else the caller gave up on it
+                    pending.response = answer
+                    self._wake(pending)
+
+    def _break(self, error: grpc.RpcError) -> None:
+        """The connection is over: every waiting call fails with ``error``, later ones with
+        the first error."""
+        with self._lock:
+            if self.broken is None:
+                self.broken = error
+            pending_calls = list(self._pending.values())
+            self._pending.clear()
+            for pending in pending_calls:
+                pending.error = error
+                self._wake(pending)
         self._socket.close()
 
     def close(self) -> None:
         try:
-            self._socket.shutdown(socket.SHUT_RDWR)  # the reader sees the end and fails what waits
+            self._socket.shutdown(socket.SHUT_RDWR)  # a reading caller sees the end
         except OSError:
             pass
-        self._join_reader()
+        if self._reading.acquire(False):  # no caller reads: fail what waits here
+            try:
+                self._break(StatusError(grpc.StatusCode.UNAVAILABLE, f"the session with {self._peer} was closed"))
+            finally:
+                self._reading.release()
 
 
 # -- serving (the coordinator's Session, and a host relay's) ---------------------------------
@@ -488,18 +569,10 @@ class FramedSession(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
-        buffer = self._buffer
-        buffer += data
-        start = 0
-        while len(buffer) - start >= FRAME.size:
-            end = start + FRAME.size + FRAME.unpack_from(buffer, start)[0]
-            if len(buffer) < end:
-                break
-            message = bytes(buffer[start + FRAME.size : end])
-            start = end
+        self._buffer += data
+        for message in take_frames(self._buffer):
             if not self._message(message):
                 return
-        del buffer[:start]
 
     def _message(self, message: bytes) -> bool:
         if self._hello is not None:

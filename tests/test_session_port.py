@@ -13,7 +13,7 @@ from test_cli import Serve
 from test_fanin import make_clients, run_threads
 
 import pjrt_rendezvous.client as pr
-from pjrt_rendezvous.client._session import Session, SocketSession, frame, read_frames
+from pjrt_rendezvous.client._session import Session, SocketSession, frame, take_frames
 from pjrt_rendezvous.coordinator import Coordinator
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
@@ -45,7 +45,7 @@ def assert_round_on(clients, tag: str, session_type: type) -> None:
 def refusal(sock: socket.socket) -> pb.SessionAnswer:
     """The one message the coordinator sends before it closes a refused connection."""
     sock.settimeout(10)
-    (message,) = list(read_frames(sock.makefile("rb")))
+    (message,) = take_frames(bytearray(sock.makefile("rb").read()))  # then it closes
     (answer,) = pb.SessionResponse.FromString(message).answers
     assert answer.id == 0
     return answer
