@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import socket
+import threading
 import time
 
 import grpc
@@ -169,3 +170,43 @@ def test_closing_a_grpc_session_frees_its_call_at_once():
         finally:
             if enabled:
                 gc.enable()
+
+
+def test_callers_sharing_a_socket_session_take_turns_reading_and_each_gets_its_own_answer():
+    """Twelve threads wait on one connection for keys set in random order, and three give up
+    early (while perhaps the one reading for all): every answer reaches its own caller,
+    whoever read it, and nobody is left waiting."""
+    with Coordinator(port=0) as coordinator:
+        (client,) = make_clients(coordinator.address, fan_in="off")[:1]
+        client.bind_thread(0)  # registers the job
+        session = SocketSession.tcp("127.0.0.1", coordinator.session_port, "", 5.0)
+        job = client.settings.job
+        keys = [f"k{i}" for i in range(12)]
+        quitters = {2, 5, 9}  # never set: their short transport deadline passes
+        results: dict[int, object] = {}
+
+        def wait_for(i: int) -> None:
+            request = pb.KvGetRequest(job=job, keys=[keys[i]], wait=True)
+            try:
+                answer = session.call("KvGet", request, 0.3 if i in quitters else 20.0)
+                results[i] = pb.KvGetResponse.FromString(answer).values[0].value
+            except grpc.RpcError as exc:
+                results[i] = exc.code()
+
+        threads = [threading.Thread(target=wait_for, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # the quitters' turn to read, if they had it, ended meanwhile
+        for i in random.sample([i for i in range(12) if i not in quitters], 9):
+            client.set(keys[i], b"v%d" % i)
+            time.sleep(random.random() * 0.02)
+        end = time.monotonic() + 5  # without a hand-over of the reading, only a ping after 10 s reads
+        for t in threads:
+            t.join(max(0.0, end - time.monotonic()))
+        assert not any(t.is_alive() for t in threads)
+        assert results == {i: grpc.StatusCode.DEADLINE_EXCEEDED if i in quitters else b"v%d" % i for i in range(12)}
+        session.close()
+        with pytest.raises(grpc.RpcError) as closed:
+            session.call("KvGet", pb.KvGetRequest(job=job, keys=["k0"]), 5.0)
+        assert closed.value.code() == grpc.StatusCode.UNAVAILABLE
+        client.close()
