@@ -61,9 +61,9 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
-_RESPONSES = {
-    m.name: getattr(pb, m.output_type.name) for m in pb.DESCRIPTOR.services_by_name["Coordinator"].methods
-}
+_METHODS = pb.DESCRIPTOR.services_by_name["Coordinator"].methods
+_RESPONSES = {m.name: getattr(pb, m.output_type.name) for m in _METHODS}
+_TIMED = {m.name for m in _METHODS if "timeout" in m.input_type.fields_by_name}  # requests with a timeout
 
 _RELAY_RETRY = 5.0  # seconds: after the host's relay failed, call the coordinator directly this long
 # The coordinator's session port: how long to try connecting; how long to use gRPC's stream
@@ -209,6 +209,13 @@ class Client:
         """
         if self._closed:
             raise UsageError("this client was closed; call init() again")
+        attempt = (method, request, deadline, waits, progress, relay)
+        try:
+            return self._attempt(*attempt)  # the common case, without building a Retrying
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise from_rpc_error(exc, address=self.settings.address, method=method) from exc
+            log.debug("%s to %s failed (%s); retrying", method, self.settings.address, exc)
         # The retry budget counts from the start of the current outage, not of the call: a
         # round that waited ten minutes and then lost its coordinator still gets the full
         # connect_timeout to find it again. An attempt that lasted longer than the backoff
@@ -226,33 +233,6 @@ class Client:
                 return True
             return now - outage["since"] >= self.settings.connect_timeout
 
-        response_class = _RESPONSES[method]
-
-        def attempt():
-            if deadline is not None and "timeout" in request.DESCRIPTOR.fields_by_name and request.HasField("timeout"):
-                # A resend (after a coordinator restart) asks only for what is left.
-                request.timeout = max(1e-3, deadline - time.monotonic())
-            transport = None
-            if deadline is not None:
-                transport = max(0.0, deadline - time.monotonic()) + (_TRANSPORT_GRACE if waits else 0)
-            elif not waits:
-                transport = max(self.settings.connect_timeout, 30.0)
-            interval = self.settings.progress_interval
-            session = self._session(relay=relay)
-            try:
-                answer = session.call(method, request, transport, progress if interval is not None else None, interval)
-            except grpc.RpcError as exc:
-                if session is self._relay_session and exc.code() == grpc.StatusCode.UNAVAILABLE:
-                    self._relay_failed(exc)
-                raise
-            return response_class.FromString(answer)
-
-        try:
-            return attempt()  # the common case, without building a Retrying
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                raise from_rpc_error(exc, address=self.settings.address, method=method) from exc
-            log.debug("%s to %s failed (%s); retrying", method, self.settings.address, exc)
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(
                 lambda e: isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNAVAILABLE
@@ -266,9 +246,29 @@ class Client:
             ),
         )
         try:
-            return retrying(attempt)
+            return retrying(self._attempt, *attempt)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, address=self.settings.address, method=method) from exc
+
+    def _attempt(self, method: str, request, deadline: float | None, waits: bool, progress, relay: bool):
+        """One try of :meth:`_call`: the parsed response, or the call's ``grpc.RpcError``."""
+        if deadline is not None and method in _TIMED and request.HasField("timeout"):
+            # A resend (after a coordinator restart) asks only for what is left.
+            request.timeout = max(1e-3, deadline - time.monotonic())
+        transport = None
+        if deadline is not None:
+            transport = max(0.0, deadline - time.monotonic()) + (_TRANSPORT_GRACE if waits else 0)
+        elif not waits:
+            transport = max(self.settings.connect_timeout, 30.0)
+        interval = self.settings.progress_interval
+        session = self._session(relay=relay)
+        try:
+            answer = session.call(method, request, transport, progress if interval is not None else None, interval)
+        except grpc.RpcError as exc:
+            if session is self._relay_session and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self._relay_failed(exc)
+            raise
+        return _RESPONSES[method].FromString(answer)
 
     def _session(self, *, relay: bool = False) -> Session:
         """The open session to the coordinator, or with ``relay`` to the host's relay when
@@ -595,18 +595,22 @@ class Client:
     ) -> list[bytes]:
         """One rendezvous round for the ordinal of ``binding``; see the module-level
         :func:`pjrt_rendezvous.client.rendezvous` for the contract."""
-        payload = _payload_bytes(payload)
+        if type(payload) is not bytes:
+            payload = _payload_bytes(payload)
         if not isinstance(tag, str):
             raise TypeError(f"tag must be str, got {type(tag).__name__}")
-        replicas = list(replicas)
+        replicas = list(replicas) if replicas else []
         if any(isinstance(r, bool) or not isinstance(r, int) for r in replicas):
             raise TypeError(f"replicas must be ints, got {replicas!r}")
         deadline = self._deadline(timeout)
         world = binding.world_size
         if world == 1 and (not replicas or replicas == [binding.ordinal]):
             return [payload]
-        members = sorted(set(replicas))
-        group = ALL if not replicas or members == list(range(world)) else tuple(members)
+        group = ALL
+        if replicas:
+            members = sorted(set(replicas))
+            if members != list(range(world)):
+                group = tuple(members)
         ordinal = binding.ordinal
         contribution = pb.Contribution(ordinal=ordinal, tag=tag, payload=payload)
 

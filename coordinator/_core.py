@@ -684,22 +684,22 @@ class Core:
                 f"job {job!r} moved from generation {generation} to {state.generation} "
                 f"({self._generation_reason(state)}); rounds of the old generation are void",
             )
-        world = state.world_size
-        assert world is not None  # a registered process fixed it
+        assert state.world_size is not None  # a registered process fixed it
         if round_number < 0:
             raise CoreError(Code.INVALID_ARGUMENT, f"round number must be >= 0, got {round_number}")
         if not contributions:
             raise CoreError(Code.INVALID_ARGUMENT, "a rendezvous call needs at least one contribution")
-        ordinals = [c.ordinal for c in contributions]
-        if len(set(ordinals)) != len(ordinals):
-            raise CoreError(
-                Code.INVALID_ARGUMENT, f"ordinals {format_ranges(ordinals)} contribute twice in one call"
-            )
-        relayed = {c.incarnation for c in contributions} - {"", incarnation}
-        for other in sorted(relayed):  # a relay speaks for live, registered processes only
-            self._process(state, other, now)
+        # One pass over the call (thousands of contributions per call with host fan-in).
         owners, max_tag, max_payload = state.members, self.limits.max_tag_length, self.limits.max_payload_bytes
+        ordinals = []
+        relayed = {incarnation}
+        first_tag = contributions[0].tag
+        mixed_tags = False
         for c in contributions:
+            ordinals.append(c.ordinal)
+            if c.incarnation and c.incarnation not in relayed:
+                self._process(state, c.incarnation, now)  # a relay speaks for live, registered processes only
+                relayed.add(c.incarnation)
             member = owners.get(c.ordinal)
             if member is None or member.incarnation != (c.incarnation or incarnation):
                 owner = "not registered" if member is None else (
@@ -724,41 +724,15 @@ class Core:
                     f"payload of ordinal {c.ordinal} is {len(c.payload)} bytes, over the limit of "
                     f"{max_payload} bytes (max_payload_bytes)",
                 )
-        out_of_range = [o for o in replicas if not 0 <= o < world]
-        if out_of_range:
+            if c.tag != first_tag:
+                mixed_tags = True
+        if len(ordinals) > 1 and len(set(ordinals)) != len(ordinals):
             raise CoreError(
-                Code.INVALID_ARGUMENT,
-                f"replicas {sorted(out_of_range)} are out of range [0, {world}) for job {job!r} "
-                f"(called by {_ordinals_word(ordinals)} with tag {contributions[0].tag!r})",
+                Code.INVALID_ARGUMENT, f"ordinals {format_ranges(ordinals)} contribute twice in one call"
             )
-        members = sorted(set(replicas))
-        group: GroupKey = ALL if not replicas or len(members) == world else tuple(members)
-
-        problem = None
-        if len(members) != len(replicas):
-            dupes = sorted(o for o, n in collections.Counter(replicas).items() if n > 1)
-            problem = CoreError(
-                Code.INVALID_ARGUMENT,
-                f"{_ordinals_word(ordinals)} called rendezvous({contributions[0].tag!r}) with "
-                f"replicas listing {_ordinals_word(dupes)} more than once",
-            )
-        else:
-            outsiders = [o for o in ordinals if replicas and o not in set(members)]
-            if outsiders:
-                problem = CoreError(
-                    Code.INVALID_ARGUMENT,
-                    f"{_ordinals_word(outsiders)} called rendezvous({contributions[0].tag!r}) with "
-                    f"{describe_group(group)} but {'is' if len(outsiders) == 1 else 'are'} not "
-                    "among them",
-                )
-        if problem is not None:
-            # Fail the round the callers' peers are on (or are about to start), so they learn
-            # of the mistake at once instead of waiting for a caller that will never come.
-            target = self._current_round(state, group, now)
-            if not target.finished:
-                self._fail(state, target, problem)
-            raise problem
-
+        group: GroupKey = ALL
+        if replicas:
+            group = self._replicas_group(state, replicas, ordinals, contributions[0].tag, now)
         rnd = self._round(state, group, round_number, now)
         for c in contributions:
             if rnd.result is not None:
@@ -789,10 +763,10 @@ class Core:
         if deadline is not None and (rnd.deadline is None or deadline < rnd.deadline):
             rnd.deadline = deadline
 
-        tags: dict[str, list[int]] = collections.defaultdict(list)
-        if any(c.tag != tag for c in contributions):
+        tags: dict[str, list[int]] = {}
+        if mixed_tags or contributions[0].tag != tag:
             for c in rnd.arrivals.values():
-                tags[c.tag].append(c.ordinal)
+                tags.setdefault(c.tag, []).append(c.ordinal)
         if len(tags) > 1:
             described = "; ".join(
                 f"{_ordinals_word(o)} called rendezvous({t!r})"
@@ -816,6 +790,43 @@ class Core:
         elif len(state.pending) > 1:
             self._fail_if_deadlocked(state, rnd)
         return rnd.key
+
+    def _replicas_group(self, state: Job, replicas: Sequence[int], ordinals: list[int], tag: str, now: float) -> GroupKey:
+        """The group a replicas list names; a malformed list fails the round the callers'
+        peers are on (or are about to start), so they learn of the mistake at once instead
+        of waiting for a caller that will never come."""
+        world = state.world_size
+        out_of_range = [o for o in replicas if not 0 <= o < world]
+        if out_of_range:
+            raise CoreError(
+                Code.INVALID_ARGUMENT,
+                f"replicas {sorted(out_of_range)} are out of range [0, {world}) for job {state.name!r} "
+                f"(called by {_ordinals_word(ordinals)} with tag {tag!r})",
+            )
+        members = sorted(set(replicas))
+        group: GroupKey = ALL if len(members) == world else tuple(members)
+        if len(members) != len(replicas):
+            dupes = sorted(o for o, n in collections.Counter(replicas).items() if n > 1)
+            problem = CoreError(
+                Code.INVALID_ARGUMENT,
+                f"{_ordinals_word(ordinals)} called rendezvous({tag!r}) with "
+                f"replicas listing {_ordinals_word(dupes)} more than once",
+            )
+        else:
+            member_set = set(members)
+            outsiders = [o for o in ordinals if o not in member_set]
+            if not outsiders:
+                return group
+            problem = CoreError(
+                Code.INVALID_ARGUMENT,
+                f"{_ordinals_word(outsiders)} called rendezvous({tag!r}) with "
+                f"{describe_group(group)} but {'is' if len(outsiders) == 1 else 'are'} not "
+                "among them",
+            )
+        target = self._current_round(state, group, now)
+        if not target.finished:
+            self._fail(state, target, problem)
+        raise problem
 
     def outcome(self, job_name: str, key: RoundKey) -> Round | None:
         """The round if it has finished (``result`` or ``error`` set), else None."""
@@ -1027,7 +1038,7 @@ class Core:
 
     @staticmethod
     def _dead_members(job: Job, rnd: Round) -> list[int]:
-        return sorted(o for o in job.dead if rnd.has_member(o))
+        return sorted(o for o in job.dead if rnd.has_member(o)) if job.dead else []
 
     def _death_error(self, job: Job, rnd: Round, dead: list[int]) -> CoreError:
         gone = [p for p in job.processes.values() if not p.alive and p.ordinals & set(dead)]
