@@ -349,7 +349,9 @@ class SocketSession(Session):
             with self._send_lock:
                 self._socket.sendall(data)
         except OSError as exc:
-            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"{self._peer} went away: {exc}") from exc
+            error = StatusError(grpc.StatusCode.UNAVAILABLE, f"{self._peer} went away: {exc}")
+            self._break(error)  # the next call opens a new session
+            raise error from exc
 
     def _send(self, call: pb.SessionCall) -> None:
         self._write(pb.SessionRequest(calls=[call]))
@@ -432,11 +434,15 @@ class SocketSession(Session):
             for pending in pending_calls:
                 pending.error = error
                 self._wake(pending)
+        try:
+            self._socket.shutdown(socket.SHUT_RDWR)  # a caller reading sees the end at once
+        except OSError:
+            pass
         self._socket.close()
 
     def close(self) -> None:
         try:
-            self._socket.shutdown(socket.SHUT_RDWR)  # a reading caller sees the end
+            self._socket.shutdown(socket.SHUT_RDWR)  # a caller reading sees the end
         except OSError:
             pass
         if self._reading.acquire(False):  # no caller reads: fail what waits here
@@ -537,11 +543,57 @@ async def serve_session(requests, context, run: Callable[[pb.SessionCall], Await
             writer.cancel()
 
 
+class _Call:
+    """A call's coroutine run without a Task: at once, on the stack of the message that
+    brought it, then each time the future it awaits is done. Most calls finish without
+    waiting (a round's last arrival, key-value calls), and a Task would cost each of them a
+    trip through the event loop's queue before it starts (``FramedSession``)."""
+
+    __slots__ = ("_coroutine", "_awaiting", "_done")
+
+    def __init__(self, coroutine) -> None:
+        self._coroutine = coroutine
+        self._awaiting: asyncio.Future | None = None
+        self._done = False
+
+    def start(self) -> None:
+        self._step()
+
+    def _step(self, _future=None, error: BaseException | None = None) -> None:
+        self._awaiting = None
+        try:
+            if error is None:
+                awaited = self._coroutine.send(None)
+            else:
+                awaited = self._coroutine.throw(error)
+        except (StopIteration, asyncio.CancelledError):
+            self._done = True
+            return
+        except Exception:
+            self._done = True
+            log.exception("a session call failed")
+            return
+        if awaited is None:  # a bare yield (asyncio.sleep(0)): go on after what else is ready
+            asyncio.get_running_loop().call_soon(self._step)
+            return
+        awaited._asyncio_future_blocking = False  # what a Task does with what it awaits
+        self._awaiting = awaited
+        awaited.add_done_callback(self._step)
+
+    def cancel(self) -> None:
+        """Raises CancelledError where the coroutine waits, as Task.cancel does."""
+        if self._done:
+            return
+        if self._awaiting is not None:
+            self._awaiting.remove_done_callback(self._step)
+        self._step(error=asyncio.CancelledError())
+
+
 class FramedSession(asyncio.Protocol):
     """The serving end of one :class:`SocketSession` connection (the coordinator's session
-    port, a host's relay): each call runs as a task (``run`` returns its answer as in
-    :func:`_session_response`) and is answered when done, in any order; a ping at once; a
-    cancel stops the call's task. Frames are parsed in ``data_received`` and answers written
+    port, a host's relay): each call starts at once (``run`` returns its answer as in
+    :func:`_session_response`, see :class:`_Call`) and is answered when done, in any order;
+    a ping at once; a cancel stops the call. Frames are parsed in ``data_received`` and answers written
     straight to the transport: no stream reader or writer task per message.
 
     With ``hello``, the first message is a SessionHello that ``hello`` accepts (None) or
@@ -562,7 +614,7 @@ class FramedSession(asyncio.Protocol):
         self._hello = hello
         self._on_close = on_close
         self._buffer = bytearray()
-        self._calls: dict[int, asyncio.Task] = {}
+        self._calls: dict[int, _Call] = {}
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport) -> None:
@@ -589,13 +641,14 @@ class FramedSession(asyncio.Protocol):
             return self._refuse(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         for call in request.calls:
             if call.cancel:
-                task = self._calls.pop(call.id, None)
-                if task is not None:
-                    task.cancel()
+                running = self._calls.pop(call.id, None)
+                if running is not None:
+                    running.cancel()
             elif not call.method:  # a ping
                 self._send(session_answer(call.id))
             elif call.id not in self._calls:
-                self._calls[call.id] = asyncio.get_running_loop().create_task(self._answer(call))
+                running = self._calls[call.id] = _Call(self._answer(call))
+                running.start()  # once listed: a call done at once unlists itself
         return True
 
     async def _answer(self, call: pb.SessionCall) -> None:
@@ -620,8 +673,8 @@ class FramedSession(asyncio.Protocol):
         return False
 
     def connection_lost(self, exc) -> None:
-        for task in self._calls.values():
-            task.cancel()
+        for running in list(self._calls.values()):
+            running.cancel()
         self._calls.clear()
         if self._on_close is not None:
             self._on_close(self)

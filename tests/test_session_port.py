@@ -210,3 +210,16 @@ def test_callers_sharing_a_socket_session_take_turns_reading_and_each_gets_its_o
             session.call("KvGet", pb.KvGetRequest(job=job, keys=["k0"]), 5.0)
         assert closed.value.code() == grpc.StatusCode.UNAVAILABLE
         client.close()
+
+
+def test_a_session_whose_peer_is_gone_is_broken_for_good_so_the_next_call_opens_a_new_one():
+    """With no reader thread, a failed send must itself mark the session broken: the client
+    opens a new session only for a broken one (a dead one kept would fail every call)."""
+    ours, theirs = socket.socketpair()
+    session = SocketSession(ours, "a test peer")
+    theirs.close()
+    for _ in range(2):
+        with pytest.raises(grpc.RpcError) as failed:
+            session.call("Heartbeat", pb.HeartbeatRequest(job="j"), 5.0)
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert session.broken is not None
