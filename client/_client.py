@@ -702,7 +702,7 @@ class Client:
         """
         if len(batch.contributions) >= batch.expected:
             return True
-        for ordinal in self._local_ordinals():
+        for ordinal in self._local_ordinals() - batch.contributions.keys():
             if batch.members is not None and ordinal not in batch.members:
                 continue
             if self._rounds.get((ordinal, batch.group), 0) > batch.number:

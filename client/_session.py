@@ -366,10 +366,11 @@ class SocketSession(Session):
                     self._read_until(pending, end)
                 finally:
                     self._reading.release()
-                    self._hand_over()
+                    self._hand_over(pending)
                 return pending.response is not None or pending.error is not None
             # Another caller reads: it hands over our answer, or its turn when it has its own.
             if not pending.done.acquire(True, -1 if end is None else max(0.0, end - time.monotonic())):
+                self._hand_over(pending)  # a turn handed to us as we gave up must not be lost
                 return False
             with self._lock:
                 pending.woken = False
@@ -381,11 +382,12 @@ class SocketSession(Session):
             pending.woken = True
             pending.done.release()
 
-    def _hand_over(self) -> None:
-        """After a reader's turn: a caller still waiting for its answer reads next."""
+    def _hand_over(self, leaving: _Pending) -> None:
+        """A caller stops waiting (its answer is in, or its time is up): another caller still
+        waiting for its answer reads next (a spare turn costs that caller one look)."""
         with self._lock:
             for pending in self._pending.values():
-                if not pending.woken:
+                if pending is not leaving and not pending.woken:
                     self._wake(pending)
                     return
 
@@ -393,8 +395,9 @@ class SocketSession(Session):
         """Reads answers, handing each to its caller, until ``pending``'s is in, the session
         breaks, or ``end`` passes."""
         while True:
-            for message in take_frames(self._buffer):
-                self._dispatch(message)
+            if self._buffer:  # received bytes not yet taken as messages (by this or an earlier turn)
+                for message in take_frames(self._buffer):
+                    self._dispatch(message)
             if pending.response is not None or pending.error is not None:
                 return
             if end is not None and not self._poll.poll(max(0.0, end - time.monotonic()) * 1000):

@@ -177,8 +177,10 @@ def test_callers_sharing_a_socket_session_take_turns_reading_and_each_gets_its_o
     early (while perhaps the one reading for all): every answer reaches its own caller,
     whoever read it, and nobody is left waiting."""
     with Coordinator(port=0) as coordinator:
-        (client,) = make_clients(coordinator.address, fan_in="off")[:1]
+        clients = make_clients(coordinator.address, fan_in="off")
+        client = clients[0]
         client.bind_thread(0)  # registers the job
+        client.unbind_thread()  # the ordinal stays registered
         session = SocketSession.tcp("127.0.0.1", coordinator.session_port, "", 5.0)
         job = client.settings.job
         keys = [f"k{i}" for i in range(12)]
@@ -209,7 +211,8 @@ def test_callers_sharing_a_socket_session_take_turns_reading_and_each_gets_its_o
         with pytest.raises(grpc.RpcError) as closed:
             session.call("KvGet", pb.KvGetRequest(job=job, keys=["k0"]), 5.0)
         assert closed.value.code() == grpc.StatusCode.UNAVAILABLE
-        client.close()
+        for c in clients:
+            c.close()
 
 
 def test_a_session_whose_peer_is_gone_is_broken_for_good_so_the_next_call_opens_a_new_one():
