@@ -295,6 +295,7 @@ class SocketSession(Session):
         self._send_lock = threading.Lock()
         self._init_calls()
         self._reading = threading.Lock()  # held by the caller reading answers for all
+        self._parked: set[_Pending] = set()  # callers blocked for their answer, who may read next
         self._buffer = bytearray()  # received bytes not yet taken as messages
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
@@ -351,6 +352,7 @@ class SocketSession(Session):
         except OSError as exc:
             error = StatusError(grpc.StatusCode.UNAVAILABLE, f"{self._peer} went away: {exc}")
             self._break(error)  # the next call opens a new session
+            self._close_unless_read()
             raise error from exc
 
     def _send(self, call: pb.SessionCall) -> None:
@@ -361,19 +363,43 @@ class SocketSession(Session):
     def _wait(self, pending: _Pending, timeout: float) -> bool:
         end = None if timeout < 0 else time.monotonic() + timeout
         while pending.response is None and pending.error is None:
-            if self._reading.acquire(False):
+            if self._take_turn(pending):
                 try:
                     self._read_until(pending, end)
                 finally:
                     self._reading.release()
-                    self._hand_over(pending)
+                    self._hand_over()
                 return pending.response is not None or pending.error is not None
-            # Another caller reads: it hands over our answer, or its turn when it has its own.
-            if not pending.done.acquire(True, -1 if end is None else max(0.0, end - time.monotonic())):
-                self._hand_over(pending)  # a turn handed to us as we gave up must not be lost
-                return False
+            # Parked: the reader hands over our answer, or its turn when it leaves.
+            woke = pending.done.acquire(True, -1 if end is None else max(0.0, end - time.monotonic()))
             with self._lock:
+                self._parked.discard(pending)
+                turn = pending.woken and pending.response is None and pending.error is None
+                if pending.woken:
+                    pending.woken = False
+                    if not woke:  # released as we gave up: held again, as it must be
+                        pending.done.acquire()
+            if not woke:
+                if turn:  # handed to us as we gave up: it must not be lost
+                    self._hand_over()
+                return pending.response is not None or pending.error is not None
+        return True
+
+    def _take_turn(self, pending: _Pending) -> bool:
+        """Whether the caller of ``pending`` reads now (it holds ``_reading``); else it is
+        parked, to be handed the turn by the reader when it leaves."""
+        if self._reading.acquire(False):
+            return True
+        with self._lock:
+            self._parked.add(pending)
+        if not self._reading.acquire(False):
+            return False
+        # The reader left before we were parked, so it handed its turn to nobody: ours.
+        with self._lock:
+            self._parked.discard(pending)
+            if pending.woken:  # an answer or a turn came meanwhile: the lock is held again
                 pending.woken = False
+                pending.done.acquire()
         return True
 
     def _wake(self, pending: _Pending) -> None:
@@ -382,12 +408,12 @@ class SocketSession(Session):
             pending.woken = True
             pending.done.release()
 
-    def _hand_over(self, leaving: _Pending) -> None:
-        """A caller stops waiting (its answer is in, or its time is up): another caller still
-        waiting for its answer reads next (a spare turn costs that caller one look)."""
+    def _hand_over(self) -> None:
+        """A reader left: a parked caller (one blocked waiting for its answer, not one that
+        gave up or is busy elsewhere) reads next."""
         with self._lock:
-            for pending in self._pending.values():
-                if pending is not leaving and not pending.woken:
+            for pending in self._parked:
+                if not pending.woken:
                     self._wake(pending)
                     return
 
@@ -398,6 +424,9 @@ class SocketSession(Session):
             if self._buffer:  # received bytes not yet taken as messages (by this or an earlier turn)
                 for message in take_frames(self._buffer):
                     self._dispatch(message)
+            if self.broken is not None:  # over, here or in another thread: the reader closes
+                self._socket.close()
+                return
             if pending.response is not None or pending.error is not None:
                 return
             if end is not None and not self._poll.poll(max(0.0, end - time.monotonic()) * 1000):
@@ -405,9 +434,10 @@ class SocketSession(Session):
             try:
                 data = self._socket.recv(_RECEIVE)
             except OSError as exc:
-                return self._break(StatusError(grpc.StatusCode.UNAVAILABLE, f"{self._peer} went away: {exc}"))
+                self._break(StatusError(grpc.StatusCode.UNAVAILABLE, f"{self._peer} went away: {exc}"))
+                continue
             if not data:
-                return self._break(StatusError(grpc.StatusCode.UNAVAILABLE, f"{self._peer} closed the connection"))
+                self._break(StatusError(grpc.StatusCode.UNAVAILABLE, f"{self._peer} closed the connection"))
             self._buffer += data
 
     def _dispatch(self, message: bytes) -> None:
@@ -428,7 +458,8 @@ class SocketSession(Session):
 
     def _break(self, error: grpc.RpcError) -> None:
         """The connection is over: every waiting call fails with ``error``, later ones with
-        the first error."""
+        the first error. The socket is shut down, so a caller reading sees the end at once;
+        it is closed by whoever holds ``_reading`` (never under a reader's feet)."""
         with self._lock:
             if self.broken is None:
                 self.broken = error
@@ -438,19 +469,20 @@ class SocketSession(Session):
                 pending.error = error
                 self._wake(pending)
         try:
-            self._socket.shutdown(socket.SHUT_RDWR)  # a caller reading sees the end at once
+            self._socket.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        self._socket.close()
 
     def close(self) -> None:
-        try:
-            self._socket.shutdown(socket.SHUT_RDWR)  # a caller reading sees the end
-        except OSError:
-            pass
-        if self._reading.acquire(False):  # no caller reads: fail what waits here
+        """Ends the session: the calls waiting on it fail with UNAVAILABLE."""
+        self._break(StatusError(grpc.StatusCode.UNAVAILABLE, f"the session with {self._peer} was closed"))
+        self._close_unless_read()
+
+    def _close_unless_read(self) -> None:
+        """Closes the (broken) socket now unless a caller reads it: that one closes it."""
+        if self._reading.acquire(False):
             try:
-                self._break(StatusError(grpc.StatusCode.UNAVAILABLE, f"the session with {self._peer} was closed"))
+                self._socket.close()
             finally:
                 self._reading.release()
 
@@ -556,13 +588,17 @@ class _Call:
 
     def __init__(self, coroutine) -> None:
         self._coroutine = coroutine
-        self._awaiting: asyncio.Future | None = None
+        self._awaiting: object = None  # the future it waits on (or a token for a bare yield)
         self._done = False
 
     def start(self) -> None:
-        self._step()
+        self._resume(None)
 
-    def _step(self, _future=None, error: BaseException | None = None) -> None:
+    def _woken(self, awaited) -> None:
+        if awaited is self._awaiting and not self._done:  # else stale: cancelled meanwhile
+            self._resume(None)
+
+    def _resume(self, error: BaseException | None) -> None:
         self._awaiting = None
         try:
             if error is None:
@@ -577,19 +613,20 @@ class _Call:
             log.exception("a session call failed")
             return
         if awaited is None:  # a bare yield (asyncio.sleep(0)): go on after what else is ready
-            asyncio.get_running_loop().call_soon(self._step)
+            self._awaiting = object()
+            asyncio.get_running_loop().call_soon(self._woken, self._awaiting)
             return
         awaited._asyncio_future_blocking = False  # what a Task does with what it awaits
         self._awaiting = awaited
-        awaited.add_done_callback(self._step)
+        awaited.add_done_callback(self._woken)
 
     def cancel(self) -> None:
         """Raises CancelledError where the coroutine waits, as Task.cancel does."""
         if self._done:
             return
-        if self._awaiting is not None:
-            self._awaiting.remove_done_callback(self._step)
-        self._step(error=asyncio.CancelledError())
+        if isinstance(self._awaiting, asyncio.Future):
+            self._awaiting.remove_done_callback(self._woken)
+        self._resume(asyncio.CancelledError())
 
 
 class FramedSession(asyncio.Protocol):

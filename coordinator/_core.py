@@ -690,13 +690,16 @@ class Core:
         if not contributions:
             raise CoreError(Code.INVALID_ARGUMENT, "a rendezvous call needs at least one contribution")
         # One pass over the call (thousands of contributions per call with host fan-in).
+        ordinals = [c.ordinal for c in contributions]
+        if len(ordinals) > 1 and len(set(ordinals)) != len(ordinals):
+            raise CoreError(
+                Code.INVALID_ARGUMENT, f"ordinals {format_ranges(ordinals)} contribute twice in one call"
+            )
         owners, max_tag, max_payload = state.members, self.limits.max_tag_length, self.limits.max_payload_bytes
-        ordinals = []
         relayed = {incarnation}
         first_tag = contributions[0].tag
         mixed_tags = False
         for c in contributions:
-            ordinals.append(c.ordinal)
             if c.incarnation and c.incarnation not in relayed:
                 self._process(state, c.incarnation, now)  # a relay speaks for live, registered processes only
                 relayed.add(c.incarnation)
@@ -726,10 +729,6 @@ class Core:
                 )
             if c.tag != first_tag:
                 mixed_tags = True
-        if len(ordinals) > 1 and len(set(ordinals)) != len(ordinals):
-            raise CoreError(
-                Code.INVALID_ARGUMENT, f"ordinals {format_ranges(ordinals)} contribute twice in one call"
-            )
         group: GroupKey = ALL
         if replicas:
             group = self._replicas_group(state, replicas, ordinals, contributions[0].tag, now)

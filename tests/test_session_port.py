@@ -3,6 +3,9 @@ TCP (client/_session.py ``SocketSession``, coordinator/_server.py ``_SessionPort
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import random
 import socket
 import threading
@@ -14,7 +17,7 @@ from test_cli import Serve
 from test_fanin import make_clients, run_threads
 
 import pjrt_rendezvous.client as pr
-from pjrt_rendezvous.client._session import Session, SocketSession, frame, take_frames
+from pjrt_rendezvous.client._session import Session, SocketSession, _session_response, frame, session_answer, take_frames
 from pjrt_rendezvous.coordinator import Coordinator
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
@@ -226,3 +229,115 @@ def test_a_session_whose_peer_is_gone_is_broken_for_good_so_the_next_call_opens_
             session.call("Heartbeat", pb.HeartbeatRequest(job="j"), 5.0)
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
         assert session.broken is not None
+
+
+@contextlib.contextmanager
+def caplog_errors():
+    """The error records logged by the client's logger while the block runs."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append
+    logger = logging.getLogger("pjrt_rendezvous.client")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
+class FakePeer:
+    """The far end of a SocketSession on a socket pair: notes each call's id by method and
+    answers when told (a test drives the timing of answers)."""
+
+    def __init__(self) -> None:
+        ours, self._theirs = socket.socketpair()
+        self.session = SocketSession(ours, "a fake peer")
+        self._ids: dict[str, int] = {}
+        self._seen = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        buffer = bytearray()
+        while data := self._theirs.recv(65536):
+            buffer += data
+            for message in take_frames(buffer):
+                with self._seen:
+                    self._ids.update((c.method, c.id) for c in pb.SessionRequest.FromString(message).calls)
+                    self._seen.notify_all()
+
+    def answer(self, method: str) -> None:
+        with self._seen:
+            assert self._seen.wait_for(lambda: method in self._ids, 5), f"no call of {method!r}"
+        self._theirs.sendall(frame(_session_response([session_answer(self._ids[method])])))
+
+
+def test_a_turn_to_read_is_never_handed_to_a_caller_that_is_not_waiting_for_it():
+    """The reader's turn goes only to a caller blocked for its answer: not to one whose
+    progress report is itself making a call on the session (that inner call must be read
+    for), nor to one that just gave up (then the caller after it would wait unread)."""
+    peer = FakePeer()
+    done: dict[str, float] = {}
+    started = time.monotonic()
+
+    def progress(waited: float) -> None:
+        if "inner" not in done:
+            done["inner"] = -1.0
+            peer.session.call("inner", pb.SessionRequest(), 20.0)
+            done["inner"] = time.monotonic() - started
+
+    def call(name: str, timeout: float | None, **kw) -> None:
+        try:
+            peer.session.call(name, pb.SessionRequest(), timeout, **kw)
+            done[name] = time.monotonic() - started
+        except grpc.RpcError as exc:
+            done[name] = exc.code()
+
+    threads = [
+        threading.Thread(target=call, args=("reader", 20.0)),
+        threading.Thread(target=call, args=("quitter", 0.3)),
+        threading.Thread(target=call, args=("outer", 20.0), kwargs=dict(progress=progress, interval=0.3)),
+        threading.Thread(target=call, args=("last", 20.0)),
+    ]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    time.sleep(0.6)  # the quitter gave up; the outer call's progress report waits for "inner"
+    peer.answer("reader")  # the reader leaves: its turn must reach a caller that reads
+    time.sleep(0.2)
+    for name in ("inner", "last", "outer"):
+        peer.answer(name)
+        time.sleep(0.1)
+    for t in threads:
+        t.join(5)  # a turn lost would leave these until the keepalive ping, after 10 s
+    assert done["quitter"] == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert all(isinstance(done[n], float) and 0 < done[n] < 5 for n in ("reader", "inner", "outer", "last")), done
+
+
+def test_a_call_cancelled_as_its_future_completes_is_not_resumed():
+    """A cancel (or a lost connection) in the same loop pass as the future a call waits on
+    completes: the call ends once, cancelled, with no resume of a finished coroutine."""
+    from pjrt_rendezvous.client._session import _Call
+
+    log: list[str] = []
+
+    async def main() -> None:
+        future = asyncio.get_running_loop().create_future()
+
+        async def body():
+            try:
+                return await future
+            except asyncio.CancelledError:
+                log.append("cancelled")
+                raise
+            finally:
+                log.append("cleaned up")
+
+        running = _Call(body())
+        running.start()
+        future.set_result(1)  # its resume is queued...
+        running.cancel()  # ...and the cancel comes first
+        await asyncio.sleep(0.05)
+
+    with caplog_errors() as errors:
+        asyncio.run(main())
+    assert log == ["cancelled", "cleaned up"] and not errors
