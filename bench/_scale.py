@@ -73,6 +73,13 @@ async def _gen_ours(a) -> None:
     from pjrt_rendezvous.client._session import FRAME, frame
     from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
+    if "ordinals" in pb.RendezvousRequest.DESCRIPTOR.fields_by_name:  # the product's own wire form
+        from pjrt_rendezvous.client._wire import set_contribution_rows as _put_rows
+    else:  # an older product (bench/compare.py --before): Contribution messages
+
+        def _put_rows(request, rows) -> None:
+            request.contributions.extend(pb.Contribution(ordinal=o, tag=t, payload=p, incarnation=i) for o, t, p, i in rows)
+
     loop = asyncio.get_running_loop()
     sims = range(a.first, a.first + a.count)
     t_start = time.monotonic()
@@ -169,20 +176,17 @@ async def _gen_ours(a) -> None:
 
     async def rounds(i: int) -> None:
         host = range(i, min(i + SIM_PER_HOST, a.first + a.count)) if fan_in else [i]
-        contributions = [
-            pb.Contribution(ordinal=o, tag="barrier", payload=b"", incarnation=incarnations[p] if fan_in else "")
+        rows = [
+            (o, "barrier", b"", incarnations[p] if fan_in else "")
             for p in host
             for o in range(p * a.T, (p + 1) * a.T)
         ]
         for r in range(a.warmup + a.rounds):
-            request = pb.RendezvousRequest(
-                job=a.job,
-                incarnation=incarnations[i],
-                round=r,
-                contributions=contributions,
-                timeout=TIMEOUT_S,
-                generation=generations[i],
-            ).SerializeToString()
+            message = pb.RendezvousRequest(
+                job=a.job, incarnation=incarnations[i], round=r, timeout=TIMEOUT_S, generation=generations[i]
+            )
+            _put_rows(message, rows)
+            request = message.SerializeToString()
             if timing and i == 0 and r == a.warmup:
                 cpu[0] = cpu_seconds(a.server_pid)
             started = time.perf_counter()

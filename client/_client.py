@@ -33,6 +33,7 @@ from ._errors import (
 from ._relay import Relay, relay_path
 from ._session import Session, SocketSession
 from ._topology import Topology
+from ._wire import set_contribution_rows
 
 log = logging.getLogger("pjrt_rendezvous.client")
 
@@ -129,7 +130,7 @@ class _Batch:
         # Local ordinals the round may get: once all are in, the round is complete at once.
         self.expected = len(local) if self.members is None else len(local & self.members)
         self.generation = generation  # the one its round number belongs to
-        self.contributions: dict[int, pb.Contribution] = {}
+        self.contributions: dict[int, tuple[str, bytes]] = {}  # ordinal -> (tag, payload)
         self.deadline: float | None = None
         # One held lock per thread waiting for the sender, released when the round is done:
         # cheaper to wake than an Event (a Condition and a lock per wait). ``first`` is the
@@ -612,7 +613,6 @@ class Client:
             if members != list(range(world)):
                 group = tuple(members)
         ordinal = binding.ordinal
-        contribution = pb.Contribution(ordinal=ordinal, tag=tag, payload=payload)
 
         with self._lock:
             round_number = self._rounds.get((ordinal, group), 0)
@@ -624,7 +624,7 @@ class Client:
             first = batch is None
             if first:
                 batch = self._batches[key] = _Batch(group, round_number, self._generation, self._local_ordinals())
-            batch.contributions[ordinal] = contribution
+            batch.contributions[ordinal] = (tag, payload)
             if deadline is not None and (batch.deadline is None or deadline < batch.deadline):
                 batch.deadline = deadline
             self._inside[ordinal] = key
@@ -716,12 +716,9 @@ class Client:
 
     def _send_round(self, replicas: list[int], group: tuple[int, ...], round_number: int, batch: _Batch) -> list[bytes]:
         request = pb.RendezvousRequest(
-            job=self.settings.job,
-            incarnation=self.incarnation,
-            replicas=replicas,
-            round=round_number,
-            contributions=[batch.contributions[o] for o in sorted(batch.contributions)],
+            job=self.settings.job, incarnation=self.incarnation, replicas=replicas, round=round_number
         )
+        set_contribution_rows(request, [(o, tag, payload, "") for o, (tag, payload) in sorted(batch.contributions.items())])
         if batch.deadline is not None:
             request.timeout = max(1e-3, batch.deadline - time.monotonic())
         request.generation = batch.generation

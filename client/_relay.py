@@ -41,6 +41,7 @@ from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
 from ._errors import RemoteError
 from ._session import FramedSession, Malformed, parser, session_answer
+from ._wire import Row, contribution_rows, set_contribution_rows
 
 if TYPE_CHECKING:
     from ._client import Client
@@ -72,6 +73,7 @@ class _HostRound:
     """The calls of the host's processes at one round, until they are sent on."""
 
     requests: list[pb.RendezvousRequest] = dataclasses.field(default_factory=list)
+    rows: list[Row] = dataclasses.field(default_factory=list)  # their contributions, each naming its process
     answers: list[asyncio.Future] = dataclasses.field(default_factory=list)
     arrived: set[int] = dataclasses.field(default_factory=set)
     deadline: float | None = None
@@ -165,21 +167,23 @@ class Relay:
         request = _parse_rendezvous(call.request)
         if isinstance(request, Malformed):
             return session_answer(call.id, grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        if not request.contributions:  # the coordinator refuses it, with its own message
+        try:
+            rows = contribution_rows(request)
+        except ValueError:
+            rows = []
+        if not rows:  # malformed: the coordinator refuses it, with its own message
             return _answer(call.id, await self._loop.run_in_executor(self._senders, self._send_one, request, None))
-        for c in request.contributions:
-            if not c.incarnation:
-                c.incarnation = request.incarnation
         heard.add(request.incarnation)
-        self._tasks[request.incarnation] = request.contributions[0].ordinal // self._devices
+        self._tasks[request.incarnation] = rows[0][0] // self._devices
         key = (request.job, request.generation, tuple(request.replicas), request.round)
         host_round = self._rounds.get(key)
         if host_round is None:
             host_round = self._rounds[key] = _HostRound()
         answer = self._loop.create_future()
         host_round.requests.append(request)
+        host_round.rows += ((o, tag, payload, incarnation or request.incarnation) for o, tag, payload, incarnation in rows)
         host_round.answers.append(answer)
-        host_round.arrived.update(c.ordinal for c in request.contributions)
+        host_round.arrived.update(row[0] for row in rows)
         if request.HasField("timeout"):
             deadline = time.monotonic() + request.timeout
             host_round.deadline = deadline if host_round.deadline is None else min(host_round.deadline, deadline)
@@ -207,14 +211,15 @@ class Relay:
                     answer.set_result(outcome)
 
         try:
-            sent = self._loop.run_in_executor(self._senders, self._send, host_round.requests, host_round.deadline)
+            sent = self._loop.run_in_executor(self._senders, self._send, host_round, host_round.deadline)
         except RuntimeError as exc:  # closing
             hand_out([exc] * len(host_round.answers))
             return
         sent.add_done_callback(lambda done: hand_out(done.result()))
 
-    def _send(self, requests: list[pb.RendezvousRequest], deadline: float | None) -> list:
+    def _send(self, host_round: _HostRound, deadline: float | None) -> list:
         """In a sender thread: one call for every request; each one's outcome."""
+        requests = host_round.requests
         first = requests[0]
         combined = pb.RendezvousRequest(
             job=first.job,
@@ -222,8 +227,8 @@ class Relay:
             replicas=first.replicas,
             round=first.round,
             generation=first.generation,
-            contributions=[c for r in requests for c in r.contributions],
         )
+        set_contribution_rows(combined, host_round.rows)
         outcome = self._send_one(combined, deadline)
         if isinstance(outcome, bytes) or len(requests) == 1:
             return [outcome] * len(requests)

@@ -10,13 +10,13 @@ import asyncio
 import collections
 import functools
 import logging
-import operator
 import time
 from typing import Awaitable, Callable
 
 import grpc
 
 from pjrt_rendezvous.client._session import Malformed, clip, parser, serve_session, session_answer
+from pjrt_rendezvous.client._wire import contribution_rows
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -24,9 +24,8 @@ from ._core import ALL, Code, Contribution, Core, CoreError, Registration, Threa
 
 log = logging.getLogger("pjrt_rendezvous.coordinator")
 
-# A Contribution message's fields in Contribution's order, and the tuple made of them: in C,
-# not a Python loop or Contribution._make (thousands of contributions arrive per round at scale).
-_CONTRIBUTION_FIELDS = operator.attrgetter(*Contribution._fields)
+# A Contribution made of a row of fields (client/_wire.py): in C, not Contribution._make
+# (thousands of contributions arrive per round at scale).
 _CONTRIBUTION = functools.partial(tuple.__new__, Contribution)
 
 # The one place core codes become wire codes.
@@ -255,6 +254,10 @@ class Servicer(pb_grpc.CoordinatorServicer):
     @_translated
     async def Rendezvous(self, request: pb.RendezvousRequest, context) -> pb.RendezvousResponse:
         timeout = _timeout(request)
+        try:
+            rows = contribution_rows(request)
+        except ValueError as exc:
+            raise CoreError(Code.INVALID_ARGUMENT, f"malformed rendezvous request: {exc}") from None
         now = self._clock()
         try:
             key = self._core.arrive(
@@ -263,7 +266,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 incarnation=request.incarnation,
                 replicas=request.replicas,
                 round_number=request.round,
-                contributions=list(map(_CONTRIBUTION, map(_CONTRIBUTION_FIELDS, request.contributions))),
+                contributions=list(map(_CONTRIBUTION, rows)),
                 deadline=None if timeout is None else now + timeout,
                 generation=request.generation,
             )

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 from pjrt_rendezvous.client._session import FRAME, frame
 from pjrt_rendezvous.coordinator import Coordinator, Limits
+from pjrt_rendezvous.client._wire import set_contribution_rows
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -277,20 +278,40 @@ replica_lists = st.one_of(
     replicas=replica_lists,
     round_number=st.one_of(st.integers(0, 4), int64s),
     contributions=contributions,
+    as_lists=st.booleans(),
     timeout=timeouts,
     generation=st.one_of(st.just(0), st.just(1), int64s),
 )
-def test_fuzz_rendezvous(server, job, incarnation, replicas, round_number, contributions, timeout, generation):
-    """Rendezvous with random contributions, replicas, rounds, generations and timeouts, right and wrong job and
-    incarnation (150 examples)."""
-    request = with_timeout(
-        pb.RendezvousRequest(
-            job=job, incarnation=incarnation, replicas=replicas, round=round_number,
-            contributions=contributions, generation=generation,
-        ),
-        timeout,
-    )
+def test_fuzz_rendezvous(server, job, incarnation, replicas, round_number, contributions, as_lists, timeout, generation):
+    """Rendezvous with random contributions (as messages or as lists), replicas, rounds, generations and timeouts,
+    right and wrong job and incarnation (150 examples)."""
+    request = pb.RendezvousRequest(job=job, incarnation=incarnation, replicas=replicas, round=round_number, generation=generation)
+    if as_lists and contributions:
+        set_contribution_rows(request, [(c.ordinal, c.tag, c.payload, c.incarnation) for c in contributions])
+    else:
+        request.contributions.extend(contributions)
+    request = with_timeout(request, timeout)
     judge("Rendezvous", lambda t: server.stub.Rendezvous(request, timeout=t), may_wait_forever=forever(timeout))
+    server.check_health()
+
+
+@FUZZ
+@given(
+    round_number=st.integers(0, 1000),
+    ordinals=st.lists(st.one_of(st.integers(-1, 2), int32s), max_size=4),
+    tags=st.lists(st.one_of(st.sampled_from(["t", "u"]), texts), max_size=4),
+    payloads=st.lists(payloads, max_size=4),
+    incarnations=st.lists(st.one_of(st.just(""), incarnations), max_size=4),
+    messages=contributions,
+)
+def test_fuzz_rendezvous_contribution_lists(server, round_number, ordinals, tags, payloads, incarnations, messages):
+    """Contribution lists of random, mismatched lengths, perhaps beside Contribution messages, in a world of one
+    (150 examples)."""
+    request = pb.RendezvousRequest(
+        job=SOLO, incarnation=SOLO_INC, round=round_number, ordinals=ordinals, tags=tags, payloads=payloads,
+        incarnations=incarnations, contributions=messages, timeout=5,
+    )
+    judge("Rendezvous", lambda t: server.stub.Rendezvous(request, timeout=t), may_wait_forever=False)
     server.check_health()
 
 

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import pjrt_rendezvous.client as pr
 from pjrt_rendezvous.client._demo import run_demo, simulated_env
 from pjrt_rendezvous.coordinator import Coordinator
+from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
 WORKER = pathlib.Path(__file__).with_name("pod_worker.py")
 
@@ -356,3 +357,35 @@ def test_wait_world_returns_every_ordinal_with_its_process(coordinator):
     for thread, errors in workers:
         thread.join(30)
         assert not errors, errors
+
+
+def test_contributions_as_messages_and_as_lists_meet_in_one_round(coordinator):
+    """An older client's Contribution messages and our lists are the same to the coordinator;
+    malformed lists are refused with what is wrong."""
+    topology = lambda task: pr.detect_topology(  # noqa: E731
+        {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": str(task)}, address=coordinator.address
+    )
+    clients = [pr.Client(pr.Settings(address=coordinator.address, timeout=30), topology(task)) for task in range(2)]
+    results = {}
+
+    def ours() -> None:
+        with clients[1].bind_thread(0) as binding:
+            results["lists"] = clients[1].rendezvous(binding, "mixed", b"b")
+
+    with clients[0].bind_thread(0):
+        thread = threading.Thread(target=ours)
+        thread.start()
+        older = pb.RendezvousRequest(
+            job=clients[0].settings.job, incarnation=clients[0].incarnation, round=0, timeout=30,
+            contributions=[pb.Contribution(ordinal=0, tag="mixed", payload=b"a")],
+        )
+        results["messages"] = list(clients[0]._call("Rendezvous", older, time.monotonic() + 30, waits=True).payloads)
+        thread.join(30)
+        malformed = pb.RendezvousRequest(
+            job=clients[0].settings.job, incarnation=clients[0].incarnation, round=1, ordinals=[0], tags=["x", "y"]
+        )
+        with pytest.raises(pr.RendezvousError, match=r"malformed rendezvous request: 2 tags for 1 ordinals"):
+            clients[0]._call("Rendezvous", malformed)
+    for client in clients:
+        client.close()
+    assert results == {"messages": [b"a", b"b"], "lists": [b"a", b"b"]}

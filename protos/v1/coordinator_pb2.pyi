@@ -146,7 +146,7 @@ class Contribution(_message.Message):
     def __init__(self, ordinal: _Optional[int] = ..., tag: _Optional[str] = ..., payload: _Optional[bytes] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class RendezvousRequest(_message.Message):
-    __slots__ = ("job", "incarnation", "replicas", "round", "contributions", "timeout", "generation")
+    __slots__ = ("job", "incarnation", "replicas", "round", "contributions", "timeout", "generation", "ordinals", "tags", "payloads", "incarnations")
     JOB_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,10 @@ class RendezvousRequest(_message.Message):
     CONTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ORDINALS_FIELD_NUMBER: _ClassVar[int]
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOADS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATIONS_FIELD_NUMBER: _ClassVar[int]
     job: str
     incarnation: str
     replicas: _containers.RepeatedScalarFieldContainer[int]
@@ -161,7 +165,11 @@ class RendezvousRequest(_message.Message):
     contributions: _containers.RepeatedCompositeFieldContainer[Contribution]
     timeout: float
     generation: int
-    def __init__(self, job: _Optional[str] = ..., incarnation: _Optional[str] = ..., replicas: _Optional[_Iterable[int]] = ..., round: _Optional[int] = ..., contributions: _Optional[_Iterable[_Union[Contribution, _Mapping]]] = ..., timeout: _Optional[float] = ..., generation: _Optional[int] = ...) -> None: ...
+    ordinals: _containers.RepeatedScalarFieldContainer[int]
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    payloads: _containers.RepeatedScalarFieldContainer[bytes]
+    incarnations: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job: _Optional[str] = ..., incarnation: _Optional[str] = ..., replicas: _Optional[_Iterable[int]] = ..., round: _Optional[int] = ..., contributions: _Optional[_Iterable[_Union[Contribution, _Mapping]]] = ..., timeout: _Optional[float] = ..., generation: _Optional[int] = ..., ordinals: _Optional[_Iterable[int]] = ..., tags: _Optional[_Iterable[str]] = ..., payloads: _Optional[_Iterable[bytes]] = ..., incarnations: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RendezvousResponse(_message.Message):
     __slots__ = ("payloads",)
