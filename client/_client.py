@@ -442,6 +442,7 @@ class Client:
                     ):
                         self._leave_relay()
             except grpc.RpcError as exc:
+                exc.__traceback__ = None  # the stream's call raised itself: free it now (see Session._read)
                 if self._stopped.is_set() or exc.code() in (
                     grpc.StatusCode.CANCELLED,
                     grpc.StatusCode.ABORTED,

@@ -175,6 +175,36 @@ def test_closing_a_grpc_session_frees_its_call_at_once():
                 gc.enable()
 
 
+
+def test_closing_a_client_frees_its_watch_stream_at_once():
+    """Likewise the Watch stream of a registered client: its call ends in an error that is
+    the call itself, which close() must leave free, not in a cycle for the collector."""
+    import gc
+    import weakref
+
+    with Coordinator(port=0) as coordinator:
+        client = pr.Client(pr.Settings(address=coordinator.address), pr.detect_topology({}, address=coordinator.address))
+        calls = []
+        watch = client._stub.Watch
+        client._stub.Watch = lambda *args, **kwargs: calls.append(watch(*args, **kwargs)) or calls[-1]
+        client.bind_thread(0)
+        client.unbind_thread()
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        call = weakref.ref(calls.pop())
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            client.close()
+            deadline = time.monotonic() + 10
+            while call() is not None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert call() is None
+        finally:
+            if enabled:
+                gc.enable()
+
 def test_callers_sharing_a_socket_session_take_turns_reading_and_each_gets_its_own_answer():
     """Twelve threads wait on one connection for keys set in random order, and three give up
     early (while perhaps the one reading for all): every answer reaches its own caller,
