@@ -23,33 +23,27 @@ _FIELDS = operator.attrgetter("ordinal", "tag", "payload", "incarnation")
 
 def contribution_rows(request: pb.RendezvousRequest) -> list[Row]:
     """The request's contributions in either form; ValueError says what is malformed."""
-    ordinals = request.ordinals
-    tags, payloads, incarnations = request.tags, request.payloads, request.incarnations
-    if not ordinals:
+    ordinals, tags, payloads, incarnations = request.ordinals, request.tags, request.payloads, request.incarnations
+    n = len(ordinals)
+    if not n:
         if tags or payloads or incarnations:
             raise ValueError("tags, payloads or incarnations without ordinals")
         return list(map(_FIELDS, request.contributions))
     if request.contributions:
         raise ValueError("contributions both as Contribution messages and as ordinals; send one form")
-    n = len(ordinals)
-    for name, values, allowed in (
-        ("tags", tags, (1, n)),
-        ("payloads", payloads, (0, n)),
-        ("incarnations", incarnations, (0, n)),
-    ):
-        if len(values) not in allowed:
-            raise ValueError(
-                f"{len(values)} {name} for {n} ordinals: give "
-                f"{'one for all' if allowed[0] else 'none'} or one per ordinal"
-            )
-    return list(
-        zip(
-            ordinals,
-            tags if len(tags) == n else repeat(tags[0], n),
-            payloads or repeat(b"", n),
-            incarnations or repeat("", n),
-        )
-    )
+    if len(tags) != n:
+        if len(tags) != 1:
+            raise ValueError(f"{len(tags)} tags for {n} ordinals: give one for all or one per ordinal")
+        tags = repeat(tags[0], n)
+    if len(payloads) != n:
+        if payloads:
+            raise ValueError(f"{len(payloads)} payloads for {n} ordinals: give none or one per ordinal")
+        payloads = repeat(b"", n)
+    if len(incarnations) != n:
+        if incarnations:
+            raise ValueError(f"{len(incarnations)} incarnations for {n} ordinals: give none or one per ordinal")
+        incarnations = repeat("", n)
+    return list(zip(ordinals, tags, payloads, incarnations))
 
 
 def set_contribution_rows(request: pb.RendezvousRequest, rows: Sequence[Row]) -> None:
