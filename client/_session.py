@@ -478,6 +478,12 @@ class SocketSession(Session):
         self._break(StatusError(grpc.StatusCode.UNAVAILABLE, f"the session with {self._peer} was closed"))
         self._close_unless_read()
 
+    def retire(self) -> None:
+        """As :meth:`close`: the calls waiting fail with UNAVAILABLE and are resent on the
+        session that replaced this one (every call is safe to resend). ``broken`` is set
+        only by breaking, which fails every waiting call: what a reader relies on."""
+        self.close()
+
     def _close_unless_read(self) -> None:
         """Closes the (broken) socket now unless a caller reads it: that one closes it."""
         if self._reading.acquire(False):
@@ -633,8 +639,8 @@ class FramedSession(asyncio.Protocol):
     """The serving end of one :class:`SocketSession` connection (the coordinator's session
     port, a host's relay): each call starts at once (``run`` returns its answer as in
     :func:`_session_response`, see :class:`_Call`) and is answered when done, in any order;
-    a ping at once; a cancel stops the call. Frames are parsed in ``data_received`` and answers written
-    straight to the transport: no stream reader or writer task per message.
+    a ping at once; a cancel stops the call. Frames are parsed in ``data_received`` and
+    answers written straight to the transport: no stream reader or writer task per message.
 
     With ``hello``, the first message is a SessionHello that ``hello`` accepts (None) or
     refuses with a status. A refusal, or a message that does not parse, is answered with id
