@@ -640,7 +640,7 @@ class Client:
                 batch.waiters.append(waiter)
                 if first:
                     batch.first = waiter
-            if len(self._batches) > (not send):
+            if len(self._batches) > (not send):  # other open batches (ours is one unless sent)
                 self._signal_gathered(batch)
         if not send:
             send = self._wait_for_sender(key, batch, waiter, first)

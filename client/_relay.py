@@ -211,15 +211,15 @@ class Relay:
                     answer.set_result(outcome)
 
         try:
-            sent = self._loop.run_in_executor(self._senders, self._send, host_round, host_round.deadline)
+            sent = self._loop.run_in_executor(self._senders, self._send, host_round)
         except RuntimeError as exc:  # closing
             hand_out([exc] * len(host_round.answers))
             return
         sent.add_done_callback(lambda done: hand_out(done.result()))
 
-    def _send(self, host_round: _HostRound, deadline: float | None) -> list:
+    def _send(self, host_round: _HostRound) -> list:
         """In a sender thread: one call for every request; each one's outcome."""
-        requests = host_round.requests
+        requests, deadline = host_round.requests, host_round.deadline
         first = requests[0]
         combined = pb.RendezvousRequest(
             job=first.job,

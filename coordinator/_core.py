@@ -689,7 +689,7 @@ class Core:
             raise CoreError(Code.INVALID_ARGUMENT, f"round number must be >= 0, got {round_number}")
         if not contributions:
             raise CoreError(Code.INVALID_ARGUMENT, "a rendezvous call needs at least one contribution")
-        # One pass over the call (thousands of contributions per call with host fan-in).
+        # The contributions are checked in one loop (thousands per call with host fan-in).
         ordinals = [c.ordinal for c in contributions]
         if len(ordinals) > 1 and len(set(ordinals)) != len(ordinals):
             raise CoreError(
