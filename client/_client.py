@@ -701,7 +701,9 @@ class Client:
         A sibling is awaited only while it has not reached this round yet (its round counter
         for the group is not past it) and is not blocked in another rendezvous.
         """
-        if len(batch.contributions) >= batch.expected:
+        if len(batch.contributions) >= batch.expected and (
+            batch.members is None or batch.contributions.keys() <= batch.members  # no outsider counted
+        ):
             return True
         for ordinal in self._local_ordinals() - batch.contributions.keys():
             if batch.members is not None and ordinal not in batch.members:

@@ -14,7 +14,8 @@ for every call (see ``Client._call``).
 
 :class:`SocketSession` carries the same messages length-prefixed on a plain socket: to the
 coordinator's session port when it offers one (cheaper than gRPC's stream), and over a Unix
-socket to the host's relay (fan-in, ``_relay.py``). The serving end, :func:`serve_session`
+socket to the host's relay (fan-in, ``_relay.py``). It has no reader thread: the callers
+waiting for answers take turns reading the socket. The serving end, :func:`serve_session`
 (and :class:`FramedSession` for sockets), is shared by the coordinator and the relay.
 """
 
