@@ -510,8 +510,9 @@ _ANSWERS_TAG = b"\x0a"  # SessionResponse.answers: field 1, length-delimited
 _RESPONSE_TAG = b"\x22"  # SessionAnswer.response: field 4, length-delimited
 
 
-def _session_response(answers: list[tuple[bytes, bytes]]) -> bytes:
-    """A serialized SessionResponse of (answer without response, response) pairs.
+def _session_response(answers: list[tuple[bytes, bytes]], *, framed: bool = False) -> bytes:
+    """A serialized SessionResponse of (answer without response, response) pairs; with
+    ``framed``, behind its length prefix (:func:`frame`) in the same copy.
 
     Encoded by hand so a response shared by many callers (a finished round, the world
     table) is copied once into each caller's message, not three times through protobuf
@@ -522,6 +523,8 @@ def _session_response(answers: list[tuple[bytes, bytes]]) -> bytes:
         tail = [_RESPONSE_TAG, _varint(len(body)), body] if body else []
         size = len(head) + sum(map(len, tail))
         parts += [_ANSWERS_TAG, _varint(size), head, *tail]
+    if framed:
+        parts.insert(0, FRAME.pack(sum(map(len, parts))))
     return b"".join(parts)
 
 
@@ -708,7 +711,7 @@ class FramedSession(asyncio.Protocol):
     def _send(self, answer: tuple[bytes, bytes]) -> None:
         if self.transport.is_closing():
             return  # the peer resends on a new connection
-        self.transport.write(frame(_session_response([answer])))
+        self.transport.write(_session_response([answer], framed=True))
         if self.transport.get_write_buffer_size() > self.MAX_UNSENT:
             log.warning("a session peer does not read its answers; closing its connection")
             self.transport.abort()

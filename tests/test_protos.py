@@ -48,7 +48,7 @@ def test_protocol_package_is_versioned():
 def test_hand_encoded_session_responses_parse_as_protobuf_would(sizes):
     """The servicer writes SessionResponse bytes by hand (one copy of a shared response per
     caller); they must parse to exactly the message protobuf would have built."""
-    from pjrt_rendezvous.client._session import _session_response
+    from pjrt_rendezvous.client._session import _session_response, take_frames
 
     answers = [
         pb.SessionAnswer(id=2**40 + i, response=bytes([i % 251]) * n) if n else pb.SessionAnswer(id=i, code=4, message="late")
@@ -59,6 +59,7 @@ def test_hand_encoded_session_responses_parse_as_protobuf_would(sizes):
         head = pb.SessionAnswer(id=a.id, code=a.code, message=a.message).SerializeToString()
         pairs.append((head, a.response))
     assert pb.SessionResponse.FromString(_session_response(pairs)) == pb.SessionResponse(answers=answers)
+    assert take_frames(bytearray(_session_response(pairs, framed=True))) == [_session_response(pairs)]
 
 
 rows = st.lists(
