@@ -733,12 +733,18 @@ class Core:
         if replicas:
             group = self._replicas_group(state, replicas, ordinals, contributions[0].tag, now)
         rnd = self._round(state, group, round_number, now)
-        for c in contributions:
+        if rnd.result is not None:
+            resent = contributions
+        elif rnd.arrivals and not rnd.arrivals.keys().isdisjoint(ordinals):
+            resent = [c for c in contributions if c.ordinal in rnd.arrivals]
+        else:
+            resent = ()  # the common case: nothing to compare, and no loop
+        for c in resent:
             if rnd.result is not None:
                 previous = Contribution(ordinal=c.ordinal, tag=rnd.tag, payload=rnd.result[rnd.position(c.ordinal)])
             else:
-                previous = rnd.arrivals.get(c.ordinal)
-            if previous is not None and not previous.same_content(c):
+                previous = rnd.arrivals[c.ordinal]
+            if not previous.same_content(c):
                 raise CoreError(
                     Code.INVALID_ARGUMENT,
                     f"ordinal {c.ordinal} resent {rnd.describe()} with a different tag or payload; "
@@ -749,16 +755,15 @@ class Core:
             return rnd.key
         dead = self._dead_members(state, rnd)
         if dead:
-            rnd.arrivals.update((c.ordinal, c) for c in contributions)  # names the tag in the message
+            rnd.arrivals.update(zip(ordinals, contributions))  # names the tag in the message
             self._fail(state, rnd, self._death_error(state, rnd, dead))
             return rnd.key
         # A pending round holds one tag (a second one fails it at once), so a mismatch is a
         # contribution of this call that differs from any earlier arrival: checking the call
         # alone keeps an arrival O(its contributions) instead of O(the round's arrivals).
         tag = next(iter(rnd.arrivals.values())).tag if rnd.arrivals else contributions[0].tag
-        for c in contributions:
-            rnd.arrivals[c.ordinal] = c
-            state.blocked[c.ordinal] = rnd.key
+        rnd.arrivals.update(zip(ordinals, contributions))
+        state.blocked.update(dict.fromkeys(ordinals, rnd.key))
         if deadline is not None and (rnd.deadline is None or deadline < rnd.deadline):
             rnd.deadline = deadline
 
