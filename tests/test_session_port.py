@@ -4,7 +4,6 @@ TCP (client/_session.py ``SocketSession``, coordinator/_server.py ``_SessionPort
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import socket
@@ -261,20 +260,6 @@ def test_a_session_whose_peer_is_gone_is_broken_for_good_so_the_next_call_opens_
         assert session.broken is not None
 
 
-@contextlib.contextmanager
-def caplog_errors():
-    """The error records logged by the client's logger while the block runs."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.ERROR)
-    handler.emit = records.append
-    logger = logging.getLogger("pjrt_rendezvous.client")
-    logger.addHandler(handler)
-    try:
-        yield records
-    finally:
-        logger.removeHandler(handler)
-
-
 class FakePeer:
     """The far end of a SocketSession on a socket pair: notes each call's id by method and
     answers when told (a test drives the timing of answers)."""
@@ -343,7 +328,7 @@ def test_a_turn_to_read_is_never_handed_to_a_caller_that_is_not_waiting_for_it()
     assert all(isinstance(done[n], float) and 0 < done[n] < 5 for n in ("reader", "inner", "outer", "last")), done
 
 
-def test_a_call_cancelled_as_its_future_completes_is_not_resumed():
+def test_a_call_cancelled_as_its_future_completes_is_not_resumed(caplog):
     """A cancel (or a lost connection) in the same loop pass as the future a call waits on
     completes: the call ends once, cancelled, with no resume of a finished coroutine."""
     from pjrt_rendezvous.client._session import _Call
@@ -368,6 +353,7 @@ def test_a_call_cancelled_as_its_future_completes_is_not_resumed():
         running.cancel()  # ...and the cancel comes first
         await asyncio.sleep(0.05)
 
-    with caplog_errors() as errors:
+    with caplog.at_level(logging.ERROR, logger="pjrt_rendezvous.client"):
         asyncio.run(main())
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert log == ["cancelled", "cleaned up"] and not errors
