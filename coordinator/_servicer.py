@@ -79,11 +79,6 @@ async def _nothing() -> None:
     return None
 
 
-def _expire(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(False)
-
-
 def _timeout(request) -> float | None:
     """An absent timeout waits forever; zero or negative is refused (never 'forever')."""
     if not request.HasField("timeout"):
@@ -126,6 +121,9 @@ class Servicer(pb_grpc.CoordinatorServicer):
         # told is lost if the coordinator dies right after (the state file).
         self._persist = persist or _nothing
         self._waiters: dict[tuple, set[asyncio.Future]] = collections.defaultdict(set)
+        # One timer per wake key, at the earliest deadline of its waiters (a round's members
+        # share one): key -> (deadline, timer handle).
+        self._timers: dict[tuple, tuple[float, asyncio.TimerHandle]] = {}
         self._world_tables: dict[str, tuple[int, bytes]] = {}  # job -> (core version, WaitWorldResponse)
         # Told to clients in Register and Heartbeat answers (0: none; see _server._SessionPort).
         self.session_port = 0
@@ -140,29 +138,44 @@ class Servicer(pb_grpc.CoordinatorServicer):
             except Exception:  # pragma: no cover - reporting must never break serving
                 log.exception("monitoring failed on %s", wakeups)
         for key in wakeups:
+            self._cancel_timer(key)
             for future in self._waiters.pop(key, ()):
                 if not future.done():
                     future.set_result(True)
 
+    def _expire(self, key: tuple) -> None:
+        """The earliest deadline of ``key``'s waiters passed: all of them return False (a
+        waiter whose own deadline is later waits again)."""
+        del self._timers[key]
+        for future in self._waiters.get(key, ()):
+            if not future.done():
+                future.set_result(False)
+
+    def _cancel_timer(self, key: tuple) -> None:
+        entry = self._timers.pop(key, None)
+        if entry is not None:
+            entry[1].cancel()
+
     async def _wait(self, key: tuple, deadline: float | None) -> bool:
-        """Waits until ``key`` is woken (True) or ``deadline`` passes (False)."""
+        """Waits until ``key`` is woken (True) or ``deadline`` (or an earlier waiter's on the
+        same key) passes (False)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         waiters = self._waiters[key]
         waiters.add(future)
-        # One future and at most one timer per waiter (asyncio.wait added a second future,
-        # callbacks and a set per call).
-        timer = None
         if deadline is not None:
-            timer = loop.call_later(max(0.0, deadline - self._clock()), _expire, future)
+            entry = self._timers.get(key)
+            if entry is None or deadline < entry[0]:
+                if entry is not None:
+                    entry[1].cancel()
+                self._timers[key] = (deadline, loop.call_later(max(0.0, deadline - self._clock()), self._expire, key))
         try:
             return await future
         finally:
-            if timer is not None:
-                timer.cancel()
             waiters.discard(future)
             if not waiters and self._waiters.get(key) is waiters:
                 del self._waiters[key]
+                self._cancel_timer(key)
 
     # -- ranks ----------------------------------------------------------------------------
 

@@ -389,3 +389,27 @@ def test_contributions_as_messages_and_as_lists_meet_in_one_round(coordinator):
     for client in clients:
         client.close()
     assert results == {"messages": [b"a", b"b"], "lists": [b"a", b"b"]}
+
+
+def test_waits_on_one_key_keep_their_own_deadlines(coordinator):
+    """Waiters on one key share one timer, at the earliest deadline: a get that times out
+    does not end a sibling's longer wait, and a later, shorter get still times out on time."""
+    topology = pr.detect_topology({}, address=coordinator.address)
+    client = pr.Client(pr.Settings(address=coordinator.address, timeout=30), topology)
+    try:
+        client.bind_thread(0)
+        got: list = []
+        patient = threading.Thread(target=lambda: got.append(client.get("late", timeout=30)))
+        patient.start()
+        time.sleep(0.2)  # the patient get waits first, with the later deadline
+        for timeout in (0.5, 0.3):
+            started = time.monotonic()
+            with pytest.raises(pr.RendezvousTimeout, match="late"):
+                client.get("late", timeout=timeout)
+            assert timeout <= time.monotonic() - started < timeout + 5
+        assert patient.is_alive() and not got
+        client.set("late", b"now")
+        patient.join(10)
+        assert got == [b"now"]
+    finally:
+        client.close()
