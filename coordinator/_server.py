@@ -499,7 +499,9 @@ def tune_collector() -> None:
 
 
 def serve_forever(options: ServerOptions, *, on_ready=None) -> None:
-    """Serves until SIGINT/SIGTERM, then drains for ``options.grace`` seconds.
+    """Serves until SIGINT/SIGTERM, then drains for ``options.grace`` seconds. Meant to own
+    its process (``pjrt-rendezvous serve``): it tunes the process's garbage collector once
+    it listens (:func:`tune_collector`).
 
     Under systemd (``NOTIFY_SOCKET`` set, ``Type=notify``) it sends ``READY=1`` once the
     gRPC port (and the metrics port) listen, ``STOPPING=1`` when a stop signal arrives, and
