@@ -11,9 +11,9 @@ when it stops (``_notify``).
 from __future__ import annotations
 
 import asyncio
-import gc
 import dataclasses
 import functools
+import gc
 import hmac
 import logging
 import pathlib
