@@ -397,19 +397,19 @@ def test_waits_on_one_key_keep_their_own_deadlines(coordinator):
     topology = pr.detect_topology({}, address=coordinator.address)
     client = pr.Client(pr.Settings(address=coordinator.address, timeout=30), topology)
     try:
-        client.bind_thread(0)
-        got: list = []
-        patient = threading.Thread(target=lambda: got.append(client.get("late", timeout=30)))
-        patient.start()
-        time.sleep(0.2)  # the patient get waits first, with the later deadline
-        for timeout in (0.5, 0.3):
-            started = time.monotonic()
-            with pytest.raises(pr.RendezvousTimeout, match="late"):
-                client.get("late", timeout=timeout)
-            assert timeout <= time.monotonic() - started < timeout + 5
-        assert patient.is_alive() and not got
-        client.set("late", b"now")
-        patient.join(10)
-        assert got == [b"now"]
+        with client.bind_thread(0):  # registers the process (and unbinds this thread after)
+            got: list = []
+            patient = threading.Thread(target=lambda: got.append(client.get("late", timeout=30)))
+            patient.start()
+            time.sleep(0.2)  # the patient get waits first, with the later deadline
+            for timeout in (0.5, 0.3):
+                started = time.monotonic()
+                with pytest.raises(pr.RendezvousTimeout, match="late"):
+                    client.get("late", timeout=timeout)
+                assert timeout <= time.monotonic() - started < timeout + 5
+            assert patient.is_alive() and not got
+            client.set("late", b"now")
+            patient.join(10)
+            assert got == [b"now"]
     finally:
         client.close()
