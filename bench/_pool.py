@@ -43,11 +43,13 @@ def _thread_main(system, spec, t: int, state: dict) -> None:
     warmup, rounds = spec["warmup"], spec["rounds"]
     for workload in spec["workloads"]:
         samples = []
-        cpu0 = wall0 = 0.0
+        cpu0 = wall0 = own0 = 0.0
         result = None
         for r in range(warmup + rounds):
             if first and r == warmup:
                 cpu0, wall0 = cpu_seconds(spec["server_pid"]), time.monotonic()
+            if t == 0 and r == warmup:
+                own0 = time.process_time()
             started = time.perf_counter()
             if workload == "barrier":
                 system.barrier(t, r)
@@ -61,6 +63,8 @@ def _thread_main(system, spec, t: int, state: dict) -> None:
                 raise RuntimeError(f"all-gather returned a wrong result ({len(result)} payloads)")
         elif workload == "kv" and result != _peers.KV_VALUE:
             raise RuntimeError(f"kv get returned {result[:16]!r}")
+        if t == 0:  # this process's CPU (all its threads) over the timed rounds
+            state["client_cpu"][workload] = time.process_time() - own0
         if first:
             state["samples"][workload] = samples[warmup:]
             state["cpu"][workload] = (cpu_seconds(spec["server_pid"]) - cpu0, time.monotonic() - wall0)
@@ -79,6 +83,7 @@ def run_session(p: int, spec: dict, conn, go) -> dict:
         "t_known": [None] * T,
         "samples": {},
         "cpu": {},
+        "client_cpu": {},
     }
     errors: list[str] = []
 
@@ -117,6 +122,7 @@ def run_session(p: int, spec: dict, conn, go) -> dict:
         "t_known": max(state["t_known"]),
         "samples": state["samples"],
         "cpu": state["cpu"],
+        "client_cpu": state["client_cpu"],
     }
 
 
@@ -170,7 +176,8 @@ class Pool:
         return out
 
     def session(self, spec: dict) -> dict:
-        """Runs one session; returns {t_go, connect_s, formation_s, samples, cpu}."""
+        """Runs one session; returns {connect_s, formation_s, samples, cpu, client_cpu}
+        (client_cpu: workload -> mean CPU seconds of a client process over the timed rounds)."""
         self._go.clear()
         try:
             for conn in self._conns:
@@ -191,6 +198,9 @@ class Pool:
             "formation_s": max(r["t_known"] for r in results) - t_go,
             "samples": results[0]["samples"],
             "cpu": results[0]["cpu"],
+            "client_cpu": {
+                w: sum(r["client_cpu"][w] for r in results) / len(results) for w in results[0]["client_cpu"]
+            },
         }
 
     def restart(self) -> None:

@@ -133,3 +133,17 @@ def test_scale_and_server_cpu_tables_are_present(smoke):
     assert any(h.startswith("Server process CPU per round") for h in tables), list(tables)
     scale = raw["scale"]["sizes"]
     assert scale and all("error" not in entry["ours"] for entry in scale.values()), scale
+
+
+def test_client_cpu_table_measures_every_installed_system(smoke):
+    """Client process CPU per round is written for every size and workload, ours measured,
+    and each peer measured or its absence explained."""
+    _, text, _ = smoke
+    (rows,) = [rows for heading, rows in _tables(text).items() if heading.startswith("Client process CPU per round")]
+    header, body = rows[0], rows[2:]
+    assert body and [row[0] for row in body] == ["2x1"] * len(body), body
+    for row in body:
+        cells = dict(zip(header, row))
+        assert re.match(r"^\d+$", cells["ours"]) and int(cells["ours"]) > 0, row
+        for name in ("TCPStore thread", "TCPStore process", "JAX"):
+            assert re.match(r"^\d+$", cells[name]) or _EXPLAINED.match(cells[name]), f"{name} = {cells[name]!r}"
