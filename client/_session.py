@@ -497,7 +497,12 @@ class SocketSession(Session):
 # -- serving (the coordinator's Session, and a host relay's) ---------------------------------
 
 
+_SMALL_VARINTS = [bytes((i,)) for i in range(0x80)]
+
+
 def _varint(value: int) -> bytes:
+    if value < 0x80:
+        return _SMALL_VARINTS[value]
     out = bytearray()
     while value > 0x7F:
         out.append(value & 0x7F | 0x80)
@@ -507,6 +512,7 @@ def _varint(value: int) -> bytes:
 
 
 _ANSWERS_TAG = b"\x0a"  # SessionResponse.answers: field 1, length-delimited
+_ID_TAG = b"\x08"  # SessionAnswer.id: field 1, varint
 _RESPONSE_TAG = b"\x22"  # SessionAnswer.response: field 4, length-delimited
 
 
@@ -518,13 +524,16 @@ def _session_response(answers: list[tuple[bytes, bytes]], *, framed: bool = Fals
     table) is copied once into each caller's message, not three times through protobuf
     objects: at 4,096 ordinals every process's answer to WaitWorld is in flight at once.
     """
-    parts = []
+    parts = [b""] if framed else []  # the frame's length prefix goes first
     for head, body in answers:
-        tail = [_RESPONSE_TAG, _varint(len(body)), body] if body else []
-        size = len(head) + sum(map(len, tail))
-        parts += [_ANSWERS_TAG, _varint(size), head, *tail]
+        if body:
+            length = _varint(len(body))
+            size = len(head) + 1 + len(length) + len(body)
+            parts += (_ANSWERS_TAG, _varint(size), head, _RESPONSE_TAG, length, body)
+        else:
+            parts += (_ANSWERS_TAG, _varint(len(head)), head)
     if framed:
-        parts.insert(0, FRAME.pack(sum(map(len, parts))))
+        parts[0] = FRAME.pack(sum(map(len, parts)))
     return b"".join(parts)
 
 
@@ -532,8 +541,8 @@ def session_answer(
     call_id: int, status: grpc.StatusCode = grpc.StatusCode.OK, message: str = "", response: bytes = b""
 ) -> tuple[bytes, bytes]:
     """One call's answer as :func:`_session_response` takes it."""
-    if status is grpc.StatusCode.OK:
-        return pb.SessionAnswer(id=call_id).SerializeToString(), response
+    if status is grpc.StatusCode.OK:  # encoded by hand: the answer to nearly every call
+        return (_ID_TAG + _varint(call_id) if call_id else b""), response
     return pb.SessionAnswer(id=call_id, code=status.value[0], message=clip(message)).SerializeToString(), b""
 
 
@@ -588,6 +597,31 @@ async def serve_session(requests, context, run: Callable[[pb.SessionCall], Await
             writer.cancel()
 
 
+class Wakeup:
+    """What a call run by :class:`_Call` may wait on instead of a Future: set, it resumes
+    the call at once, on the setter's stack. A Future's callbacks wait for the event loop's
+    next turn, so a round's last arrival would answer its waiting peers one turn late."""
+
+    __slots__ = ("_value", "resume")
+
+    def __init__(self) -> None:
+        self._value = None
+        self.resume: Callable[["Wakeup"], None] | None = None  # set by the _Call awaiting it
+
+    def done(self) -> bool:
+        return self._value is not None
+
+    def set_result(self, value) -> None:
+        self._value = value
+        if self.resume is not None:
+            self.resume(self)
+
+    def __await__(self):
+        if self._value is None:
+            yield self
+        return self._value
+
+
 class _Call:
     """A call's coroutine run without a Task: at once, on the stack of the message that
     brought it, then each time the future it awaits is done. Most calls finish without
@@ -626,8 +660,11 @@ class _Call:
             self._awaiting = object()
             asyncio.get_running_loop().call_soon(self._woken, self._awaiting)
             return
-        awaited._asyncio_future_blocking = False  # what a Task does with what it awaits
         self._awaiting = awaited
+        if type(awaited) is Wakeup:
+            awaited.resume = self._woken
+            return
+        awaited._asyncio_future_blocking = False  # what a Task does with what it awaits
         awaited.add_done_callback(self._woken)
 
     def cancel(self) -> None:
@@ -636,6 +673,8 @@ class _Call:
             return
         if isinstance(self._awaiting, asyncio.Future):
             self._awaiting.remove_done_callback(self._woken)
+        elif type(self._awaiting) is Wakeup:
+            self._awaiting.resume = None
         self._resume(asyncio.CancelledError())
 
 

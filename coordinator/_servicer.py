@@ -1,6 +1,6 @@
 """The gRPC servicer: translates messages into core calls and carries out the decisions.
 
-It owns the only I/O-side state: futures of calls waiting on a wake key (see
+It owns the only I/O-side state: the calls waiting on a wake key and their deadlines (see
 ``_core``). Everything runs on one asyncio event loop, so the core needs no lock.
 """
 
@@ -9,13 +9,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import heapq
+import itertools
 import logging
 import time
 from typing import Awaitable, Callable
 
 import grpc
 
-from pjrt_rendezvous.client._session import Malformed, clip, parser, serve_session, session_answer
+from pjrt_rendezvous.client._session import Malformed, Wakeup, clip, parser, serve_session, session_answer
 from pjrt_rendezvous.client._wire import contribution_rows
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
@@ -120,10 +122,17 @@ class Servicer(pb_grpc.CoordinatorServicer):
         # Called before answering any call that changed state, so nothing a client was
         # told is lost if the coordinator dies right after (the state file).
         self._persist = persist or _nothing
-        self._waiters: dict[tuple, set[asyncio.Future]] = collections.defaultdict(set)
-        # One timer per wake key, at the earliest deadline of its waiters (a round's members
-        # share one): key -> (deadline, timer handle).
-        self._timers: dict[tuple, tuple[float, asyncio.TimerHandle]] = {}
+        # Calls waiting on a wake key: asyncio Futures (gRPC's calls run as Tasks), or
+        # Wakeups (a session's calls, resumed at once when set; client/_session.py).
+        self._waiters: dict[tuple, set[asyncio.Future | Wakeup]] = collections.defaultdict(set)
+        # The earliest deadline of each key's waiters (a round's members share one), in a
+        # heap that one event-loop timer watches. Most rounds finish long before their
+        # deadline: their heap entries lapse, and are dropped in bulk.
+        self._deadlines: dict[tuple, float] = {}
+        self._deadline_heap: list[tuple[float, int, tuple]] = []  # (deadline, tie-breaker, key)
+        self._deadline_order = itertools.count()
+        self._alarm: asyncio.TimerHandle | None = None  # at the heap's first live deadline
+        self._alarm_at = 0.0
         self._world_tables: dict[str, tuple[int, bytes]] = {}  # job -> (core version, WaitWorldResponse)
         # Told to clients in Register and Heartbeat answers (0: none; see _server._SessionPort).
         self.session_port = 0
@@ -138,44 +147,66 @@ class Servicer(pb_grpc.CoordinatorServicer):
             except Exception:  # pragma: no cover - reporting must never break serving
                 log.exception("monitoring failed on %s", wakeups)
         for key in wakeups:
-            self._cancel_timer(key)
-            for future in self._waiters.pop(key, ()):
-                if not future.done():
-                    future.set_result(True)
-
-    def _expire(self, key: tuple) -> None:
-        """The earliest deadline of ``key``'s waiters passed: all of them return False (a
-        waiter whose own deadline is later waits again)."""
-        del self._timers[key]
-        for future in self._waiters.get(key, ()):
-            if not future.done():
-                future.set_result(False)
-
-    def _cancel_timer(self, key: tuple) -> None:
-        entry = self._timers.pop(key, None)
-        if entry is not None:
-            entry[1].cancel()
+            self._deadlines.pop(key, None)
+            waiters = self._waiters.pop(key, None)
+            if waiters:
+                for waiter in list(waiters):  # a Wakeup resumes its call here, which leaves the set
+                    if not waiter.done():
+                        waiter.set_result(True)
 
     async def _wait(self, key: tuple, deadline: float | None) -> bool:
         """Waits until ``key`` is woken (True) or ``deadline`` (or an earlier waiter's on the
         same key) passes (False)."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
+        # A session's call has no Task (client/_session.py, _Call) and can be resumed at once.
+        waiter = asyncio.get_running_loop().create_future() if asyncio.current_task() else Wakeup()
         waiters = self._waiters[key]
-        waiters.add(future)
+        waiters.add(waiter)
         if deadline is not None:
-            entry = self._timers.get(key)
-            if entry is None or deadline < entry[0]:
-                if entry is not None:
-                    entry[1].cancel()
-                self._timers[key] = (deadline, loop.call_later(max(0.0, deadline - self._clock()), self._expire, key))
+            self._watch_deadline(key, deadline)
         try:
-            return await future
+            return await waiter
         finally:
-            waiters.discard(future)
+            waiters.discard(waiter)
             if not waiters and self._waiters.get(key) is waiters:
                 del self._waiters[key]
-                self._cancel_timer(key)
+                self._deadlines.pop(key, None)
+
+    def _watch_deadline(self, key: tuple, deadline: float) -> None:
+        current = self._deadlines.get(key)
+        if current is not None and current <= deadline:
+            return
+        self._deadlines[key] = deadline
+        heap = self._deadline_heap
+        heapq.heappush(heap, (deadline, next(self._deadline_order), key))
+        if len(heap) > 2 * len(self._deadlines) + 1024:  # mostly lapsed entries
+            heap[:] = [(d, next(self._deadline_order), k) for k, d in self._deadlines.items()]
+            heapq.heapify(heap)
+        if self._alarm is None or deadline < self._alarm_at:
+            self._set_alarm(deadline)
+
+    def _set_alarm(self, deadline: float) -> None:
+        if self._alarm is not None:
+            self._alarm.cancel()
+        self._alarm_at = deadline
+        self._alarm = asyncio.get_running_loop().call_later(max(0.0, deadline - self._clock()), self._ring)
+
+    def _ring(self) -> None:
+        """The alarm: every key whose deadline passed is expired (all its waiters return
+        False; a waiter whose own deadline is later waits again)."""
+        self._alarm = None
+        due = max(self._alarm_at, self._clock())
+        heap = self._deadline_heap
+        while heap and heap[0][0] <= due:
+            deadline, _, key = heapq.heappop(heap)
+            if self._deadlines.get(key) == deadline:
+                del self._deadlines[key]
+                for waiter in list(self._waiters.get(key, ())):
+                    if not waiter.done():
+                        waiter.set_result(False)
+        while heap and self._deadlines.get(heap[0][2]) != heap[0][0]:  # lapsed
+            heapq.heappop(heap)
+        if heap:
+            self._set_alarm(heap[0][0])
 
     # -- ranks ----------------------------------------------------------------------------
 

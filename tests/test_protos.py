@@ -62,6 +62,14 @@ def test_hand_encoded_session_responses_parse_as_protobuf_would(sizes):
     assert take_frames(bytearray(_session_response(pairs, framed=True))) == [_session_response(pairs)]
 
 
+@pytest.mark.parametrize("call_id", [0, 1, 127, 128, 300, 2**40, 2**64 - 1])
+def test_hand_encoded_session_answers_are_protobufs_bytes(call_id):
+    """An OK answer's head is written by hand too: byte for byte what protobuf writes."""
+    from pjrt_rendezvous.client._session import session_answer
+
+    assert session_answer(call_id, response=b"r") == (pb.SessionAnswer(id=call_id).SerializeToString(), b"r")
+
+
 rows = st.lists(
     st.tuples(
         st.integers(-(2**31), 2**31 - 1),

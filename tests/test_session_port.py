@@ -4,6 +4,7 @@ TCP (client/_session.py ``SocketSession``, coordinator/_server.py ``_SessionPort
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import socket
@@ -357,3 +358,71 @@ def test_a_call_cancelled_as_its_future_completes_is_not_resumed(caplog):
         asyncio.run(main())
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert log == ["cancelled", "cleaned up"] and not errors
+
+
+def test_a_call_waiting_on_a_wakeup_resumes_on_the_setters_stack(caplog):
+    """A session call waiting on a Wakeup resumes inside ``set_result`` (a round's last
+    arrival answers its peers in the same loop pass); cancelled, it ends once and a later
+    set does not resume it."""
+    from pjrt_rendezvous.client._session import Wakeup, _Call
+
+    log: list = []
+
+    async def body(wakeup: Wakeup, name: str):
+        try:
+            log.append((name, await wakeup))
+        except asyncio.CancelledError:
+            log.append((name, "cancelled"))
+            raise
+
+    async def main() -> None:
+        first, second = Wakeup(), Wakeup()
+        _Call(body(first, "first")).start()
+        cancelled = _Call(body(second, "second"))
+        cancelled.start()
+        assert log == []
+        first.set_result(True)
+        log.append("set returned")
+        cancelled.cancel()
+        second.set_result(True)
+
+    with caplog.at_level(logging.ERROR, logger="pjrt_rendezvous.client"):
+        asyncio.run(main())
+    assert log == [("first", True), "set returned", ("second", "cancelled")]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_deadlines_of_finished_rounds_lapse_without_piling_up():
+    """The servicer watches its waiting calls' deadlines with one timer over a heap: the
+    entries of thousands of rounds that finished in time are dropped, not kept until their
+    deadlines, and a round that does miss its deadline still fails on time."""
+    from test_core import JOB, registration
+
+    from pjrt_rendezvous.coordinator._core import Code, Core, CoreError
+    from pjrt_rendezvous.coordinator._servicer import Servicer
+
+    core = Core()
+    for task in range(2):
+        core.register(time.monotonic(), registration(task, 2, 1))
+    servicer = Servicer(core)
+    rendezvous = functools.partial(Servicer.Rendezvous.__wrapped__, servicer)  # CoreErrors as raised
+
+    def request(task: int, number: int, timeout: float) -> pb.RendezvousRequest:
+        incarnation = registration(task, 2, 1).incarnation
+        return pb.RendezvousRequest(job=JOB, incarnation=incarnation, round=number, timeout=timeout, ordinals=[task], tags=["t"])
+
+    async def main() -> float:
+        for number in range(3000):  # the first arrival waits (a deadline), the second completes
+            waiting = asyncio.create_task(rendezvous(request(0, number, 600.0), None))
+            await asyncio.sleep(0)
+            await rendezvous(request(1, number, 600.0), None)
+            await waiting
+        assert not servicer._deadlines and len(servicer._deadline_heap) <= 1024 + 1
+        started = time.monotonic()
+        with pytest.raises(CoreError) as failure:
+            await rendezvous(request(0, 3000, 0.2), None)
+        assert failure.value.code is Code.DEADLINE_EXCEEDED
+        return time.monotonic() - started
+
+    waited = asyncio.run(main())
+    assert 0.2 <= waited < 5
