@@ -734,7 +734,7 @@ class Client:
             )
 
         response = self._call("Rendezvous", request, batch.deadline, waits=True, progress=progress, relay=True)
-        return list(response.payloads)
+        return response.payloads[:]  # a list (a slice: upb's containers iterate by IndexError)
 
     def _describe_wait(self, key: tuple) -> str:
         """What the coordinator says a pending round waits for (best effort)."""

@@ -22,6 +22,7 @@ waiting for answers take turns reading the socket. The serving end, :func:`serve
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import queue
@@ -124,8 +125,8 @@ class Session:
 
     # -- transport: gRPC (SocketSession overrides these) --------------------------------------
 
-    def _send(self, call: pb.SessionCall) -> None:
-        self._outbox.put(call)
+    def _send(self, call_id: int, method: str = "", request: bytes = b"", cancel: bool = False) -> None:
+        self._outbox.put(pb.SessionCall(id=call_id, method=method, request=request, cancel=cancel))
 
     def _wait(self, pending: _Pending, timeout: float) -> bool:
         """Until ``pending`` is answered or failed (True) or ``timeout`` seconds pass (False;
@@ -217,7 +218,7 @@ class Session:
             call_id = next(self._ids)
             self._pending[call_id] = pending
         try:
-            self._send(pb.SessionCall(id=call_id, method=method, request=request.SerializeToString()))
+            self._send(call_id, method, request.SerializeToString())
         except BaseException:
             with self._lock:
                 self._pending.pop(call_id, None)
@@ -241,7 +242,7 @@ class Session:
                 abandoned = self._pending.pop(call_id, None) is not None and self.broken is None
             if abandoned:
                 try:
-                    self._send(pb.SessionCall(id=call_id, cancel=True))
+                    self._send(call_id, cancel=True)
                 except grpc.RpcError:
                     pass  # the session broke meanwhile: nothing left to stop
             raise
@@ -346,7 +347,9 @@ class SocketSession(Session):
         return session
 
     def _write(self, message) -> None:
-        data = frame(message.SerializeToString())
+        self._write_bytes(frame(message.SerializeToString()))
+
+    def _write_bytes(self, data: bytes) -> None:
         try:
             with self._send_lock:
                 self._socket.sendall(data)
@@ -356,8 +359,8 @@ class SocketSession(Session):
             self._close_unless_read()
             raise error from exc
 
-    def _send(self, call: pb.SessionCall) -> None:
-        self._write(pb.SessionRequest(calls=[call]))
+    def _send(self, call_id: int, method: str = "", request: bytes = b"", cancel: bool = False) -> None:
+        self._write_bytes(session_request(call_id, method, request, cancel, framed=True))
 
     # -- reading, by the waiting callers in turn ------------------------------------------------
 
@@ -451,7 +454,7 @@ class SocketSession(Session):
             return self._break(StatusError(_CODES.get(answer.code, grpc.StatusCode.UNKNOWN), answer.message))
         self.heard = time.monotonic()
         with self._lock:
-            for answer in response.answers:
+            for answer in response.answers[:]:  # a slice: upb's containers iterate by IndexError
                 pending = self._pending.pop(answer.id, None)
                 if pending is not None:  # else the caller gave up on it
                     pending.response = answer
@@ -535,6 +538,31 @@ def _session_response(answers: list[tuple[bytes, bytes]], *, framed: bool = Fals
     if framed:
         parts[0] = FRAME.pack(sum(map(len, parts)))
     return b"".join(parts)
+
+
+_CALLS_TAG = b"\x0a"  # SessionRequest.calls: field 1, length-delimited
+_METHOD_TAG = b"\x12"  # SessionCall.method: field 2, length-delimited
+_REQUEST_TAG = b"\x1a"  # SessionCall.request: field 3, length-delimited
+_CANCEL = b"\x20\x01"  # SessionCall.cancel: field 4, varint, true
+
+
+@functools.lru_cache(maxsize=64)
+def _method_field(method: str) -> bytes:
+    encoded = method.encode()
+    return _METHOD_TAG + _varint(len(encoded)) + encoded if encoded else b""
+
+
+def session_request(call_id: int, method: str, request: bytes, cancel: bool = False, *, framed: bool = False) -> bytes:
+    """A serialized SessionRequest of one SessionCall (with ``framed``, behind its length
+    prefix), encoded by hand as protobuf would: every call of a process goes through here."""
+    parts = [_ID_TAG, _varint(call_id), _method_field(method)] if call_id else [_method_field(method)]
+    if request:
+        parts += (_REQUEST_TAG, _varint(len(request)), request)
+    if cancel:
+        parts.append(_CANCEL)
+    call = b"".join(parts)
+    message = _CALLS_TAG + _varint(len(call)) + call
+    return FRAME.pack(len(message)) + message if framed else message
 
 
 def session_answer(
@@ -728,7 +756,7 @@ class FramedSession(asyncio.Protocol):
         request = _parse_request(message)
         if isinstance(request, Malformed):
             return self._refuse(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        for call in request.calls:
+        for call in request.calls[:]:  # a slice: upb's containers iterate by IndexError
             if call.cancel:
                 running = self._calls.pop(call.id, None)
                 if running is not None:

@@ -23,12 +23,14 @@ _FIELDS = operator.attrgetter("ordinal", "tag", "payload", "incarnation")
 
 def contribution_rows(request: pb.RendezvousRequest) -> list[Row]:
     """The request's contributions in either form; ValueError says what is malformed."""
-    ordinals, tags, payloads, incarnations = request.ordinals, request.tags, request.payloads, request.incarnations
+    # Slices: lists at C speed (upb's containers have no iterator: iterating one goes item by
+    # item and ends with an IndexError).
+    ordinals, tags, payloads, incarnations = request.ordinals[:], request.tags[:], request.payloads[:], request.incarnations[:]
     n = len(ordinals)
     if not n:
         if tags or payloads or incarnations:
             raise ValueError("tags, payloads or incarnations without ordinals")
-        return list(map(_FIELDS, request.contributions))
+        return list(map(_FIELDS, request.contributions[:]))
     if request.contributions:
         raise ValueError("contributions both as Contribution messages and as ordinals; send one form")
     if len(tags) != n:

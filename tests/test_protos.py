@@ -70,6 +70,26 @@ def test_hand_encoded_session_answers_are_protobufs_bytes(call_id):
     assert session_answer(call_id, response=b"r") == (pb.SessionAnswer(id=call_id).SerializeToString(), b"r")
 
 
+@pytest.mark.parametrize(
+    "call",
+    [
+        dict(id=1, method="Rendezvous", request=b"\x0a\x03job" * 50),
+        dict(id=2**40, method="KvGet", request=b""),
+        dict(id=300, cancel=True),
+        dict(id=5),  # a ping
+        dict(id=7, method="Rendezvous", request=bytes(70_000)),
+    ],
+)
+def test_hand_encoded_session_requests_are_protobufs_bytes(call):
+    """Clients write their SessionRequest by hand: byte for byte what protobuf writes."""
+    from pjrt_rendezvous.client._session import session_request, take_frames
+
+    expected = pb.SessionRequest(calls=[pb.SessionCall(**call)]).SerializeToString()
+    args = (call["id"], call.get("method", ""), call.get("request", b""), call.get("cancel", False))
+    assert session_request(*args) == expected
+    assert take_frames(bytearray(session_request(*args, framed=True))) == [expected]
+
+
 rows = st.lists(
     st.tuples(
         st.integers(-(2**31), 2**31 - 1),
