@@ -65,10 +65,18 @@ def _parse_number(variable: str, text: str) -> float:
         raise UsageError(f"{variable}={text!r} is not a number of seconds") from None
 
 
-def _parse_seconds(variable: str, text: str) -> float | None:
+def parse_seconds(text: str, what: str = "") -> float | None:
+    """A timeout as written in an environment variable ``what`` or on the command line: a
+    positive number of seconds, or a word for no limit ('none', 'inf', 'infinity', 'forever')."""
     if text.strip().lower() in ("none", "inf", "infinity", "forever"):
         return None
-    return check_timeout(_parse_number(variable, text), variable)
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"{what + '=' if what else ''}{text!r} is not a number of seconds (or 'none')") from None
+    if not value > 0:  # NaN too
+        raise UsageError(f"{what + ' ' if what else ''}must be > 0 seconds or 'none', got {text!r}")
+    return None if math.isinf(value) else value
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -178,7 +186,7 @@ class Settings:
                 elif name == "batch_window":
                     value = _parse_number(variable, text)
                 else:
-                    value = _parse_seconds(variable, text)
+                    value = parse_seconds(text, variable)
             if value is not DEFAULT:
                 values[name] = value
         token_file = values.pop("token_file", None)

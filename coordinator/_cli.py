@@ -17,6 +17,9 @@ import sys
 import time
 from typing import Any, Callable, Mapping
 
+from pjrt_rendezvous.client._config import parse_seconds
+from pjrt_rendezvous.client._errors import UsageError
+
 from ._core import Limits
 from ._monitor import DEFAULT_LATE_AFTER
 from ._server import DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_SESSION_PORT
@@ -71,15 +74,10 @@ def _session_port(text: str) -> int | str | None:
 
 
 def _seconds(text: str) -> float | None:
-    if text.strip().lower() == "none":
-        return None
     try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds or 'none', got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds or 'none', got {text}")
-    return value
+        return parse_seconds(text)  # as the client reads its timeouts
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive_seconds(text: str) -> float:

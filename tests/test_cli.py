@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import queue
@@ -395,6 +396,25 @@ def test_every_serve_option_has_a_variable():
     assert dests == set(_cli.SERVE_VARIABLES)
     assert all(v.startswith("PJRT_RENDEZVOUS_") for v in _cli.SERVE_VARIABLES.values())
     assert len(set(_cli.SERVE_VARIABLES.values())) == len(_cli.SERVE_VARIABLES)
+
+
+@pytest.mark.parametrize("text, seconds", [("2.5", 2.5), ("none", None), ("inf", None), (" Forever ", None)])
+def test_serve_reads_seconds_as_the_client_reads_its_timeouts(text, seconds):
+    """One parser for both: the same words for no limit, the same refusals."""
+    from pjrt_rendezvous.client._config import parse_seconds
+
+    assert _cli._seconds(text) == seconds == parse_seconds(text)
+
+
+@pytest.mark.parametrize("text", ["soon", "0", "-1", "nan", ""])
+def test_serve_refuses_seconds_the_client_refuses(text):
+    from pjrt_rendezvous.client._config import parse_seconds
+    from pjrt_rendezvous.client._errors import UsageError
+
+    with pytest.raises(argparse.ArgumentTypeError, match="seconds"):
+        _cli._seconds(text)
+    with pytest.raises(UsageError, match="seconds"):
+        parse_seconds(text)
 
 
 # -- logs -----------------------------------------------------------------------------------
