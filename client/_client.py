@@ -284,8 +284,7 @@ class Client:
                         self._relay_session = SocketSession.local(self._relay_path)
                     except grpc.RpcError as exc:
                         self._relay_session = None
-                        self._relay_retry_at = time.monotonic() + _RELAY_RETRY
-                        log.debug("%s; calling the coordinator directly", exc.details())
+                        self._avoid_relay(exc)
                 if self._relay_session is not None:
                     return self._relay_session
             if self._current_session is None or self._current_session.broken is not None:
@@ -328,7 +327,11 @@ class Client:
     def _relay_failed(self, exc: grpc.RpcError) -> None:
         """The host's relay is not there (yet, or any more): the coordinator directly for a while."""
         with self._session_lock:
-            self._relay_retry_at = time.monotonic() + _RELAY_RETRY
+            self._avoid_relay(exc)
+
+    def _avoid_relay(self, exc: grpc.RpcError) -> None:
+        """With the session lock held: calls go to the coordinator directly for a while."""
+        self._relay_retry_at = time.monotonic() + _RELAY_RETRY
         log.debug("host relay at %s unavailable (%s); calling the coordinator directly", self._relay_path, exc.details())
 
     def _leave_relay(self) -> None:
