@@ -326,6 +326,12 @@ class Core:
         # Grows with every change worth persisting (ranks, finished rounds, events, keys);
         # the state-file writer compares it with the version it last wrote.
         self.version = 0
+        # Grows with the same changes but a round finishing: finished rounds alone are
+        # appended to the state file's journal (``journal``), other changes rewrite it.
+        self.state_version = 0
+        # Rounds finished since the state-file writer last took them (``take_finished``):
+        # (job name, round). None: none kept (no state file).
+        self.journal: list[tuple[str, Round]] | None = None
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -336,6 +342,24 @@ class Core:
 
     def _changed(self) -> None:
         self.version += 1
+        self.state_version += 1
+
+    def take_finished(self) -> list[tuple[str, Round]]:
+        """Returns and clears the rounds finished since the last call (kept from the first)."""
+        finished, self.journal = self.journal or [], []
+        return finished
+
+    @staticmethod
+    def record_finished(job: Job, rnd: Round) -> None:
+        """Files a finished round with its group (also how a state file's journal is replayed)."""
+        state = job.groups.get((rnd.generation, rnd.group))
+        if state is None:
+            state = job.groups[(rnd.generation, rnd.group)] = _Group()
+        state.finished[rnd.number] = rnd
+        while len(state.finished) > _FINISHED_ROUNDS_KEPT:
+            state.finished.popitem(last=False)
+        while state.next_round in state.finished:
+            state.next_round += 1
 
     def _job(self, name: str) -> Job:
         job = self.jobs.get(name)
@@ -886,13 +910,10 @@ class Core:
         for ordinal in rnd.arrivals:
             if job.blocked.get(ordinal) == rnd.key:
                 del job.blocked[ordinal]
-        state = job.groups[(rnd.generation, rnd.group)]
-        state.finished[rnd.number] = rnd
-        while len(state.finished) > _FINISHED_ROUNDS_KEPT:
-            state.finished.popitem(last=False)
-        while state.next_round in state.finished:
-            state.next_round += 1
-        self._changed()
+        self.record_finished(job, rnd)
+        self.version += 1
+        if self.journal is not None:
+            self.journal.append((job.name, rnd))
         self._wakeups.append(("round", job.name, *rnd.key))
 
     def _complete(self, job: Job, rnd: Round) -> None:

@@ -9,6 +9,14 @@ timeout from the restart).
 Format: one JSON document ``{"format", "version", "sha256", "body"}``; bytes are base64.
 Writes are atomic (temporary file, fsync, rename, fsync of the folder); a torn or edited
 file fails its checksum and is reported, never half-loaded.
+
+Beside it, ``PATH.journal``: the rounds finished since the state file was written, one
+line per write, ``<sha256 of the JSON> <JSON>``, appended and fsynced before their callers
+are answered. A round costs one short line instead of a rewrite of the whole state (every
+rank, key and kept round). Any other change rewrites the state file and empties the
+journal, as does a journal grown past ``JOURNAL_LIMIT``. Loading replays the lines newer
+than the state file (each carries the core's version); a last line cut short by a crash was
+never acknowledged and is ignored, a damaged line before it is reported.
 """
 
 from __future__ import annotations
@@ -123,7 +131,7 @@ def snapshot(core: Core) -> dict:
                 "requests": [[k, _request_result(v)] for k, v in job.request_results.items()],
             }
         )
-    return {"jobs": jobs}
+    return {"version": core.version, "jobs": jobs}
 
 
 def restore(
@@ -175,7 +183,67 @@ def restore(
         job.kv = {k: _unb(v) for k, v in d["kv"].items()}
         job.request_results = collections.OrderedDict((k, _request_result_back(v)) for k, v in d["requests"])
         core.jobs[job.name] = job
+    core.version = body.get("version", 0)
     return core
+
+
+JOURNAL_LIMIT = 4 << 20  # bytes of journal after which the next write is the whole state
+
+
+def journal_path(path: pathlib.Path) -> pathlib.Path:
+    return path.with_name(path.name + ".journal")
+
+
+def journal_entry(version: int, finished: list[tuple[str, Round]], completed: dict[str, int]) -> bytes:
+    """One journal line: ``finished`` (job name, round) as of core ``version``, with each
+    job's count of completed rounds."""
+    rounds: dict[str, list] = {}
+    for name, rnd in finished:
+        rounds.setdefault(name, []).append(_round_to_json(rnd))
+    text = json.dumps({"version": version, "rounds": rounds, "completed": completed}, separators=(",", ":"))
+    return f"{hashlib.sha256(text.encode()).hexdigest()} {text}\n".encode()
+
+
+def append_durably(path: pathlib.Path, data: bytes) -> None:
+    with open(path, "ab") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_state(path: pathlib.Path, data: bytes) -> None:
+    """Replaces the state file with ``data`` (from :func:`encode`) and empties its journal."""
+    write_atomic(path, data)
+    write_atomic(journal_path(path), b"")  # a crash between the two: the lines are older, skipped
+
+
+def replay_journal(core: Core, path: pathlib.Path) -> None:
+    """Applies the journal lines of state file ``path`` newer than ``core`` (just restored)."""
+    try:
+        data = journal_path(path).read_bytes()
+    except FileNotFoundError:
+        return
+    hint = f"; move {path} and {journal_path(path).name} away to start with an empty coordinator"
+    lines = data.split(b"\n")
+    lines.pop()  # b"" after the last newline, or a line cut short (never acknowledged)
+    for number, line in enumerate(lines, 1):
+        digest, _, text = line.partition(b" ")
+        if hashlib.sha256(text).hexdigest().encode() != digest:
+            if number == len(lines):
+                break  # the last write, cut short: its callers were never answered
+            raise StateFileError(f"{journal_path(path)} is corrupt at line {number}: its checksum does not match{hint}")
+        try:
+            entry = json.loads(text)
+            if entry["version"] <= core.version:
+                continue  # already in the state file (written after this line)
+            for name, rounds in entry["rounds"].items():
+                job = core.jobs[name]
+                for r in rounds:
+                    Core.record_finished(job, _round_from_json(r))
+                job.rounds_completed = max(job.rounds_completed, entry["completed"].get(name, 0))
+            core.version = entry["version"]
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise StateFileError(f"{journal_path(path)} line {number} is not a valid journal entry ({type(exc).__name__}: {exc}){hint}") from exc
 
 
 def encode(body: dict) -> bytes:
@@ -231,6 +299,8 @@ def load(path: pathlib.Path, *, now: float, limits: Limits | None, heartbeat_tim
         return None
     body = decode(data, path=str(path))
     try:
-        return restore(body, now=now, limits=limits, heartbeat_timeout=heartbeat_timeout)
+        core = restore(body, now=now, limits=limits, heartbeat_timeout=heartbeat_timeout)
     except (ValueError, KeyError, TypeError) as exc:
         raise StateFileError(f"{path} does not hold a valid coordinator state ({type(exc).__name__}: {exc})") from exc
+    replay_journal(core, path)
+    return core

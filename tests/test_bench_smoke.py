@@ -147,3 +147,16 @@ def test_client_cpu_table_measures_every_installed_system(smoke):
         assert re.match(r"^\d+$", cells["ours"]) and int(cells["ours"]) > 0, row
         for name in ("TCPStore thread", "TCPStore process", "JAX"):
             assert re.match(r"^\d+$", cells[name]) or _EXPLAINED.match(cells[name]), f"{name} = {cells[name]!r}"
+
+
+def test_state_file_bench_compares_the_journal_with_whole_rewrites():
+    """bench/state_file.py runs at the smallest size and prints one complete row."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "state_file.py"), "--sizes", "2x1", "--rounds", "3", "--reps", "1"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout
+    header, rule, *rows = [line for line in out.splitlines() if line.startswith("|")]
+    assert "journal" in header and rule.startswith("|---")
+    (row,) = rows
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[0] == "2x1 (2)" and all(_NUMBER.match(c) or c.endswith("x") for c in cells[1:]), cells

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import pathlib
 import re
@@ -145,3 +146,138 @@ def test_coordinator_killed_mid_job_restarts_from_its_state_file(tmp_path):
     assert after == before
     assert job.rounds_completed == 40
     assert adds == b"160"
+
+
+# -- the journal: finished rounds appended, not the whole state rewritten -----------------------
+
+
+def journaled_core(path: pathlib.Path):
+    """A core of two processes with a state writer on ``path``, its first write done."""
+    from pjrt_rendezvous.coordinator._server import _StateWriter
+
+    core, _ = populated_core()
+    writer = _StateWriter(core, path)
+    return core, writer
+
+
+def play(core: Core, first: int, last: int) -> None:
+    """Rounds ``first``..``last`` of both processes (payload: the round number and ordinal)."""
+    for number in range(first, last + 1):
+        for task in range(2):
+            core.arrive(
+                2.0, job="j", incarnation=f"inc{task}", replicas=[], round_number=number,
+                contributions=[Contribution(ordinal=task, tag="t", payload=b"%d/%d" % (number, task))], deadline=None,
+            )
+
+
+def test_finished_rounds_go_to_the_journal_and_come_back_after_a_crash(tmp_path):
+    """After the first write, a round only appends a line to the journal (the state file is
+    not rewritten); loading replays the lines: the same rounds, counters and next round."""
+    path = tmp_path / "state.json"
+    core, writer = journaled_core(path)
+
+    async def main():
+        await writer.flush()
+        state = path.read_bytes()
+        for number in range(1, 31):
+            play(core, number, number)
+            await writer.flush()
+        assert path.read_bytes() == state
+        writer.close()
+
+    asyncio.run(main())
+    assert len(_state.journal_path(path).read_bytes().splitlines()) == 30
+    restored = _state.load(path, now=60.0, limits=None, heartbeat_timeout=None)
+    assert _state.snapshot(restored) == _state.snapshot(core)
+    assert restored.jobs["j"].rounds_completed == 31
+    key = restored.arrive(
+        61.0, job="j", incarnation="inc0", replicas=[], round_number=30,
+        contributions=[Contribution(ordinal=0, tag="t", payload=b"30/0")], deadline=None,
+    )
+    assert restored.outcome("j", key).result == [b"30/0", b"30/1"]  # a resend gets the stored result
+
+
+def test_a_journal_cut_short_loses_only_its_last_unacknowledged_line(tmp_path):
+    """A crash in the middle of an append leaves a partial last line: ignored (its callers
+    were never answered). A damaged line before the last is reported, never skipped."""
+    path = tmp_path / "state.json"
+    core, writer = journaled_core(path)
+
+    async def main():
+        await writer.flush()
+        for number in range(1, 4):
+            play(core, number, number)
+            await writer.flush()
+        writer.close()
+
+    asyncio.run(main())
+    journal = _state.journal_path(path)
+    lines = journal.read_bytes().splitlines(keepends=True)
+    journal.write_bytes(b"".join(lines) + lines[-1][:40])  # a torn fourth append
+    assert _state.snapshot(_state.load(path, now=0.0, limits=None, heartbeat_timeout=None)) == _state.snapshot(core)
+    journal.write_bytes(lines[0] + lines[1] + lines[2].replace(b'"t"', b'"u"'))  # the last, damaged
+    restored = _state.load(path, now=0.0, limits=None, heartbeat_timeout=None)
+    assert restored.jobs["j"].rounds_completed == core.jobs["j"].rounds_completed - 1
+    journal.write_bytes(lines[0] + lines[1].replace(b'"t"', b'"u"') + lines[2])
+    with pytest.raises(StateFileError, match="corrupt at line 2"):
+        _state.load(path, now=0.0, limits=None, heartbeat_timeout=None)
+
+
+def test_journal_lines_older_than_the_state_file_are_skipped(tmp_path):
+    """A crash between rewriting the state file and emptying the journal leaves older lines
+    behind: their version is not newer than the state file's, so they are not replayed."""
+    path = tmp_path / "state.json"
+    core, writer = journaled_core(path)
+
+    async def main():
+        await writer.flush()
+        writer.close()
+
+    asyncio.run(main())
+    from pjrt_rendezvous.coordinator._core import Round
+
+    old = Round(generation=1, group=(0,), number=7, started=0.0, members=frozenset({0}), size=1, tag="t", result=[b"old"])
+    _state.journal_path(path).write_bytes(_state.journal_entry(core.version, [("j", old)], {"j": 99}))
+    restored = _state.load(path, now=0.0, limits=None, heartbeat_timeout=None)
+    assert _state.snapshot(restored) == _state.snapshot(core)
+
+
+def test_other_changes_and_a_long_journal_rewrite_the_state(tmp_path, monkeypatch):
+    """A key-value change rewrites the state file and empties the journal; so does the next
+    write once the journal has grown past JOURNAL_LIMIT; a failed append makes the next write
+    whole. The state loads the same every time."""
+    path = tmp_path / "state.json"
+    core, writer = journaled_core(path)
+    journal = _state.journal_path(path)
+
+    def loaded():
+        return _state.snapshot(_state.load(path, now=0.0, limits=None, heartbeat_timeout=None))
+
+    async def main():
+        await writer.flush()
+        play(core, 1, 1)
+        await writer.flush()
+        assert journal.stat().st_size > 0
+        core.kv_set("j", [("k", b"v2")])
+        play(core, 2, 2)
+        await writer.flush()
+        assert journal.stat().st_size == 0 and loaded() == _state.snapshot(core)
+        monkeypatch.setattr(_state, "JOURNAL_LIMIT", 1000)
+        for number in range(3, 30):
+            play(core, number, number)
+            await writer.flush()
+            assert journal.stat().st_size < 1000 + 400
+        assert loaded() == _state.snapshot(core)
+        journal.unlink()
+        journal.mkdir()  # the next append fails
+        play(core, 30, 30)
+        with pytest.raises(OSError):
+            await writer.flush()
+        journal.rmdir()
+        play(core, 31, 31)
+        state = path.read_bytes()
+        await writer.flush()
+        assert path.read_bytes() != state and loaded() == _state.snapshot(core)
+        writer.close()
+
+    asyncio.run(main())
