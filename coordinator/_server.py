@@ -285,7 +285,10 @@ class _StateWriter:
                 error = None
             except BaseException as exc:  # handed to the waiting callers
                 error = exc
-            loop.call_soon_threadsafe(self._written_up_to, after, error)
+            try:
+                loop.call_soon_threadsafe(self._written_up_to, after, error)
+            except RuntimeError:  # the loop closed meanwhile: nobody waits any more
+                return
 
     def _written_up_to(self, after: tuple[int, int, int], error: BaseException | None) -> None:
         """On the loop: the write under way is done. The bookkeeping comes first: a caller
