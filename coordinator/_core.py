@@ -345,7 +345,8 @@ class Core:
         self.state_version += 1
 
     def take_finished(self) -> list[tuple[str, Round]]:
-        """Returns and clears the rounds finished since the last call (kept from the first)."""
+        """Returns and clears the rounds finished since the last call (kept only once a
+        state-file writer has set ``journal``)."""
         finished, self.journal = self.journal or [], []
         return finished
 

@@ -152,7 +152,7 @@ def test_coordinator_killed_mid_job_restarts_from_its_state_file(tmp_path):
 
 
 def journaled_core(path: pathlib.Path):
-    """A core of two processes with a state writer on ``path``, its first write done."""
+    """A core of two processes with a state writer on ``path`` (nothing written yet)."""
     from pjrt_rendezvous.coordinator._server import _StateWriter
 
     core, _ = populated_core()
