@@ -197,6 +197,13 @@ def _store_barrier(store, key: str, members: int) -> None:
         store.wait([key + "/last"])
 
 
+class OursStateFile(Ours):
+    """Ours with the coordinator keeping a state file (``serve --state-file``), as the image,
+    the systemd unit and the Kubernetes manifest run it: every answered change is on disk."""
+
+    name = "ours/state-file"
+
+
 class TCPStoreThread(System):
     """TCPStore with one client per participant (thread)."""
 
@@ -328,5 +335,5 @@ class JaxProcess(System):
         self.client.shutdown()  # a barrier of every process, bounded by shutdown_timeout
 
 
-SYSTEMS = {cls.name: cls for cls in (Ours, TCPStoreThread, TCPStoreProcess, JaxProcess)}
-SERVER_KIND = {"ours": "ours", "tcpstore/thread": "tcpstore", "tcpstore/process": "tcpstore", "jax/process": "jax"}
+SYSTEMS = {cls.name: cls for cls in (Ours, OursStateFile, TCPStoreThread, TCPStoreProcess, JaxProcess)}
+SERVER_KIND = {"ours": "ours", "ours/state-file": "ours/state-file", "tcpstore/thread": "tcpstore", "tcpstore/process": "tcpstore", "jax/process": "jax"}

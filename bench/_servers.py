@@ -14,6 +14,7 @@ servers) or on SIGTERM (ours), so a crashed harness leaves nothing behind for lo
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -70,9 +71,12 @@ def rss_mb(pid: int) -> float:
 class Server:
     """A server subprocess: ``address``, ``pid``, ``stop()``; its log goes to a temp file."""
 
-    def __init__(self, kind: str, argv: list[str], env: dict[str, str] | None = None, timeout: float = 60.0):
+    def __init__(
+        self, kind: str, argv: list[str], env: dict[str, str] | None = None, timeout: float = 60.0, folder: str | None = None
+    ):
         self.kind = kind
-        self.log = tempfile.NamedTemporaryFile(prefix=f"bench-{kind}-", suffix=".log", delete=False)
+        self.folder = folder  # removed by stop()
+        self.log = tempfile.NamedTemporaryFile(prefix=f"bench-{kind.replace('/', '-')}-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
             argv,
             stdin=subprocess.PIPE,
@@ -91,7 +95,7 @@ class Server:
         self.address = line.rsplit(" ", 1)[1].strip()
         self.pid = self.proc.pid
         self.session_port: int | None = None  # ours: the session port (client/_session.py)
-        if kind == "ours":
+        if kind.startswith("ours"):
             line = self.proc.stdout.readline()
             if "session port" not in line:
                 self.stop()
@@ -121,19 +125,18 @@ class Server:
             os.unlink(self.log.name)
         except OSError:
             pass
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def use_product(tree: str) -> str:
     """Makes ``pjrt_rendezvous`` import from the source tree ``tree`` (a checkout with the
     package's top-level folders) in this process and every subprocess started after, ahead
     of the installed (editable) one: for before/after measurements of a patch."""
-    import tempfile as _tempfile
-
     import atexit
-    import shutil
 
     tree = os.path.abspath(tree)
-    root = _tempfile.mkdtemp(prefix="bench-product-")
+    root = tempfile.mkdtemp(prefix="bench-product-")
     atexit.register(shutil.rmtree, root, True)
     os.mkdir(os.path.join(root, "pjrt_rendezvous"))
     for name in ("coordinator", "client", "protos"):
@@ -200,9 +203,13 @@ def peer_env() -> dict[str, str]:
 
 
 def start(kind: str, *, num_processes: int = 0, python: str = sys.executable) -> Server:
-    if kind == "ours":
+    if kind in ("ours", "ours/state-file"):
         argv = [python, "-m", "pjrt_rendezvous.coordinator", "serve", "--port", "0"]
-        return Server(kind, argv, env=dict(os.environ))
+        folder = None
+        if kind == "ours/state-file":  # on this machine's disk, as a deployment's would be
+            folder = tempfile.mkdtemp(prefix="bench-state-")
+            argv += ["--state-file", os.path.join(folder, "coordinator.state")]
+        return Server(kind, argv, env=dict(os.environ), folder=folder)
     here = os.path.abspath(__file__)
     if kind == "tcpstore" and "torch.distributed" in sys.modules:
         return ForkedServer(kind, _tcpstore_master)

@@ -1,15 +1,18 @@
 """What a state file (``serve --state-file``, the default of the image, the unit and the
-Kubernetes manifest) adds to a barrier round, side by side: finished rounds appended to the
-journal (what the coordinator does) vs the whole state rewritten at every round (what it did
-before the journal; ``JOURNAL_LIMIT = 0`` forces it).
+Kubernetes manifest) adds to a barrier round and to a round of key sets, side by side: the
+changes appended to the journal (what the coordinator does) vs the whole state rewritten at
+every change (what it did before the journal; ``JOURNAL_LIMIT = 0`` forces it).
 
     python bench/state_file.py [--sizes 2x1,8x1,64x8,512x8] [--rounds 40] [--reps 3]
 
 In-process and without sockets: the real core and the real state writer (its thread, its
-fsyncs, in a temporary folder of this machine's disk), one barrier round of every process
-then one flush, as the coordinator does when the round's last arrival completes it. Reported,
-the better of ``--reps``: the process CPU a flush takes (the writer's thread included) and its
-wall time (what a round's callers wait for their answers), per round.
+fsyncs, in a temporary folder of this machine's disk). A barrier round is one arrival of
+every process, then one flush, as the coordinator does when the round's last arrival
+completes it; a key-value round is one set by every process of a key per thread (each
+ordinal overwrites its own key, 16 bytes), then one flush, as when the sets arrive together
+(group commit). Reported, the better of ``--reps``: the process CPU a flush takes (the
+writer's thread included) and its wall time (what the callers wait for their answers), per
+round.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def _core(processes: int, threads: int) -> Core:
     return core
 
 
-async def _measure(processes: int, threads: int, rounds: int, reps: int, whole: bool) -> tuple[float, float]:
+async def _measure(processes: int, threads: int, rounds: int, reps: int, whole: bool, workload: str) -> tuple[float, float]:
     core = _core(processes, threads)
     folder = pathlib.Path(tempfile.mkdtemp(prefix="bench-state-"))
     writer = _server._StateWriter(core, folder / "coordinator.state")
@@ -55,6 +58,14 @@ async def _measure(processes: int, threads: int, rounds: int, reps: int, whole: 
             core.arrive(0.0, job="j", incarnation=f"inc-{p}", replicas=[], round_number=number, contributions=rows[p], deadline=None)
         number += 1
 
+    def key_sets() -> None:
+        nonlocal number
+        value = b"%016d" % number
+        for p in range(processes):
+            core.kv_set("j", [(f"kv/{p * threads + t}", value) for t in range(threads)])
+        number += 1
+
+    change = barrier if workload == "barrier" else key_sets
     limit = _state.JOURNAL_LIMIT
     _state.JOURNAL_LIMIT = 0 if whole else limit
     best = (float("inf"), float("inf"))
@@ -62,7 +73,7 @@ async def _measure(processes: int, threads: int, rounds: int, reps: int, whole: 
         for _ in range(reps):
             cpu = wall = 0.0
             for _ in range(rounds):
-                barrier()
+                change()
                 started, clock = time.process_time(), time.perf_counter()
                 await writer.flush()
                 cpu += time.process_time() - started
@@ -84,18 +95,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args(argv)
     rows = []
-    for size in args.sizes.split(","):
-        processes, threads = map(int, size.split("x"))
-        journal = asyncio.run(_measure(processes, threads, args.rounds, args.reps, whole=False))
-        whole = asyncio.run(_measure(processes, threads, args.rounds, args.reps, whole=True))
-        rows.append([
-            f"{size} ({processes * threads})", ms(journal[0]), ms(whole[0]), f"{whole[0] / journal[0]:.1f}x",
-            ms(journal[1]), ms(whole[1]),
-        ])
-        print(f"  {size}: journal {ms(journal[0])} ms CPU, whole state {ms(whole[0])} ms CPU per round", file=sys.stderr)
+    for workload in ("barrier", "key-value"):
+        for size in args.sizes.split(","):
+            processes, threads = map(int, size.split("x"))
+            journal = asyncio.run(_measure(processes, threads, args.rounds, args.reps, False, workload))
+            whole = asyncio.run(_measure(processes, threads, args.rounds, args.reps, True, workload))
+            rows.append([
+                workload, f"{size} ({processes * threads})", ms(journal[0]), ms(whole[0]),
+                f"{whole[0] / journal[0]:.1f}x", ms(journal[1]), ms(whole[1]),
+            ])
+            print(f"  {workload} {size}: journal {ms(journal[0])} ms CPU, whole state {ms(whole[0])} ms CPU per round", file=sys.stderr)
     print(table(
-        ["size (participants)", "flush CPU per round: journal (ms)", "whole state rewritten (ms)", "whole / journal",
-         "flush wall per round: journal (ms)", "whole state (ms)"],
+        ["workload", "size (participants)", "flush CPU per round: journal (ms)", "whole state rewritten (ms)",
+         "whole / journal", "flush wall per round: journal (ms)", "whole state (ms)"],
         rows,
     ))
     return 0

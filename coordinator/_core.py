@@ -326,12 +326,15 @@ class Core:
         # Grows with every change worth persisting (ranks, finished rounds, events, keys);
         # the state-file writer compares it with the version it last wrote.
         self.version = 0
-        # Grows with the same changes but a round finishing: finished rounds alone are
-        # appended to the state file's journal (``journal``), other changes rewrite it.
+        # Grows with the same changes but those the state file's journal takes: finished
+        # rounds and key-value changes are appended to it (``journal``), every other
+        # change (ranks, events) rewrites the state file.
         self.state_version = 0
-        # Rounds finished since the state-file writer last took them (``take_finished``):
-        # (job name, round). None: none kept (no state file).
-        self.journal: list[tuple[str, Round]] | None = None
+        # Journaled changes since the state-file writer last took them (``take_journal``),
+        # in order: ("round", job name, Round), ("set", job name, key, value), ("delete",
+        # job name, key), ("request", job name, request id, result). None: none kept (no
+        # state file).
+        self.journal: list[tuple] | None = None
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -344,11 +347,17 @@ class Core:
         self.version += 1
         self.state_version += 1
 
-    def take_finished(self) -> list[tuple[str, Round]]:
-        """Returns and clears the rounds finished since the last call (kept only once a
-        state-file writer has set ``journal``)."""
-        finished, self.journal = self.journal or [], []
-        return finished
+    def _journaled(self, change: tuple) -> None:
+        """A change the state file's journal takes (see ``journal``) was made."""
+        self.version += 1
+        if self.journal is not None:
+            self.journal.append(change)
+
+    def take_journal(self) -> list[tuple]:
+        """Returns and clears the journaled changes made since the last call (kept only once
+        a state-file writer has set ``journal``)."""
+        changes, self.journal = self.journal or [], []
+        return changes
 
     @staticmethod
     def record_finished(job: Job, rnd: Round) -> None:
@@ -361,6 +370,14 @@ class Core:
             state.finished.popitem(last=False)
         while state.next_round in state.finished:
             state.next_round += 1
+
+    @staticmethod
+    def record_request(job: Job, request_id: str, result) -> None:
+        """Keeps the result of a non-idempotent change for its retries (also how a state
+        file's journal is replayed)."""
+        job.request_results[request_id] = result
+        while len(job.request_results) > _REQUEST_IDS_KEPT:
+            job.request_results.popitem(last=False)
 
     def _job(self, name: str) -> Job:
         job = self.jobs.get(name)
@@ -912,9 +929,7 @@ class Core:
             if job.blocked.get(ordinal) == rnd.key:
                 del job.blocked[ordinal]
         self.record_finished(job, rnd)
-        self.version += 1
-        if self.journal is not None:
-            self.journal.append((job.name, rnd))
+        self._journaled(("round", job.name, rnd))
         self._wakeups.append(("round", job.name, *rnd.key))
 
     def _complete(self, job: Job, rnd: Round) -> None:
@@ -1133,7 +1148,7 @@ class Core:
 
     def _write(self, job: Job, key: str, value: bytes) -> None:
         job.kv[key] = value
-        self._changed()
+        self._journaled(("set", job.name, key, value))
         self._wakeups.append(("kv", job.name, key))
 
     def _once(self, job: Job, request_id: str, apply):
@@ -1142,9 +1157,8 @@ class Core:
             return job.request_results[request_id]
         result = apply()
         if request_id:
-            job.request_results[request_id] = result
-            while len(job.request_results) > _REQUEST_IDS_KEPT:
-                job.request_results.popitem(last=False)
+            self.record_request(job, request_id, result)
+            self._journaled(("request", job.name, request_id, result))
         return result
 
     def kv_set(self, job_name: str, entries: Sequence[tuple[str, bytes]]) -> None:
@@ -1222,8 +1236,10 @@ class Core:
     def kv_delete(self, job_name: str, key: str) -> bool:
         self._check_key(key)
         job = self._job_or_create(job_name)
-        self._changed()
-        return job.kv.pop(key, None) is not None
+        if job.kv.pop(key, None) is None:
+            return False
+        self._journaled(("delete", job.name, key))
+        return True
 
     def kv_list(self, job_name: str, prefix: str = "") -> list[tuple[str, bytes]]:
         job = self._job_or_create(job_name)

@@ -224,22 +224,22 @@ class _Connection(FramedSession):
 
 class _StateWriter:
     """Group commit of the state file: a caller returns once a write covering its change
-    (``core.version`` at the call) is on disk. Finished rounds alone are appended to the
-    journal; any other change rewrites the state file (``_state``). The core is read and
+    (``core.version`` at the call) is on disk. Finished rounds and key-value changes are
+    appended to the journal; any other change rewrites the state file (``_state``). The core is read and
     encoded on the event loop (it is not thread-safe, and encoding holds the GIL anyway);
     the writing and fsyncs run in the writer's own thread, one hop away (``asyncio.to_thread``
     costs twice the CPU, a cost every round pays)."""
 
     def __init__(self, core: Core, path: pathlib.Path) -> None:
         self._core = core
-        self._path = path
+        self._files = _state.Files(path)  # used by the writer's thread alone
         self._written = -1  # core.version on disk
         self._state_written = -1  # core.state_version in the state file
         self._journal_size = 0
         self._inflight: asyncio.Future | None = None  # the write under way
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        core.journal = []  # the core keeps finished rounds for the journal from now on
+        core.journal = []  # the core keeps the changes for the journal from now on
 
     async def flush(self) -> None:
         wanted = self._core.version
@@ -252,22 +252,22 @@ class _StateWriter:
             await (self._inflight if asyncio.current_task() is None else asyncio.shield(self._inflight))
 
     def _write(self) -> None:
-        """Starts writing what the core holds now: the rounds finished since the last write
-        to the journal, or (after any other change) the whole state."""
+        """Starts writing what the core holds now: the changes since the last write to the
+        journal (finished rounds, key-value changes), or (after any other) the whole state."""
         core = self._core
         version = core.version
-        finished = core.take_finished()
+        changes = core.take_journal()
         try:
             if core.state_version == self._state_written and self._journal_size < _state.JOURNAL_LIMIT:
-                completed = {name: core.jobs[name].rounds_completed for name, _ in finished}
-                entry = _state.journal_entry(version, finished, completed)
+                completed = {c[1]: core.jobs[c[1]].rounds_completed for c in changes if c[0] == "round"}
+                entry = _state.journal_entry(version, changes, completed)
                 after = (version, self._state_written, self._journal_size + len(entry))
-                request = (_state.append_durably, (_state.journal_path(self._path), entry))
+                request = (self._files.append, entry)
             else:
                 after = (version, core.state_version, 0)
-                request = (_state.write_state, (self._path, _state.encode(_state.snapshot(core))))
+                request = (self._files.rewrite, _state.encode(_state.snapshot(core)))
         except BaseException:
-            self._state_written = -1  # the rounds taken are not on disk: the next write is whole
+            self._state_written = -1  # the changes taken are not on disk: the next write is whole
             raise
         loop = asyncio.get_running_loop()
         if self._thread is None:
@@ -278,17 +278,20 @@ class _StateWriter:
 
     def _serve(self, loop: asyncio.AbstractEventLoop) -> None:
         """The writer's thread: writes what it is asked, in order."""
-        while (request := self._requests.get()) is not None:
-            write, args, after = request
-            try:
-                write(*args)
-                error = None
-            except BaseException as exc:  # handed to the waiting callers
-                error = exc
-            try:
-                loop.call_soon_threadsafe(self._written_up_to, after, error)
-            except RuntimeError:  # the loop closed meanwhile: nobody waits any more
-                return
+        try:
+            while (request := self._requests.get()) is not None:
+                write, data, after = request
+                try:
+                    write(data)
+                    error = None
+                except BaseException as exc:  # handed to the waiting callers
+                    error = exc
+                try:
+                    loop.call_soon_threadsafe(self._written_up_to, after, error)
+                except RuntimeError:  # the loop closed meanwhile: nobody waits any more
+                    return
+        finally:
+            self._files.close()
 
     def _written_up_to(self, after: tuple[int, int, int], error: BaseException | None) -> None:
         """On the loop: the write under way is done. The bookkeeping comes first: a caller
@@ -297,7 +300,7 @@ class _StateWriter:
         if error is None:
             self._written, self._state_written, self._journal_size = after
         else:
-            self._state_written = -1  # the rounds taken are not on disk: the next write is whole
+            self._state_written = -1  # the changes taken are not on disk: the next write is whole
         if not done.cancelled():  # cannot be (see flush), but a loop callback must not raise
             done.set_result(None) if error is None else done.set_exception(error)
 

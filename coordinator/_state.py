@@ -10,13 +10,14 @@ Format: one JSON document ``{"format", "version", "sha256", "body"}``; bytes are
 Writes are atomic (temporary file, fsync, rename, fsync of the folder); a torn or edited
 file fails its checksum and is reported, never half-loaded.
 
-Beside it, ``PATH.journal``: the rounds finished since the state file was written, one
-line per write, ``<sha256 of the JSON> <JSON>``, appended and fsynced before their callers
-are answered. A round costs one short line instead of a rewrite of the whole state (every
-rank, key and kept round). Any other change rewrites the state file and empties the
-journal, as does a journal grown past ``JOURNAL_LIMIT``. Loading replays the lines newer
-than the state file (each carries the core's version); a last line cut short by a crash was
-never acknowledged and is ignored, a damaged line before it is reported.
+Beside it, ``PATH.journal``: the rounds finished and the key-value changes made since the
+state file was written, one line per write, ``<sha256 of the JSON> <JSON>``, appended and
+fsynced before their callers are answered. A round or a key set costs one short line instead
+of a rewrite of the whole state (every rank, key and kept round). Any other change (ranks,
+events) rewrites the state file and empties the journal, as does a journal grown past
+``JOURNAL_LIMIT``. Loading replays the lines newer than the state file (each carries the
+core's version); a last line cut short by a crash was never acknowledged and is ignored, a
+damaged line before it is reported.
 """
 
 from __future__ import annotations
@@ -194,27 +195,71 @@ def journal_path(path: pathlib.Path) -> pathlib.Path:
     return path.with_name(path.name + ".journal")
 
 
-def journal_entry(version: int, finished: list[tuple[str, Round]], completed: dict[str, int]) -> bytes:
-    """One journal line: ``finished`` (job name, round) as of core ``version``, with each
-    job's count of completed rounds."""
+def journal_entry(version: int, changes: list[tuple], completed: dict[str, int]) -> bytes:
+    """One journal line: ``changes`` (from ``Core.take_journal``) as of core ``version``,
+    with each job's count of completed rounds."""
     rounds: dict[str, list] = {}
-    for name, rnd in finished:
-        rounds.setdefault(name, []).append(_round_to_json(rnd))
-    text = json.dumps({"version": version, "rounds": rounds, "completed": completed}, separators=(",", ":"))
+    kv = []
+    for change in changes:
+        if change[0] == "round":
+            rounds.setdefault(change[1], []).append(_round_to_json(change[2]))
+        elif change[0] == "set":
+            kv.append(["set", change[1], change[2], _b(change[3])])
+        elif change[0] == "request":
+            kv.append(["request", change[1], change[2], _request_result(change[3])])
+        else:
+            kv.append(list(change))
+    entry = {"version": version, "rounds": rounds, "completed": completed}
+    if kv:
+        entry["kv"] = kv  # in order: a key set, deleted and set again must end set
+    text = json.dumps(entry, separators=(",", ":"))
     return f"{hashlib.sha256(text.encode()).hexdigest()} {text}\n".encode()
 
 
-def append_durably(path: pathlib.Path, data: bytes) -> None:
-    with open(path, "ab") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+def _replay_kv(core: Core, changes: list) -> None:
+    for kind, name, key, *value in changes:
+        job = core.jobs.get(name)
+        if job is None:  # created by a key-value call (which does not rewrite the state)
+            job = core.jobs[name] = Job(name=name)
+        if kind == "set":
+            job.kv[key] = _unb(value[0])
+        elif kind == "delete":
+            job.kv.pop(key, None)
+        elif kind == "request":
+            Core.record_request(job, key, _request_result_back(value[0]))
+        else:
+            raise ValueError(f"unknown key-value change {kind!r}")
 
 
-def write_state(path: pathlib.Path, data: bytes) -> None:
-    """Replaces the state file with ``data`` (from :func:`encode`) and empties its journal."""
-    write_atomic(path, data)
-    write_atomic(journal_path(path), b"")  # a crash between the two: the lines are older, skipped
+class Files:
+    """The state file and its journal, as the state writer's thread writes them. The journal
+    stays open between appends: opening and closing it cost as much CPU again as a round's
+    line and its fsync."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path = path
+        self._journal: int | None = None  # the journal's descriptor, open for appends
+
+    def append(self, data: bytes) -> None:
+        """Appends ``data`` to the journal, on disk when this returns."""
+        if self._journal is None:
+            self._journal = os.open(journal_path(self.path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._journal, view):]
+        os.fsync(self._journal)
+
+    def rewrite(self, data: bytes) -> None:
+        """Replaces the state file with ``data`` (from :func:`encode`) and empties its journal
+        (also the way back after a failed append: a partial line goes with the old journal)."""
+        self.close()
+        write_atomic(self.path, data)
+        write_atomic(journal_path(self.path), b"")  # a crash between the two: the lines are older, skipped
+
+    def close(self) -> None:
+        if self._journal is not None:
+            os.close(self._journal)
+            self._journal = None
 
 
 def replay_journal(core: Core, path: pathlib.Path) -> None:
@@ -241,6 +286,7 @@ def replay_journal(core: Core, path: pathlib.Path) -> None:
                 for r in rounds:
                     Core.record_finished(job, _round_from_json(r))
                 job.rounds_completed = max(job.rounds_completed, entry["completed"].get(name, 0))
+            _replay_kv(core, entry.get("kv", []))
             core.version = entry["version"]
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise StateFileError(f"{journal_path(path)} line {number} is not a valid journal entry ({type(exc).__name__}: {exc}){hint}") from exc

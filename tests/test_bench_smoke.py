@@ -28,7 +28,7 @@ def _importable(module: str) -> bool:
 
 
 def _installed_systems() -> list[str]:
-    systems = ["ours"]
+    systems = ["ours", "ours/state-file"]
     if _importable("torch.distributed"):
         systems += ["tcpstore/thread", "tcpstore/process"]
     if _importable("jaxlib._jax"):
@@ -112,8 +112,20 @@ def test_each_workload_has_a_row_per_size_and_a_cell_per_system(smoke):
                     assert _NUMBER.match(cell) or _EXPLAINED.match(cell), f"{title}: {name} = {cell!r}"
             ratio = cells.get("ours/best p50") or cells["ours/best (formation)"]
             assert ratio == "—" or re.match(r"^\d+\.\d\d$", ratio), f"{title}: ratio {ratio!r}"
-            if len(systems) > 1 and title != "World formation":
+            if any(not name.startswith("ours") for name in systems) and title != "World formation":
                 assert ratio != "—", f"{title}: a peer is installed but no ratio: {row}"
+
+
+def test_ours_with_a_state_file_is_measured_beside_ours(smoke):
+    """Ours with its coordinator keeping a state file (as deployed): a row per workload, both
+    measured, and the ratio between them."""
+    _, text, _ = smoke
+    (rows,) = [rows for heading, rows in _tables(text).items() if heading.startswith("Ours with a state file")]
+    header, body = rows[0], rows[2:]
+    assert [(row[0], row[1]) for row in body] == [("2x1", w) for w in ("barrier", "allgather", "kv")], body
+    for row in body:
+        assert all(_NUMBER.match(cell) for cell in row[2:6]), row
+        assert re.match(r"^\d+\.\d\d$", row[6]), row
 
 
 def test_header_names_machine_versions_and_command(smoke):
@@ -150,13 +162,14 @@ def test_client_cpu_table_measures_every_installed_system(smoke):
 
 
 def test_state_file_bench_compares_the_journal_with_whole_rewrites():
-    """bench/state_file.py runs at the smallest size and prints one complete row."""
+    """bench/state_file.py runs at the smallest size and prints one complete row per workload."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "state_file.py"), "--sizes", "2x1", "--rounds", "3", "--reps", "1"],
         capture_output=True, text=True, timeout=120, check=True,
     ).stdout
     header, rule, *rows = [line for line in out.splitlines() if line.startswith("|")]
     assert "journal" in header and rule.startswith("|---")
-    (row,) = rows
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[0] == "2x1 (2)" and all(_NUMBER.match(c) or c.endswith("x") for c in cells[1:]), cells
+    assert [row.split("|")[1].strip() for row in rows] == ["barrier", "key-value"]
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1] == "2x1 (2)" and all(_NUMBER.match(c) or c.endswith("x") for c in cells[2:]), cells

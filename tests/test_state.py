@@ -197,6 +197,41 @@ def test_finished_rounds_go_to_the_journal_and_come_back_after_a_crash(tmp_path)
     assert restored.outcome("j", key).result == [b"30/0", b"30/1"]  # a resend gets the stored result
 
 
+def test_key_value_changes_go_to_the_journal_in_order_and_come_back(tmp_path):
+    """Sets, deletes, request-id changes and a job created by a key-value call are appended
+    to the journal, not rewritten into the state file; replayed in order they give the same
+    keys, and a retried request gets its first result."""
+    path = tmp_path / "state.json"
+    core, writer = journaled_core(path)
+
+    async def main():
+        await writer.flush()
+        state = path.read_bytes()
+        core.kv_set("j", [("a", b"1"), ("b", b"")])
+        await writer.flush()
+        assert core.kv_delete("j", "a") and not core.kv_delete("j", "missing")
+        core.kv_set("j", [("a", b"again")])  # set, deleted and set again: set
+        assert core.kv_delete("j", "b")
+        assert core.kv_add("j", "n", 5, request_id="add") == 8
+        await writer.flush()
+        core.kv_append("j", "log", b"x", request_id="append")
+        assert core.kv_compare_set("j", "cas", b"", b"v", request_id="cas") == b"v"
+        core.kv_set("created-by-a-set", [("k", b"\x00\xff")])
+        play(core, 1, 1)
+        await writer.flush()
+        assert path.read_bytes() == state
+        writer.close()
+
+    asyncio.run(main())
+    assert len(_state.journal_path(path).read_bytes().splitlines()) == 3
+    restored = _state.load(path, now=0.0, limits=None, heartbeat_timeout=None)
+    assert _state.snapshot(restored) == _state.snapshot(core)
+    assert restored.jobs["j"].kv == {"k": b"\x00\x01", "n": b"8", "a": b"again", "log": b"x", "cas": b"v"}
+    assert restored.jobs["created-by-a-set"].kv == {"k": b"\x00\xff"}
+    assert restored.kv_add("j", "n", 5, request_id="add") == 8  # the retry is not applied again
+    assert restored.kv_compare_set("j", "cas", b"", b"w", request_id="cas") == b"v"
+
+
 def test_a_journal_cut_short_loses_only_its_last_unacknowledged_line(tmp_path):
     """A crash in the middle of an append leaves a partial last line: ignored (its callers
     were never answered). A damaged line before the last is reported, never skipped."""
@@ -237,15 +272,15 @@ def test_journal_lines_older_than_the_state_file_are_skipped(tmp_path):
     from pjrt_rendezvous.coordinator._core import Round
 
     old = Round(generation=1, group=(0,), number=7, started=0.0, members=frozenset({0}), size=1, tag="t", result=[b"old"])
-    _state.journal_path(path).write_bytes(_state.journal_entry(core.version, [("j", old)], {"j": 99}))
+    _state.journal_path(path).write_bytes(_state.journal_entry(core.version, [("round", "j", old)], {"j": 99}))
     restored = _state.load(path, now=0.0, limits=None, heartbeat_timeout=None)
     assert _state.snapshot(restored) == _state.snapshot(core)
 
 
 def test_other_changes_and_a_long_journal_rewrite_the_state(tmp_path, monkeypatch):
-    """A key-value change rewrites the state file and empties the journal; so does the next
-    write once the journal has grown past JOURNAL_LIMIT; a failed append makes the next write
-    whole. The state loads the same every time."""
+    """A change to the ranks (here a job declared) rewrites the state file and empties the
+    journal; so does the next write once the journal has grown past JOURNAL_LIMIT; a failed
+    append makes the next write whole. The state loads the same every time."""
     path = tmp_path / "state.json"
     core, writer = journaled_core(path)
     journal = _state.journal_path(path)
@@ -258,7 +293,7 @@ def test_other_changes_and_a_long_journal_rewrite_the_state(tmp_path, monkeypatc
         play(core, 1, 1)
         await writer.flush()
         assert journal.stat().st_size > 0
-        core.kv_set("j", [("k", b"v2")])
+        core.declare_job("other", 4)
         play(core, 2, 2)
         await writer.flush()
         assert journal.stat().st_size == 0 and loaded() == _state.snapshot(core)
@@ -268,12 +303,14 @@ def test_other_changes_and_a_long_journal_rewrite_the_state(tmp_path, monkeypatc
             await writer.flush()
             assert journal.stat().st_size < 1000 + 400
         assert loaded() == _state.snapshot(core)
-        journal.unlink()
-        journal.mkdir()  # the next append fails
-        play(core, 30, 30)
-        with pytest.raises(OSError):
-            await writer.flush()
-        journal.rmdir()
+        def fail(fd):
+            raise OSError(28, "No space left on device")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(_state.os, "fsync", fail)  # the next append fails
+            play(core, 30, 30)
+            with pytest.raises(OSError, match="No space"):
+                await writer.flush()
         play(core, 31, 31)
         state = path.read_bytes()
         await writer.flush()
