@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import uuid
-from _thread import allocate_lock as _allocate_lock
+from _thread import LockType, allocate_lock as _allocate_lock
 from typing import Callable, Sequence, TypeVar
 
 import grpc
@@ -135,8 +135,8 @@ class _Batch:
         # One held lock per thread waiting for the sender, released when the round is done:
         # cheaper to wake than an Event (a Condition and a lock per wait). ``first`` is the
         # first thread's, released early to make it send (``Client._signal_gathered``).
-        self.first = None
-        self.waiters: list = []
+        self.first: LockType | None = None
+        self.waiters: list[LockType] = []
         self.done = False  # the sender has the answer; no waiter joins any more
         self.payloads: list[bytes] | None = None
         self.error: BaseException | None = None
@@ -163,7 +163,8 @@ class Client:
         self._lock = threading.Lock()
         self._bindings: dict[int, Binding] = {}  # thread index -> binding
         self._local: frozenset[int] | None = None  # their ordinals (_local_ordinals)
-        self._batches: dict[tuple[tuple[int, ...], int], _Batch] = {}
+        # (group, round, the replicas list as given) -> the batch of this process's arrivals
+        self._batches: dict[tuple[tuple[int, ...], int, tuple[int, ...]], _Batch] = {}
         self._rounds: dict[tuple[int, tuple[int, ...]], int] = {}  # (ordinal, group) -> next round
         self._generation = 0  # the job generation our round counters belong to
         self._heartbeat_timeout = 0.0
