@@ -404,6 +404,14 @@ def _run_one(system: str, P: int, T: int, rounds: int, log, profile: str | None 
             f.close()
 
 
+def rounds_at(processes: int, rounds: int) -> int:
+    """Timed rounds at a size: ``rounds`` at 512 processes and more, up to ten times as many
+    at smaller sizes, so each size's CPU per round is measured over a similar number of
+    calls (40 rounds of 8 processes are over in about 10 ms, where the machine's noise is
+    as large as what is measured)."""
+    return max(rounds, min(rounds * 10, rounds * 512 // processes))
+
+
 def run(sizes: list[tuple[int, int]], *, rounds: int, peers: list[str], log, profile: str | None = None) -> dict:
     out: dict = {"rounds": rounds, "sizes": {}}
     for P, T in sizes:
@@ -412,7 +420,7 @@ def run(sizes: list[tuple[int, int]], *, rounds: int, peers: list[str], log, pro
         for system in list(OURS) + list(peers):
             started = time.monotonic()
             try:
-                entry[system] = _run_one(system, P, T, rounds, log, profile)
+                entry[system] = _run_one(system, P, T, rounds_at(P, rounds), log, profile)
             except Exception as exc:  # a size a peer cannot do is reported, not fatal
                 entry[system] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
                 log(f"  scale {key} {system}: FAILED {entry[system]['error']}")
@@ -441,8 +449,9 @@ def render(scale: dict) -> str:
         "WaitWorld, then per round one Rendezvous carrying its threads (direct), or, with host fan-in, "
         f"one Rendezvous per simulated host of {SIM_PER_HOST} processes carrying all of theirs (what each "
         "host's relay sends; the hop to the relay stays on the host). The load generators share the 2 "
-        f"cores with the server, so round latency includes their CPU; {scale['rounds']} timed barrier "
-        "rounds per size.\n",
+        f"cores with the server, so round latency includes their CPU. Timed barrier rounds per size: "
+        + ", ".join(f"{rounds_at(int(key.split('x')[0]), scale['rounds'])} at {key}" for key in scale["sizes"])
+        + " (every system the same at a size).\n",
     ]
     header = ["participants (processes x threads)", "mode", "connect (ms)", "world formation (ms)", "barrier p50 (ms)",
               "barrier p99 (ms)", "coordinator CPU per round (ms)", "CPU per round per process (µs)",
@@ -516,7 +525,7 @@ def main(argv=None) -> int:
         gen.add_argument(name, type=int, required=True)
     drive = sub.add_parser("run", help="the scale run alone")
     drive.add_argument("--sizes", default="8x8,64x8,512x8")
-    drive.add_argument("--rounds", type=int, default=40)
+    drive.add_argument("--rounds", type=int, default=40, help="timed rounds at 512 processes and more (see rounds_at)")
     drive.add_argument("--peers", default="tcpstore,jax")
     drive.add_argument("--profile", help="directory: record our coordinator with py-spy")
     drive.add_argument("--product", help="pjrt_rendezvous from this source tree instead of the installed one")

@@ -549,7 +549,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--scale", default="8x8,64x8,512x8", help="scale run sizes (simulated processes x threads); 'none' skips"
     )
-    parser.add_argument("--scale-rounds", type=int, default=40)
+    parser.add_argument("--scale-rounds", type=int, default=40,
+                        help="timed scale rounds at 512 processes and more; up to 10x as many at smaller sizes")
     parser.add_argument("--scale-peers", default="tcpstore,jax", help="peers in the scale CPU comparison")
     parser.add_argument(
         "--product", help="benchmark pjrt_rendezvous from this source tree instead of the installed one"
