@@ -171,7 +171,7 @@ class Client:
         self._background_started = False
         self._stopped = threading.Event()
         self.events: list[pb.WatchEvent] = []  # deaths and restarts in the job, as streamed
-        self._inside: dict[int, tuple] = {}  # ordinal -> round key its thread is inside
+        self._inside: dict[int, _Batch] = {}  # ordinal -> the batch of the round its thread is inside
         self._closed = False
         self._session_lock = threading.Lock()
         self._current_session: Session | None = None
@@ -606,7 +606,7 @@ class Client:
         if not isinstance(tag, str):
             raise TypeError(f"tag must be str, got {type(tag).__name__}")
         replicas = list(replicas) if replicas else []
-        if any(isinstance(r, bool) or not isinstance(r, int) for r in replicas):
+        if replicas and any(isinstance(r, bool) or not isinstance(r, int) for r in replicas):
             raise TypeError(f"replicas must be ints, got {replicas!r}")
         deadline = self._deadline(timeout)
         world = binding.world_size
@@ -632,7 +632,7 @@ class Client:
             batch.contributions[ordinal] = (tag, payload)
             if deadline is not None and (batch.deadline is None or deadline < batch.deadline):
                 batch.deadline = deadline
-            self._inside[ordinal] = key
+            self._inside[ordinal] = batch
             # The thread whose arrival completes the round sends it: no thread is woken to
             # send, and siblings are not woken at each arrival.
             send = self._gathered(batch)
@@ -647,7 +647,10 @@ class Client:
             if len(self._batches) > (not send):  # other open batches (ours is one unless sent)
                 self._signal_gathered(batch)
         if not send:
-            send = self._wait_for_sender(key, batch, waiter, first)
+            if first:
+                send = self._wait_for_sender(key, batch, waiter)
+            else:
+                waiter.acquire()  # released by the sender when the round is done
         if send:
             try:
                 batch.payloads = self._send_round(replicas, group, round_number, batch)
@@ -657,7 +660,7 @@ class Client:
                 with self._lock:  # no member is blocked in this round any more
                     batch.done = True
                     for member in batch.contributions:
-                        if self._inside.get(member) == key:
+                        if self._inside.get(member) is batch:
                             del self._inside[member]
                 for waiter in batch.waiters:
                     waiter.release()
@@ -675,27 +678,26 @@ class Client:
                 batch.waiters.remove(batch.first)
                 batch.first.release()
 
-    def _wait_for_sender(self, key: tuple, batch: _Batch, waiter, first: bool) -> bool:
-        """Waits until the round is done; True when this thread must send it instead: it
-        arrived first, and its siblings did not complete the round within the batch window
-        (or an arrival elsewhere completed it, ``_signal_gathered``)."""
-        if first:
-            end = time.monotonic() + self.settings.batch_window
-            if batch.deadline is not None:
-                end = min(end, batch.deadline)
-            waiter.acquire(True, max(0.0, end - time.monotonic()))
-            with self._lock:
-                if self._batches.get(key) is batch:  # no sibling sends it: send what arrived
-                    del self._batches[key]
-                    if waiter in batch.waiters:
-                        batch.waiters.remove(waiter)
-                    return True
-                if batch.done:
-                    return False
-                if waiter not in batch.waiters:  # signalled, but a late sibling sends it
-                    waiter = _allocate_lock()
-                    waiter.acquire()
-                    batch.waiters.append(waiter)
+    def _wait_for_sender(self, key: tuple, batch: _Batch, waiter) -> bool:
+        """The first thread of a batch waits until the round is done; True when it must send
+        it instead: its siblings did not complete the round within the batch window (or an
+        arrival elsewhere completed it, ``_signal_gathered``)."""
+        end = time.monotonic() + self.settings.batch_window
+        if batch.deadline is not None:
+            end = min(end, batch.deadline)
+        waiter.acquire(True, max(0.0, end - time.monotonic()))
+        with self._lock:
+            if self._batches.get(key) is batch:  # no sibling sends it: send what arrived
+                del self._batches[key]
+                if waiter in batch.waiters:
+                    batch.waiters.remove(waiter)
+                return True
+            if batch.done:
+                return False
+            if waiter not in batch.waiters:  # signalled, but a late sibling sends it
+                waiter = _allocate_lock()
+                waiter.acquire()
+                batch.waiters.append(waiter)
         waiter.acquire()
         return False
 
@@ -705,19 +707,20 @@ class Client:
         A sibling is awaited only while it has not reached this round yet (its round counter
         for the group is not past it) and is not blocked in another rendezvous.
         """
-        if len(batch.contributions) >= batch.expected and (
-            batch.members is None or batch.contributions.keys() <= batch.members  # no outsider counted
+        contributions, members = batch.contributions, batch.members
+        if len(contributions) >= batch.expected and (
+            members is None or contributions.keys() <= members  # no outsider counted
         ):
             return True
-        for ordinal in self._local_ordinals() - batch.contributions.keys():
-            if batch.members is not None and ordinal not in batch.members:
+        for ordinal in self._local_ordinals():
+            if ordinal in contributions or (members is not None and ordinal not in members):
                 continue
             if self._rounds.get((ordinal, batch.group), 0) > batch.number:
                 continue  # already arrived at this round
             inside = self._inside.get(ordinal)
             # Blocked in another group's round, it cannot come now; still finishing an
             # earlier round of this group (its result is on the way), it will.
-            if inside is None or inside[0] == batch.group:
+            if inside is None or inside.group == batch.group:
                 return False
         return True
 
