@@ -620,11 +620,12 @@ class Client:
         ordinal = binding.ordinal
 
         with self._lock:
-            round_number = self._rounds.get((ordinal, group), 0)
-            self._rounds[(ordinal, group)] = round_number + 1
+            counter = (ordinal, group)
+            round_number = self._rounds.get(counter, 0)
+            self._rounds[counter] = round_number + 1
             # Siblings share a call only with the very same replicas list: the coordinator
             # must see (and refuse) a sibling's malformed list too.
-            key = (group, round_number, tuple(replicas))
+            key = (group, round_number, tuple(replicas) if replicas else ())
             batch = self._batches.get(key)
             first = batch is None
             if first:

@@ -506,6 +506,10 @@ _SMALL_VARINTS = [bytes((i,)) for i in range(0x80)]
 def _varint(value: int) -> bytes:
     if value < 0x80:
         return _SMALL_VARINTS[value]
+    if value < 0x4000:  # call ids and lengths, most of the rest
+        return bytes((value & 0x7F | 0x80, value >> 7))
+    if value < 0x200000:
+        return bytes((value & 0x7F | 0x80, value >> 7 & 0x7F | 0x80, value >> 14))
     out = bytearray()
     while value > 0x7F:
         out.append(value & 0x7F | 0x80)

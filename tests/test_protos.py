@@ -44,7 +44,7 @@ def test_protocol_package_is_versioned():
     assert "Coordinator" in coordinator_pb2.DESCRIPTOR.services_by_name
 
 
-@pytest.mark.parametrize("sizes", [[0], [1], [127, 128], [300, 0, 16384], [2**21 + 5]])
+@pytest.mark.parametrize("sizes", [[0], [1], [127, 128], [300, 0, 16383, 16384], [2**21 - 9, 2**21 + 5]])
 def test_hand_encoded_session_responses_parse_as_protobuf_would(sizes):
     """The servicer writes SessionResponse bytes by hand (one copy of a shared response per
     caller); they must parse to exactly the message protobuf would have built."""
@@ -62,7 +62,7 @@ def test_hand_encoded_session_responses_parse_as_protobuf_would(sizes):
     assert take_frames(bytearray(_session_response(pairs, framed=True))) == [_session_response(pairs)]
 
 
-@pytest.mark.parametrize("call_id", [0, 1, 127, 128, 300, 2**40, 2**64 - 1])
+@pytest.mark.parametrize("call_id", [0, 1, 127, 128, 300, 2**14 - 1, 2**14, 2**21 - 1, 2**21, 2**40, 2**64 - 1])
 def test_hand_encoded_session_answers_are_protobufs_bytes(call_id):
     """An OK answer's head is written by hand too: byte for byte what protobuf writes."""
     from pjrt_rendezvous.client._session import session_answer
@@ -76,6 +76,8 @@ def test_hand_encoded_session_answers_are_protobufs_bytes(call_id):
         dict(id=1, method="Rendezvous", request=b"\x0a\x03job" * 50),
         dict(id=2**40, method="KvGet", request=b""),
         dict(id=300, cancel=True),
+        dict(id=2**14, method="KvSet", request=bytes(2**14 - 20)),
+        dict(id=2**21 - 1, method="KvSet", request=bytes(2**21)),
         dict(id=5),  # a ping
         dict(id=7, method="Rendezvous", request=bytes(70_000)),
     ],
