@@ -21,9 +21,8 @@ TCPStore with one client per participant and with one client per process and thr
 combined locally (the better is reported, and named); JAX's coordination service with one
 client per process (as jax.distributed has it), threads combined locally; and ours again with
 its coordinator keeping a state file (``--state-file``, as deployed), reported beside ours
-in a table of its own. Round latency is
-timed by ordinal 0 around each of its calls, only after every client connected and the
-world formed. A peer that is not installed is skipped; a size a peer cannot do within the
+in a table of its own. Round latency is timed by ordinal 0 around each of its calls, only
+after every client connected and the world formed. A peer that is not installed is skipped; a size a peer cannot do within the
 budget is reported as such in the table.
 
 The scale run (``--scale``) drives our coordinator alone with simulated processes over real

@@ -225,10 +225,10 @@ class _Connection(FramedSession):
 class _StateWriter:
     """Group commit of the state file: a caller returns once a write covering its change
     (``core.version`` at the call) is on disk. Finished rounds and key-value changes are
-    appended to the journal; any other change rewrites the state file (``_state``). The core is read and
-    encoded on the event loop (it is not thread-safe, and encoding holds the GIL anyway);
-    the writing and fsyncs run in the writer's own thread, one hop away (``asyncio.to_thread``
-    costs twice the CPU, a cost every round pays)."""
+    appended to the journal; any other change rewrites the state file (``_state``). The
+    core is read and encoded on the event loop (it is not thread-safe, and encoding holds
+    the GIL anyway); the writing and fsyncs run in the writer's own thread, one hop away
+    (``asyncio.to_thread`` costs twice the CPU, a cost every round pays)."""
 
     def __init__(self, core: Core, path: pathlib.Path) -> None:
         self._core = core
