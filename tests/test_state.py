@@ -148,7 +148,7 @@ def test_coordinator_killed_mid_job_restarts_from_its_state_file(tmp_path):
     assert adds == b"160"
 
 
-# -- the journal: finished rounds appended, not the whole state rewritten -----------------------
+# -- the journal: finished rounds and key-value changes appended, not the whole state rewritten ---
 
 
 def journaled_core(path: pathlib.Path):
