@@ -264,6 +264,10 @@ _RECEIVE = 1 << 16  # bytes a SocketSession asks of its socket at a time
 def take_frames(buffer: bytearray) -> list[bytes]:
     """Removes the complete messages at the start of a length-prefixed byte ``buffer`` and
     returns them; the start of an incomplete one stays for the bytes still to come."""
+    if len(buffer) >= FRAME.size and FRAME.unpack_from(buffer)[0] == len(buffer) - FRAME.size:
+        message = bytes(buffer[FRAME.size :])  # the common case: exactly one whole message
+        buffer.clear()
+        return [message]
     messages, start = [], 0
     while len(buffer) - start >= FRAME.size:
         end = start + FRAME.size + FRAME.unpack_from(buffer, start)[0]
