@@ -33,7 +33,7 @@ from ._errors import (
 from ._relay import Relay, relay_path
 from ._session import Session, SocketSession
 from ._topology import Topology
-from ._wire import set_contribution_rows
+from ._wire import Row, set_contribution_rows
 
 log = logging.getLogger("pjrt_rendezvous.client")
 
@@ -130,7 +130,7 @@ class _Batch:
         # Local ordinals the round may get: once all are in, the round is complete at once.
         self.expected = len(local) if self.members is None else len(local & self.members)
         self.generation = generation  # the one its round number belongs to
-        self.contributions: dict[int, tuple[str, bytes]] = {}  # ordinal -> (tag, payload)
+        self.contributions: dict[int, Row] = {}  # ordinal -> its row on the wire
         self.deadline: float | None = None
         # One held lock per thread waiting for the sender, released when the round is done:
         # cheaper to wake than an Event (a Condition and a lock per wait). ``first`` is the
@@ -630,7 +630,7 @@ class Client:
             first = batch is None
             if first:
                 batch = self._batches[key] = _Batch(group, round_number, self._generation, self._local_ordinals())
-            batch.contributions[ordinal] = (tag, payload)
+            batch.contributions[ordinal] = (ordinal, tag, payload, "")
             if deadline is not None and (batch.deadline is None or deadline < batch.deadline):
                 batch.deadline = deadline
             self._inside[ordinal] = batch
@@ -729,7 +729,7 @@ class Client:
         request = pb.RendezvousRequest(
             job=self.settings.job, incarnation=self.incarnation, replicas=replicas, round=round_number
         )
-        set_contribution_rows(request, [(o, tag, payload, "") for o, (tag, payload) in sorted(batch.contributions.items())])
+        set_contribution_rows(request, sorted(batch.contributions.values()))  # by ordinal (each once)
         if batch.deadline is not None:
             request.timeout = max(1e-3, batch.deadline - time.monotonic())
         request.generation = batch.generation
