@@ -228,8 +228,11 @@ class Session:
         reports = 0
         try:
             while True:
-                wake = [t for t in (end, None if progress is None else started + interval * (reports + 1)) if t is not None]
-                if self._wait(pending, -1 if not wake else max(0.0, min(wake) - time.monotonic())):
+                wake = end
+                if progress is not None:
+                    report = started + interval * (reports + 1)
+                    wake = report if wake is None else min(wake, report)
+                if self._wait(pending, -1 if wake is None else max(0.0, wake - time.monotonic())):
                     break
                 now = time.monotonic()
                 if end is not None and now >= end:
