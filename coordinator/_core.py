@@ -223,18 +223,19 @@ class JobView:
 
 
 class Contribution(NamedTuple):
-    """One ordinal's part of a round (a tuple: thousands are made per round at scale)."""
+    """One ordinal's part of a round. :meth:`Core.arrive` takes any tuple of these fields in
+    this order: the rows a request's lists make (``client/_wire.py``) are used as they are,
+    since thousands arrive per call with host fan-in."""
 
     ordinal: int
     tag: str
     payload: bytes
     # Whose ordinal it is when a host relay sends it for another process ("": the caller's).
-    # Not part of the content: a resend of the same contribution by its own process matches
-    # (see ``same_content``).
+    # Not part of the content: a resend of the same contribution by its own process matches.
     incarnation: str = ""
 
-    def same_content(self, other: "Contribution") -> bool:
-        return self.ordinal == other.ordinal and self.tag == other.tag and self.payload == other.payload
+
+ContributionRow = tuple[int, str, bytes, str]  # a Contribution's fields, or Contribution itself
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -246,9 +247,11 @@ class Round:
     members: frozenset[int] | None  # None: every ordinal of the job
     size: int
     deadline: float | None = None
-    arrivals: dict[int, Contribution] = dataclasses.field(default_factory=dict)
+    arrivals: dict[int, bytes] = dataclasses.field(default_factory=dict)  # ordinal -> payload
     result: list[bytes] | None = None  # payloads in ordinal order, once completed
-    tag: str = ""  # the members' tag, once completed (their arrivals are then dropped)
+    # The members' tag, from the first arrival: a pending round holds one (a second one
+    # fails it at once, see Core.arrive).
+    tag: str = ""
     error: CoreError | None = None
     # The servicer's response message, built once and shared by every waiter.
     response: object = None
@@ -273,8 +276,7 @@ class Round:
         return [o for o in candidates if o not in self.arrivals]
 
     def describe(self) -> str:
-        tags = sorted({c.tag for c in self.arrivals.values()})
-        tag = repr(tags[0]) if len(tags) == 1 else "/".join(map(repr, tags)) or "?"
+        tag = repr(self.tag) if self.tag else "?"
         return f"rendezvous {tag} on {describe_group(self.group)} (round {self.number})"
 
 
@@ -708,7 +710,7 @@ class Core:
         incarnation: str,
         replicas: Sequence[int],
         round_number: int,
-        contributions: Sequence[Contribution],
+        contributions: Sequence[ContributionRow],
         deadline: float | None,
         generation: int = 0,
     ) -> RoundKey:
@@ -732,91 +734,89 @@ class Core:
         if not contributions:
             raise CoreError(Code.INVALID_ARGUMENT, "a rendezvous call needs at least one contribution")
         # The contributions are checked in one loop (thousands per call with host fan-in).
-        ordinals = [c.ordinal for c in contributions]
+        ordinals, tags, payloads, _ = zip(*contributions)  # columns, in C
         if len(ordinals) > 1 and len(set(ordinals)) != len(ordinals):
             raise CoreError(
                 Code.INVALID_ARGUMENT, f"ordinals {format_ranges(ordinals)} contribute twice in one call"
             )
         owners, max_tag, max_payload = state.members, self.limits.max_tag_length, self.limits.max_payload_bytes
         relayed = {incarnation}
-        first_tag = contributions[0].tag
-        mixed_tags = False
-        for c in contributions:
-            if c.incarnation and c.incarnation not in relayed:
-                self._process(state, c.incarnation, now)  # a relay speaks for live, registered processes only
-                relayed.add(c.incarnation)
-            member = owners.get(c.ordinal)
-            if member is None or member.incarnation != (c.incarnation or incarnation):
+        for ordinal, tag, payload, named in contributions:
+            if named and named not in relayed:
+                self._process(state, named, now)  # a relay speaks for live, registered processes only
+                relayed.add(named)
+            member = owners.get(ordinal)
+            if member is None or member.incarnation != (named or incarnation):
                 owner = "not registered" if member is None else (
                     f"registered by {state.processes[member.incarnation].label()}"
                 )
-                claimed = state.processes[c.incarnation] if c.incarnation else process
+                claimed = state.processes[named] if named else process
                 raise CoreError(
                     Code.FAILED_PRECONDITION,
-                    f"ordinal {c.ordinal} is {owner}, not by the "
+                    f"ordinal {ordinal} is {owner}, not by the "
                     f"{'calling process' if claimed is process else 'process a host relay named'} "
                     f"({claimed.label()}); bind the thread first",
                 )
-            if len(c.tag) > max_tag:
+            if len(tag) > max_tag:
                 raise CoreError(
                     Code.INVALID_ARGUMENT,
-                    f"tag of {len(c.tag)} characters exceeds the limit of "
+                    f"tag of {len(tag)} characters exceeds the limit of "
                     f"{max_tag} (max_tag_length)",
                 )
-            if len(c.payload) > max_payload:
+            if len(payload) > max_payload:
                 raise CoreError(
                     Code.RESOURCE_EXHAUSTED,
-                    f"payload of ordinal {c.ordinal} is {len(c.payload)} bytes, over the limit of "
+                    f"payload of ordinal {ordinal} is {len(payload)} bytes, over the limit of "
                     f"{max_payload} bytes (max_payload_bytes)",
                 )
-            if c.tag != first_tag:
-                mixed_tags = True
         group: GroupKey = ALL
         if replicas:
-            group = self._replicas_group(state, replicas, ordinals, contributions[0].tag, now)
+            group = self._replicas_group(state, replicas, ordinals, tags[0], now)
         rnd = self._round(state, group, round_number, now)
         if rnd.result is not None:
             resent = contributions
         elif rnd.arrivals and not rnd.arrivals.keys().isdisjoint(ordinals):
-            resent = [c for c in contributions if c.ordinal in rnd.arrivals]
+            resent = [c for c in contributions if c[0] in rnd.arrivals]
         else:
             resent = ()  # the common case: nothing to compare, and no loop
-        for c in resent:
+        for ordinal, tag, payload, _ in resent:
             if rnd.result is not None:
-                previous = Contribution(ordinal=c.ordinal, tag=rnd.tag, payload=rnd.result[rnd.position(c.ordinal)])
+                previous = rnd.result[rnd.position(ordinal)]
             else:
-                previous = rnd.arrivals[c.ordinal]
-            if not previous.same_content(c):
+                previous = rnd.arrivals[ordinal]
+            if tag != rnd.tag or payload != previous:
                 raise CoreError(
                     Code.INVALID_ARGUMENT,
-                    f"ordinal {c.ordinal} resent {rnd.describe()} with a different tag or payload; "
+                    f"ordinal {ordinal} resent {rnd.describe()} with a different tag or payload; "
                     "a retried call must carry the same content (or this caller's round counter "
                     "fell behind its peers)",
                 )
         if rnd.finished:
             return rnd.key
         dead = self._dead_members(state, rnd)
+        if not rnd.arrivals:
+            rnd.tag = tags[0]
         if dead:
-            rnd.arrivals.update(zip(ordinals, contributions))  # names the tag in the message
+            rnd.arrivals.update(zip(ordinals, payloads))
             self._fail(state, rnd, self._death_error(state, rnd, dead))
             return rnd.key
-        # A pending round holds one tag (a second one fails it at once), so a mismatch is a
-        # contribution of this call that differs from any earlier arrival: checking the call
-        # alone keeps an arrival O(its contributions) instead of O(the round's arrivals).
-        tag = next(iter(rnd.arrivals.values())).tag if rnd.arrivals else contributions[0].tag
-        rnd.arrivals.update(zip(ordinals, contributions))
+        rnd.arrivals.update(zip(ordinals, payloads))
         state.blocked.update(dict.fromkeys(ordinals, rnd.key))
         if deadline is not None and (rnd.deadline is None or deadline < rnd.deadline):
             rnd.deadline = deadline
 
-        tags: dict[str, list[int]] = {}
-        if mixed_tags or contributions[0].tag != tag:
-            for c in rnd.arrivals.values():
-                tags.setdefault(c.tag, []).append(c.ordinal)
-        if len(tags) > 1:
+        # A pending round holds one tag (a second one fails it at once), so a mismatch is a
+        # contribution of this call that differs from any earlier arrival: checking the call
+        # alone keeps an arrival O(its contributions) instead of O(the round's arrivals).
+        by_tag: dict[str, list[int]] = {}
+        if tags.count(rnd.tag) != len(tags):
+            called = dict(zip(ordinals, tags))
+            for o in rnd.arrivals:
+                by_tag.setdefault(called.get(o, rnd.tag), []).append(o)
+        if by_tag:
             described = "; ".join(
                 f"{_ordinals_word(o)} called rendezvous({t!r})"
-                for t, o in sorted(tags.items(), key=lambda item: min(item[1]))
+                for t, o in sorted(by_tag.items(), key=lambda item: min(item[1]))
             )
             missing = rnd.missing()
             if missing:
@@ -837,7 +837,7 @@ class Core:
             self._fail_if_deadlocked(state, rnd)
         return rnd.key
 
-    def _replicas_group(self, state: Job, replicas: Sequence[int], ordinals: list[int], tag: str, now: float) -> GroupKey:
+    def _replicas_group(self, state: Job, replicas: Sequence[int], ordinals: Sequence[int], tag: str, now: float) -> GroupKey:
         """The group a replicas list names; a malformed list fails the round the callers'
         peers are on (or are about to start), so they learn of the mistake at once instead
         of waiting for a caller that will never come."""
@@ -935,11 +935,10 @@ class Core:
     def _complete(self, job: Job, rnd: Round) -> None:
         # The XRT mesh service returned payloads sorted by ordinal; torch_xla's docstring
         # promises index == ordinal for the full group.
-        rnd.result = [rnd.arrivals[o].payload for o in sorted(rnd.arrivals)]
-        rnd.tag = next(iter(rnd.arrivals.values())).tag
+        rnd.result = [rnd.arrivals[o] for o in sorted(rnd.arrivals)]
         job.rounds_completed += 1
         self._finish(job, rnd)
-        rnd.arrivals = {}  # the result holds the payloads, and `tag` the one tag
+        rnd.arrivals = {}  # the result holds the payloads
 
     def _fail(self, job: Job, rnd: Round, error: CoreError) -> None:
         rnd.error = error
@@ -1296,15 +1295,12 @@ class Core:
         for job in jobs:
             pending = []
             for rnd in sorted(job.pending.values(), key=lambda r: r.started):
-                tags: dict[str, list[int]] = collections.defaultdict(list)
-                for c in rnd.arrivals.values():
-                    tags[c.tag].append(c.ordinal)
                 missing = rnd.missing()
                 pending.append(
                     PendingRoundView(
                         group=rnd.group,
                         number=rnd.number,
-                        tags={t: sorted(o) for t, o in tags.items()},
+                        tags={rnd.tag: sorted(rnd.arrivals)} if rnd.arrivals else {},
                         arrived=sorted(rnd.arrivals),
                         missing=missing,
                         waiting_seconds=now - rnd.started,

@@ -171,12 +171,11 @@ class Monitor:
                     continue
                 self._late.add((name, key))
                 missing = rnd.missing()
-                tags = sorted({c.tag for c in rnd.arrivals.values()})
                 log.warning(
                     "round late in job %r: %s on %s (round %d) has waited %.1f s with %d of %d "
                     "arrived; missing %s",
                     name,
-                    "/".join(map(repr, tags)) or "?",
+                    repr(rnd.tag) if rnd.tag else "?",
                     describe_group(rnd.group),
                     rnd.number,
                     waited,
@@ -189,7 +188,7 @@ class Monitor:
                         "generation": rnd.generation,
                         "group": group_label(rnd.group),
                         "round": rnd.number,
-                        "tag": tags[0] if tags else "",  # one tag: two would have failed the round
+                        "tag": rnd.tag,  # one tag: two would have failed the round
                         "arrived": len(rnd.arrivals),
                         "expected": rnd.size,
                         "missing": format_ranges(missing),

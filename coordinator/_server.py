@@ -22,7 +22,6 @@ import signal
 import socket
 import threading
 import time
-from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc

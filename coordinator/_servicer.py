@@ -22,13 +22,9 @@ from pjrt_rendezvous.client._wire import contribution_rows
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
-from ._core import ALL, Code, Contribution, Core, CoreError, Registration, ThreadRequest, format_ranges
+from ._core import ALL, Code, Core, CoreError, Registration, ThreadRequest, format_ranges
 
 log = logging.getLogger("pjrt_rendezvous.coordinator")
-
-# A Contribution made of a row of fields (client/_wire.py): in C, not Contribution._make
-# (thousands of contributions arrive per round at scale).
-_CONTRIBUTION = functools.partial(tuple.__new__, Contribution)
 
 # The one place core codes become wire codes.
 _STATUS = {code: getattr(grpc.StatusCode, code.name) for code in Code}
@@ -310,7 +306,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 incarnation=request.incarnation,
                 replicas=request.replicas,
                 round_number=request.round,
-                contributions=list(map(_CONTRIBUTION, rows)),
+                contributions=rows,
                 deadline=None if timeout is None else now + timeout,
                 generation=request.generation,
             )

@@ -121,7 +121,7 @@ def test_ours_with_a_state_file_is_measured_beside_ours(smoke):
     measured, and the ratio between them."""
     _, text, _ = smoke
     (rows,) = [rows for heading, rows in _tables(text).items() if heading.startswith("Ours with a state file")]
-    header, body = rows[0], rows[2:]
+    body = rows[2:]
     assert [(row[0], row[1]) for row in body] == [("2x1", w) for w in ("barrier", "allgather", "kv")], body
     for row in body:
         assert all(_NUMBER.match(cell) for cell in row[2:6]), row

@@ -561,8 +561,11 @@ def test_a_resend_with_different_content_to_a_completed_round_is_invalid_argumen
     pod = make_pod(2)
     pod.arrive(0)
     pod.arrive(1)
-    with raises(Code.INVALID_ARGUMENT, "ordinal 0"):
+    with raises(Code.INVALID_ARGUMENT, "ordinal 0", "rendezvous 't' on all ordinals (round 0)"):
         pod.arrive(0, tag="next-step", payloads={0: b"new"})
+    with raises(Code.INVALID_ARGUMENT, "ordinal 1 resent"):
+        pod.arrive(1, payloads={1: b"new"})  # the same tag, another payload
+    assert pod.result(pod.arrive(1)) == [b"p0", b"p1"]  # the same content: the stored result
 
 
 def test_a_round_long_finished_cannot_be_resent():
