@@ -925,17 +925,24 @@ class Core:
 
     def _finish(self, job: Job, rnd: Round) -> None:
         del job.pending[rnd.key]
-        for ordinal in rnd.arrivals:
-            if job.blocked.get(ordinal) == rnd.key:
-                del job.blocked[ordinal]
+        blocked = job.blocked
+        # Usually the round's members are all that is blocked (thousands at scale): checked in
+        # C (each blocked entry holds its round's key object, so count compares identities).
+        if blocked.keys() == rnd.arrivals.keys() and list(blocked.values()).count(rnd.key) == len(blocked):
+            blocked.clear()
+        else:
+            for ordinal in rnd.arrivals:
+                if blocked.get(ordinal) == rnd.key:
+                    del blocked[ordinal]
         self.record_finished(job, rnd)
         self._journaled(("round", job.name, rnd))
         self._wakeups.append(("round", job.name, *rnd.key))
 
     def _complete(self, job: Job, rnd: Round) -> None:
         # The XRT mesh service returned payloads sorted by ordinal; torch_xla's docstring
-        # promises index == ordinal for the full group.
-        rnd.result = [rnd.arrivals[o] for o in sorted(rnd.arrivals)]
+        # promises index == ordinal for the full group. Complete, the arrivals are exactly
+        # the members, so the members' order needs no sorting.
+        rnd.result = list(map(rnd.arrivals.__getitem__, range(rnd.size) if rnd.members is None else rnd.group))
         job.rounds_completed += 1
         self._finish(job, rnd)
         rnd.arrivals = {}  # the result holds the payloads
