@@ -24,6 +24,7 @@ server's CPU time (/proc) across the timed rounds and its peak memory (VmHWM).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -73,7 +74,12 @@ async def _gen_ours(a) -> None:
     from pjrt_rendezvous.client._session import FRAME, frame
     from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
-    if "ordinals" in pb.RendezvousRequest.DESCRIPTOR.fields_by_name:  # the product's own wire form
+    fields = pb.RendezvousRequest.DESCRIPTOR.fields_by_name
+    if "process_indexes" in fields:  # the product's own wire form: what its relay sends it
+        from pjrt_rendezvous.client._wire import set_contribution_rows
+
+        _put_rows = functools.partial(set_contribution_rows, index_processes=True)
+    elif "ordinals" in fields:  # an older product's lists
         from pjrt_rendezvous.client._wire import set_contribution_rows as _put_rows
     else:  # an older product (bench/compare.py --before): Contribution messages
 

@@ -183,6 +183,7 @@ class Client:
         self._relay_retry_at = 0.0
         # The coordinator's session port, once a Register or Heartbeat answer names it (0: none).
         self._session_port = 0
+        self.reads_process_indexes = False  # said by the coordinator (RegisterResponse); for the relay
         self._session_port_retry_at = 0.0
 
     # -- plumbing -------------------------------------------------------------------------
@@ -430,6 +431,7 @@ class Client:
                 continue
             self._adopt_generation(response.generation)
             self._learn_session_port(response.session_port)
+            self.reads_process_indexes = response.reads_process_indexes
 
     def _watch_loop(self) -> None:
         request = pb.WatchRequest(job=self.settings.job, incarnation=self.incarnation)
@@ -528,6 +530,7 @@ class Client:
         (assignment,) = response.assignments
         self._heartbeat_timeout = response.heartbeat_timeout
         self._learn_session_port(response.session_port)
+        self.reads_process_indexes = response.reads_process_indexes
         self._adopt_generation(response.generation)
         self._start_background()
         self._start_relay()

@@ -228,7 +228,7 @@ class Relay:
             round=first.round,
             generation=first.generation,
         )
-        set_contribution_rows(combined, host_round.rows)
+        set_contribution_rows(combined, host_round.rows, index_processes=self._client.reads_process_indexes)
         outcome = self._send_one(combined, deadline)
         if isinstance(outcome, bytes) or len(requests) == 1:
             return [outcome] * len(requests)

@@ -2,10 +2,10 @@
 and the coordinator.
 
 A request carries them either as Contribution messages (``contributions``) or as parallel
-lists (``ordinals``, ``tags``, ``payloads``, ``incarnations``; see the .proto). The lists
-parse in about half the time per contribution, which is what a coordinator pays for each
-of the thousands a host relay sends in one call; our clients and relays send the lists, and
-the coordinator reads both.
+lists (``ordinals``, ``tags``, ``payloads``, and ``incarnations`` or ``processes`` with
+``process_indexes``; see the .proto). The lists parse in about half the time per
+contribution, which is what a coordinator pays for each of the thousands a host relay sends
+in one call; our clients and relays send the lists, and the coordinator reads every form.
 """
 
 from __future__ import annotations
@@ -27,6 +27,16 @@ def contribution_rows(request: pb.RendezvousRequest) -> list[Row]:
     # item and ends with an IndexError).
     ordinals, tags, payloads, incarnations = request.ordinals[:], request.tags[:], request.payloads[:], request.incarnations[:]
     n = len(ordinals)
+    if request.process_indexes:
+        if incarnations:
+            raise ValueError("incarnations both as names and as process indexes; send one form")
+        if len(request.process_indexes) != n:
+            raise ValueError(f"{len(request.process_indexes)} process indexes for {n} ordinals: give one per ordinal")
+        processes = request.processes[:]
+        try:  # one string object per process, however many of its ordinals
+            incarnations = list(map(processes.__getitem__, request.process_indexes[:]))
+        except IndexError:
+            raise ValueError(f"a process index past the {len(processes)} processes named") from None
     if not n:
         if tags or payloads or incarnations:
             raise ValueError("tags, payloads or incarnations without ordinals")
@@ -48,13 +58,20 @@ def contribution_rows(request: pb.RendezvousRequest) -> list[Row]:
     return list(zip(ordinals, tags, payloads, incarnations))
 
 
-def set_contribution_rows(request: pb.RendezvousRequest, rows: Sequence[Row]) -> None:
+def set_contribution_rows(request: pb.RendezvousRequest, rows: Sequence[Row], *, index_processes: bool = False) -> None:
     """Writes ``rows`` (at least one) into ``request`` as parallel lists, each list as short
-    as the form allows."""
+    as the form allows; with ``index_processes`` (for a coordinator that reads them), each
+    incarnation is named once and indexed."""
     ordinals, tags, payloads, incarnations = zip(*rows)
     request.ordinals.extend(ordinals)
     request.tags.extend(tags if tags.count(tags[0]) != len(tags) else tags[:1])
     if any(payloads):
         request.payloads.extend(payloads)
-    if any(incarnations):
+    if not any(incarnations):
+        return
+    if index_processes:
+        index = {name: i for i, name in enumerate(dict.fromkeys(incarnations))}
+        request.processes.extend(index)
+        request.process_indexes.extend(map(index.__getitem__, incarnations))
+    else:
         request.incarnations.extend(incarnations)

@@ -260,6 +260,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
             generation=registered.generation,
             heartbeat_timeout=self._core.heartbeat_timeout or 0.0,
             session_port=self.session_port,
+            reads_process_indexes=True,
             assignments=[
                 pb.Assignment(thread_index=a.thread_index, ordinal=a.ordinal, local_ordinal=a.local_ordinal)
                 for a in registered.assignments
@@ -343,6 +344,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
             generation=generation,
             heartbeat_timeout=self._core.heartbeat_timeout or 0.0,
             session_port=self.session_port,
+            reads_process_indexes=True,
         )
 
     @_translated

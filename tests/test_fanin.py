@@ -13,6 +13,7 @@ from test_metrics import scrape, value
 
 import pjrt_rendezvous.client as pr
 from pjrt_rendezvous.client._demo import simulated_env
+from pjrt_rendezvous.client._relay import Relay
 from pjrt_rendezvous.coordinator import Coordinator
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
@@ -62,10 +63,11 @@ def run_threads(clients: list[pr.Client], body) -> dict:
     return results
 
 
-def test_each_host_sends_one_call_per_round_and_every_result_is_exact(coordinator):
+def test_each_host_sends_one_call_per_round_and_every_result_is_exact(coordinator, monkeypatch):
     """After the first round (the relay learns its host's processes), the coordinator sees one
-    Rendezvous call per host and round, not one per process; full and subset rounds are exact;
-    the relay's socket is in a folder private to the user."""
+    Rendezvous call per host and round, not one per process, naming each process once (the
+    coordinator says it reads that form); full and subset rounds are exact; the relay's
+    socket is in a folder private to the user."""
     clients = make_clients(coordinator.address)
     rounds = 20
 
@@ -78,9 +80,20 @@ def test_each_host_sends_one_call_per_round_and_every_result_is_exact(coordinato
             out.append(client.rendezvous(binding, "sub", b"s%d" % binding.ordinal, replicas=[0, 1, 4, 5]))
         return out
 
+    forms = []  # per call a relay makes: (processes named, process indexes, incarnations)
+    send_one = Relay._send_one
+
+    def record(relay, request, deadline):
+        forms.append((len(request.processes), len(request.process_indexes), len(request.incarnations)))
+        return send_one(relay, request, deadline)
+
+    monkeypatch.setattr(Relay, "_send_one", record)
     before = value(scrape(coordinator.metrics_port), "pjrt_rendezvous_rpcs_total", **RDV)
     results = run_threads(clients, body)
     calls = value(scrape(coordinator.metrics_port), "pjrt_rendezvous_rpcs_total", **RDV) - before
+    assert all(c.reads_process_indexes for c in clients)
+    combined = [f for f in forms if f[1] > THREADS]  # calls carrying several processes' ordinals
+    assert combined and all(f[0] == PER_HOST and f[2] == 0 for f in combined), forms
     world = PROCESSES * THREADS
     for ordinal, out in results.items():
         assert not isinstance(out, Exception), (ordinal, out)

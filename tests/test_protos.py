@@ -105,15 +105,19 @@ rows = st.lists(
 
 
 @settings(max_examples=200, deadline=None)
-@given(rows=rows)
-def test_contributions_as_lists_read_back_as_written_and_as_messages_would(rows):
-    """Rows written as parallel lists (each as short as the form allows) read back the same,
-    after a trip through the wire, and the same as from Contribution messages."""
+@given(rows=rows, index_processes=st.booleans())
+def test_contributions_as_lists_read_back_as_written_and_as_messages_would(rows, index_processes):
+    """Rows written as parallel lists (each as short as the form allows; incarnations named,
+    or each process named once and indexed) read back the same, after a trip through the
+    wire, and the same as from Contribution messages."""
     request = pb.RendezvousRequest()
-    set_contribution_rows(request, rows)
+    set_contribution_rows(request, rows, index_processes=index_processes)
     request = pb.RendezvousRequest.FromString(request.SerializeToString())
     assert contribution_rows(request) == rows
     assert len(request.tags) == (1 if len({r[1] for r in rows}) == 1 else len(rows))
+    names = {r[3] for r in rows}
+    if index_processes and names != {""}:
+        assert not request.incarnations and sorted(request.processes) == sorted(names)
     as_messages = pb.RendezvousRequest(
         contributions=[pb.Contribution(ordinal=o, tag=t, payload=p, incarnation=i) for o, t, p, i in rows]
     )
@@ -129,6 +133,9 @@ def test_contributions_as_lists_read_back_as_written_and_as_messages_would(rows)
         (dict(ordinals=[1], tags=["a"], incarnations=["x", "y"]), "2 incarnations for 1 ordinals"),
         (dict(tags=["a"]), "tags, payloads or incarnations without ordinals"),
         (dict(ordinals=[1], tags=["a"], contributions=[pb.Contribution(ordinal=1)]), "send one form"),
+        (dict(ordinals=[1], tags=["a"], incarnations=["x"], processes=["x"], process_indexes=[0]), "send one form"),
+        (dict(ordinals=[1, 2], tags=["a"], processes=["x"], process_indexes=[0]), "1 process indexes for 2 ordinals"),
+        (dict(ordinals=[1], tags=["a"], processes=["x"], process_indexes=[1]), "a process index past the 1 processes"),
     ],
 )
 def test_malformed_contribution_lists_are_named(fields, message):

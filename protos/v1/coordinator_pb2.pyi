@@ -50,18 +50,20 @@ class Assignment(_message.Message):
     def __init__(self, thread_index: _Optional[int] = ..., ordinal: _Optional[int] = ..., local_ordinal: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("world_size", "assignments", "generation", "heartbeat_timeout", "session_port")
+    __slots__ = ("world_size", "assignments", "generation", "heartbeat_timeout", "session_port", "reads_process_indexes")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENTS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     SESSION_PORT_FIELD_NUMBER: _ClassVar[int]
+    READS_PROCESS_INDEXES_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     assignments: _containers.RepeatedCompositeFieldContainer[Assignment]
     generation: int
     heartbeat_timeout: float
     session_port: int
-    def __init__(self, world_size: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., generation: _Optional[int] = ..., heartbeat_timeout: _Optional[float] = ..., session_port: _Optional[int] = ...) -> None: ...
+    reads_process_indexes: bool
+    def __init__(self, world_size: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., generation: _Optional[int] = ..., heartbeat_timeout: _Optional[float] = ..., session_port: _Optional[int] = ..., reads_process_indexes: _Optional[bool] = ...) -> None: ...
 
 class WaitWorldRequest(_message.Message):
     __slots__ = ("job", "timeout")
@@ -146,7 +148,7 @@ class Contribution(_message.Message):
     def __init__(self, ordinal: _Optional[int] = ..., tag: _Optional[str] = ..., payload: _Optional[bytes] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class RendezvousRequest(_message.Message):
-    __slots__ = ("job", "incarnation", "replicas", "round", "contributions", "timeout", "generation", "ordinals", "tags", "payloads", "incarnations")
+    __slots__ = ("job", "incarnation", "replicas", "round", "contributions", "timeout", "generation", "ordinals", "tags", "payloads", "incarnations", "processes", "process_indexes")
     JOB_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +160,8 @@ class RendezvousRequest(_message.Message):
     TAGS_FIELD_NUMBER: _ClassVar[int]
     PAYLOADS_FIELD_NUMBER: _ClassVar[int]
     INCARNATIONS_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_INDEXES_FIELD_NUMBER: _ClassVar[int]
     job: str
     incarnation: str
     replicas: _containers.RepeatedScalarFieldContainer[int]
@@ -169,7 +173,9 @@ class RendezvousRequest(_message.Message):
     tags: _containers.RepeatedScalarFieldContainer[str]
     payloads: _containers.RepeatedScalarFieldContainer[bytes]
     incarnations: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job: _Optional[str] = ..., incarnation: _Optional[str] = ..., replicas: _Optional[_Iterable[int]] = ..., round: _Optional[int] = ..., contributions: _Optional[_Iterable[_Union[Contribution, _Mapping]]] = ..., timeout: _Optional[float] = ..., generation: _Optional[int] = ..., ordinals: _Optional[_Iterable[int]] = ..., tags: _Optional[_Iterable[str]] = ..., payloads: _Optional[_Iterable[bytes]] = ..., incarnations: _Optional[_Iterable[str]] = ...) -> None: ...
+    processes: _containers.RepeatedScalarFieldContainer[str]
+    process_indexes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job: _Optional[str] = ..., incarnation: _Optional[str] = ..., replicas: _Optional[_Iterable[int]] = ..., round: _Optional[int] = ..., contributions: _Optional[_Iterable[_Union[Contribution, _Mapping]]] = ..., timeout: _Optional[float] = ..., generation: _Optional[int] = ..., ordinals: _Optional[_Iterable[int]] = ..., tags: _Optional[_Iterable[str]] = ..., payloads: _Optional[_Iterable[bytes]] = ..., incarnations: _Optional[_Iterable[str]] = ..., processes: _Optional[_Iterable[str]] = ..., process_indexes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RendezvousResponse(_message.Message):
     __slots__ = ("payloads",)
@@ -186,14 +192,16 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("generation", "heartbeat_timeout", "session_port")
+    __slots__ = ("generation", "heartbeat_timeout", "session_port", "reads_process_indexes")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     SESSION_PORT_FIELD_NUMBER: _ClassVar[int]
+    READS_PROCESS_INDEXES_FIELD_NUMBER: _ClassVar[int]
     generation: int
     heartbeat_timeout: float
     session_port: int
-    def __init__(self, generation: _Optional[int] = ..., heartbeat_timeout: _Optional[float] = ..., session_port: _Optional[int] = ...) -> None: ...
+    reads_process_indexes: bool
+    def __init__(self, generation: _Optional[int] = ..., heartbeat_timeout: _Optional[float] = ..., session_port: _Optional[int] = ..., reads_process_indexes: _Optional[bool] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("job", "incarnation")
