@@ -183,8 +183,9 @@ class Client:
         self._relay_retry_at = 0.0
         # The coordinator's session port, once a Register or Heartbeat answer names it (0: none).
         self._session_port = 0
-        self.reads_process_indexes = False  # said by the coordinator (RegisterResponse); for the relay
         self._session_port_retry_at = 0.0
+        # Whether the coordinator reads a relay's processes named once (Register, Heartbeat).
+        self.reads_process_indexes = False
 
     # -- plumbing -------------------------------------------------------------------------
 
