@@ -13,6 +13,9 @@
 ARG PYTHON_IMAGE=python:3.11-slim
 
 FROM ${PYTHON_IMAGE} AS build
+# A C compiler for the package's native path (client/_native.c; only this stage has it).
+RUN apt-get update -q && apt-get install -y -q --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 # A virtual environment at the same path as in the final stage: copied as a whole.
 RUN python -m venv /opt/pjrt-rendezvous
 WORKDIR /src
@@ -21,6 +24,7 @@ COPY coordinator coordinator
 COPY client client
 COPY protos protos
 RUN /opt/pjrt-rendezvous/bin/pip install --no-cache-dir --disable-pip-version-check . \
+ && /opt/pjrt-rendezvous/bin/python -c "import pjrt_rendezvous.client._native" \
  && /opt/pjrt-rendezvous/bin/pjrt-rendezvous --version
 
 FROM ${PYTHON_IMAGE}

@@ -60,8 +60,8 @@ def clip(message: str) -> str:
 class Malformed:
     """Stands in for a request body that does not parse, so the handler can refuse it."""
 
-    def __init__(self, type_name: str, error: Exception) -> None:
-        self.message = f"the request is not a valid {type_name}: {error}"
+    def __init__(self, message: str) -> None:
+        self.message = message
 
 
 def parser(message_class):
@@ -69,7 +69,7 @@ def parser(message_class):
         try:
             return message_class.FromString(data)
         except DecodeError as exc:
-            return Malformed(message_class.DESCRIPTOR.full_name, exc)
+            return Malformed(f"the request is not a valid {message_class.DESCRIPTOR.full_name}: {exc}")
 
     return parse
 

@@ -6,6 +6,10 @@ lists (``ordinals``, ``tags``, ``payloads``, and ``incarnations`` or ``processes
 ``process_indexes``; see the .proto). The lists parse in about half the time per
 contribution, which is what a coordinator pays for each of the thousands a host relay sends
 in one call; our clients and relays send the lists, and the coordinator reads every form.
+
+The coordinator decodes a request with :func:`decode_rendezvous`: through the native path
+(``_native.c``) when the package was built with a C compiler, else with protobuf and
+:func:`contribution_rows`, to the same tuple.
 """
 
 from __future__ import annotations
@@ -16,7 +20,41 @@ from typing import Sequence
 
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
+from ._session import Malformed, parser
+
+try:
+    from ._native import decode_rendezvous as _decode_natively
+except ImportError:  # built without a C compiler: the same in Python, slower
+    _decode_natively = None
+
 Row = tuple[int, str, bytes, str]  # ordinal, tag, payload, incarnation ("": the caller's)
+# A RendezvousRequest decoded: job, incarnation, replicas, round, timeout (None: not given),
+# generation, and its contributions as rows. A plain tuple: the native path makes it.
+RendezvousCall = tuple[str, str, list[int], int, "float | None", int, list[Row]]
+
+_parse_rendezvous = parser(pb.RendezvousRequest)
+
+
+def decode_rendezvous(data: bytes) -> RendezvousCall | Malformed:
+    """A serialized RendezvousRequest decoded, or what is malformed in it."""
+    if _decode_natively is not None:
+        decoded = _decode_natively(data)
+        if decoded is not None:
+            return decoded
+    return decode_in_python(data)  # not taken natively: protobuf names what is wrong
+
+
+def decode_in_python(data: bytes) -> RendezvousCall | Malformed:
+    """:func:`decode_rendezvous` without the native path."""
+    request = _parse_rendezvous(data)
+    if isinstance(request, Malformed):
+        return request
+    try:
+        rows = contribution_rows(request)
+    except ValueError as exc:
+        return Malformed(f"malformed rendezvous request: {exc}")
+    timeout = request.timeout if request.HasField("timeout") else None
+    return request.job, request.incarnation, request.replicas[:], request.round, timeout, request.generation, rows
 
 _FIELDS = operator.attrgetter("ordinal", "tag", "payload", "incarnation")
 

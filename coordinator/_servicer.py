@@ -18,7 +18,7 @@ from typing import Awaitable, Callable
 import grpc
 
 from pjrt_rendezvous.client._session import Malformed, Wakeup, clip, parser, serve_session, session_answer
-from pjrt_rendezvous.client._wire import contribution_rows
+from pjrt_rendezvous.client._wire import RendezvousCall, decode_rendezvous
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -53,6 +53,11 @@ def _serialize(message) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
+def _decoder(method) -> Callable:
+    """A method's request parser; Rendezvous (every round's call) is decoded to a tuple."""
+    return decode_rendezvous if method.name == "Rendezvous" else parser(getattr(pb, method.input_type.name))
+
+
 def add_to_server(servicer: "Servicer", server) -> None:
     """Registers ``servicer`` like the generated helper does, but with request parsers that
     turn an unparsable body into INVALID_ARGUMENT instead of gRPC's UNKNOWN."""
@@ -67,7 +72,7 @@ def add_to_server(servicer: "Servicer", server) -> None:
             factory = grpc.unary_unary_rpc_method_handler
         handlers[method.name] = factory(
             getattr(servicer, method.name),
-            request_deserializer=parser(getattr(pb, method.input_type.name)),
+            request_deserializer=_decoder(method),
             response_serializer=_serialize,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
@@ -78,16 +83,17 @@ async def _nothing() -> None:
 
 
 def _timeout(request) -> float | None:
+    return _checked_timeout(request.timeout) if request.HasField("timeout") else None
+
+
+def _checked_timeout(timeout: float | None) -> float | None:
     """An absent timeout waits forever; zero or negative is refused (never 'forever')."""
-    if not request.HasField("timeout"):
-        return None
-    if not request.timeout > 0:
+    if timeout is not None and not timeout > 0:
         raise CoreError(
             Code.INVALID_ARGUMENT,
-            f"timeout must be a positive number of seconds, got {request.timeout}; "
-            "leave it out to wait forever",
+            f"timeout must be a positive number of seconds, got {timeout}; leave it out to wait forever",
         )
-    return request.timeout
+    return timeout
 
 
 class Servicer(pb_grpc.CoordinatorServicer):
@@ -108,7 +114,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
         self._on_call = on_call
         # The unary methods a Session stream carries: name -> (handler, request parser).
         self._unary = {
-            m.name: (getattr(type(self), m.name).__wrapped__, parser(getattr(pb, m.input_type.name)))
+            m.name: (getattr(type(self), m.name).__wrapped__, _decoder(m))
             for m in pb.DESCRIPTOR.services_by_name["Coordinator"].methods
             if not m.client_streaming and not m.server_streaming
         }
@@ -293,28 +299,25 @@ class Servicer(pb_grpc.CoordinatorServicer):
     # -- rendezvous -----------------------------------------------------------------------
 
     @_translated
-    async def Rendezvous(self, request: pb.RendezvousRequest, context) -> pb.RendezvousResponse:
-        timeout = _timeout(request)
-        try:
-            rows = contribution_rows(request)
-        except ValueError as exc:
-            raise CoreError(Code.INVALID_ARGUMENT, f"malformed rendezvous request: {exc}") from None
+    async def Rendezvous(self, request: RendezvousCall, context) -> bytes:
+        job, incarnation, replicas, round_number, timeout, generation, rows = request  # decode_rendezvous
+        _checked_timeout(timeout)
         now = self._clock()
         try:
             key = self._core.arrive(
                 now,
-                job=request.job,
-                incarnation=request.incarnation,
-                replicas=request.replicas,
-                round_number=request.round,
+                job=job,
+                incarnation=incarnation,
+                replicas=replicas,
+                round_number=round_number,
                 contributions=rows,
                 deadline=None if timeout is None else now + timeout,
-                generation=request.generation,
+                generation=generation,
             )
         finally:
             self._wake()  # a refused call may have failed its peers' round: release them now
-        while (rnd := self._core.outcome(request.job, key)) is None:
-            if not await self._wait(("round", request.job, *key), self._core.deadline(request.job, key)):
+        while (rnd := self._core.outcome(job, key)) is None:
+            if not await self._wait(("round", job, *key), self._core.deadline(job, key)):
                 self._core.expire(self._clock())
                 self._wake()
         await self._persist()

@@ -398,6 +398,7 @@ def test_deadlines_of_finished_rounds_lapse_without_piling_up():
     deadlines, and a round that does miss its deadline still fails on time."""
     from test_core import JOB, registration
 
+    from pjrt_rendezvous.client._wire import decode_rendezvous
     from pjrt_rendezvous.coordinator._core import Code, Core, CoreError
     from pjrt_rendezvous.coordinator._servicer import Servicer
 
@@ -407,9 +408,10 @@ def test_deadlines_of_finished_rounds_lapse_without_piling_up():
     servicer = Servicer(core)
     rendezvous = functools.partial(Servicer.Rendezvous.__wrapped__, servicer)  # CoreErrors as raised
 
-    def request(task: int, number: int, timeout: float) -> pb.RendezvousRequest:
+    def request(task: int, number: int, timeout: float):
         incarnation = registration(task, 2, 1).incarnation
-        return pb.RendezvousRequest(job=JOB, incarnation=incarnation, round=number, timeout=timeout, ordinals=[task], tags=["t"])
+        message = pb.RendezvousRequest(job=JOB, incarnation=incarnation, round=number, timeout=timeout, ordinals=[task], tags=["t"])
+        return decode_rendezvous(message.SerializeToString())  # what the handler is given
 
     async def main() -> float:
         for number in range(3000):  # the first arrival waits (a deadline), the second completes

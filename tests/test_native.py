@@ -1,0 +1,158 @@
+"""The native path of a RendezvousRequest's decoding (client/_native.c) against protobuf's:
+what it takes it decodes to the same tuple, and it never takes what protobuf refuses."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pjrt_rendezvous.client import _wire
+from pjrt_rendezvous.client._session import Malformed
+from pjrt_rendezvous.client._wire import decode_in_python, decode_rendezvous, set_contribution_rows
+from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
+
+native = pytest.importorskip("pjrt_rendezvous.client._native", reason="built without a C compiler")
+
+INT32 = st.integers(-(2**31), 2**31 - 1)
+INT64 = st.integers(-(2**63), 2**63 - 1)
+TEXT = st.text(max_size=12)
+
+
+def test_the_native_path_is_built_where_a_compiler_is():
+    """pyproject.toml builds it optionally: a compiler at hand and no module means the build
+    broke, and every coordinator here would silently take the slow path."""
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler on this machine")
+    assert _wire._decode_natively is native.decode_rendezvous
+
+
+def same(a, b) -> bool:
+    """Equal tuples, with NaN timeouts equal."""
+    if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 7:
+        if isinstance(a[4], float) and isinstance(b[4], float) and math.isnan(a[4]) and math.isnan(b[4]):
+            return a[:4] + a[5:] == b[:4] + b[5:]
+    return a == b
+
+
+@st.composite
+def requests(draw) -> pb.RendezvousRequest:
+    """Well-formed requests in the parallel-lists form, every shape the lists allow."""
+    n = draw(st.integers(1, 20))
+    request = pb.RendezvousRequest(
+        job=draw(TEXT),
+        incarnation=draw(TEXT),
+        replicas=draw(st.lists(INT32, max_size=5)),
+        round=draw(INT64),
+        generation=draw(INT64),
+    )
+    if draw(st.booleans()):
+        request.timeout = draw(st.floats(allow_nan=True, allow_infinity=True))
+    names = draw(st.lists(TEXT, min_size=1, max_size=3))
+    rows = [
+        (draw(INT32), draw(st.sampled_from(["t", draw(TEXT)])), draw(st.binary(max_size=8)), draw(st.sampled_from(names)))
+        for _ in range(n)
+    ]
+    set_contribution_rows(request, rows, index_processes=draw(st.booleans()))
+    return request
+
+
+@settings(max_examples=400, deadline=None)
+@given(request=requests())
+def test_well_formed_requests_decode_as_protobuf_decodes_them(request):
+    data = request.SerializeToString()
+    decoded = native.decode_rendezvous(data)
+    assert decoded is not None
+    assert same(decoded, decode_in_python(data))
+    assert same(decode_rendezvous(data), decoded)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(request=requests(), cut=st.integers(0, 400), flips=st.lists(st.tuples(st.integers(0, 400), st.integers(0, 255)), max_size=3), tail=st.binary(max_size=12))
+def test_damaged_requests_are_never_taken_where_protobuf_refuses_them(request, cut, flips, tail):
+    data = bytearray(request.SerializeToString())
+    for at, value in flips:
+        if data:
+            data[at % len(data)] = value
+    data = bytes(data[: cut % (len(data) + 1)]) + tail
+    decoded = native.decode_rendezvous(data)
+    reference = decode_in_python(data)
+    if decoded is not None:  # else left to protobuf, which decodes it or names what is wrong
+        assert not isinstance(reference, Malformed), reference.message
+        assert same(decoded, reference)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=64))
+def test_random_bytes_are_never_taken_where_protobuf_refuses_them(data):
+    decoded = native.decode_rendezvous(data)
+    reference = decode_in_python(data)
+    assert decoded is None or (not isinstance(reference, Malformed) and same(decoded, reference))
+
+
+def field(number: int, wire_type: int, body: bytes) -> bytes:
+    return _varint(number << 3 | wire_type) + body
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes(out) + bytes((value,))
+
+
+def _length_delimited(body: bytes) -> bytes:
+    return _varint(len(body)) + body
+
+
+BASE = pb.RendezvousRequest(job="j", incarnation="i", round=3, ordinals=[0, 1], tags=["t"]).SerializeToString()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        field(99, 0, _varint(2**40)),  # unknown fields of every wire type are skipped
+        field(99, 1, b"\0" * 8),
+        field(99, 2, _length_delimited(b"abc")),
+        field(99, 5, b"\0" * 4),
+        field(8, 0, _varint(7)),  # a packed field's values given one by one are added
+        field(8, 2, _length_delimited(_varint(5) + _varint(2**64 - 3))),  # negative int32 as ten bytes
+        field(1, 2, _length_delimited(b"later")),  # a scalar given again: the last one counts
+        field(4, 0, _varint(2**64 - 1)),  # round -1
+        field(6, 1, struct.pack("<d", 2.5)),
+    ],
+)
+def test_what_protobuf_allows_is_decoded_alike(extra):
+    data = BASE + extra
+    decoded = native.decode_rendezvous(data)
+    assert decoded is not None
+    assert same(decoded, decode_in_python(data))
+
+
+@pytest.mark.parametrize(
+    "data, why",
+    [
+        (BASE + field(5, 2, _length_delimited(b"")), "the Contribution-message form"),
+        (pb.RendezvousRequest(job="j", contributions=[pb.Contribution(ordinal=1, tag="t")]).SerializeToString(), "the Contribution-message form"),
+        (BASE + field(1, 2, _length_delimited(b"\xff")), "a job that is not UTF-8"),
+        (BASE + field(9, 2, _length_delimited(b"\xc3")), "a tag that is not UTF-8"),
+        (BASE + field(4, 2, _length_delimited(b"")), "a known field with another wire type"),
+        (BASE + field(99, 3, b""), "a group"),
+        (BASE + b"\x00", "field number 0"),
+        (BASE + field(1, 2, _varint(5) + b"ab"), "a length past the end"),
+        (BASE + b"\x80", "a varint cut off"),
+        (BASE + field(99, 0, b"\xff" * 10 + b"\x01"), "a varint of eleven bytes"),
+        (pb.RendezvousRequest(job="j", ordinals=[0, 1], tags=["a", "b", "c"]).SerializeToString(), "three tags for two ordinals"),
+        (pb.RendezvousRequest(job="j", ordinals=[0, 1], tags=["a"], payloads=[b"x"]).SerializeToString(), "one payload for two ordinals"),
+        (pb.RendezvousRequest(job="j", ordinals=[0], tags=["a"], processes=["p"], process_indexes=[1]).SerializeToString(), "a process index past the processes"),
+        (pb.RendezvousRequest(job="j", ordinals=[0], tags=["a"], incarnations=["p"], process_indexes=[0]).SerializeToString(), "both forms of incarnations"),
+        (pb.RendezvousRequest(job="j").SerializeToString(), "no contributions"),
+    ],
+)
+def test_what_it_does_not_take_is_left_to_protobuf(data, why):
+    assert native.decode_rendezvous(data) is None, why
