@@ -14,9 +14,11 @@ servers) or on SIGTERM (ours), so a crashed harness leaves nothing behind for lo
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 
@@ -136,6 +138,7 @@ def use_product(tree: str) -> str:
     import atexit
 
     tree = os.path.abspath(tree)
+    _build_native(tree)
     root = tempfile.mkdtemp(prefix="bench-product-")
     atexit.register(shutil.rmtree, root, True)
     os.mkdir(os.path.join(root, "pjrt_rendezvous"))
@@ -144,6 +147,17 @@ def use_product(tree: str) -> str:
     sys.path.insert(0, root)
     os.environ["PYTHONPATH"] = root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
     return root
+
+
+def _build_native(tree: str) -> None:
+    """Builds the tree's native module in place if it has one and it is not built (as
+    ``pip install`` would: a tree from ``git archive`` has only its source)."""
+    source = os.path.join(tree, "client", "_native.c")
+    target = os.path.join(tree, "client", "_native" + sysconfig.get_config_var("EXT_SUFFIX"))
+    if os.path.exists(source) and not os.path.exists(target):
+        compiler = shlex.split(sysconfig.get_config_var("CC") or "cc")
+        include = sysconfig.get_paths()["include"]
+        subprocess.run([*compiler, "-shared", "-fPIC", "-O2", "-I", include, source, "-o", target], check=True)
 
 
 class ForkedServer:

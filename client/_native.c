@@ -1,12 +1,17 @@
-/* The native path for the one message every rendezvous round brings to the coordinator (and
- * to a host relay): a serialized RendezvousRequest in the parallel-lists form, decoded into
- * the tuple client/_wire.py's decode_rendezvous returns, without building a protobuf object
- * and reading its fields one by one (most of a small round's parsing cost in Python).
+/* The native path of the messages every rendezvous round brings (client/_wire.py and
+ * client/_session.py use it when it was built):
+ *   decode_rendezvous     a serialized RendezvousRequest in the parallel-lists form, as the
+ *                         tuple client/_wire.py's decode_rendezvous returns;
+ *   decode_session_calls  a serialized SessionRequest's calls as (id, method, request, cancel);
+ *   encode_answers        session answers as a SessionResponse (_session.py's encode_answers).
+ * Each spares the Python of building a protobuf object and reading its fields one by one
+ * (most of a small round's parsing cost), or of joining an answer's pieces.
  *
- * It decides nothing: a message it does not take as it is (not well-formed, a form it does
- * not read, lists that do not fit together) gives None, and the caller parses it again with
- * protobuf, which names what is wrong. So it may refuse more than protobuf does, never less,
- * and what it accepts it decodes as protobuf would (tests/test_native.py compares the two).
+ * The decoders decide nothing: a message they do not take as it is (not well-formed, a form
+ * they do not read, lists that do not fit together) gives None, and the caller parses it
+ * again with protobuf, which names what is wrong. So they may refuse more than protobuf
+ * does, never less, and what they accept they decode as protobuf would (tests/test_native.py
+ * compares the two).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -256,17 +261,217 @@ done:
     return result != NULL ? result : Py_NewRef(Py_None);
 }
 
+/* A varint into out (room for ten bytes); returns its length. */
+static Py_ssize_t put_varint(uint8_t *out, uint64_t x) {
+    Py_ssize_t n = 0;
+    for (; x > 0x7F; x >>= 7) out[n++] = (uint8_t)(x & 0x7F | 0x80);
+    out[n++] = (uint8_t)x;
+    return n;
+}
+
+/* A small message of fields 1 to 4, each a varint or length-delimited as wire_types says
+ * (others skipped): 1 read, 0 not taken. A field given twice: the last one counts. */
+static int four_fields(Span body, const int wire_types[5], uint64_t values[5], Span spans[5]) {
+    Reader r = {body.data, body.data + body.size};
+    for (int f = 1; f <= 4; f++) { values[f] = 0; spans[f].data = r.p; spans[f].size = 0; }
+    while (r.p < r.end) {
+        uint64_t key;
+        if (read_varint(&r, &key) < 0 || key >> 3 == 0 || key >> 3 > MAX_FIELD) return 0;
+        int field = (int)(key >> 3), wt = (int)(key & 7);
+        if (field > 4) {
+            if (skip(&r, wt) < 0) return 0;
+        } else if (wt != wire_types[field]
+                   || (wt == WT_VARINT ? read_varint(&r, &values[field]) : read_span(&r, &spans[field])) < 0) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* 1 when *out is made, 0 for text that is not UTF-8 (protobuf names it), -1 on an error. */
+static int made(PyObject *out) {
+    if (out != NULL) return 1;
+    if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) return -1;
+    PyErr_Clear();
+    return 0;
+}
+
+/* A SessionCall (id = 1, method = 2, request = 3, cancel = 4) as (id, method, request, cancel). */
+static int session_call(Span body, PyObject **out) {
+    static const int wire_types[5] = {-1, WT_VARINT, WT_LEN, WT_LEN, WT_VARINT};
+    uint64_t v[5];
+    Span s[5];
+    if (!four_fields(body, wire_types, v, s)) return 0;
+    PyObject *method = text(s[2]);
+    *out = method ? Py_BuildValue("(KNy#O)", (unsigned long long)v[1], method, (const char *)s[3].data, s[3].size,
+                                  v[4] ? Py_True : Py_False) : NULL;
+    return made(*out);
+}
+
+/* A SessionAnswer (id = 1, code = 2, message = 3, response = 4) as (id, code, message, response). */
+static int session_answer(Span body, PyObject **out) {
+    static const int wire_types[5] = {-1, WT_VARINT, WT_VARINT, WT_LEN, WT_LEN};
+    uint64_t v[5];
+    Span s[5];
+    if (!four_fields(body, wire_types, v, s)) return 0;
+    PyObject *message = text(s[3]);
+    *out = message ? Py_BuildValue("(KiNy#)", (unsigned long long)v[1], (int)(int32_t)(uint32_t)v[2], message,
+                                   (const char *)s[4].data, s[4].size) : NULL;
+    return made(*out);
+}
+
+/* _session_response in client/_session.py: (answer without response, response) pairs as a
+ * serialized SessionResponse, with framed behind its four-byte big-endian length. */
+static PyObject *encode_answers(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *answers;
+    int framed;
+    if (!PyArg_ParseTuple(args, "O!p", &PyList_Type, &answers, &framed)) return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(answers), size = framed ? 4 : 0;
+    uint8_t scratch[10];
+    for (Py_ssize_t i = 0; i < count; i++) {  /* the size first, then one copy */
+        PyObject *pair = PyList_GET_ITEM(answers, i);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyBytes_Check(PyTuple_GET_ITEM(pair, 0))
+            || !PyBytes_Check(PyTuple_GET_ITEM(pair, 1))) {
+            PyErr_SetString(PyExc_TypeError, "answers must be (bytes, bytes) pairs");
+            return NULL;
+        }
+        Py_ssize_t head = PyBytes_GET_SIZE(PyTuple_GET_ITEM(pair, 0)), body = PyBytes_GET_SIZE(PyTuple_GET_ITEM(pair, 1));
+        Py_ssize_t answer = head + (body ? 1 + put_varint(scratch, (uint64_t)body) + body : 0);
+        size += 1 + put_varint(scratch, (uint64_t)answer) + answer;
+    }
+    if (framed && (uint64_t)size - 4 > UINT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "a session message over 4 GiB");
+        return NULL;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, size);
+    if (out == NULL) return NULL;
+    uint8_t *p = (uint8_t *)PyBytes_AS_STRING(out);
+    if (framed) {
+        uint32_t length = (uint32_t)(size - 4);
+        *p++ = (uint8_t)(length >> 24); *p++ = (uint8_t)(length >> 16); *p++ = (uint8_t)(length >> 8); *p++ = (uint8_t)length;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *pair = PyList_GET_ITEM(answers, i), *head = PyTuple_GET_ITEM(pair, 0), *body = PyTuple_GET_ITEM(pair, 1);
+        Py_ssize_t h = PyBytes_GET_SIZE(head), b = PyBytes_GET_SIZE(body);
+        Py_ssize_t answer = h + (b ? 1 + put_varint(scratch, (uint64_t)b) + b : 0);
+        *p++ = 0x0A;  /* SessionResponse.answers: field 1, length-delimited */
+        p += put_varint(p, (uint64_t)answer);
+        memcpy(p, PyBytes_AS_STRING(head), (size_t)h);
+        p += h;
+        if (b) {
+            *p++ = 0x22;  /* SessionAnswer.response: field 4, length-delimited */
+            p += put_varint(p, (uint64_t)b);
+            memcpy(p, PyBytes_AS_STRING(body), (size_t)b);
+            p += b;
+        }
+    }
+    return out;
+}
+
+/* The bodies of a message's field 1 (a repeated message or bytes field) as a list, each
+ * made by one(): a list, None (not taken), or NULL with an exception set. */
+static PyObject *repeated_field_1(PyObject *arg, int (*one)(Span, PyObject **)) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    Reader r = {view.buf, (const uint8_t *)view.buf + view.len};
+    PyObject *items = PyList_New(0);
+    int taken = items != NULL ? 1 : -1;
+    while (taken > 0 && r.p < r.end) {
+        uint64_t key;
+        Span body;
+        PyObject *item = NULL;
+        if (read_varint(&r, &key) < 0 || key >> 3 == 0 || key >> 3 > MAX_FIELD) taken = 0;
+        else if (key >> 3 != 1) taken = skip(&r, (int)(key & 7)) < 0 ? 0 : 1;
+        else if ((key & 7) != WT_LEN || read_span(&r, &body) < 0) taken = 0;
+        else if ((taken = one(body, &item)) > 0) {
+            taken = PyList_Append(items, item) < 0 ? -1 : 1;
+            Py_DECREF(item);
+        }
+    }
+    PyBuffer_Release(&view);
+    if (taken > 0) return items;
+    Py_XDECREF(items);
+    return taken < 0 ? NULL : Py_NewRef(Py_None);
+}
+
+static int bytes_item(Span body, PyObject **out) {
+    *out = PyBytes_FromStringAndSize((const char *)body.data, body.size);
+    return *out != NULL ? 1 : -1;
+}
+
+static PyObject *decode_session_calls(PyObject *Py_UNUSED(module), PyObject *arg) {
+    return repeated_field_1(arg, session_call);
+}
+
+static PyObject *decode_answers(PyObject *Py_UNUSED(module), PyObject *arg) {
+    return repeated_field_1(arg, session_answer);
+}
+
+static PyObject *decode_payloads(PyObject *Py_UNUSED(module), PyObject *arg) {
+    return repeated_field_1(arg, bytes_item);
+}
+
+/* session_request in client/_session.py: one SessionCall as a serialized SessionRequest,
+ * with framed behind its four-byte big-endian length. */
+static PyObject *encode_call(PyObject *Py_UNUSED(module), PyObject *args) {
+    unsigned long long id;
+    const char *method, *request;
+    Py_ssize_t method_size, request_size;
+    int cancel, framed;
+    if (!PyArg_ParseTuple(args, "Ks#y#pp", &id, &method, &method_size, &request, &request_size, &cancel, &framed))
+        return NULL;
+    uint8_t scratch[10];
+    Py_ssize_t call = (id ? 1 + put_varint(scratch, id) : 0)
+                    + (method_size ? 1 + put_varint(scratch, (uint64_t)method_size) + method_size : 0)
+                    + (request_size ? 1 + put_varint(scratch, (uint64_t)request_size) + request_size : 0)
+                    + (cancel ? 2 : 0);
+    Py_ssize_t message = 1 + put_varint(scratch, (uint64_t)call) + call;
+    if (framed && (uint64_t)message > UINT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "a session message over 4 GiB");
+        return NULL;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, message + (framed ? 4 : 0));
+    if (out == NULL) return NULL;
+    uint8_t *p = (uint8_t *)PyBytes_AS_STRING(out);
+    if (framed) {
+        *p++ = (uint8_t)(message >> 24); *p++ = (uint8_t)(message >> 16); *p++ = (uint8_t)(message >> 8); *p++ = (uint8_t)message;
+    }
+    *p++ = 0x0A;  /* SessionRequest.calls: field 1, length-delimited */
+    p += put_varint(p, (uint64_t)call);
+    if (id) { *p++ = 0x08; p += put_varint(p, id); }  /* id: field 1, varint */
+    if (method_size) {  /* method: field 2, length-delimited */
+        *p++ = 0x12; p += put_varint(p, (uint64_t)method_size); memcpy(p, method, (size_t)method_size); p += method_size;
+    }
+    if (request_size) {  /* request: field 3, length-delimited */
+        *p++ = 0x1A; p += put_varint(p, (uint64_t)request_size); memcpy(p, request, (size_t)request_size); p += request_size;
+    }
+    if (cancel) { *p++ = 0x20; *p++ = 0x01; }  /* cancel: field 4, varint, true */
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"decode_rendezvous", decode_rendezvous, METH_O,
      "decode_rendezvous(data) -> (job, incarnation, replicas, round, timeout, generation, rows) or None\n\n"
      "A serialized RendezvousRequest in the parallel-lists form, decoded; None when protobuf\n"
      "must read it (see client/_wire.py)."},
+    {"decode_session_calls", decode_session_calls, METH_O,
+     "decode_session_calls(data) -> [(id, method, request, cancel), ...] or None\n\n"
+     "A serialized SessionRequest's calls; None when protobuf must read it."},
+    {"decode_answers", decode_answers, METH_O,
+     "decode_answers(data) -> [(id, code, message, response), ...] or None\n\n"
+     "A serialized SessionResponse's answers; None when protobuf must read it."},
+    {"decode_payloads", decode_payloads, METH_O,
+     "decode_payloads(data) -> [bytes, ...] or None: a serialized RendezvousResponse's payloads."},
+    {"encode_call", encode_call, METH_VARARGS,
+     "encode_call(id, method, request, cancel, framed) -> bytes: session_request in client/_session.py."},
+    {"encode_answers", encode_answers, METH_VARARGS,
+     "encode_answers(answers, framed) -> bytes: _session_response in client/_session.py."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "pjrt_rendezvous.client._native",
-    "The native path of client/_wire.py (optional: built when a C compiler is at hand).", -1, methods,
+    "The native path of client/_wire.py and client/_session.py (built when a C compiler is at hand).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

@@ -40,7 +40,7 @@ import grpc
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
 from ._errors import RemoteError
-from ._session import FramedSession, Malformed, parser, session_answer
+from ._session import Call, FramedSession, Malformed, parser, session_answer
 from ._wire import Row, contribution_rows, set_contribution_rows
 
 if TYPE_CHECKING:
@@ -160,19 +160,20 @@ class Relay:
 
     # -- combining ------------------------------------------------------------------------
 
-    async def _run(self, call: pb.SessionCall, heard: set[str]) -> tuple[bytes, bytes]:
-        if call.method != "Rendezvous":
-            message = f"a host relay carries only Rendezvous calls, not {call.method!r}"
-            return session_answer(call.id, grpc.StatusCode.UNIMPLEMENTED, message)
-        request = _parse_rendezvous(call.request)
+    async def _run(self, call: Call, heard: set[str]) -> tuple[bytes, bytes]:
+        call_id, method, body, _ = call
+        if method != "Rendezvous":
+            message = f"a host relay carries only Rendezvous calls, not {method!r}"
+            return session_answer(call_id, grpc.StatusCode.UNIMPLEMENTED, message)
+        request = _parse_rendezvous(body)
         if isinstance(request, Malformed):
-            return session_answer(call.id, grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            return session_answer(call_id, grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             rows = contribution_rows(request)
         except ValueError:
             rows = []
         if not rows:  # malformed: the coordinator refuses it, with its own message
-            return _answer(call.id, await self._loop.run_in_executor(self._senders, self._send_one, request, None))
+            return _answer(call_id, await self._loop.run_in_executor(self._senders, self._send_one, request, None))
         heard.add(request.incarnation)
         self._tasks[request.incarnation] = rows[0][0] // self._devices
         key = (request.job, request.generation, tuple(request.replicas), request.round)
@@ -191,7 +192,7 @@ class Relay:
             self._send_on(key)
         elif host_round.timer is None:
             host_round.timer = self._loop.call_later(self._window, self._send_on, key)
-        return _answer(call.id, await answer)
+        return _answer(call_id, await answer)
 
     def _expected(self, replicas) -> set[int]:
         """The ordinals of the host's processes heard from that belong to the group."""

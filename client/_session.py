@@ -41,6 +41,11 @@ from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
 from ._topology import host_port
 
+try:
+    from . import _native  # the native path (_native.c): built when a C compiler was at hand
+except ImportError:
+    _native = None
+
 log = logging.getLogger("pjrt_rendezvous.client")
 
 _CODES = {status.value[0]: status for status in grpc.StatusCode}
@@ -530,7 +535,7 @@ _ID_TAG = b"\x08"  # SessionAnswer.id: field 1, varint
 _RESPONSE_TAG = b"\x22"  # SessionAnswer.response: field 4, length-delimited
 
 
-def _session_response(answers: list[tuple[bytes, bytes]], *, framed: bool = False) -> bytes:
+def encode_answers_in_python(answers: list[tuple[bytes, bytes]], framed: bool) -> bytes:
     """A serialized SessionResponse of (answer without response, response) pairs; with
     ``framed``, behind its length prefix (:func:`frame`) in the same copy.
 
@@ -549,6 +554,29 @@ def _session_response(answers: list[tuple[bytes, bytes]], *, framed: bool = Fals
     if framed:
         parts[0] = FRAME.pack(sum(map(len, parts)))
     return b"".join(parts)
+
+
+encode_answers = _native.encode_answers if _native is not None else encode_answers_in_python
+
+# A SessionCall as the serving end takes it: (id, method, request, cancel).
+Call = tuple[int, str, bytes, bool]
+
+
+def decode_session_calls(message: bytes) -> list[Call] | Malformed:
+    """A serialized SessionRequest's calls, or what is malformed in it."""
+    if _native is not None:
+        calls = _native.decode_session_calls(message)
+        if calls is not None:
+            return calls
+    return decode_session_calls_in_python(message)  # not taken natively: protobuf names why
+
+
+def decode_session_calls_in_python(message: bytes) -> list[Call] | Malformed:
+    """:func:`decode_session_calls` without the native path."""
+    request = _parse_request(message)
+    if isinstance(request, Malformed):
+        return request
+    return [(call.id, call.method, call.request, call.cancel) for call in request.calls]
 
 
 _CALLS_TAG = b"\x0a"  # SessionRequest.calls: field 1, length-delimited
@@ -579,15 +607,16 @@ def session_request(call_id: int, method: str, request: bytes, cancel: bool = Fa
 def session_answer(
     call_id: int, status: grpc.StatusCode = grpc.StatusCode.OK, message: str = "", response: bytes = b""
 ) -> tuple[bytes, bytes]:
-    """One call's answer as :func:`_session_response` takes it."""
+    """One call's answer as :func:`encode_answers` takes it."""
     if status is grpc.StatusCode.OK:  # encoded by hand: the answer to nearly every call
         return (_ID_TAG + _varint(call_id) if call_id else b""), response
     return pb.SessionAnswer(id=call_id, code=status.value[0], message=clip(message)).SerializeToString(), b""
 
 
-async def serve_session(requests, context, run: Callable[[pb.SessionCall], Awaitable[tuple[bytes, bytes]]]) -> None:
-    """Serves one Session stream: each call runs as its own task (``run`` returns its answer
-    as in :func:`_session_response`) and is answered when done, in any order (see the .proto).
+async def serve_session(requests, context, run: Callable[[Call], Awaitable[tuple[bytes, bytes]]]) -> None:
+    """Serves one Session stream of decoded requests (:func:`decode_session_calls`): each
+    call runs as its own task (``run`` returns its answer as in :func:`encode_answers`) and
+    is answered when done, in any order (see the .proto).
     Answers that are ready while the stream is busy writing go out together in the next
     message; a cancel stops the call's task."""
     calls: dict[int, asyncio.Task] = {}  # running, cancellable by the client
@@ -597,18 +626,18 @@ async def serve_session(requests, context, run: Callable[[pb.SessionCall], Await
     async def write() -> None:
         try:
             while ready:
-                message = _session_response(ready)
+                message = encode_answers(ready, False)
                 ready.clear()
                 await context.write(message)
         except Exception as exc:  # the stream is gone; the client resends on a new one
             log.debug("session answers not sent: %s", exc)
 
-    async def answer(call: pb.SessionCall) -> None:
+    async def answer(call: Call) -> None:
         nonlocal writer
         try:
             reply = await run(call)
         finally:  # done: a late cancel must not stop the writer with others' answers
-            calls.pop(call.id, None)
+            calls.pop(call[0], None)
         ready.append(reply)
         if writer is None or writer.done():  # else the running writer takes it along
             writer = asyncio.create_task(write())
@@ -617,13 +646,14 @@ async def serve_session(requests, context, run: Callable[[pb.SessionCall], Await
         async for message in requests:
             if isinstance(message, Malformed):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, clip(message.message))
-            for call in message.calls:
-                if call.cancel:
-                    task = calls.pop(call.id, None)
+            for call in message:
+                call_id, _, _, cancel = call
+                if cancel:
+                    task = calls.pop(call_id, None)
                     if task is not None:
                         task.cancel()
-                elif call.id not in calls:
-                    calls[call.id] = asyncio.create_task(answer(call))
+                elif call_id not in calls:
+                    calls[call_id] = asyncio.create_task(answer(call))
         # The client finished sending: answer what it asked, then end the stream.
         while calls:
             await asyncio.wait(list(calls.values()))
@@ -720,7 +750,7 @@ class _Call:
 class FramedSession(asyncio.Protocol):
     """The serving end of one :class:`SocketSession` connection (the coordinator's session
     port, a host's relay): each call starts at once (``run`` returns its answer as in
-    :func:`_session_response`, see :class:`_Call`) and is answered when done, in any order;
+    :func:`encode_answers`, see :class:`_Call`) and is answered when done, in any order;
     a ping at once; a cancel stops the call. Frames are parsed in ``data_received`` and
     answers written straight to the transport: no stream reader or writer task per message.
 
@@ -734,7 +764,7 @@ class FramedSession(asyncio.Protocol):
 
     def __init__(
         self,
-        run: Callable[[pb.SessionCall], Awaitable[tuple[bytes, bytes]]],
+        run: Callable[[Call], Awaitable[tuple[bytes, bytes]]],
         hello: Callable[[pb.SessionHello], tuple[grpc.StatusCode, str] | None] | None = None,
         on_close: Callable[["FramedSession"], None] | None = None,
     ) -> None:
@@ -764,32 +794,33 @@ class FramedSession(asyncio.Protocol):
                 return self._refuse(*refusal)
             self._hello = None
             return True
-        request = _parse_request(message)
-        if isinstance(request, Malformed):
-            return self._refuse(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        for call in request.calls[:]:  # a slice: upb's containers iterate by IndexError
-            if call.cancel:
-                running = self._calls.pop(call.id, None)
+        calls = decode_session_calls(message)
+        if isinstance(calls, Malformed):
+            return self._refuse(grpc.StatusCode.INVALID_ARGUMENT, calls.message)
+        for call in calls:
+            call_id, method, _, cancel = call
+            if cancel:
+                running = self._calls.pop(call_id, None)
                 if running is not None:
                     running.cancel()
-            elif not call.method:  # a ping
-                self._send(session_answer(call.id))
-            elif call.id not in self._calls:
-                running = self._calls[call.id] = _Call(self._answer(call))
+            elif not method:  # a ping
+                self._send(session_answer(call_id))
+            elif call_id not in self._calls:
+                running = self._calls[call_id] = _Call(self._answer(call))
                 running.start()  # once listed: a call done at once unlists itself
         return True
 
-    async def _answer(self, call: pb.SessionCall) -> None:
+    async def _answer(self, call: Call) -> None:
         try:
             reply = await self._run(call)
         finally:  # done: a late cancel finds nothing to stop
-            self._calls.pop(call.id, None)
+            self._calls.pop(call[0], None)
         self._send(reply)
 
     def _send(self, answer: tuple[bytes, bytes]) -> None:
         if self.transport.is_closing():
             return  # the peer resends on a new connection
-        self.transport.write(_session_response([answer], framed=True))
+        self.transport.write(encode_answers([answer], True))
         if self.transport.get_write_buffer_size() > self.MAX_UNSENT:
             log.warning("a session peer does not read its answers; closing its connection")
             self.transport.abort()

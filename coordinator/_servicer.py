@@ -17,7 +17,7 @@ from typing import Awaitable, Callable
 
 import grpc
 
-from pjrt_rendezvous.client._session import Malformed, Wakeup, clip, parser, serve_session, session_answer
+from pjrt_rendezvous.client._session import Call, Malformed, Wakeup, clip, decode_session_calls, parser, serve_session, session_answer
 from pjrt_rendezvous.client._wire import RendezvousCall, decode_rendezvous
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
@@ -53,9 +53,13 @@ def _serialize(message) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
+# Decoded to tuples (natively where built): the messages of every round.
+_DECODERS = {"Rendezvous": decode_rendezvous, "Session": decode_session_calls}
+
+
 def _decoder(method) -> Callable:
-    """A method's request parser; Rendezvous (every round's call) is decoded to a tuple."""
-    return decode_rendezvous if method.name == "Rendezvous" else parser(getattr(pb, method.input_type.name))
+    """A method's request parser: protobuf's, or one of _DECODERS."""
+    return _DECODERS.get(method.name) or parser(getattr(pb, method.input_type.name))
 
 
 def add_to_server(servicer: "Servicer", server) -> None:
@@ -384,17 +388,18 @@ class Servicer(pb_grpc.CoordinatorServicer):
         """Carries a client process's unary calls on one stream (see :func:`serve_session`)."""
         await serve_session(requests, context, self._session_call)
 
-    async def _session_call(self, call: pb.SessionCall) -> tuple[bytes, bytes]:
+    async def _session_call(self, call: Call) -> tuple[bytes, bytes]:
         """Runs one call of a Session like the unary method would; returns its answer as
         (the serialized SessionAnswer without its response, the serialized response)."""
-        method = call.method
+        call_id, method, body, _ = call
         entry = self._unary.get(method)
         if entry is None:
-            method, status, text = "(unknown)", grpc.StatusCode.UNIMPLEMENTED, f"no method {call.method!r}"
+            status, text = grpc.StatusCode.UNIMPLEMENTED, f"no method {method!r}"
+            method = "(unknown)"
         else:
             handler, parse = entry
             try:
-                request = parse(call.request)
+                request = parse(body)
                 if isinstance(request, Malformed):
                     raise CoreError(Code.INVALID_ARGUMENT, request.message)
                 result = await handler(self, request, None)
@@ -407,8 +412,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
         if self._on_call is not None:
             self._on_call(method, status.name)
         if status is grpc.StatusCode.OK:
-            return session_answer(call.id, response=_serialize(result))
-        return session_answer(call.id, status, text)
+            return session_answer(call_id, response=_serialize(result))
+        return session_answer(call_id, status, text)
 
     # -- key-value ------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
-"""The native path of a RendezvousRequest's decoding (client/_native.c) against protobuf's:
-what it takes it decodes to the same tuple, and it never takes what protobuf refuses."""
+"""The native path (client/_native.c) against protobuf: what it decodes (a RendezvousRequest,
+a SessionRequest's calls) it decodes as protobuf does, and it never takes what protobuf
+refuses. Its encoder of session answers is checked in test_protos.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pjrt_rendezvous.client import _wire
-from pjrt_rendezvous.client._session import Malformed
+from pjrt_rendezvous.client._session import Malformed, decode_session_calls_in_python
 from pjrt_rendezvous.client._wire import decode_in_python, decode_rendezvous, set_contribution_rows
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
@@ -156,3 +157,34 @@ def test_what_protobuf_allows_is_decoded_alike(extra):
 )
 def test_what_it_does_not_take_is_left_to_protobuf(data, why):
     assert native.decode_rendezvous(data) is None, why
+
+
+@st.composite
+def session_requests(draw) -> bytes:
+    calls = draw(st.lists(st.builds(
+        pb.SessionCall, id=st.integers(0, 2**64 - 1), method=TEXT, request=st.binary(max_size=16), cancel=st.booleans(),
+    ), max_size=4))
+    return pb.SessionRequest(calls=calls).SerializeToString()
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=session_requests())
+def test_session_calls_decode_as_protobuf_decodes_them(data):
+    decoded = native.decode_session_calls(data)
+    assert decoded is not None
+    assert decoded == decode_session_calls_in_python(data)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(data=session_requests(), cut=st.integers(0, 200), flips=st.lists(st.tuples(st.integers(0, 200), st.integers(0, 255)), max_size=3), tail=st.binary(max_size=8))
+def test_damaged_session_calls_are_never_taken_where_protobuf_refuses_them(data, cut, flips, tail):
+    damaged = bytearray(data)
+    for at, value in flips:
+        if damaged:
+            damaged[at % len(damaged)] = value
+    damaged = bytes(damaged[: cut % (len(damaged) + 1)]) + tail
+    decoded = native.decode_session_calls(damaged)
+    reference = decode_session_calls_in_python(damaged)
+    if decoded is not None:  # else left to protobuf
+        assert not isinstance(reference, Malformed), reference.message
+        assert decoded == reference

@@ -44,11 +44,18 @@ def test_protocol_package_is_versioned():
     assert "Coordinator" in coordinator_pb2.DESCRIPTOR.services_by_name
 
 
-@pytest.mark.parametrize("sizes", [[0], [1], [127, 128], [300, 0, 16383, 16384], [2**21 - 9, 2**21 + 5]])
-def test_hand_encoded_session_responses_parse_as_protobuf_would(sizes):
+@pytest.mark.parametrize("sizes", [[], [0], [1], [127, 128], [300, 0, 16383, 16384], [2**21 - 9, 2**21 + 5]])
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+def test_hand_encoded_session_responses_parse_as_protobuf_would(sizes, native):
     """The servicer writes SessionResponse bytes by hand (one copy of a shared response per
-    caller); they must parse to exactly the message protobuf would have built."""
-    from pjrt_rendezvous.client._session import _session_response, take_frames
+    caller); they must parse to exactly the message protobuf would have built, natively
+    encoded or not."""
+    from pjrt_rendezvous.client._session import encode_answers_in_python, take_frames
+
+    if native:
+        encode = pytest.importorskip("pjrt_rendezvous.client._native", reason="built without a C compiler").encode_answers
+    else:
+        encode = encode_answers_in_python
 
     answers = [
         pb.SessionAnswer(id=2**40 + i, response=bytes([i % 251]) * n) if n else pb.SessionAnswer(id=i, code=4, message="late")
@@ -58,8 +65,9 @@ def test_hand_encoded_session_responses_parse_as_protobuf_would(sizes):
     for a in answers:
         head = pb.SessionAnswer(id=a.id, code=a.code, message=a.message).SerializeToString()
         pairs.append((head, a.response))
-    assert pb.SessionResponse.FromString(_session_response(pairs)) == pb.SessionResponse(answers=answers)
-    assert take_frames(bytearray(_session_response(pairs, framed=True))) == [_session_response(pairs)]
+    assert pb.SessionResponse.FromString(encode(pairs, False)) == pb.SessionResponse(answers=answers)
+    assert encode(pairs, False) == encode_answers_in_python(pairs, False)
+    assert take_frames(bytearray(encode(pairs, True))) == [encode(pairs, False)]
 
 
 @pytest.mark.parametrize("call_id", [0, 1, 127, 128, 300, 2**14 - 1, 2**14, 2**21 - 1, 2**21, 2**40, 2**64 - 1])

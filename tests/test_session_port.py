@@ -17,7 +17,7 @@ from test_cli import Serve
 from test_fanin import make_clients, run_threads
 
 import pjrt_rendezvous.client as pr
-from pjrt_rendezvous.client._session import Session, SocketSession, _session_response, frame, session_answer, take_frames
+from pjrt_rendezvous.client._session import Session, SocketSession, encode_answers, frame, session_answer, take_frames
 from pjrt_rendezvous.coordinator import Coordinator
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
@@ -284,7 +284,7 @@ class FakePeer:
     def answer(self, method: str) -> None:
         with self._seen:
             assert self._seen.wait_for(lambda: method in self._ids, 5), f"no call of {method!r}"
-        self._theirs.sendall(frame(_session_response([session_answer(self._ids[method])])))
+        self._theirs.sendall(encode_answers([session_answer(self._ids[method])], True))
 
 
 def test_a_turn_to_read_is_never_handed_to_a_caller_that_is_not_waiting_for_it():
