@@ -33,7 +33,7 @@ from ._errors import (
 from ._relay import Relay, relay_path
 from ._session import Session, SocketSession
 from ._topology import Topology
-from ._wire import Row, set_contribution_rows
+from ._wire import Row, decode_payloads, set_contribution_rows
 
 log = logging.getLogger("pjrt_rendezvous.client")
 
@@ -63,7 +63,8 @@ _CHANNEL_OPTIONS = [
 ]
 
 _METHODS = pb.DESCRIPTOR.services_by_name["Coordinator"].methods
-_RESPONSES = {m.name: getattr(pb, m.output_type.name) for m in _METHODS}
+# Each method's response parser: protobuf's, but a round's payloads decoded as a list.
+_RESPONSES = {m.name: getattr(pb, m.output_type.name).FromString for m in _METHODS} | {"Rendezvous": decode_payloads}
 _TIMED = {m.name for m in _METHODS if "timeout" in m.input_type.fields_by_name}  # requests with a timeout
 
 _RELAY_RETRY = 5.0  # seconds: after the host's relay failed, call the coordinator directly this long
@@ -202,6 +203,7 @@ class Client:
         waits: bool = False,
         progress: Callable[[float], None] | None = None,
         relay: bool = False,
+        raw: bool = False,
     ):
         """Sends one call on a session, retrying transient failures, and maps errors (the one place).
 
@@ -209,11 +211,12 @@ class Client:
         request is safe to resend: rounds carry (group, round), non-idempotent key-value
         changes carry a request id. While a call waits, ``progress(seconds waited)`` runs
         every ``progress_interval``. With ``relay``, the call goes through the host's relay
-        when there is one (fan-in), else (or when the relay fails) to the coordinator.
+        when there is one (fan-in), else (or when the relay fails) to the coordinator. With
+        ``raw``, the response is returned serialized, as it came.
         """
         if self._closed:
             raise UsageError("this client was closed; call init() again")
-        attempt = (method, request, deadline, waits, progress, relay)
+        attempt = (method, request, deadline, waits, progress, relay, raw)
         try:
             return self._attempt(*attempt)  # the common case, without building a Retrying
         except grpc.RpcError as exc:
@@ -254,7 +257,7 @@ class Client:
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, address=self.settings.address, method=method) from exc
 
-    def _attempt(self, method: str, request, deadline: float | None, waits: bool, progress, relay: bool):
+    def _attempt(self, method: str, request, deadline: float | None, waits: bool, progress, relay: bool, raw: bool):
         """One try of :meth:`_call`: the parsed response, or the call's ``grpc.RpcError``."""
         if deadline is not None and method in _TIMED and request.HasField("timeout"):
             # A resend (after a coordinator restart) asks only for what is left.
@@ -272,7 +275,7 @@ class Client:
             if session is self._relay_session and exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self._relay_failed(exc)
             raise
-        return _RESPONSES[method].FromString(answer)
+        return answer if raw else _RESPONSES[method](answer)
 
     def _session(self, *, relay: bool = False) -> Session:
         """The open session to the coordinator, or with ``relay`` to the host's relay when
@@ -745,8 +748,7 @@ class Client:
                 sorted(batch.contributions), self._describe_wait((group, round_number)),
             )
 
-        response = self._call("Rendezvous", request, batch.deadline, waits=True, progress=progress, relay=True)
-        return response.payloads[:]  # a list (a slice: upb's containers iterate by IndexError)
+        return self._call("Rendezvous", request, batch.deadline, waits=True, progress=progress, relay=True)
 
     def _describe_wait(self, key: tuple) -> str:
         """What the coordinator says a pending round waits for (best effort)."""

@@ -3,7 +3,10 @@
  *   decode_rendezvous     a serialized RendezvousRequest in the parallel-lists form, as the
  *                         tuple client/_wire.py's decode_rendezvous returns;
  *   decode_session_calls  a serialized SessionRequest's calls as (id, method, request, cancel);
- *   encode_answers        session answers as a SessionResponse (_session.py's encode_answers).
+ *   encode_answers        session answers as a SessionResponse (_session.py's encode_answers);
+ *   decode_answers        a serialized SessionResponse's answers as (id, code, message, response);
+ *   encode_call           one call as a serialized SessionRequest (_session.py's session_request);
+ *   decode_payloads / encode_payloads   a RendezvousResponse's payloads.
  * Each spares the Python of building a protobuf object and reading its fields one by one
  * (most of a small round's parsing cost), or of joining an answer's pieces.
  *
@@ -449,6 +452,33 @@ static PyObject *encode_call(PyObject *Py_UNUSED(module), PyObject *args) {
     return out;
 }
 
+/* A RendezvousResponse of the payloads (a sequence of bytes): field 1, each length-delimited. */
+static PyObject *encode_payloads(PyObject *Py_UNUSED(module), PyObject *arg) {
+    PyObject *payloads = PySequence_Fast(arg, "payloads must be a sequence of bytes");
+    if (payloads == NULL) return NULL;
+    uint8_t scratch[10];
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(payloads), size = 0;
+    PyObject **items = PySequence_Fast_ITEMS(payloads), *out = NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (!PyBytes_Check(items[i])) {
+            PyErr_SetString(PyExc_TypeError, "payloads must be a sequence of bytes");
+            goto done;
+        }
+        size += 1 + put_varint(scratch, (uint64_t)PyBytes_GET_SIZE(items[i])) + PyBytes_GET_SIZE(items[i]);
+    }
+    if ((out = PyBytes_FromStringAndSize(NULL, size)) == NULL) goto done;
+    uint8_t *p = (uint8_t *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        *p++ = 0x0A;  /* RendezvousResponse.payloads: field 1, length-delimited */
+        p += put_varint(p, (uint64_t)PyBytes_GET_SIZE(items[i]));
+        memcpy(p, PyBytes_AS_STRING(items[i]), (size_t)PyBytes_GET_SIZE(items[i]));
+        p += PyBytes_GET_SIZE(items[i]);
+    }
+done:
+    Py_DECREF(payloads);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"decode_rendezvous", decode_rendezvous, METH_O,
      "decode_rendezvous(data) -> (job, incarnation, replicas, round, timeout, generation, rows) or None\n\n"
@@ -462,6 +492,8 @@ static PyMethodDef methods[] = {
      "A serialized SessionResponse's answers; None when protobuf must read it."},
     {"decode_payloads", decode_payloads, METH_O,
      "decode_payloads(data) -> [bytes, ...] or None: a serialized RendezvousResponse's payloads."},
+    {"encode_payloads", encode_payloads, METH_O,
+     "encode_payloads(payloads) -> bytes: a RendezvousResponse of the payloads, serialized."},
     {"encode_call", encode_call, METH_VARARGS,
      "encode_call(id, method, request, cancel, framed) -> bytes: session_request in client/_session.py."},
     {"encode_answers", encode_answers, METH_VARARGS,

@@ -243,7 +243,7 @@ class Relay:
         if deadline is not None:
             request.timeout = max(1e-3, deadline - time.monotonic())
         try:
-            return self._client._call("Rendezvous", request, deadline, waits=True).SerializeToString()
+            return self._client._call("Rendezvous", request, deadline, waits=True, raw=True)
         except Exception as exc:
             return exc
 

@@ -106,7 +106,7 @@ class _Pending:
         # also releases it to make the caller read: ``woken`` says it is released).
         self.done = _allocate_lock()
         self.done.acquire()
-        self.response: pb.SessionAnswer | None = None
+        self.response: Answer | None = None
         self.error: grpc.RpcError | None = None
         self.woken = False
 
@@ -179,7 +179,7 @@ class Session:
             for response in self._responses:
                 self.heard = time.monotonic()
                 with self._lock:
-                    answered = [(self._pending.pop(a.id, None), a) for a in response.answers]
+                    answered = [(self._pending.pop(a.id, None), (a.id, a.code, a.message, a.response)) for a in response.answers]
                 for pending, answer in answered:
                     if pending is not None:  # else the caller gave up on it
                         pending.response = answer
@@ -256,10 +256,10 @@ class Session:
             raise
         if pending.error is not None:
             raise pending.error
-        response = pending.response
-        if response.code:
-            raise StatusError(_CODES.get(response.code, grpc.StatusCode.UNKNOWN), response.message)
-        return response.response
+        _, code, message, response = pending.response
+        if code:
+            raise StatusError(_CODES.get(code, grpc.StatusCode.UNKNOWN), message)
+        return response
 
 
 FRAME = struct.Struct(">I")  # the length of the serialized message that follows
@@ -372,7 +372,7 @@ class SocketSession(Session):
             raise error from exc
 
     def _send(self, call_id: int, method: str = "", request: bytes = b"", cancel: bool = False) -> None:
-        self._write_bytes(session_request(call_id, method, request, cancel, framed=True))
+        self._write_bytes(encode_call(call_id, method, request, cancel, True))
 
     # -- reading, by the waiting callers in turn ------------------------------------------------
 
@@ -458,16 +458,16 @@ class SocketSession(Session):
 
     def _dispatch(self, message: bytes) -> None:
         try:
-            response = pb.SessionResponse.FromString(message)
+            answers = decode_answers(message)
         except DecodeError as exc:
             return self._break(StatusError(grpc.StatusCode.UNAVAILABLE, f"{self._peer} sent a malformed answer: {exc}"))
-        if response.answers and response.answers[0].id == 0:  # the end, with its status
-            answer = response.answers[0]
-            return self._break(StatusError(_CODES.get(answer.code, grpc.StatusCode.UNKNOWN), answer.message))
+        if answers and answers[0][0] == 0:  # the end, with its status
+            _, code, text, _ = answers[0]
+            return self._break(StatusError(_CODES.get(code, grpc.StatusCode.UNKNOWN), text))
         self.heard = time.monotonic()
         with self._lock:
-            for answer in response.answers[:]:  # a slice: upb's containers iterate by IndexError
-                pending = self._pending.pop(answer.id, None)
+            for answer in answers:
+                pending = self._pending.pop(answer[0], None)
                 if pending is not None:  # else the caller gave up on it
                     pending.response = answer
                     self._wake(pending)
@@ -560,6 +560,8 @@ encode_answers = _native.encode_answers if _native is not None else encode_answe
 
 # A SessionCall as the serving end takes it: (id, method, request, cancel).
 Call = tuple[int, str, bytes, bool]
+# A SessionAnswer as a caller takes it: (id, code, message, response).
+Answer = tuple[int, int, str, bytes]
 
 
 def decode_session_calls(message: bytes) -> list[Call] | Malformed:
@@ -569,6 +571,20 @@ def decode_session_calls(message: bytes) -> list[Call] | Malformed:
         if calls is not None:
             return calls
     return decode_session_calls_in_python(message)  # not taken natively: protobuf names why
+
+
+def decode_answers(message: bytes) -> list[Answer]:
+    """A serialized SessionResponse's answers; DecodeError if it is malformed."""
+    if _native is not None:
+        answers = _native.decode_answers(message)
+        if answers is not None:
+            return answers
+    return decode_answers_in_python(message)  # not taken natively: protobuf names why
+
+
+def decode_answers_in_python(message: bytes) -> list[Answer]:
+    """:func:`decode_answers` without the native path."""
+    return [(a.id, a.code, a.message, a.response) for a in pb.SessionResponse.FromString(message).answers]
 
 
 def decode_session_calls_in_python(message: bytes) -> list[Call] | Malformed:
@@ -602,6 +618,9 @@ def session_request(call_id: int, method: str, request: bytes, cancel: bool = Fa
     call = b"".join(parts)
     message = _CALLS_TAG + _varint(len(call)) + call
     return FRAME.pack(len(message)) + message if framed else message
+
+
+encode_call = _native.encode_call if _native is not None else session_request  # (id, method, request, cancel, framed)
 
 
 def session_answer(

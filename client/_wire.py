@@ -20,12 +20,7 @@ from typing import Sequence
 
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
-from ._session import Malformed, parser
-
-try:
-    from ._native import decode_rendezvous as _decode_natively
-except ImportError:  # built without a C compiler: the same in Python, slower
-    _decode_natively = None
+from ._session import Malformed, _native, parser  # _native: None when built without a C compiler
 
 Row = tuple[int, str, bytes, str]  # ordinal, tag, payload, incarnation ("": the caller's)
 # A RendezvousRequest decoded: job, incarnation, replicas, round, timeout (None: not given),
@@ -37,11 +32,33 @@ _parse_rendezvous = parser(pb.RendezvousRequest)
 
 def decode_rendezvous(data: bytes) -> RendezvousCall | Malformed:
     """A serialized RendezvousRequest decoded, or what is malformed in it."""
-    if _decode_natively is not None:
-        decoded = _decode_natively(data)
+    if _native is not None:
+        decoded = _native.decode_rendezvous(data)
         if decoded is not None:
             return decoded
     return decode_in_python(data)  # not taken natively: protobuf names what is wrong
+
+
+def encode_payloads_in_python(payloads: list[bytes]) -> bytes:
+    """A RendezvousResponse of ``payloads``, serialized."""
+    return pb.RendezvousResponse(payloads=payloads).SerializeToString()
+
+
+encode_payloads = _native.encode_payloads if _native is not None else encode_payloads_in_python
+
+
+def decode_payloads(data: bytes) -> list[bytes]:
+    """A serialized RendezvousResponse's payloads; DecodeError if it is malformed."""
+    if _native is not None:
+        payloads = _native.decode_payloads(data)
+        if payloads is not None:
+            return payloads
+    return decode_payloads_in_python(data)
+
+
+def decode_payloads_in_python(data: bytes) -> list[bytes]:
+    """:func:`decode_payloads` without the native path."""
+    return pb.RendezvousResponse.FromString(data).payloads[:]  # a slice: upb's containers iterate by IndexError
 
 
 def decode_in_python(data: bytes) -> RendezvousCall | Malformed:

@@ -18,7 +18,7 @@ from typing import Awaitable, Callable
 import grpc
 
 from pjrt_rendezvous.client._session import Call, Malformed, Wakeup, clip, decode_session_calls, parser, serve_session, session_answer
-from pjrt_rendezvous.client._wire import RendezvousCall, decode_rendezvous
+from pjrt_rendezvous.client._wire import RendezvousCall, decode_rendezvous, encode_payloads
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -329,7 +329,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
             raise rnd.error
         if rnd.response is None:
             # Serialized once for every member of the round (see _server._serialize).
-            rnd.response = pb.RendezvousResponse(payloads=rnd.result).SerializeToString()
+            rnd.response = encode_payloads(rnd.result)
         return rnd.response
 
     # -- liveness -------------------------------------------------------------------------

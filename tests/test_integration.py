@@ -379,7 +379,7 @@ def test_contributions_as_messages_and_as_lists_meet_in_one_round(coordinator):
             job=clients[0].settings.job, incarnation=clients[0].incarnation, round=0, timeout=30,
             contributions=[pb.Contribution(ordinal=0, tag="mixed", payload=b"a")],
         )
-        results["messages"] = list(clients[0]._call("Rendezvous", older, time.monotonic() + 30, waits=True).payloads)
+        results["messages"] = clients[0]._call("Rendezvous", older, time.monotonic() + 30, waits=True)
         thread.join(30)
         malformed = pb.RendezvousRequest(
             job=clients[0].settings.job, incarnation=clients[0].incarnation, round=1, ordinals=[0], tags=["x", "y"]

@@ -9,12 +9,13 @@ import shutil
 import struct
 
 import pytest
+from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pjrt_rendezvous.client import _wire
-from pjrt_rendezvous.client._session import Malformed, decode_session_calls_in_python
-from pjrt_rendezvous.client._wire import decode_in_python, decode_rendezvous, set_contribution_rows
+from pjrt_rendezvous.client._session import Malformed, decode_answers_in_python, decode_session_calls_in_python, session_request
+from pjrt_rendezvous.client._wire import decode_in_python, decode_payloads_in_python, decode_rendezvous, encode_payloads_in_python, set_contribution_rows
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
 native = pytest.importorskip("pjrt_rendezvous.client._native", reason="built without a C compiler")
@@ -29,7 +30,7 @@ def test_the_native_path_is_built_where_a_compiler_is():
     broke, and every coordinator here would silently take the slow path."""
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler on this machine")
-    assert _wire._decode_natively is native.decode_rendezvous
+    assert _wire._native is native
 
 
 def same(a, b) -> bool:
@@ -39,6 +40,16 @@ def same(a, b) -> bool:
             return a[:4] + a[5:] == b[:4] + b[5:]
     return a == b
 
+
+def damage(data: bytes, cut: int, flips: list[tuple[int, int]], tail: bytes) -> bytes:
+    damaged = bytearray(data)
+    for at, value in flips:
+        if damaged:
+            damaged[at % len(damaged)] = value
+    return bytes(damaged[: cut % (len(damaged) + 1)]) + tail
+
+
+DAMAGE = dict(cut=st.integers(0, 200), flips=st.lists(st.tuples(st.integers(0, 200), st.integers(0, 255)), max_size=3), tail=st.binary(max_size=8))
 
 @st.composite
 def requests(draw) -> pb.RendezvousRequest:
@@ -73,13 +84,9 @@ def test_well_formed_requests_decode_as_protobuf_decodes_them(request):
 
 
 @settings(max_examples=1500, deadline=None)
-@given(request=requests(), cut=st.integers(0, 400), flips=st.lists(st.tuples(st.integers(0, 400), st.integers(0, 255)), max_size=3), tail=st.binary(max_size=12))
+@given(request=requests(), **DAMAGE)
 def test_damaged_requests_are_never_taken_where_protobuf_refuses_them(request, cut, flips, tail):
-    data = bytearray(request.SerializeToString())
-    for at, value in flips:
-        if data:
-            data[at % len(data)] = value
-    data = bytes(data[: cut % (len(data) + 1)]) + tail
+    data = damage(request.SerializeToString(), cut, flips, tail)
     decoded = native.decode_rendezvous(data)
     reference = decode_in_python(data)
     if decoded is not None:  # else left to protobuf, which decodes it or names what is wrong
@@ -176,15 +183,60 @@ def test_session_calls_decode_as_protobuf_decodes_them(data):
 
 
 @settings(max_examples=1000, deadline=None)
-@given(data=session_requests(), cut=st.integers(0, 200), flips=st.lists(st.tuples(st.integers(0, 200), st.integers(0, 255)), max_size=3), tail=st.binary(max_size=8))
+@given(data=session_requests(), **DAMAGE)
 def test_damaged_session_calls_are_never_taken_where_protobuf_refuses_them(data, cut, flips, tail):
-    damaged = bytearray(data)
-    for at, value in flips:
-        if damaged:
-            damaged[at % len(damaged)] = value
-    damaged = bytes(damaged[: cut % (len(damaged) + 1)]) + tail
+    damaged = damage(data, cut, flips, tail)
     decoded = native.decode_session_calls(damaged)
     reference = decode_session_calls_in_python(damaged)
     if decoded is not None:  # else left to protobuf
         assert not isinstance(reference, Malformed), reference.message
         assert decoded == reference
+
+
+answers = st.builds(
+    lambda answers: pb.SessionResponse(answers=answers).SerializeToString(),
+    st.lists(st.builds(pb.SessionAnswer, id=st.integers(0, 2**64 - 1), code=INT32, message=TEXT, response=st.binary(max_size=16)), max_size=4),
+)
+payloads = st.builds(lambda p: pb.RendezvousResponse(payloads=p).SerializeToString(), st.lists(st.binary(max_size=16), max_size=6))
+
+
+def protobuf_or_refusal(decode, data):
+    try:
+        return decode(data)
+    except DecodeError:
+        return None
+
+
+@settings(max_examples=600, deadline=None)
+@given(data=st.one_of(answers, payloads), **DAMAGE)
+def test_answers_and_payloads_decode_as_protobuf_decodes_them_or_are_left_to_it(data, cut, flips, tail):
+    """The caller's end: a session's answers and a round's payloads, whole and damaged."""
+    for natively, in_python in [(native.decode_answers, decode_answers_in_python), (native.decode_payloads, decode_payloads_in_python)]:
+        for message in (data, damage(data, cut, flips, tail)):
+            decoded = natively(message)
+            if decoded is not None:
+                assert decoded == protobuf_or_refusal(in_python, message)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=answers)
+def test_whole_answers_are_taken_natively(data):
+    assert native.decode_answers(data) == decode_answers_in_python(data)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=payloads)
+def test_whole_payloads_are_taken_natively(data):
+    assert native.decode_payloads(data) == decode_payloads_in_python(data)
+
+
+@settings(max_examples=300, deadline=None)
+@given(call_id=st.integers(0, 2**64 - 1), method=TEXT, request=st.binary(max_size=300), cancel=st.booleans(), framed=st.booleans())
+def test_calls_encode_as_session_request_encodes_them(call_id, method, request, cancel, framed):
+    assert native.encode_call(call_id, method, request, cancel, framed) == session_request(call_id, method, request, cancel, framed=framed)
+
+
+@settings(max_examples=200, deadline=None)
+@given(payloads=st.lists(st.binary(max_size=300), max_size=6))
+def test_payloads_encode_as_protobuf_encodes_them(payloads):
+    assert native.encode_payloads(payloads) == encode_payloads_in_python(payloads)
