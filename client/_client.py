@@ -33,7 +33,7 @@ from ._errors import (
 from ._relay import Relay, relay_path
 from ._session import Session, SocketSession
 from ._topology import Topology
-from ._wire import Row, decode_payloads, set_contribution_rows
+from ._wire import Row, decode_payloads, encode_rendezvous
 
 log = logging.getLogger("pjrt_rendezvous.client")
 
@@ -213,6 +213,9 @@ class Client:
         every ``progress_interval``. With ``relay``, the call goes through the host's relay
         when there is one (fan-in), else (or when the relay fails) to the coordinator. With
         ``raw``, the response is returned serialized, as it came.
+
+        ``request`` is a protobuf message, or a function of the seconds left before
+        ``deadline`` (None without one) that returns the request serialized.
         """
         if self._closed:
             raise UsageError("this client was closed; call init() again")
@@ -259,9 +262,13 @@ class Client:
 
     def _attempt(self, method: str, request, deadline: float | None, waits: bool, progress, relay: bool, raw: bool):
         """One try of :meth:`_call`: the parsed response, or the call's ``grpc.RpcError``."""
-        if deadline is not None and method in _TIMED and request.HasField("timeout"):
-            # A resend (after a coordinator restart) asks only for what is left.
-            request.timeout = max(1e-3, deadline - time.monotonic())
+        # A resend (after a coordinator restart) asks only for what is left of the deadline.
+        if callable(request):  # a function of the seconds left (None: no deadline) encoding it
+            body = request(None if deadline is None else max(1e-3, deadline - time.monotonic()))
+        else:
+            if deadline is not None and method in _TIMED and request.HasField("timeout"):
+                request.timeout = max(1e-3, deadline - time.monotonic())
+            body = request.SerializeToString()
         transport = None
         if deadline is not None:
             transport = max(0.0, deadline - time.monotonic()) + (_TRANSPORT_GRACE if waits else 0)
@@ -270,7 +277,7 @@ class Client:
         interval = self.settings.progress_interval
         session = self._session(relay=relay)
         try:
-            answer = session.call(method, request, transport, progress if interval is not None else None, interval)
+            answer = session.call(method, body, transport, progress if interval is not None else None, interval)
         except grpc.RpcError as exc:
             if session is self._relay_session and exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self._relay_failed(exc)
@@ -733,13 +740,11 @@ class Client:
         return True
 
     def _send_round(self, replicas: list[int], group: tuple[int, ...], round_number: int, batch: _Batch) -> list[bytes]:
-        request = pb.RendezvousRequest(
-            job=self.settings.job, incarnation=self.incarnation, replicas=replicas, round=round_number
-        )
-        set_contribution_rows(request, sorted(batch.contributions.values()))  # by ordinal (each once)
-        if batch.deadline is not None:
-            request.timeout = max(1e-3, batch.deadline - time.monotonic())
-        request.generation = batch.generation
+        job, incarnation, generation = self.settings.job, self.incarnation, batch.generation
+        rows = sorted(batch.contributions.values())  # by ordinal (each once)
+
+        def request(timeout: float | None) -> bytes:
+            return encode_rendezvous(job, incarnation, replicas, round_number, timeout, generation, rows, False)
 
         def progress(waited: float) -> None:
             log.warning(

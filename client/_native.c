@@ -6,6 +6,7 @@
  *   encode_answers        session answers as a SessionResponse (_session.py's encode_answers);
  *   decode_answers        a serialized SessionResponse's answers as (id, code, message, response);
  *   encode_call           one call as a serialized SessionRequest (_session.py's session_request);
+ *   encode_rendezvous     a RendezvousRequest of rows, serialized (_wire.py's encode_rendezvous);
  *   decode_payloads / encode_payloads   a RendezvousResponse's payloads.
  * Each spares the Python of building a protobuf object and reading its fields one by one
  * (most of a small round's parsing cost), or of joining an answer's pieces.
@@ -479,6 +480,136 @@ done:
     return out;
 }
 
+/* An output buffer that grows; NULL data after a failed allocation (MemoryError set). */
+typedef struct { uint8_t *data; Py_ssize_t size, cap; } Out;
+
+static int out_room(Out *o, Py_ssize_t more) {
+    if (o->size + more <= o->cap) return 0;
+    Py_ssize_t cap = (o->cap + more) * 2;
+    uint8_t *data = PyMem_Realloc(o->data, (size_t)cap);
+    if (data == NULL) { PyErr_NoMemory(); return -1; }
+    o->data = data;
+    o->cap = cap;
+    return 0;
+}
+static int out_varint(Out *o, uint64_t x) {
+    if (out_room(o, 10) < 0) return -1;
+    o->size += put_varint(o->data + o->size, x);
+    return 0;
+}
+static int out_bytes(Out *o, int field, const char *data, Py_ssize_t size) {  /* length-delimited */
+    if (out_varint(o, (uint64_t)field << 3 | WT_LEN) < 0 || out_varint(o, (uint64_t)size) < 0 || out_room(o, size) < 0) return -1;
+    memcpy(o->data + o->size, data, (size_t)size);
+    o->size += size;
+    return 0;
+}
+static int out_text(Out *o, int field, PyObject *text) {
+    Py_ssize_t size;
+    const char *data = PyUnicode_AsUTF8AndSize(text, &size);
+    return data == NULL ? -1 : out_bytes(o, field, data, size);
+}
+/* A packed repeated integer field of the items' values (int32 or uint32 as protobuf encodes
+ * them: a negative int32 as ten bytes). */
+static int out_packed(Out *o, int field, PyObject *const *items, Py_ssize_t count, int is_signed) {
+    if (count == 0) return 0;
+    Out body = {NULL, 0, 0};
+    for (Py_ssize_t i = 0; i < count; i++) {
+        long long v = PyLong_AsLongLong(items[i]);
+        if ((v == -1 && PyErr_Occurred()) || v < (is_signed ? INT32_MIN : 0) || v > (is_signed ? INT32_MAX : (long long)UINT32_MAX)) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a value out of its field's range");
+            PyMem_Free(body.data);
+            return -1;
+        }
+        if (out_varint(&body, (uint64_t)(int64_t)v) < 0) { PyMem_Free(body.data); return -1; }
+    }
+    int rc = out_bytes(o, field, (const char *)body.data, body.size);
+    PyMem_Free(body.data);
+    return rc;
+}
+
+/* set_contribution_rows in client/_wire.py and protobuf's serialization in one: a
+ * RendezvousRequest of the rows (ordinal, tag, payload, incarnation), each list as short as
+ * the form allows, its fields in number order as protobuf writes them. */
+static PyObject *encode_rendezvous(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *job, *incarnation, *replicas_arg, *timeout, *rows_arg;
+    long long round, generation;
+    int index_processes;
+    if (!PyArg_ParseTuple(args, "UUOLOLOp", &job, &incarnation, &replicas_arg, &round, &timeout, &generation,
+                          &rows_arg, &index_processes))
+        return NULL;
+    PyObject *replicas = PySequence_Fast(replicas_arg, "replicas must be a sequence");
+    PyObject *rows = replicas ? PySequence_Fast(rows_arg, "rows must be a sequence") : NULL;
+    PyObject *columns[4] = {NULL, NULL, NULL, NULL}, *index = NULL, *processes = NULL, *out = NULL;
+    Out o = {NULL, 0, 0};
+    if (rows == NULL) goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(rows);
+    if (n == 0) { PyErr_SetString(PyExc_ValueError, "at least one row"); goto done; }
+    for (int c = 0; c < 4; c++) if ((columns[c] = PyList_New(n)) == NULL) goto done;
+    int same_tag = 1, any_payload = 0, any_incarnation = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *row = PySequence_Fast_GET_ITEM(rows, i);
+        if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) != 4 || !PyLong_Check(PyTuple_GET_ITEM(row, 0))
+            || !PyUnicode_Check(PyTuple_GET_ITEM(row, 1)) || !PyBytes_Check(PyTuple_GET_ITEM(row, 2))
+            || !PyUnicode_Check(PyTuple_GET_ITEM(row, 3))) {
+            PyErr_SetString(PyExc_TypeError, "rows must be (int, str, bytes, str) tuples");
+            goto done;
+        }
+        for (int c = 0; c < 4; c++) PyList_SET_ITEM(columns[c], i, Py_NewRef(PyTuple_GET_ITEM(row, c)));
+        if (i && same_tag) {
+            int eq = PyUnicode_Compare(PyTuple_GET_ITEM(row, 1), PyList_GET_ITEM(columns[1], 0));
+            if (eq == -1 && PyErr_Occurred()) goto done;
+            same_tag = eq == 0;
+        }
+        any_payload |= PyBytes_GET_SIZE(PyTuple_GET_ITEM(row, 2)) > 0;
+        any_incarnation |= PyUnicode_GET_LENGTH(PyTuple_GET_ITEM(row, 3)) > 0;
+    }
+    PyObject *const *ordinals = PySequence_Fast_ITEMS(columns[0]), *const *tags = PySequence_Fast_ITEMS(columns[1]);
+    PyObject *const *payloads = PySequence_Fast_ITEMS(columns[2]), *const *incarnations = PySequence_Fast_ITEMS(columns[3]);
+    if ((PyUnicode_GET_LENGTH(job) && out_text(&o, F_JOB, job) < 0)
+        || (PyUnicode_GET_LENGTH(incarnation) && out_text(&o, F_INCARNATION, incarnation) < 0)
+        || out_packed(&o, F_REPLICAS, PySequence_Fast_ITEMS(replicas), PySequence_Fast_GET_SIZE(replicas), 1) < 0
+        || (round && (out_varint(&o, F_ROUND << 3 | WT_VARINT) < 0 || out_varint(&o, (uint64_t)round) < 0)))
+        goto done;
+    if (timeout != Py_None) {
+        double t = PyFloat_AsDouble(timeout);
+        if (t == -1.0 && PyErr_Occurred()) goto done;
+        uint64_t bits;
+        memcpy(&bits, &t, sizeof bits);
+        if (out_varint(&o, F_TIMEOUT << 3 | WT_I64) < 0 || out_room(&o, 8) < 0) goto done;
+        for (int i = 0; i < 8; i++) o.data[o.size++] = (uint8_t)(bits >> (8 * i));  /* little-endian */
+    }
+    if ((generation && (out_varint(&o, F_GENERATION << 3 | WT_VARINT) < 0 || out_varint(&o, (uint64_t)generation) < 0))
+        || out_packed(&o, F_ORDINALS, ordinals, n, 1) < 0)
+        goto done;
+    for (Py_ssize_t i = 0; i < (same_tag ? 1 : n); i++)
+        if (out_text(&o, F_TAGS, tags[i]) < 0) goto done;
+    for (Py_ssize_t i = 0; any_payload && i < n; i++)
+        if (out_bytes(&o, F_PAYLOADS, PyBytes_AS_STRING(payloads[i]), PyBytes_GET_SIZE(payloads[i])) < 0) goto done;
+    if (any_incarnation && !index_processes) {
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (out_text(&o, F_INCARNATIONS, incarnations[i]) < 0) goto done;
+    } else if (any_incarnation) {  /* each process named once, in order of first appearance */
+        if ((index = PyDict_New()) == NULL || (processes = PyList_New(n)) == NULL) goto done;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *at = PyDict_GetItemWithError(index, incarnations[i]);
+            if (at == NULL) {
+                if (PyErr_Occurred() || out_text(&o, F_PROCESSES, incarnations[i]) < 0) goto done;
+                at = PyLong_FromSsize_t(PyDict_GET_SIZE(index));
+                if (at == NULL || PyDict_SetItem(index, incarnations[i], at) < 0) { Py_XDECREF(at); goto done; }
+                Py_DECREF(at);  /* the dict holds it */
+            }
+            PyList_SET_ITEM(processes, i, Py_NewRef(at));
+        }
+        if (out_packed(&o, F_PROCESS_INDEXES, PySequence_Fast_ITEMS(processes), n, 0) < 0) goto done;
+    }
+    out = PyBytes_FromStringAndSize((const char *)o.data, o.size);
+done:
+    PyMem_Free(o.data);
+    Py_XDECREF(replicas); Py_XDECREF(rows); Py_XDECREF(index); Py_XDECREF(processes);
+    for (int c = 0; c < 4; c++) Py_XDECREF(columns[c]);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"decode_rendezvous", decode_rendezvous, METH_O,
      "decode_rendezvous(data) -> (job, incarnation, replicas, round, timeout, generation, rows) or None\n\n"
@@ -494,6 +625,9 @@ static PyMethodDef methods[] = {
      "decode_payloads(data) -> [bytes, ...] or None: a serialized RendezvousResponse's payloads."},
     {"encode_payloads", encode_payloads, METH_O,
      "encode_payloads(payloads) -> bytes: a RendezvousResponse of the payloads, serialized."},
+    {"encode_rendezvous", encode_rendezvous, METH_VARARGS,
+     "encode_rendezvous(job, incarnation, replicas, round, timeout, generation, rows, index_processes) -> bytes\n\n"
+     "A serialized RendezvousRequest of the rows, as set_contribution_rows and protobuf make it."},
     {"encode_call", encode_call, METH_VARARGS,
      "encode_call(id, method, request, cancel, framed) -> bytes: session_request in client/_session.py."},
     {"encode_answers", encode_answers, METH_VARARGS,

@@ -205,12 +205,12 @@ class Session:
     def call(
         self,
         method: str,
-        request,
+        request: bytes,
         timeout: float | None,
         progress: Callable[[float], None] | None = None,
         interval: float | None = None,
     ) -> bytes:
-        """Sends ``request`` to ``method``; returns the serialized response.
+        """Sends ``request`` (serialized) to ``method``; returns the serialized response.
 
         Raises a :class:`grpc.RpcError` (the call's status, the stream's error, or
         DEADLINE_EXCEEDED after ``timeout``) like the unary call would. While waiting,
@@ -223,7 +223,7 @@ class Session:
             call_id = next(self._ids)
             self._pending[call_id] = pending
         try:
-            self._send(call_id, method, request.SerializeToString())
+            self._send(call_id, method, request)
         except BaseException:
             with self._lock:
                 self._pending.pop(call_id, None)
@@ -265,7 +265,7 @@ class Session:
 FRAME = struct.Struct(">I")  # the length of the serialized message that follows
 PING_EVERY = 10.0  # seconds without an answer before a SocketSession pings
 PING_TIMEOUT = 5.0
-_PING = pb.SessionRequest()  # any message: a ping's request is empty
+_PING = b""  # a ping's request is empty
 _RECEIVE = 1 << 16  # bytes a SocketSession asks of its socket at a time
 
 

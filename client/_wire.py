@@ -39,6 +39,21 @@ def decode_rendezvous(data: bytes) -> RendezvousCall | Malformed:
     return decode_in_python(data)  # not taken natively: protobuf names what is wrong
 
 
+def encode_rendezvous_in_python(
+    job: str, incarnation: str, replicas: Sequence[int], round_number: int, timeout: float | None,
+    generation: int, rows: Sequence[Row], index_processes: bool,
+) -> bytes:
+    """A serialized RendezvousRequest of ``rows`` (at least one; see :func:`set_contribution_rows`)."""
+    request = pb.RendezvousRequest(job=job, incarnation=incarnation, replicas=replicas, round=round_number, generation=generation)
+    if timeout is not None:
+        request.timeout = timeout
+    set_contribution_rows(request, rows, index_processes=index_processes)
+    return request.SerializeToString()
+
+
+encode_rendezvous = _native.encode_rendezvous if _native is not None else encode_rendezvous_in_python
+
+
 def encode_payloads_in_python(payloads: list[bytes]) -> bytes:
     """A RendezvousResponse of ``payloads``, serialized."""
     return pb.RendezvousResponse(payloads=payloads).SerializeToString()

@@ -15,7 +15,14 @@ from hypothesis import strategies as st
 
 from pjrt_rendezvous.client import _wire
 from pjrt_rendezvous.client._session import Malformed, decode_answers_in_python, decode_session_calls_in_python, session_request
-from pjrt_rendezvous.client._wire import decode_in_python, decode_payloads_in_python, decode_rendezvous, encode_payloads_in_python, set_contribution_rows
+from pjrt_rendezvous.client._wire import (
+    decode_in_python,
+    decode_payloads_in_python,
+    decode_rendezvous,
+    encode_payloads_in_python,
+    encode_rendezvous_in_python,
+    set_contribution_rows,
+)
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
 native = pytest.importorskip("pjrt_rendezvous.client._native", reason="built without a C compiler")
@@ -240,3 +247,15 @@ def test_calls_encode_as_session_request_encodes_them(call_id, method, request, 
 @given(payloads=st.lists(st.binary(max_size=300), max_size=6))
 def test_payloads_encode_as_protobuf_encodes_them(payloads):
     assert native.encode_payloads(payloads) == encode_payloads_in_python(payloads)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    job=TEXT, incarnation=TEXT, replicas=st.lists(INT32, max_size=4), round_number=INT64,
+    timeout=st.none() | st.floats(allow_nan=False), generation=INT64,
+    rows=st.lists(st.tuples(INT32, st.sampled_from(["t", "u", ""]), st.sampled_from([b"", b"x", b"\0" * 200]), st.sampled_from(["", "p", "q\u00e9"])), min_size=1, max_size=12),
+    index_processes=st.booleans(),
+)
+def test_requests_encode_as_protobuf_encodes_them(job, incarnation, replicas, round_number, timeout, generation, rows, index_processes):
+    args = (job, incarnation, replicas, round_number, timeout, generation, rows, index_processes)
+    assert native.encode_rendezvous(*args) == encode_rendezvous_in_python(*args)
