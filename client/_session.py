@@ -25,6 +25,7 @@ import asyncio
 import functools
 import itertools
 import logging
+import os
 import queue
 import select
 import socket
@@ -41,10 +42,12 @@ from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
 from ._topology import host_port
 
-try:
-    from . import _native  # the native path (_native.c): built when a C compiler was at hand
-except ImportError:
-    _native = None
+_native = None  # the native path (_native.c): built when a C compiler was at hand
+if os.environ.get("PJRT_RENDEZVOUS_NATIVE") != "0":  # 0: the Python path alone
+    try:
+        from . import _native
+    except ImportError:
+        pass
 
 log = logging.getLogger("pjrt_rendezvous.client")
 
@@ -607,7 +610,7 @@ def _method_field(method: str) -> bytes:
     return _METHOD_TAG + _varint(len(encoded)) + encoded if encoded else b""
 
 
-def session_request(call_id: int, method: str, request: bytes, cancel: bool = False, *, framed: bool = False) -> bytes:
+def session_request(call_id: int, method: str, request: bytes, cancel: bool = False, framed: bool = False) -> bytes:
     """A serialized SessionRequest of one SessionCall (with ``framed``, behind its length
     prefix), encoded by hand as protobuf would: every call of a process goes through here."""
     parts = [_ID_TAG, _varint(call_id), _method_field(method)] if call_id else [_method_field(method)]

@@ -64,6 +64,19 @@ def test_demo_simulates_a_v3_8():
     assert len(re.findall(r"^\d+ +\d+ +\d+ +\d+ +sim-host-0 .* ok$", text, re.M)) == 8
 
 
+def test_demo_runs_on_the_python_path_alone():
+    """Built without a C compiler (or with PJRT_RENDEZVOUS_NATIVE=0), the package decodes and
+    encodes its messages in Python: the README's main job works on that path alone."""
+    env = dict(os.environ, PJRT_RENDEZVOUS_NATIVE="0")
+    probe = "from pjrt_rendezvous.client import _session, _wire; assert _session._native is _wire._native is None"
+    subprocess.run([sys.executable, "-c", probe], env=env, check=True, timeout=60)
+    demo = subprocess.run(
+        [sys.executable, "-m", "pjrt_rendezvous.coordinator", "demo"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert demo.stdout.rstrip().endswith("ok")
+
+
 def test_multi_host_v3_32_full_world_subsets_and_repeated_tags(coordinator):
     """16 processes x 2 threads on 4 simulated hosts: ordinals from the TPU variables, results in ordinal order."""
     records = run_pod(coordinator.address, "full_and_subsets", processes=16, hosts=4, accelerator="v3-32", timeout=120)
