@@ -93,6 +93,9 @@ def versions() -> dict[str, str]:
         where = os.path.dirname(os.path.dirname(os.path.realpath(coordinator.__file__)))
         if os.path.realpath(where) != os.path.realpath(os.path.join(os.path.dirname(__file__), "..")):
             out["pjrt-rendezvous"] = f"from {where}"
+        from pjrt_rendezvous.client import _session
+
+        out["pjrt-rendezvous"] += " (native path)" if _session._native is not None else " (Python path only)"
     except (OSError, subprocess.SubprocessError):
         out["pjrt-rendezvous"] = "?"
     return out

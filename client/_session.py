@@ -567,24 +567,6 @@ Call = tuple[int, str, bytes, bool]
 Answer = tuple[int, int, str, bytes]
 
 
-def decode_session_calls(message: bytes) -> list[Call] | Malformed:
-    """A serialized SessionRequest's calls, or what is malformed in it."""
-    if _native is not None:
-        calls = _native.decode_session_calls(message)
-        if calls is not None:
-            return calls
-    return decode_session_calls_in_python(message)  # not taken natively: protobuf names why
-
-
-def decode_answers(message: bytes) -> list[Answer]:
-    """A serialized SessionResponse's answers; DecodeError if it is malformed."""
-    if _native is not None:
-        answers = _native.decode_answers(message)
-        if answers is not None:
-            return answers
-    return decode_answers_in_python(message)  # not taken natively: protobuf names why
-
-
 def decode_answers_in_python(message: bytes) -> list[Answer]:
     """:func:`decode_answers` without the native path."""
     return [(a.id, a.code, a.message, a.response) for a in pb.SessionResponse.FromString(message).answers]
@@ -596,6 +578,26 @@ def decode_session_calls_in_python(message: bytes) -> list[Call] | Malformed:
     if isinstance(request, Malformed):
         return request
     return [(call.id, call.method, call.request, call.cancel) for call in request.calls]
+
+
+def natively_or(name: str, in_python: Callable[[bytes], object]) -> Callable[[bytes], object]:
+    """A decoder: the native one called ``name`` where it was built, and ``in_python`` for
+    what it does not take (it gives None: protobuf then decodes it or names what is wrong)."""
+    if _native is None:
+        return in_python
+    natively = getattr(_native, name)
+
+    def decode(data: bytes):
+        decoded = natively(data)
+        return in_python(data) if decoded is None else decoded
+
+    return decode
+
+
+# A serialized SessionRequest's calls, or what is malformed in it.
+decode_session_calls: Callable[[bytes], list[Call] | Malformed] = natively_or("decode_session_calls", decode_session_calls_in_python)
+# A serialized SessionResponse's answers; DecodeError if it is malformed.
+decode_answers: Callable[[bytes], list[Answer]] = natively_or("decode_answers", decode_answers_in_python)
 
 
 _CALLS_TAG = b"\x0a"  # SessionRequest.calls: field 1, length-delimited

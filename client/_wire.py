@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import operator
 from itertools import repeat
-from typing import Sequence
+from typing import Callable, Sequence
 
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
-from ._session import Malformed, _native, parser  # _native: None when built without a C compiler
+from ._session import Malformed, _native, natively_or, parser  # _native: None when built without a C compiler
 
 Row = tuple[int, str, bytes, str]  # ordinal, tag, payload, incarnation ("": the caller's)
 # A RendezvousRequest decoded: job, incarnation, replicas, round, timeout (None: not given),
@@ -28,15 +28,6 @@ Row = tuple[int, str, bytes, str]  # ordinal, tag, payload, incarnation ("": the
 RendezvousCall = tuple[str, str, list[int], int, "float | None", int, list[Row]]
 
 _parse_rendezvous = parser(pb.RendezvousRequest)
-
-
-def decode_rendezvous(data: bytes) -> RendezvousCall | Malformed:
-    """A serialized RendezvousRequest decoded, or what is malformed in it."""
-    if _native is not None:
-        decoded = _native.decode_rendezvous(data)
-        if decoded is not None:
-            return decoded
-    return decode_in_python(data)  # not taken natively: protobuf names what is wrong
 
 
 def encode_rendezvous_in_python(
@@ -62,22 +53,13 @@ def encode_payloads_in_python(payloads: list[bytes]) -> bytes:
 encode_payloads = _native.encode_payloads if _native is not None else encode_payloads_in_python
 
 
-def decode_payloads(data: bytes) -> list[bytes]:
-    """A serialized RendezvousResponse's payloads; DecodeError if it is malformed."""
-    if _native is not None:
-        payloads = _native.decode_payloads(data)
-        if payloads is not None:
-            return payloads
-    return decode_payloads_in_python(data)
-
-
 def decode_payloads_in_python(data: bytes) -> list[bytes]:
-    """:func:`decode_payloads` without the native path."""
+    """A serialized RendezvousResponse's payloads: protobuf's way (DecodeError if malformed)."""
     return pb.RendezvousResponse.FromString(data).payloads[:]  # a slice: upb's containers iterate by IndexError
 
 
-def decode_in_python(data: bytes) -> RendezvousCall | Malformed:
-    """:func:`decode_rendezvous` without the native path."""
+def decode_rendezvous_in_python(data: bytes) -> RendezvousCall | Malformed:
+    """A serialized RendezvousRequest decoded, or what is malformed in it: protobuf's way."""
     request = _parse_rendezvous(data)
     if isinstance(request, Malformed):
         return request
@@ -87,6 +69,12 @@ def decode_in_python(data: bytes) -> RendezvousCall | Malformed:
         return Malformed(f"malformed rendezvous request: {exc}")
     timeout = request.timeout if request.HasField("timeout") else None
     return request.job, request.incarnation, request.replicas[:], request.round, timeout, request.generation, rows
+
+
+# A serialized RendezvousRequest decoded, or what is malformed in it.
+decode_rendezvous: Callable[[bytes], RendezvousCall | Malformed] = natively_or("decode_rendezvous", decode_rendezvous_in_python)
+# A serialized RendezvousResponse's payloads; DecodeError if it is malformed.
+decode_payloads: Callable[[bytes], list[bytes]] = natively_or("decode_payloads", decode_payloads_in_python)
 
 _FIELDS = operator.attrgetter("ordinal", "tag", "payload", "incarnation")
 

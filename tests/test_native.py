@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from pjrt_rendezvous.client import _wire
 from pjrt_rendezvous.client._session import Malformed, decode_answers_in_python, decode_session_calls_in_python, session_request
 from pjrt_rendezvous.client._wire import (
-    decode_in_python,
+    decode_rendezvous_in_python,
     decode_payloads_in_python,
     decode_rendezvous,
     encode_payloads_in_python,
@@ -86,7 +86,7 @@ def test_well_formed_requests_decode_as_protobuf_decodes_them(request):
     data = request.SerializeToString()
     decoded = native.decode_rendezvous(data)
     assert decoded is not None
-    assert same(decoded, decode_in_python(data))
+    assert same(decoded, decode_rendezvous_in_python(data))
     assert same(decode_rendezvous(data), decoded)
 
 
@@ -95,7 +95,7 @@ def test_well_formed_requests_decode_as_protobuf_decodes_them(request):
 def test_damaged_requests_are_never_taken_where_protobuf_refuses_them(request, cut, flips, tail):
     data = damage(request.SerializeToString(), cut, flips, tail)
     decoded = native.decode_rendezvous(data)
-    reference = decode_in_python(data)
+    reference = decode_rendezvous_in_python(data)
     if decoded is not None:  # else left to protobuf, which decodes it or names what is wrong
         assert not isinstance(reference, Malformed), reference.message
         assert same(decoded, reference)
@@ -105,7 +105,7 @@ def test_damaged_requests_are_never_taken_where_protobuf_refuses_them(request, c
 @given(data=st.binary(max_size=64))
 def test_random_bytes_are_never_taken_where_protobuf_refuses_them(data):
     decoded = native.decode_rendezvous(data)
-    reference = decode_in_python(data)
+    reference = decode_rendezvous_in_python(data)
     assert decoded is None or (not isinstance(reference, Malformed) and same(decoded, reference))
 
 
@@ -146,7 +146,7 @@ def test_what_protobuf_allows_is_decoded_alike(extra):
     data = BASE + extra
     decoded = native.decode_rendezvous(data)
     assert decoded is not None
-    assert same(decoded, decode_in_python(data))
+    assert same(decoded, decode_rendezvous_in_python(data))
 
 
 @pytest.mark.parametrize(
