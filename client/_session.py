@@ -17,6 +17,11 @@ coordinator's session port when it offers one (cheaper than gRPC's stream), and 
 socket to the host's relay (fan-in, ``_relay.py``). It has no reader thread: the callers
 waiting for answers take turns reading the socket. The serving end, :func:`serve_session`
 (and :class:`FramedSession` for sockets), is shared by the coordinator and the relay.
+
+Both ends decode and encode these messages natively when ``_native.c`` was built (each
+function here has its Python twin: ``*_in_python``); a call on the serving end is an
+``(id, method, request, cancel)`` tuple, an answer on the calling end ``(id, code, message,
+response)``.
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ lists (``ordinals``, ``tags``, ``payloads``, and ``incarnations`` or ``processes
 contribution, which is what a coordinator pays for each of the thousands a host relay sends
 in one call; our clients and relays send the lists, and the coordinator reads every form.
 
-The coordinator decodes a request with :func:`decode_rendezvous`: through the native path
+The coordinator decodes a request with ``decode_rendezvous`` and a client encodes one with
+``encode_rendezvous`` (the round's payloads likewise): through the native path
 (``_native.c``) when the package was built with a C compiler, else with protobuf and
-:func:`contribution_rows`, to the same tuple.
+:func:`contribution_rows` / :func:`set_contribution_rows`, to the same tuple and bytes.
 """
 
 from __future__ import annotations
