@@ -277,10 +277,15 @@ _PING = b""  # a ping's request is empty
 _RECEIVE = 1 << 16  # bytes a SocketSession asks of its socket at a time
 
 
+def one_whole_message(data: bytes | bytearray) -> bool:
+    """Whether length-prefixed ``data`` holds exactly one whole message."""
+    return len(data) >= FRAME.size and FRAME.unpack_from(data)[0] == len(data) - FRAME.size
+
+
 def take_frames(buffer: bytearray) -> list[bytes]:
     """Removes the complete messages at the start of a length-prefixed byte ``buffer`` and
     returns them; the start of an incomplete one stays for the bytes still to come."""
-    if len(buffer) >= FRAME.size and FRAME.unpack_from(buffer)[0] == len(buffer) - FRAME.size:
+    if one_whole_message(buffer):
         message = bytes(buffer[FRAME.size :])  # the common case: exactly one whole message
         buffer.clear()
         return [message]
@@ -462,9 +467,12 @@ class SocketSession(Session):
                 continue
             if not data:
                 self._break(StatusError(grpc.StatusCode.UNAVAILABLE, f"{self._peer} closed the connection"))
+            elif not self._buffer and one_whole_message(data):  # nearly every read: taken as it came
+                self._dispatch(memoryview(data)[FRAME.size :])
+                continue
             self._buffer += data
 
-    def _dispatch(self, message: bytes) -> None:
+    def _dispatch(self, message: bytes | memoryview) -> None:
         try:
             answers = decode_answers(message)
         except DecodeError as exc:
@@ -808,12 +816,15 @@ class FramedSession(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        if not self._buffer and one_whole_message(data):  # nearly every read: taken as it came
+            self._message(memoryview(data)[FRAME.size :])
+            return
         self._buffer += data
         for message in take_frames(self._buffer):
             if not self._message(message):
                 return
 
-    def _message(self, message: bytes) -> bool:
+    def _message(self, message: bytes | memoryview) -> bool:
         if self._hello is not None:
             greeting = _parse_hello(message)
             if isinstance(greeting, Malformed):
