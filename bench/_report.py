@@ -95,7 +95,8 @@ def versions() -> dict[str, str]:
             out["pjrt-rendezvous"] = f"from {where}"
         from pjrt_rendezvous.client import _session
 
-        out["pjrt-rendezvous"] += " (native path)" if _session._native is not None else " (Python path only)"
+        native = getattr(_session, "_native", None)  # an older product has no native path
+        out["pjrt-rendezvous"] += " (native path)" if native is not None else " (Python path only)"
     except (OSError, subprocess.SubprocessError):
         out["pjrt-rendezvous"] = "?"
     return out
