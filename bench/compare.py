@@ -5,8 +5,8 @@
 
 Runs our system alone through bench/run.py (real processes, same workloads) and the scale
 run (bench/_scale.py), alternating before / after ``--reps`` times, and prints medians of
-round p50, server CPU per round, world formation and peak memory. ``--before`` defaults to
-the installed package; ``--after`` is a source tree with the product folders (e.g. a
+round p50, server and client-process CPU per round, world formation and peak memory.
+``--before`` defaults to the installed package; ``--after`` is a source tree with the product folders (e.g. a
 ``git worktree`` of the change). Medians of alternating runs, because this machine
 is shared and noisy.
 """
@@ -78,7 +78,7 @@ def render(runs: dict, args) -> str:
     for size in args.sizes.split(","):
         for w in args.workloads.split(","):
             cells = [size, w]
-            for what in ("p50", "cpu"):
+            for what in ("p50", "cpu", "client_cpu"):
                 vals = {}
                 for label in ("before", "after"):
                     per_run = []
@@ -88,19 +88,22 @@ def render(runs: dict, args) -> str:
                             continue
                         if what == "p50":
                             per_run.append(percentile(e["samples"][w], 50))
-                        else:
+                        elif what == "cpu":
                             c = e["cpu"][w]
                             per_run.append(sum(x[0] for x in c) / sum(x[2] for x in c))
+                        else:  # a client process's CPU per round
+                            c = e["client_cpu"][w]
+                            per_run.append(sum(x[0] for x in c) / sum(x[1] for x in c))
                     vals[label] = _median(per_run)
                 cells += [ms(vals["before"]), ms(vals["after"]), f"{vals['before'] / vals['after']:.2f}x"]
             rows.append(cells)
         cells = [size, "formation"]
         vals = {label: _median([r["results"][size]["ours"]["formation"][0] for r in runs[label]
                                 if not r["results"][size]["ours"].get("error")]) for label in runs}
-        cells += [ms(vals["before"]), ms(vals["after"]), f"{vals['before'] / vals['after']:.2f}x", "", "", ""]
+        cells += [ms(vals["before"]), ms(vals["after"]), f"{vals['before'] / vals['after']:.2f}x"] + [""] * 6
         rows.append(cells)
     out = [table(["size", "measure", "p50 before (ms)", "p50 after (ms)", "gain", "server CPU/round before (ms)",
-                  "after (ms)", "gain"], rows)]
+                  "after (ms)", "gain", "client CPU/round before (ms)", "after (ms)", "gain"], rows)]
     if args.scale != "none":
         rows = []
         for key in args.scale.split(","):

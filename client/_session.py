@@ -274,7 +274,11 @@ FRAME = struct.Struct(">I")  # the length of the serialized message that follows
 PING_EVERY = 10.0  # seconds without an answer before a SocketSession pings
 PING_TIMEOUT = 5.0
 _PING = b""  # a ping's request is empty
-_RECEIVE = 1 << 16  # bytes a SocketSession asks of its socket at a time
+# A SocketSession reads into a buffer of its own, at first this large, grown to hold the
+# largest message it received (up to _RECEIVE_MAX), so that a message comes in one read
+# without a buffer allocated for it and copied out again.
+_RECEIVE = 1 << 16
+_RECEIVE_MAX = 64 << 20
 
 
 def one_whole_message(data: bytes | bytearray) -> bool:
@@ -285,8 +289,9 @@ def one_whole_message(data: bytes | bytearray) -> bool:
 def take_frames(buffer: bytearray) -> list[bytes]:
     """Removes the complete messages at the start of a length-prefixed byte ``buffer`` and
     returns them; the start of an incomplete one stays for the bytes still to come."""
-    if one_whole_message(buffer):
-        message = bytes(buffer[FRAME.size :])  # the common case: exactly one whole message
+    if one_whole_message(buffer):  # the common case: exactly one whole message
+        with memoryview(buffer) as view:
+            message = bytes(view[FRAME.size :])
         buffer.clear()
         return [message]
     messages, start = [], 0
@@ -324,6 +329,7 @@ class SocketSession(Session):
         self._reading = threading.Lock()  # held by the caller reading answers for all
         self._parked: set[_Pending] = set()  # callers blocked for their answer, who may read next
         self._buffer = bytearray()  # received bytes not yet taken as messages
+        self._received = bytearray(_RECEIVE)  # where a read lands (see _RECEIVE)
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
         threading.Thread(target=self._keepalive, name="pjrt-rendezvous-keepalive", daemon=True).start()
@@ -461,16 +467,22 @@ class SocketSession(Session):
             if end is not None and not self._poll.poll(max(0.0, end - time.monotonic()) * 1000):
                 return
             try:
-                data = self._socket.recv(_RECEIVE)
+                received = self._socket.recv_into(self._received)
             except OSError as exc:
                 self._break(StatusError(grpc.StatusCode.UNAVAILABLE, f"{self._peer} went away: {exc}"))
                 continue
-            if not data:
+            if not received:
                 self._break(StatusError(grpc.StatusCode.UNAVAILABLE, f"{self._peer} closed the connection"))
-            elif not self._buffer and one_whole_message(data):  # nearly every read: taken as it came
-                self._dispatch(memoryview(data)[FRAME.size :])
+                continue
+            data = memoryview(self._received)[:received]
+            if not self._buffer and one_whole_message(data):  # nearly every read: taken as it came
+                self._dispatch(data[FRAME.size :])  # decoded into objects of their own
                 continue
             self._buffer += data
+            if len(self._buffer) >= FRAME.size:  # a message longer than one read: next time one will do
+                size = FRAME.size + FRAME.unpack_from(self._buffer)[0]
+                if len(self._received) < size <= _RECEIVE_MAX:
+                    self._received = bytearray(size)
 
     def _dispatch(self, message: bytes | memoryview) -> None:
         try:

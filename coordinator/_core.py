@@ -733,42 +733,23 @@ class Core:
             raise CoreError(Code.INVALID_ARGUMENT, f"round number must be >= 0, got {round_number}")
         if not contributions:
             raise CoreError(Code.INVALID_ARGUMENT, "a rendezvous call needs at least one contribution")
-        # The contributions are checked in one loop (thousands per call with host fan-in).
-        ordinals, tags, payloads, _ = zip(*contributions)  # columns, in C
-        if len(ordinals) > 1 and len(set(ordinals)) != len(ordinals):
+        ordinals, tags, payloads, named = zip(*contributions)  # columns, in C
+        unique = set(ordinals)
+        if len(unique) != len(ordinals):
             raise CoreError(
                 Code.INVALID_ARGUMENT, f"ordinals {format_ranges(ordinals)} contribute twice in one call"
             )
-        owners, max_tag, max_payload = state.members, self.limits.max_tag_length, self.limits.max_payload_bytes
-        relayed = {incarnation}
-        for ordinal, tag, payload, named in contributions:
-            if named and named not in relayed:
-                self._process(state, named, now)  # a relay speaks for live, registered processes only
-                relayed.add(named)
-            member = owners.get(ordinal)
-            if member is None or member.incarnation != (named or incarnation):
-                owner = "not registered" if member is None else (
-                    f"registered by {state.processes[member.incarnation].label()}"
-                )
-                claimed = state.processes[named] if named else process
-                raise CoreError(
-                    Code.FAILED_PRECONDITION,
-                    f"ordinal {ordinal} is {owner}, not by the "
-                    f"{'calling process' if claimed is process else 'process a host relay named'} "
-                    f"({claimed.label()}); bind the thread first",
-                )
-            if len(tag) > max_tag:
-                raise CoreError(
-                    Code.INVALID_ARGUMENT,
-                    f"tag of {len(tag)} characters exceeds the limit of "
-                    f"{max_tag} (max_tag_length)",
-                )
-            if len(payload) > max_payload:
-                raise CoreError(
-                    Code.RESOURCE_EXHAUSTED,
-                    f"payload of ordinal {ordinal} is {len(payload)} bytes, over the limit of "
-                    f"{max_payload} bytes (max_payload_bytes)",
-                )
+        # The common case checked in C: the caller's own ordinals (``Process.ordinals`` is
+        # exactly the members it registered), within the limits. Otherwise (a relay's call,
+        # or something wrong) one loop checks each contribution and names what is wrong.
+        limits = self.limits
+        if (
+            any(named)
+            or not unique <= process.ordinals
+            or max(map(len, tags)) > limits.max_tag_length
+            or max(map(len, payloads)) > limits.max_payload_bytes
+        ):
+            self._check_contributions(state, process, incarnation, contributions, now)
         group: GroupKey = ALL
         if replicas:
             group = self._replicas_group(state, replicas, ordinals, tags[0], now)
@@ -836,6 +817,42 @@ class Core:
         elif len(state.pending) > 1:
             self._fail_if_deadlocked(state, rnd)
         return rnd.key
+
+    def _check_contributions(
+        self, state: Job, process: Process, incarnation: str, contributions: Sequence[ContributionRow], now: float
+    ) -> None:
+        """Raises the first contribution's error: an ordinal its process (the caller, or the
+        one a host relay named) does not own, a tag or a payload over the limit."""
+        owners, max_tag, max_payload = state.members, self.limits.max_tag_length, self.limits.max_payload_bytes
+        relayed = {incarnation}
+        for ordinal, tag, payload, named in contributions:
+            if named and named not in relayed:
+                self._process(state, named, now)  # a relay speaks for live, registered processes only
+                relayed.add(named)
+            member = owners.get(ordinal)
+            if member is None or member.incarnation != (named or incarnation):
+                owner = "not registered" if member is None else (
+                    f"registered by {state.processes[member.incarnation].label()}"
+                )
+                claimed = state.processes[named] if named else process
+                raise CoreError(
+                    Code.FAILED_PRECONDITION,
+                    f"ordinal {ordinal} is {owner}, not by the "
+                    f"{'calling process' if claimed is process else 'process a host relay named'} "
+                    f"({claimed.label()}); bind the thread first",
+                )
+            if len(tag) > max_tag:
+                raise CoreError(
+                    Code.INVALID_ARGUMENT,
+                    f"tag of {len(tag)} characters exceeds the limit of "
+                    f"{max_tag} (max_tag_length)",
+                )
+            if len(payload) > max_payload:
+                raise CoreError(
+                    Code.RESOURCE_EXHAUSTED,
+                    f"payload of ordinal {ordinal} is {len(payload)} bytes, over the limit of "
+                    f"{max_payload} bytes (max_payload_bytes)",
+                )
 
     def _replicas_group(self, state: Job, replicas: Sequence[int], ordinals: Sequence[int], tag: str, now: float) -> GroupKey:
         """The group a replicas list names; a malformed list fails the round the callers'

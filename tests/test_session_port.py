@@ -248,6 +248,33 @@ def test_callers_sharing_a_socket_session_take_turns_reading_and_each_gets_its_o
             c.close()
 
 
+def test_answers_larger_than_a_read_arrive_whole_and_the_read_buffer_grows_to_them():
+    """Rounds whose answers are several times the first read buffer (and small ones between)
+    give every thread the exact payloads; afterwards such an answer fits in one read."""
+    from pjrt_rendezvous.client import _session
+
+    sizes = [_session._RECEIVE // 2, 3 * _session._RECEIVE // 8, 0, 5, _session._RECEIVE // 4]
+    with Coordinator(port=0) as coordinator:
+        clients = make_clients(coordinator.address, fan_in="off")
+
+        def rounds(client, binding):
+            out = []
+            for k, size in enumerate(sizes):  # 8 ordinals x size: up to 4x the first buffer
+                payload = bytes([binding.ordinal + k]) * size
+                out.append(client.rendezvous(binding, f"big{k}", payload))
+            return out
+
+        results = run_threads(clients, rounds)
+        for k, size in enumerate(sizes):
+            want = [bytes([o + k]) * size for o in ALL]
+            assert all(out[k] == want for out in results.values()), (k, size)
+        for c in clients:
+            session = c._current_session
+            assert type(session) is SocketSession
+            assert len(session._received) >= 8 * sizes[0]  # the largest answer fits in one read
+            c.close()
+
+
 def test_a_session_whose_peer_is_gone_is_broken_for_good_so_the_next_call_opens_a_new_one():
     """With no reader thread, a failed send must itself mark the session broken: the client
     opens a new session only for a broken one (a dead one kept would fail every call)."""
