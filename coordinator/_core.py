@@ -821,8 +821,9 @@ class Core:
     def _check_contributions(
         self, state: Job, process: Process, incarnation: str, contributions: Sequence[ContributionRow], now: float
     ) -> None:
-        """Raises the first contribution's error: an ordinal its process (the caller, or the
-        one a host relay named) does not own, a tag or a payload over the limit."""
+        """Checks each contribution in turn and raises at the first one that is wrong: an
+        ordinal its process (the caller, or the live process a host relay named) does not
+        own, a tag or a payload over the limit."""
         owners, max_tag, max_payload = state.members, self.limits.max_tag_length, self.limits.max_payload_bytes
         relayed = {incarnation}
         for ordinal, tag, payload, named in contributions:
