@@ -275,10 +275,11 @@ PING_EVERY = 10.0  # seconds without an answer before a SocketSession pings
 PING_TIMEOUT = 5.0
 _PING = b""  # a ping's request is empty
 # A SocketSession reads into a buffer of its own, at first this large, grown to hold the
-# largest message it received (up to _RECEIVE_MAX), so that a message comes in one read
-# without a buffer allocated for it and copied out again.
+# largest message it received, so that a message comes in one read without a buffer
+# allocated for it and copied out again. Past _RECEIVE_MAX (kept for the session's life),
+# a message comes in several reads, joined: a few copies matter less at that size.
 _RECEIVE = 1 << 16
-_RECEIVE_MAX = 64 << 20
+_RECEIVE_MAX = 4 << 20
 
 
 def one_whole_message(data: bytes | bytearray) -> bool:

@@ -248,11 +248,15 @@ def test_callers_sharing_a_socket_session_take_turns_reading_and_each_gets_its_o
             c.close()
 
 
-def test_answers_larger_than_a_read_arrive_whole_and_the_read_buffer_grows_to_them():
+@pytest.mark.parametrize("grows", [True, False])
+def test_answers_larger_than_a_read_arrive_whole_and_the_read_buffer_grows_to_them(grows, monkeypatch):
     """Rounds whose answers are several times the first read buffer (and small ones between)
-    give every thread the exact payloads; afterwards such an answer fits in one read."""
+    give every thread the exact payloads; afterwards such an answer fits in one read, unless
+    it is over the buffer's limit: then it keeps coming in several reads, joined."""
     from pjrt_rendezvous.client import _session
 
+    if not grows:
+        monkeypatch.setattr(_session, "_RECEIVE_MAX", _session._RECEIVE)
     sizes = [_session._RECEIVE // 2, 3 * _session._RECEIVE // 8, 0, 5, _session._RECEIVE // 4]
     with Coordinator(port=0) as coordinator:
         clients = make_clients(coordinator.address, fan_in="off")
@@ -271,7 +275,10 @@ def test_answers_larger_than_a_read_arrive_whole_and_the_read_buffer_grows_to_th
         for c in clients:
             session = c._current_session
             assert type(session) is SocketSession
-            assert len(session._received) >= 8 * sizes[0]  # the largest answer fits in one read
+            if grows:
+                assert len(session._received) >= 8 * sizes[0]  # the largest answer fits in one read
+            else:
+                assert len(session._received) == _session._RECEIVE
             c.close()
 
 
