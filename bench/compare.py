@@ -6,9 +6,9 @@
 Runs our system alone through bench/run.py (real processes, same workloads) and the scale
 run (bench/_scale.py), alternating before / after ``--reps`` times, and prints medians of
 round p50, server and client-process CPU per round, world formation and peak memory.
-``--before`` defaults to the installed package; ``--after`` is a source tree with the product folders (e.g. a
-``git worktree`` of the change). Medians of alternating runs, because this machine
-is shared and noisy.
+``--before`` defaults to the installed package; ``--after`` is a source tree with the
+product folders (e.g. a ``git worktree`` of the change). Medians of alternating runs,
+because this machine is shared and noisy.
 """
 
 from __future__ import annotations
