@@ -282,7 +282,7 @@ _RECEIVE = 1 << 16
 _RECEIVE_MAX = 4 << 20
 
 
-def one_whole_message(data: bytes | bytearray) -> bool:
+def one_whole_message(data: bytes | bytearray | memoryview) -> bool:
     """Whether length-prefixed ``data`` holds exactly one whole message."""
     return len(data) >= FRAME.size and FRAME.unpack_from(data)[0] == len(data) - FRAME.size
 
