@@ -122,7 +122,7 @@ class _Batch:
     completes it, or by the first to arrive once the batch window passes."""
 
     __slots__ = ("group", "number", "members", "expected", "generation", "contributions", "deadline",
-                 "first", "waiters", "done", "payloads", "error")
+                 "first", "waiters", "woken", "done", "payloads", "error")
 
     def __init__(self, group: tuple[int, ...], number: int, generation: int, local: frozenset[int]) -> None:
         self.group = group
@@ -138,9 +138,26 @@ class _Batch:
         # first thread's, released early to make it send (``Client._signal_gathered``).
         self.first: LockType | None = None
         self.waiters: list[LockType] = []
+        self.woken: LockType | None = None  # the last waiter released (``_pass_on``)
         self.done = False  # the sender has the answer; no waiter joins any more
         self.payloads: list[bytes] | None = None
         self.error: BaseException | None = None
+
+
+def _pass_on(batch: _Batch, waiter: LockType, wait: bool = False) -> None:
+    """Wakes the waiter after ``waiter`` (with ``wait``, once ``waiter`` is woken). A done
+    round's waiters are woken one after another, each by the one before: woken together,
+    they would only queue for the GIL, most of them switched in twice (about a quarter
+    fewer thread switches per round at 8 threads a process). The list no longer changes
+    once the round is done, so the hand-off takes no lock.
+    """
+    if wait:
+        waiter.acquire()
+    waiters = batch.waiters
+    following = waiters.index(waiter) + 1
+    if following < len(waiters):
+        batch.woken = waiters[following]
+        batch.woken.release()
 
 
 class Client:
@@ -665,7 +682,7 @@ class Client:
             if first:
                 send = self._wait_for_sender(key, batch, waiter)
             else:
-                waiter.acquire()  # released by the sender when the round is done
+                self._wait_for_turn(batch, waiter)
         if send:
             try:
                 batch.payloads = self._send_round(replicas, group, round_number, batch)
@@ -677,8 +694,9 @@ class Client:
                     for member in batch.contributions:
                         if self._inside.get(member) is batch:
                             del self._inside[member]
-                for waiter in batch.waiters:
-                    waiter.release()
+                    if batch.waiters:  # each wakes the next (_pass_on)
+                        batch.woken = batch.waiters[0]
+                        batch.woken.release()
         if batch.error is not None:
             if send or not isinstance(batch.error, RendezvousError):
                 raise batch.error
@@ -700,21 +718,52 @@ class Client:
         end = time.monotonic() + self.settings.batch_window
         if batch.deadline is not None:
             end = min(end, batch.deadline)
-        waiter.acquire(True, max(0.0, end - time.monotonic()))
+        try:
+            released = waiter.acquire(True, max(0.0, end - time.monotonic()))
+        except BaseException:
+            self._give_up_turn(batch, waiter)
+            raise
         with self._lock:
             if self._batches.get(key) is batch:  # no sibling sends it: send what arrived
                 del self._batches[key]
                 if waiter in batch.waiters:
                     batch.waiters.remove(waiter)
                 return True
-            if batch.done:
-                return False
             if waiter not in batch.waiters:  # signalled, but a late sibling sends it
+                if batch.done:
+                    return False
                 waiter = _allocate_lock()
                 waiter.acquire()
                 batch.waiters.append(waiter)
-        waiter.acquire()
+                released = False
+        if released:  # the round is done, and it is this waiter's turn
+            _pass_on(batch, waiter)
+        else:
+            self._wait_for_turn(batch, waiter)
         return False
+
+    def _wait_for_turn(self, batch: _Batch, waiter: LockType) -> None:
+        """Waits until the round is done and ``waiter``'s turn comes, then wakes the next."""
+        try:
+            waiter.acquire()
+        except BaseException:  # interrupted (the main thread, by a signal)
+            self._give_up_turn(batch, waiter)
+            raise
+        _pass_on(batch, waiter)
+
+    def _give_up_turn(self, batch: _Batch, waiter: LockType) -> None:
+        """The thread of ``waiter`` stops waiting early: the waiters after it are still woken."""
+        with self._lock:
+            if not batch.done:  # no waiter is woken yet: leave the line
+                if waiter in batch.waiters:
+                    batch.waiters.remove(waiter)
+                return
+        if waiter not in batch.waiters:
+            return
+        if batch.woken is waiter:  # its turn came already
+            _pass_on(batch, waiter)
+        else:  # it comes once the waiter before it wakes: taken by a helper
+            threading.Thread(target=_pass_on, args=(batch, waiter, True), daemon=True).start()
 
     def _gathered(self, batch: _Batch) -> bool:
         """With the lock held: whether no sibling the batch's round may still get is missing.

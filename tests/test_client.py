@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import threading
 import time
@@ -10,6 +11,7 @@ import time
 import pytest
 
 import pjrt_rendezvous.client as pr
+from pjrt_rendezvous.client._client import _Batch, _allocate_lock
 from pjrt_rendezvous.client._config import Settings
 from pjrt_rendezvous.coordinator import Coordinator, Limits
 
@@ -287,3 +289,105 @@ def test_a_second_run_of_a_job_starts_afresh(coordinator):
         assert clients[0].generation == run + 1
         for c in clients:
             c.close()
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _interrupt_main_after(seconds: float) -> threading.Timer:
+    """Sends SIGINT to the main thread (which a blocked lock acquire there gets) after ``seconds``."""
+    timer = threading.Timer(seconds, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    timer.start()
+    return timer
+
+
+@pytest.fixture
+def sigint_raises_interrupted():
+    def handler(signum, frame):
+        raise _Interrupted
+
+    previous = signal.signal(signal.SIGINT, handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_waiting_thread_interrupted_does_not_keep_its_siblings_waiting(coordinator, sigint_raises_interrupted):
+    """A round's waiting threads are woken one after another; the main thread, interrupted
+    while it waits among them, leaves the line and the siblings behind it still get the result."""
+    clients = [make_client(coordinator.address, tasks=2, devices=4, task=task, timeout=20) for task in range(2)]
+    results: dict[int, list[bytes]] = {}
+    bound = threading.Barrier(8)  # every thread bound before any round, as spawn does
+
+    def thread_main(client: pr.Client, index: int, delay: float) -> None:
+        binding = client.bind_thread(index)
+        try:
+            bound.wait(10)
+            time.sleep(delay)
+            results[binding.ordinal] = client.rendezvous(binding, "r", b"%d" % binding.ordinal)
+        finally:
+            client.unbind_thread()
+
+    # Task 0: thread 1 arrives first, the main thread (0) second, then 2 and 3 (whose arrival
+    # sends the batch); task 1 comes a second later, so the round is pending when SIGINT comes.
+    delays = {(0, 1): 0.0, (0, 2): 0.3, (0, 3): 0.35, **{(1, i): 1.0 for i in range(4)}}
+    threads = [
+        threading.Thread(target=thread_main, args=(clients[task], index, delay)) for (task, index), delay in delays.items()
+    ]
+    for thread in threads:
+        thread.start()
+    binding = clients[0].bind_thread(0)
+    bound.wait(10)
+    timer = _interrupt_main_after(0.6)
+    try:
+        time.sleep(0.1)
+        with pytest.raises(_Interrupted):
+            clients[0].rendezvous(binding, "r", b"0")
+    finally:
+        timer.cancel()
+        clients[0].unbind_thread()
+    for thread in threads:
+        thread.join(30)
+    for client in clients:
+        client.close()
+    assert not any(thread.is_alive() for thread in threads)
+    assert results == {o: [b"%d" % i for i in range(8)] for o in range(1, 8)}
+
+
+@pytest.mark.parametrize("done", [False, True], ids=["before-the-round-is-done", "after-it-is-done"])
+def test_the_wake_chain_skips_a_waiter_interrupted(sigint_raises_interrupted, done):
+    """The hand-off itself (real threads and locks, no coordinator): three waiters of a round;
+    the middle one (the main thread) is interrupted before the round is done (it leaves the
+    line) or after it, before its turn (a helper takes its turn); the last is woken either way."""
+    client = make_client("127.0.0.1:1")
+    batch = _Batch((), 0, 0, frozenset(range(3)))
+    batch.waiters = [_allocate_lock() for _ in range(3)]
+    for lock in batch.waiters:
+        lock.acquire()
+    first, middle, last = batch.waiters
+    woke = []
+
+    def wait(lock):
+        client._wait_for_turn(batch, lock)
+        woke.append(batch.waiters.index(lock) if lock in batch.waiters else "?")
+
+    others = [threading.Thread(target=wait, args=(lock,)) for lock in (first, last)]
+    for thread in others:
+        thread.start()
+    batch.done = done
+    timer = _interrupt_main_after(0.2)
+    try:
+        with pytest.raises(_Interrupted):
+            client._wait_for_turn(batch, middle)
+    finally:
+        timer.cancel()
+    assert (middle in batch.waiters) == done
+    with client._lock:  # as the sender does
+        batch.done = True
+        batch.woken = first
+        first.release()
+    for thread in others:
+        thread.join(10)
+    client.close(leave=False)
+    assert not any(thread.is_alive() for thread in others)
+    assert woke == [0, len(batch.waiters) - 1]
