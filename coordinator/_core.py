@@ -713,12 +713,13 @@ class Core:
         contributions: Sequence[ContributionRow],
         deadline: float | None,
         generation: int = 0,
-    ) -> RoundKey:
-        """Adds one process's contributions to a round; returns the round's key.
+    ) -> Round:
+        """Adds one process's contributions to a round; returns the round, which is
+        finished (``result`` or ``error`` set) in place, never replaced.
 
         Request-level errors raise :class:`CoreError` and leave the round untouched, except
         for bad replica lists, which fail the round they name for every member, as does a
-        tag mismatch. Use :meth:`outcome` to read a finished round.
+        tag mismatch.
         """
         state = self._job(job)
         process = self._process(state, incarnation, now)
@@ -773,14 +774,14 @@ class Core:
                     "fell behind its peers)",
                 )
         if rnd.finished:
-            return rnd.key
+            return rnd
         dead = self._dead_members(state, rnd)
         if not rnd.arrivals:
             rnd.tag = tags[0]
         if dead:
             rnd.arrivals.update(zip(ordinals, payloads))
             self._fail(state, rnd, self._death_error(state, rnd, dead))
-            return rnd.key
+            return rnd
         rnd.arrivals.update(zip(ordinals, payloads))
         state.blocked.update(dict.fromkeys(ordinals, rnd.key))
         if deadline is not None and (rnd.deadline is None or deadline < rnd.deadline):
@@ -816,7 +817,7 @@ class Core:
             self._complete(state, rnd)
         elif len(state.pending) > 1:
             self._fail_if_deadlocked(state, rnd)
-        return rnd.key
+        return rnd
 
     def _check_contributions(
         self, state: Job, process: Process, incarnation: str, contributions: Sequence[ContributionRow], now: float
@@ -1034,11 +1035,6 @@ class Core:
                         f"{_ordinals_word(missing)} ({self.describe_missing(job, missing, now)})",
                     ),
                 )
-
-    def deadline(self, job_name: str, key: RoundKey) -> float | None:
-        """When the pending round ``key`` fails unless complete (None: no deadline)."""
-        rnd = self._job(job_name).pending.get(key)
-        return None if rnd is None else rnd.deadline
 
     # -- liveness and generations --------------------------------------------------------
 

@@ -308,7 +308,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
         _checked_timeout(timeout)
         now = self._clock()
         try:
-            key = self._core.arrive(
+            rnd = self._core.arrive(
                 now,
                 job=job,
                 incarnation=incarnation,
@@ -320,8 +320,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
             )
         finally:
             self._wake()  # a refused call may have failed its peers' round: release them now
-        while (rnd := self._core.outcome(job, key)) is None:
-            if not await self._wait(("round", job, *key), self._core.deadline(job, key)):
+        while rnd.result is None and rnd.error is None:  # finished in place (Core.arrive)
+            if not await self._wait(("round", job, *rnd.key), rnd.deadline):
                 self._core.expire(self._clock())
                 self._wake()
         await self._persist()

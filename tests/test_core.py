@@ -114,7 +114,8 @@ class Pod:
         tags: dict[int, str] | None = None,
         incarnation: str | None = None,
     ):
-        """One process's arrive() for ``ordinals`` (all of one task unless ``incarnation``)."""
+        """One process's arrive() for ``ordinals`` (all of one task unless ``incarnation``);
+        the round's key."""
         ordinals = [ordinals] if isinstance(ordinals, int) else list(ordinals)
         payloads = payloads or {}
         tags = tags or {}
@@ -129,7 +130,12 @@ class Pod:
                 for o in ordinals
             ],
             deadline=deadline,
-        )
+        ).key
+
+    def deadline(self, key: tuple) -> float | None:
+        """When the pending round ``key`` fails unless complete (None: none, or not pending)."""
+        rnd = self.core.jobs[self.job].pending.get(key)
+        return None if rnd is None else rnd.deadline
 
     def key(self, group: tuple[int, ...], number: int = 0) -> tuple:
         """The core's key of round ``number`` of ``group`` in the job's current generation."""
@@ -712,7 +718,7 @@ def test_expire_fails_an_overdue_round_naming_missing_ordinals_hosts_and_ages():
     pod.arrive(4, now=1.0, deadline=9.0)
     for task in (5, 7):
         pod.core.touch(JOB, incarnation_of(task), 5.0)
-    assert pod.core.deadline(JOB, pod.key(ALL, 0)) == 7.0
+    assert pod.deadline(pod.key(ALL, 0)) == 7.0
     pod.core.expire(6.999)
     assert pod.outcome(pod.key(ALL, 0)) is None
     pod.core.take_wakeups()
@@ -728,18 +734,18 @@ def test_expire_fails_an_overdue_round_naming_missing_ordinals_hosts_and_ages():
         "6 never registered",
     )
     assert pod.wakeups("round") == [pod.round_wakeup(ALL, 0)]
-    assert pod.core.deadline(JOB, pod.key(ALL, 0)) is None
+    assert pod.deadline(pod.key(ALL, 0)) is None
 
 
 def test_the_round_deadline_is_the_earliest_member_deadline():
     """A later member with an earlier deadline moves the round's deadline forward; None never extends it."""
     pod = make_pod(4)
     key = pod.arrive(0, deadline=50.0)
-    assert pod.core.deadline(JOB, key) == 50.0
+    assert pod.deadline(key) == 50.0
     pod.arrive(1, deadline=None)
-    assert pod.core.deadline(JOB, key) == 50.0
+    assert pod.deadline(key) == 50.0
     pod.arrive(2, deadline=20.0)
-    assert pod.core.deadline(JOB, key) == 20.0
+    assert pod.deadline(key) == 20.0
     pod.core.expire(19.0)
     assert pod.outcome(key) is None
     pod.core.expire(20.0)
@@ -1206,7 +1212,7 @@ def simulate(
             round_number=call.number,
             contributions=contributions,
             deadline=now + 1000.0,
-        )
+        ).key
         assert key[-2:] == (call.group, call.number)
         return key
 
@@ -1358,7 +1364,7 @@ def relayed(pod: Pod, by_task: int, ordinals: Sequence[int], *, tag: str = "t", 
             for o in ordinals
         ],
         deadline=None,
-    )
+    ).key
 
 
 def test_a_host_relay_speaks_for_its_siblings_in_one_call():

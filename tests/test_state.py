@@ -36,7 +36,7 @@ def populated_core() -> Core:
         key = core.arrive(
             1.0, job="j", incarnation=f"inc{task}", replicas=[], round_number=0,
             contributions=[Contribution(ordinal=task, tag="t", payload=bytes([task, 255]))], deadline=None,
-        )
+        ).key
     core.kv_set("j", [("k", b"\x00\x01")])
     core.kv_add("j", "n", 3, request_id="r1")
     return core, key
@@ -54,7 +54,7 @@ def test_snapshot_round_trip_keeps_ranks_rounds_and_keys():
     again = restored.arrive(
         51.0, job="j", incarnation="inc0", replicas=[], round_number=0,
         contributions=[Contribution(ordinal=0, tag="t", payload=b"\x00\xff")], deadline=None,
-    )
+    ).key
     assert restored.outcome("j", again).result == [b"\x00\xff", b"\x01\xff"]
 
 
@@ -193,7 +193,7 @@ def test_finished_rounds_go_to_the_journal_and_come_back_after_a_crash(tmp_path)
     key = restored.arrive(
         61.0, job="j", incarnation="inc0", replicas=[], round_number=30,
         contributions=[Contribution(ordinal=0, tag="t", payload=b"30/0")], deadline=None,
-    )
+    ).key
     assert restored.outcome("j", key).result == [b"30/0", b"30/1"]  # a resend gets the stored result
 
 
