@@ -683,6 +683,7 @@ class Client:
                 send = self._wait_for_sender(key, batch, waiter)
             else:
                 self._wait_for_turn(batch, waiter)
+                _pass_on(batch, waiter)
         if send:
             try:
                 batch.payloads = self._send_round(replicas, group, round_number, batch)
@@ -718,11 +719,7 @@ class Client:
         end = time.monotonic() + self.settings.batch_window
         if batch.deadline is not None:
             end = min(end, batch.deadline)
-        try:
-            released = waiter.acquire(True, max(0.0, end - time.monotonic()))
-        except BaseException:
-            self._give_up_turn(batch, waiter)
-            raise
+        released = self._wait_for_turn(batch, waiter, max(0.0, end - time.monotonic()))
         with self._lock:
             if self._batches.get(key) is batch:  # no sibling sends it: send what arrived
                 del self._batches[key]
@@ -736,20 +733,19 @@ class Client:
                 waiter.acquire()
                 batch.waiters.append(waiter)
                 released = False
-        if released:  # the round is done, and it is this waiter's turn
-            _pass_on(batch, waiter)
-        else:
+        if not released:  # else the round is done, and it is this waiter's turn
             self._wait_for_turn(batch, waiter)
+        _pass_on(batch, waiter)
         return False
 
-    def _wait_for_turn(self, batch: _Batch, waiter: LockType) -> None:
-        """Waits until the round is done and ``waiter``'s turn comes, then wakes the next."""
+    def _wait_for_turn(self, batch: _Batch, waiter: LockType, timeout: float = -1) -> bool:
+        """Waits (up to ``timeout``) until the round is done and ``waiter``'s turn comes
+        (True; then the caller wakes the next, ``_pass_on``)."""
         try:
-            waiter.acquire()
+            return waiter.acquire(True, timeout)
         except BaseException:  # interrupted (the main thread, by a signal)
             self._give_up_turn(batch, waiter)
             raise
-        _pass_on(batch, waiter)
 
     def _give_up_turn(self, batch: _Batch, waiter: LockType) -> None:
         """The thread of ``waiter`` stops waiting early: the waiters after it are still woken."""

@@ -11,7 +11,7 @@ import time
 import pytest
 
 import pjrt_rendezvous.client as pr
-from pjrt_rendezvous.client._client import _Batch, _allocate_lock
+from pjrt_rendezvous.client._client import _Batch, _allocate_lock, _pass_on
 from pjrt_rendezvous.client._config import Settings
 from pjrt_rendezvous.coordinator import Coordinator, Limits
 
@@ -367,8 +367,9 @@ def test_the_wake_chain_skips_a_waiter_interrupted(sigint_raises_interrupted, do
     first, middle, last = batch.waiters
     woke = []
 
-    def wait(lock):
+    def wait(lock):  # as rendezvous() does
         client._wait_for_turn(batch, lock)
+        _pass_on(batch, lock)
         woke.append(batch.waiters.index(lock) if lock in batch.waiters else "?")
 
     others = [threading.Thread(target=wait, args=(lock,)) for lock in (first, last)]
