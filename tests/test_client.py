@@ -370,7 +370,7 @@ def test_the_wake_chain_skips_a_waiter_interrupted(sigint_raises_interrupted, do
     def wait(lock):  # as rendezvous() does
         client._wait_for_turn(batch, lock)
         _pass_on(batch, lock)
-        woke.append(batch.waiters.index(lock) if lock in batch.waiters else "?")
+        woke.append(batch.waiters.index(lock))
 
     others = [threading.Thread(target=wait, args=(lock,)) for lock in (first, last)]
     for thread in others:
