@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import uuid
-from _thread import LockType, allocate_lock as _allocate_lock
+from _thread import LockType, allocate_lock as _allocate_lock, get_ident as _get_ident
 from typing import Callable, Sequence, TypeVar
 
 import grpc
@@ -122,7 +122,7 @@ class _Batch:
     completes it, or by the first to arrive once the batch window passes."""
 
     __slots__ = ("group", "number", "members", "expected", "generation", "contributions", "deadline",
-                 "first", "waiters", "woken", "done", "payloads", "error")
+                 "first", "waiters", "main", "done", "payloads", "error")
 
     def __init__(self, group: tuple[int, ...], number: int, generation: int, local: frozenset[int]) -> None:
         self.group = group
@@ -138,26 +138,28 @@ class _Batch:
         # first thread's, released early to make it send (``Client._signal_gathered``).
         self.first: LockType | None = None
         self.waiters: list[LockType] = []
-        self.woken: LockType | None = None  # the last waiter released (``_pass_on``)
+        # The main thread's, when it waits here: the one thread a signal can interrupt, so
+        # the sender releases it itself and the chain of ``_pass_on`` skips it.
+        self.main: LockType | None = None
         self.done = False  # the sender has the answer; no waiter joins any more
         self.payloads: list[bytes] | None = None
         self.error: BaseException | None = None
 
 
-def _pass_on(batch: _Batch, waiter: LockType, wait: bool = False) -> None:
-    """Wakes the waiter after ``waiter`` (with ``wait``, once ``waiter`` is woken). A done
-    round's waiters are woken one after another, each by the one before: woken together,
-    they would only queue for the GIL, most of them switched in twice (about a quarter
-    fewer thread switches per round at 8 threads a process). The list no longer changes
-    once the round is done, so the hand-off takes no lock.
+def _pass_on(batch: _Batch, waiter: LockType | None = None) -> None:
+    """Wakes the waiter after ``waiter`` (None: the first), skipping the main thread's. A
+    done round's waiters are woken one after another, each by the one before: woken
+    together, they would only queue for the GIL, most of them switched in twice (about a
+    quarter fewer thread switches per round at 8 threads a process). The list no longer
+    changes once the round is done, so the hand-off takes no lock; and no thread in the
+    chain can be interrupted before it passes on (signals go to the main thread).
     """
-    if wait:
-        waiter.acquire()
     waiters = batch.waiters
-    following = waiters.index(waiter) + 1
+    following = 0 if waiter is None else waiters.index(waiter) + 1
+    if following < len(waiters) and waiters[following] is batch.main:
+        following += 1
     if following < len(waiters):
-        batch.woken = waiters[following]
-        batch.woken.release()
+        waiters[following].release()
 
 
 class Client:
@@ -190,6 +192,7 @@ class Client:
         self._stopped = threading.Event()
         self.events: list[pb.WatchEvent] = []  # deaths and restarts in the job, as streamed
         self._inside: dict[int, _Batch] = {}  # ordinal -> the batch of the round its thread is inside
+        self._main_thread = threading.main_thread().ident  # see _Batch.main
         self._closed = False
         self._session_lock = threading.Lock()
         self._current_session: Session | None = None
@@ -676,14 +679,17 @@ class Client:
                 batch.waiters.append(waiter)
                 if first:
                     batch.first = waiter
+                if _get_ident() == self._main_thread:
+                    batch.main = waiter
             if len(self._batches) > (not send):  # other open batches (ours is one unless sent)
                 self._signal_gathered(batch)
         if not send:
             if first:
                 send = self._wait_for_sender(key, batch, waiter)
             else:
-                self._wait_for_turn(batch, waiter)
-                _pass_on(batch, waiter)
+                waiter.acquire()  # released when the round is done (_pass_on)
+                if waiter is not batch.main:
+                    _pass_on(batch, waiter)
         if send:
             try:
                 batch.payloads = self._send_round(replicas, group, round_number, batch)
@@ -695,9 +701,9 @@ class Client:
                     for member in batch.contributions:
                         if self._inside.get(member) is batch:
                             del self._inside[member]
-                    if batch.waiters:  # each wakes the next (_pass_on)
-                        batch.woken = batch.waiters[0]
-                        batch.woken.release()
+                    if batch.main is not None and batch.main in batch.waiters:
+                        batch.main.release()
+                    _pass_on(batch)  # each waiter then wakes the next
         if batch.error is not None:
             if send or not isinstance(batch.error, RendezvousError):
                 raise batch.error
@@ -719,7 +725,7 @@ class Client:
         end = time.monotonic() + self.settings.batch_window
         if batch.deadline is not None:
             end = min(end, batch.deadline)
-        released = self._wait_for_turn(batch, waiter, max(0.0, end - time.monotonic()))
+        released = waiter.acquire(True, max(0.0, end - time.monotonic()))
         with self._lock:
             if self._batches.get(key) is batch:  # no sibling sends it: send what arrived
                 del self._batches[key]
@@ -732,34 +738,14 @@ class Client:
                 waiter = _allocate_lock()
                 waiter.acquire()
                 batch.waiters.append(waiter)
+                if _get_ident() == self._main_thread:
+                    batch.main = waiter
                 released = False
         if not released:  # else the round is done, and it is this waiter's turn
-            self._wait_for_turn(batch, waiter)
-        _pass_on(batch, waiter)
-        return False
-
-    def _wait_for_turn(self, batch: _Batch, waiter: LockType, timeout: float = -1) -> bool:
-        """Waits (up to ``timeout``) until the round is done and ``waiter``'s turn comes
-        (True; then the caller wakes the next, ``_pass_on``)."""
-        try:
-            return waiter.acquire(True, timeout)
-        except BaseException:  # interrupted (the main thread, by a signal)
-            self._give_up_turn(batch, waiter)
-            raise
-
-    def _give_up_turn(self, batch: _Batch, waiter: LockType) -> None:
-        """The thread of ``waiter`` stops waiting early: the waiters after it are still woken."""
-        with self._lock:
-            if not batch.done:  # no waiter is woken yet: leave the line
-                if waiter in batch.waiters:
-                    batch.waiters.remove(waiter)
-                return
-        if waiter not in batch.waiters:
-            return
-        if batch.woken is waiter:  # its turn came already
+            waiter.acquire()
+        if waiter is not batch.main:
             _pass_on(batch, waiter)
-        else:  # it comes once the waiter before it wakes: taken by a helper
-            threading.Thread(target=_pass_on, args=(batch, waiter, True), daemon=True).start()
+        return False
 
     def _gathered(self, batch: _Batch) -> bool:
         """With the lock held: whether no sibling the batch's round may still get is missing.

@@ -312,9 +312,10 @@ def sigint_raises_interrupted():
     signal.signal(signal.SIGINT, previous)
 
 
-def test_a_waiting_thread_interrupted_does_not_keep_its_siblings_waiting(coordinator, sigint_raises_interrupted):
-    """A round's waiting threads are woken one after another; the main thread, interrupted
-    while it waits among them, leaves the line and the siblings behind it still get the result."""
+@pytest.mark.parametrize("main_arrives", [0, 1], ids=["main-thread-first", "main-thread-second"])
+def test_a_waiting_thread_interrupted_does_not_keep_its_siblings_waiting(coordinator, sigint_raises_interrupted, main_arrives):
+    """A round's waiting threads are woken one after another; the main thread (the one a
+    signal interrupts), interrupted while it waits among them, keeps none of them waiting."""
     clients = [make_client(coordinator.address, tasks=2, devices=4, task=task, timeout=20) for task in range(2)]
     results: dict[int, list[bytes]] = {}
     bound = threading.Barrier(8)  # every thread bound before any round, as spawn does
@@ -328,9 +329,10 @@ def test_a_waiting_thread_interrupted_does_not_keep_its_siblings_waiting(coordin
         finally:
             client.unbind_thread()
 
-    # Task 0: thread 1 arrives first, the main thread (0) second, then 2 and 3 (whose arrival
-    # sends the batch); task 1 comes a second later, so the round is pending when SIGINT comes.
-    delays = {(0, 1): 0.0, (0, 2): 0.3, (0, 3): 0.35, **{(1, i): 1.0 for i in range(4)}}
+    # Task 0: the main thread (ordinal 0) and thread 1 arrive first, in either order, then 2
+    # and 3 (whose arrival sends the batch); task 1 comes a second later, so the round is
+    # pending when SIGINT comes.
+    delays = {(0, 1): 0.1 - 0.1 * main_arrives, (0, 2): 0.3, (0, 3): 0.35, **{(1, i): 1.0 for i in range(4)}}
     threads = [
         threading.Thread(target=thread_main, args=(clients[task], index, delay)) for (task, index), delay in delays.items()
     ]
@@ -340,7 +342,7 @@ def test_a_waiting_thread_interrupted_does_not_keep_its_siblings_waiting(coordin
     bound.wait(10)
     timer = _interrupt_main_after(0.6)
     try:
-        time.sleep(0.1)
+        time.sleep(0.1 * main_arrives)
         with pytest.raises(_Interrupted):
             clients[0].rendezvous(binding, "r", b"0")
     finally:
@@ -354,41 +356,33 @@ def test_a_waiting_thread_interrupted_does_not_keep_its_siblings_waiting(coordin
     assert results == {o: [b"%d" % i for i in range(8)] for o in range(1, 8)}
 
 
-@pytest.mark.parametrize("done", [False, True], ids=["before-the-round-is-done", "after-it-is-done"])
-def test_the_wake_chain_skips_a_waiter_interrupted(sigint_raises_interrupted, done):
-    """The hand-off itself (real threads and locks, no coordinator): three waiters of a round;
-    the middle one (the main thread) is interrupted before the round is done (it leaves the
-    line) or after it, before its turn (a helper takes its turn); the last is woken either way."""
-    client = make_client("127.0.0.1:1")
-    batch = _Batch((), 0, 0, frozenset(range(3)))
-    batch.waiters = [_allocate_lock() for _ in range(3)]
+def test_the_wake_chain_skips_the_main_threads_waiter():
+    """The hand-off itself (real threads and locks, no coordinator): the sender releases the
+    main thread's waiter itself and starts the chain; each woken waiter wakes the next,
+    skipping the main thread's, so a main thread that never wakes (interrupted) holds up
+    none of them."""
+    batch = _Batch((), 0, 0, frozenset(range(4)))
+    batch.waiters = [_allocate_lock() for _ in range(4)]
     for lock in batch.waiters:
         lock.acquire()
-    first, middle, last = batch.waiters
+    first, main, third, last = batch.waiters
+    batch.main = main
     woke = []
 
     def wait(lock):  # as rendezvous() does
-        client._wait_for_turn(batch, lock)
+        lock.acquire()
         _pass_on(batch, lock)
         woke.append(batch.waiters.index(lock))
 
-    others = [threading.Thread(target=wait, args=(lock,)) for lock in (first, last)]
+    others = [threading.Thread(target=wait, args=(lock,)) for lock in (first, third, last)]
     for thread in others:
         thread.start()
-    batch.done = done
-    timer = _interrupt_main_after(0.2)
-    try:
-        with pytest.raises(_Interrupted):
-            client._wait_for_turn(batch, middle)
-    finally:
-        timer.cancel()
-    assert (middle in batch.waiters) == done
-    with client._lock:  # as the sender does
-        batch.done = True
-        batch.woken = first
-        first.release()
+    time.sleep(0.1)
+    assert woke == []
+    batch.main.release()  # as the sender does, once the round is done
+    _pass_on(batch)
     for thread in others:
         thread.join(10)
-    client.close(leave=False)
     assert not any(thread.is_alive() for thread in others)
-    assert woke == [0, len(batch.waiters) - 1]
+    assert woke == [0, 2, 3]
+    assert main.acquire(False)  # released once, by the sender
