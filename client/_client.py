@@ -676,11 +676,11 @@ class Client:
             else:
                 waiter = _allocate_lock()
                 waiter.acquire()
+                if _get_ident() == self._main_thread:  # marked before it is listed
+                    batch.main = waiter
                 batch.waiters.append(waiter)
                 if first:
                     batch.first = waiter
-                if _get_ident() == self._main_thread:
-                    batch.main = waiter
             if len(self._batches) > (not send):  # other open batches (ours is one unless sent)
                 self._signal_gathered(batch)
         if not send:
@@ -737,9 +737,9 @@ class Client:
                     return False
                 waiter = _allocate_lock()
                 waiter.acquire()
-                batch.waiters.append(waiter)
-                if _get_ident() == self._main_thread:
+                if _get_ident() == self._main_thread:  # marked before it is listed
                     batch.main = waiter
+                batch.waiters.append(waiter)
                 released = False
         if not released:  # else the round is done, and it is this waiter's turn
             waiter.acquire()

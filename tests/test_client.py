@@ -11,6 +11,7 @@ import time
 import pytest
 
 import pjrt_rendezvous.client as pr
+from pjrt_rendezvous.client import _client as client_module
 from pjrt_rendezvous.client._client import _Batch, _allocate_lock, _pass_on
 from pjrt_rendezvous.client._config import Settings
 from pjrt_rendezvous.coordinator import Coordinator, Limits
@@ -312,10 +313,10 @@ def sigint_raises_interrupted():
     signal.signal(signal.SIGINT, previous)
 
 
-@pytest.mark.parametrize("main_arrives", [0, 1], ids=["main-thread-first", "main-thread-second"])
-def test_a_waiting_thread_interrupted_does_not_keep_its_siblings_waiting(coordinator, sigint_raises_interrupted, main_arrives):
-    """A round's waiting threads are woken one after another; the main thread (the one a
-    signal interrupts), interrupted while it waits among them, keeps none of them waiting."""
+def _main_thread_interrupted_in_a_round(coordinator, main_arrives: int, interrupt_after: float | None) -> dict:
+    """One round of 2 processes x 4 threads in which the main thread is ordinal 0 and is
+    interrupted (``_Interrupted``): by a SIGINT after ``interrupt_after`` seconds, or by
+    whatever the caller patched. Returns the other seven ordinals' results."""
     clients = [make_client(coordinator.address, tasks=2, devices=4, task=task, timeout=20) for task in range(2)]
     results: dict[int, list[bytes]] = {}
     bound = threading.Barrier(8)  # every thread bound before any round, as spawn does
@@ -331,7 +332,7 @@ def test_a_waiting_thread_interrupted_does_not_keep_its_siblings_waiting(coordin
 
     # Task 0: the main thread (ordinal 0) and thread 1 arrive first, in either order, then 2
     # and 3 (whose arrival sends the batch); task 1 comes a second later, so the round is
-    # pending when SIGINT comes.
+    # pending at the coordinator meanwhile.
     delays = {(0, 1): 0.1 - 0.1 * main_arrives, (0, 2): 0.3, (0, 3): 0.35, **{(1, i): 1.0 for i in range(4)}}
     threads = [
         threading.Thread(target=thread_main, args=(clients[task], index, delay)) for (task, index), delay in delays.items()
@@ -340,19 +341,45 @@ def test_a_waiting_thread_interrupted_does_not_keep_its_siblings_waiting(coordin
         thread.start()
     binding = clients[0].bind_thread(0)
     bound.wait(10)
-    timer = _interrupt_main_after(0.6)
+    timer = _interrupt_main_after(interrupt_after) if interrupt_after is not None else None
     try:
         time.sleep(0.1 * main_arrives)
         with pytest.raises(_Interrupted):
             clients[0].rendezvous(binding, "r", b"0")
     finally:
-        timer.cancel()
+        if timer is not None:
+            timer.cancel()
         clients[0].unbind_thread()
     for thread in threads:
         thread.join(30)
     for client in clients:
         client.close()
     assert not any(thread.is_alive() for thread in threads)
+    return results
+
+
+@pytest.mark.parametrize("main_arrives", [0, 1], ids=["main-thread-first", "main-thread-second"])
+def test_a_waiting_thread_interrupted_does_not_keep_its_siblings_waiting(coordinator, sigint_raises_interrupted, main_arrives):
+    """A round's waiting threads are woken one after another; the main thread (the one a
+    signal interrupts), interrupted while it waits among them, keeps none of them waiting."""
+    results = _main_thread_interrupted_in_a_round(coordinator, main_arrives, interrupt_after=0.6)
+    assert results == {o: [b"%d" % i for i in range(8)] for o in range(1, 8)}
+
+
+def test_the_main_thread_interrupted_as_it_joins_the_waiters_keeps_none_waiting(coordinator, monkeypatch):
+    """An interrupt can come as the main thread's waiter is made (a handler runs at a call):
+    the waiter is marked as the main thread's before it is listed, so it is never listed
+    unmarked, where the chain would wake it and wait for it to wake the next."""
+    main = threading.main_thread().ident
+
+    def interrupted_in_the_main_thread() -> int:
+        ident = threading.get_ident()
+        if ident == main:
+            raise _Interrupted
+        return ident
+
+    monkeypatch.setattr(client_module, "_get_ident", interrupted_in_the_main_thread)
+    results = _main_thread_interrupted_in_a_round(coordinator, 1, interrupt_after=None)
     assert results == {o: [b"%d" % i for i in range(8)] for o in range(1, 8)}
 
 
