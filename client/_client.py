@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import math
 import os
+import queue
 import threading
 import time
 import uuid
@@ -122,7 +123,7 @@ class _Batch:
     completes it, or by the first to arrive once the batch window passes."""
 
     __slots__ = ("group", "number", "members", "expected", "generation", "contributions", "deadline",
-                 "first", "waiters", "main", "done", "payloads", "error")
+                 "first", "waiters", "done", "payloads", "error")
 
     def __init__(self, group: tuple[int, ...], number: int, generation: int, local: frozenset[int]) -> None:
         self.group = group
@@ -138,28 +139,36 @@ class _Batch:
         # first thread's, released early to make it send (``Client._signal_gathered``).
         self.first: LockType | None = None
         self.waiters: list[LockType] = []
-        # The main thread's, when it waits here: the one thread a signal can interrupt, so
-        # the sender releases it itself and the chain of ``_pass_on`` skips it.
-        self.main: LockType | None = None
         self.done = False  # the sender has the answer; no waiter joins any more
         self.payloads: list[bytes] | None = None
         self.error: BaseException | None = None
 
 
 def _pass_on(batch: _Batch, waiter: LockType | None = None) -> None:
-    """Wakes the waiter after ``waiter`` (None: the first), skipping the main thread's. A
-    done round's waiters are woken one after another, each by the one before: woken
-    together, they would only queue for the GIL, most of them switched in twice (about a
-    quarter fewer thread switches per round at 8 threads a process). The list no longer
-    changes once the round is done, so the hand-off takes no lock; and no thread in the
-    chain can be interrupted before it passes on (signals go to the main thread).
+    """Wakes the waiter after ``waiter`` (None: the first). A done round's waiters are woken
+    one after another, each by the one before: woken together, they would only queue for
+    the GIL, most of them switched in twice (about a quarter fewer thread switches per round
+    at 8 threads a process). The list no longer changes once the round is done, so the
+    hand-off takes no lock; and no thread in the chain can be interrupted before it passes
+    on (signals go to the main thread, whose rounds run on ``Client._stand_in``).
     """
     waiters = batch.waiters
     following = 0 if waiter is None else waiters.index(waiter) + 1
-    if following < len(waiters) and waiters[following] is batch.main:
-        following += 1
     if following < len(waiters):
         waiters[following].release()
+
+
+def _serve_stand_in(arrive: Callable[..., list[bytes]], calls: queue.SimpleQueue) -> None:
+    """The stand-in thread of a client (``Client._on_stand_in``): runs the main thread's
+    rounds, one after another, until a None."""
+    while (item := calls.get()) is not None:
+        call, done, outcome = item
+        try:
+            outcome += (arrive(*call), None)
+        except BaseException as exc:  # the main thread raises it, if still waiting
+            outcome += (None, exc)
+        finally:
+            done.release()
 
 
 class Client:
@@ -192,7 +201,10 @@ class Client:
         self._stopped = threading.Event()
         self.events: list[pb.WatchEvent] = []  # deaths and restarts in the job, as streamed
         self._inside: dict[int, _Batch] = {}  # ordinal -> the batch of the round its thread is inside
-        self._main_thread = threading.main_thread().ident  # see _Batch.main
+        self._main_thread = threading.main_thread().ident
+        # The main thread's rounds run here when it has siblings (_on_stand_in): its calls in
+        # order, on a thread of its own, started with the first of them.
+        self._stand_in: queue.SimpleQueue | None = None
         self._closed = False
         self._session_lock = threading.Lock()
         self._current_session: Session | None = None
@@ -415,6 +427,8 @@ class Client:
                     session.close()
         if self._relay is not None:
             self._relay.close()
+        if self._stand_in is not None:
+            self._stand_in.put(None)  # ends the thread once the calls before it are done
         self._channel.close()
 
     # -- liveness -------------------------------------------------------------------------
@@ -651,8 +665,43 @@ class Client:
             members = sorted(set(replicas))
             if members != list(range(world)):
                 group = tuple(members)
-        ordinal = binding.ordinal
+        if _get_ident() == self._main_thread and len(self._local_ordinals()) > 1:
+            return self._on_stand_in(binding.ordinal, tag, payload, replicas, group, deadline)
+        return self._arrive(binding.ordinal, tag, payload, replicas, group, deadline)
 
+    def _on_stand_in(self, *call) -> list[bytes]:
+        """Runs the main thread's :meth:`_arrive` on the stand-in thread and waits for it.
+
+        The main thread is the one a signal interrupts (Ctrl-C), at almost any point. In a
+        round its siblings depend on whichever thread sends their batch, or waits out the
+        batch window for one that does not come; interrupted in either part, it would leave
+        them waiting. So its rounds run on a thread of its own, which no signal interrupts,
+        and the main thread only waits for the outcome: interrupted, it stops waiting, and
+        the round goes on (its contribution in) as if it had waited. The stand-in runs the
+        main thread's calls in the order they were made, so its round counters stay in step.
+        """
+        if self._closed:  # the call fails as it would on any thread; no thread for it
+            return self._arrive(*call)
+        calls = self._stand_in
+        if calls is None:  # only the main thread comes here
+            calls = queue.SimpleQueue()
+            threading.Thread(
+                target=_serve_stand_in, args=(self._arrive, calls), name="pjrt-rendezvous-stand-in", daemon=True
+            ).start()
+            self._stand_in = calls
+        done = _allocate_lock()
+        done.acquire()
+        outcome: list = []
+        calls.put((call, done, outcome))
+        done.acquire()
+        payloads, error = outcome
+        if error is not None:
+            raise error
+        return payloads
+
+    def _arrive(
+        self, ordinal: int, tag: str, payload: bytes, replicas: list[int], group: tuple[int, ...], deadline: float | None
+    ) -> list[bytes]:
         with self._lock:
             counter = (ordinal, group)
             round_number = self._rounds.get(counter, 0)
@@ -676,8 +725,6 @@ class Client:
             else:
                 waiter = _allocate_lock()
                 waiter.acquire()
-                if _get_ident() == self._main_thread:  # marked before it is listed
-                    batch.main = waiter
                 batch.waiters.append(waiter)
                 if first:
                     batch.first = waiter
@@ -688,8 +735,7 @@ class Client:
                 send = self._wait_for_sender(key, batch, waiter)
             else:
                 waiter.acquire()  # released when the round is done (_pass_on)
-                if waiter is not batch.main:
-                    _pass_on(batch, waiter)
+                _pass_on(batch, waiter)
         if send:
             try:
                 batch.payloads = self._send_round(replicas, group, round_number, batch)
@@ -701,8 +747,6 @@ class Client:
                     for member in batch.contributions:
                         if self._inside.get(member) is batch:
                             del self._inside[member]
-                    if batch.main is not None and batch.main in batch.waiters:
-                        batch.main.release()
                     _pass_on(batch)  # each waiter then wakes the next
         if batch.error is not None:
             if send or not isinstance(batch.error, RendezvousError):
@@ -737,14 +781,11 @@ class Client:
                     return False
                 waiter = _allocate_lock()
                 waiter.acquire()
-                if _get_ident() == self._main_thread:  # marked before it is listed
-                    batch.main = waiter
                 batch.waiters.append(waiter)
                 released = False
         if not released:  # else the round is done, and it is this waiter's turn
             waiter.acquire()
-        if waiter is not batch.main:
-            _pass_on(batch, waiter)
+        _pass_on(batch, waiter)
         return False
 
     def _gathered(self, batch: _Batch) -> bool:

@@ -11,7 +11,6 @@ import time
 import pytest
 
 import pjrt_rendezvous.client as pr
-from pjrt_rendezvous.client import _client as client_module
 from pjrt_rendezvous.client._client import _Batch, _allocate_lock, _pass_on
 from pjrt_rendezvous.client._config import Settings
 from pjrt_rendezvous.coordinator import Coordinator, Limits
@@ -313,103 +312,116 @@ def sigint_raises_interrupted():
     signal.signal(signal.SIGINT, previous)
 
 
-def _main_thread_interrupted_in_a_round(coordinator, main_arrives: int, interrupt_after: float | None) -> dict:
-    """One round of 2 processes x 4 threads in which the main thread is ordinal 0 and is
-    interrupted (``_Interrupted``): by a SIGINT after ``interrupt_after`` seconds, or by
-    whatever the caller patched. Returns the other seven ordinals' results."""
-    clients = [make_client(coordinator.address, tasks=2, devices=4, task=task, timeout=20) for task in range(2)]
-    results: dict[int, list[bytes]] = {}
+def _main_thread_interrupted_in_a_round(coordinator, main_at: float, *, absent: int | None = None, timeout: float = 20) -> dict:
+    """A round of 2 processes x 4 threads in which the main thread is ordinal 0, arrives
+    ``main_at`` seconds in and is interrupted by a SIGINT at 0.6 s (``_Interrupted``).
+    Task 0's threads 1-3 arrive at 0.1, 0.2 and 0.3 s (thread ``absent`` not at all), task 1's
+    at 1 s, so the round is pending at the coordinator when the signal comes. Then every
+    thread that came makes a second round. Returns what the other ordinals got from each
+    round (their payloads, or the exception)."""
+    clients = [make_client(coordinator.address, tasks=2, devices=4, task=task, timeout=timeout) for task in range(2)]
+    results: dict[int, list] = {}
     bound = threading.Barrier(8)  # every thread bound before any round, as spawn does
+    finished = threading.Event()
 
     def thread_main(client: pr.Client, index: int, delay: float) -> None:
         binding = client.bind_thread(index)
         try:
             bound.wait(10)
+            if delay is None:  # bound, but never comes to the round
+                finished.wait(60)
+                return
             time.sleep(delay)
-            results[binding.ordinal] = client.rendezvous(binding, "r", b"%d" % binding.ordinal)
+            for tag in ("r", "again"):
+                try:
+                    outcome = client.rendezvous(binding, tag, b"%d" % binding.ordinal)
+                except pr.RendezvousError as exc:
+                    outcome = exc
+                results.setdefault(binding.ordinal, []).append(outcome)
         finally:
             client.unbind_thread()
 
-    # Task 0: the main thread (ordinal 0) and thread 1 arrive first, in either order, then 2
-    # and 3 (whose arrival sends the batch); task 1 comes a second later, so the round is
-    # pending at the coordinator meanwhile.
-    delays = {(0, 1): 0.1 - 0.1 * main_arrives, (0, 2): 0.3, (0, 3): 0.35, **{(1, i): 1.0 for i in range(4)}}
+    delays = {(0, 1): 0.1, (0, 2): 0.2, (0, 3): 0.3, **{(1, i): 1.0 for i in range(4)}}
+    if absent is not None:
+        delays[(0, absent)] = None
     threads = [
         threading.Thread(target=thread_main, args=(clients[task], index, delay)) for (task, index), delay in delays.items()
     ]
     for thread in threads:
         thread.start()
     binding = clients[0].bind_thread(0)
-    bound.wait(10)
-    timer = _interrupt_main_after(interrupt_after) if interrupt_after is not None else None
     try:
-        time.sleep(0.1 * main_arrives)
+        bound.wait(10)
+        timer = _interrupt_main_after(0.6)
+        time.sleep(main_at)
         with pytest.raises(_Interrupted):
             clients[0].rendezvous(binding, "r", b"0")
+        timer.cancel()
+        if absent is None:  # in step with its siblings: its next call is their next round
+            assert clients[0].rendezvous(binding, "again", b"0") == [b"%d" % i for i in range(8)]
+        for thread, delay in zip(threads, delays.values()):
+            if delay is not None:
+                thread.join(30 if absent is None else timeout + 10)
+        finished.set()
+        for thread in threads:
+            thread.join(10)
+        assert not any(thread.is_alive() for thread in threads)
     finally:
-        if timer is not None:
-            timer.cancel()
+        finished.set()
         clients[0].unbind_thread()
-    for thread in threads:
-        thread.join(30)
-    for client in clients:
-        client.close()
-    assert not any(thread.is_alive() for thread in threads)
+        for client in clients:
+            client.close()
     return results
 
 
-@pytest.mark.parametrize("main_arrives", [0, 1], ids=["main-thread-first", "main-thread-second"])
-def test_a_waiting_thread_interrupted_does_not_keep_its_siblings_waiting(coordinator, sigint_raises_interrupted, main_arrives):
-    """A round's waiting threads are woken one after another; the main thread (the one a
-    signal interrupts), interrupted while it waits among them, keeps none of them waiting."""
-    results = _main_thread_interrupted_in_a_round(coordinator, main_arrives, interrupt_after=0.6)
-    assert results == {o: [b"%d" % i for i in range(8)] for o in range(1, 8)}
+@pytest.mark.parametrize("main_at", [0.0, 0.15, 0.4], ids=["main-thread-first", "main-thread-second", "main-thread-sends"])
+def test_the_main_thread_interrupted_in_a_round_keeps_none_of_its_siblings_waiting(
+    coordinator, sigint_raises_interrupted, main_at
+):
+    """The main thread (the one a signal interrupts) interrupted in a round, as its batch's
+    first thread, as a later one, or as the one whose arrival completes the batch (its
+    sender): the round goes on for the other seven, with its contribution, and its next call
+    is their next round."""
+    results = _main_thread_interrupted_in_a_round(coordinator, main_at)
+    every = [b"%d" % i for i in range(8)]
+    assert results == {o: [every, every] for o in range(1, 8)}
 
 
-def test_the_main_thread_interrupted_as_it_joins_the_waiters_keeps_none_waiting(coordinator, monkeypatch):
-    """An interrupt can come as the main thread's waiter is made (a handler runs at a call):
-    the waiter is marked as the main thread's before it is listed, so it is never listed
-    unmarked, where the chain would wake it and wait for it to wake the next."""
-    main = threading.main_thread().ident
-
-    def interrupted_in_the_main_thread() -> int:
-        ident = threading.get_ident()
-        if ident == main:
-            raise _Interrupted
-        return ident
-
-    monkeypatch.setattr(client_module, "_get_ident", interrupted_in_the_main_thread)
-    results = _main_thread_interrupted_in_a_round(coordinator, 1, interrupt_after=None)
-    assert results == {o: [b"%d" % i for i in range(8)] for o in range(1, 8)}
+def test_the_main_thread_interrupted_in_the_batch_window_leaves_no_sibling_waiting_for_ever(
+    coordinator, sigint_raises_interrupted
+):
+    """The main thread comes first and is interrupted while it waits out the batch window for
+    a sibling that never comes: the batch is still sent when the window ends, so the round
+    times out for everyone, naming the absent ordinal, instead of its siblings waiting for a
+    sender for ever."""
+    results = _main_thread_interrupted_in_a_round(coordinator, 0.0, absent=3, timeout=3)
+    assert sorted(results) == [1, 2, 4, 5, 6, 7]
+    for ordinal, (first, second) in results.items():
+        assert isinstance(first, pr.RendezvousTimeout), (ordinal, first)
+        assert "missing ordinal 3 " in str(first), str(first)
 
 
-def test_the_wake_chain_skips_the_main_threads_waiter():
-    """The hand-off itself (real threads and locks, no coordinator): the sender releases the
-    main thread's waiter itself and starts the chain; each woken waiter wakes the next,
-    skipping the main thread's, so a main thread that never wakes (interrupted) holds up
-    none of them."""
+def test_the_wake_chain_wakes_each_waiter_in_turn():
+    """The hand-off itself (real threads and locks, no coordinator): the sender wakes the
+    first waiter, each woken waiter the next."""
     batch = _Batch((), 0, 0, frozenset(range(4)))
     batch.waiters = [_allocate_lock() for _ in range(4)]
     for lock in batch.waiters:
         lock.acquire()
-    first, main, third, last = batch.waiters
-    batch.main = main
     woke = []
 
     def wait(lock):  # as rendezvous() does
         lock.acquire()
-        _pass_on(batch, lock)
         woke.append(batch.waiters.index(lock))
+        _pass_on(batch, lock)
 
-    others = [threading.Thread(target=wait, args=(lock,)) for lock in (first, third, last)]
-    for thread in others:
+    threads = [threading.Thread(target=wait, args=(lock,)) for lock in reversed(batch.waiters)]
+    for thread in threads:
         thread.start()
     time.sleep(0.1)
     assert woke == []
-    batch.main.release()  # as the sender does, once the round is done
-    _pass_on(batch)
-    for thread in others:
+    _pass_on(batch)  # as the sender does, once the round is done
+    for thread in threads:
         thread.join(10)
-    assert not any(thread.is_alive() for thread in others)
-    assert woke == [0, 2, 3]
-    assert main.acquire(False)  # released once, by the sender
+    assert not any(thread.is_alive() for thread in threads)
+    assert woke == [0, 1, 2, 3]
