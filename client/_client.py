@@ -158,13 +158,13 @@ def _pass_on(batch: _Batch, waiter: LockType | None = None) -> None:
         waiters[following].release()
 
 
-def _serve_stand_in(arrive: Callable[..., list[bytes]], calls: queue.SimpleQueue) -> None:
-    """The stand-in thread of a client (``Client._on_stand_in``): runs the main thread's
+def _serve_stand_in(client: "Client", calls: queue.SimpleQueue) -> None:
+    """The stand-in thread of a client (``Client._stand_in_calls``): runs the main thread's
     rounds, one after another, until a None."""
     while (item := calls.get()) is not None:
         call, done, outcome = item
         try:
-            outcome += (arrive(*call), None)
+            outcome += (client._arrive(*call), None)
         except BaseException as exc:  # the main thread raises it, if still waiting
             outcome += (None, exc)
         finally:
@@ -202,8 +202,8 @@ class Client:
         self.events: list[pb.WatchEvent] = []  # deaths and restarts in the job, as streamed
         self._inside: dict[int, _Batch] = {}  # ordinal -> the batch of the round its thread is inside
         self._main_thread = threading.main_thread().ident
-        # The main thread's rounds run here when it has siblings (_on_stand_in): its calls in
-        # order, on a thread of its own, started with the first of them.
+        # The main thread's rounds once it has had siblings (_stand_in_calls): its calls in
+        # order, to a thread of its own, started with the first of them.
         self._stand_in: queue.SimpleQueue | None = None
         self._closed = False
         self._session_lock = threading.Lock()
@@ -427,8 +427,10 @@ class Client:
                     session.close()
         if self._relay is not None:
             self._relay.close()
-        if self._stand_in is not None:
-            self._stand_in.put(None)  # ends the thread once the calls before it are done
+        with self._lock:  # from here on the main thread makes its calls itself (they fail)
+            calls, self._stand_in = self._stand_in, None
+        if calls is not None:
+            calls.put(None)  # ends the thread once the calls before it are done
         self._channel.close()
 
     # -- liveness -------------------------------------------------------------------------
@@ -665,39 +667,52 @@ class Client:
             members = sorted(set(replicas))
             if members != list(range(world)):
                 group = tuple(members)
-        if _get_ident() == self._main_thread and len(self._local_ordinals()) > 1:
-            return self._on_stand_in(binding.ordinal, tag, payload, replicas, group, deadline)
-        return self._arrive(binding.ordinal, tag, payload, replicas, group, deadline)
+        call = (binding.ordinal, tag, payload, replicas, group, deadline)
+        if _get_ident() == self._main_thread:
+            handed = self._stand_in_calls(call)
+            if handed is not None:  # from here on an interrupt stops only the wait
+                handed[0].acquire()
+                payloads, error = handed[1]
+                if error is not None:
+                    try:
+                        raise error
+                    finally:
+                        del error, handed  # no cycle through this frame (it holds the payload)
+                return payloads
+        return self._arrive(*call)
 
-    def _on_stand_in(self, *call) -> list[bytes]:
-        """Runs the main thread's :meth:`_arrive` on the stand-in thread and waits for it.
+    def _stand_in_calls(self, call: tuple) -> tuple[LockType, list] | None:
+        """Hands a call of the main thread to the stand-in thread, started with the first
+        call the main thread makes while other threads of the process are bound; returns a
+        lock released once the outcome, (payloads, None) or (None, the exception), is in the
+        list. None: the main thread makes the call itself (it has never had siblings, or the
+        client is closed).
 
         The main thread is the one a signal interrupts (Ctrl-C), at almost any point. In a
         round its siblings depend on whichever thread sends their batch, or waits out the
         batch window for one that does not come; interrupted in either part, it would leave
-        them waiting. So its rounds run on a thread of its own, which no signal interrupts,
-        and the main thread only waits for the outcome: interrupted, it stops waiting, and
-        the round goes on (its contribution in) as if it had waited. The stand-in runs the
-        main thread's calls in the order they were made, so its round counters stay in step.
+        them waiting. So once it has siblings, its rounds run on a thread of its own, which
+        no signal interrupts, in the order they were made (its round counters stay in
+        step), and the main thread only waits for the outcome.
         """
-        if self._closed:  # the call fails as it would on any thread; no thread for it
-            return self._arrive(*call)
-        calls = self._stand_in
-        if calls is None:  # only the main thread comes here
-            calls = queue.SimpleQueue()
-            threading.Thread(
-                target=_serve_stand_in, args=(self._arrive, calls), name="pjrt-rendezvous-stand-in", daemon=True
-            ).start()
-            self._stand_in = calls
-        done = _allocate_lock()
-        done.acquire()
-        outcome: list = []
-        calls.put((call, done, outcome))
-        done.acquire()
-        payloads, error = outcome
-        if error is not None:
-            raise error
-        return payloads
+        with self._lock:  # against close() and the bindings changing
+            calls = self._stand_in
+            if calls is None:
+                if self._closed or len(self._local_ordinals()) < 2:
+                    return None
+                calls = self._stand_in = queue.SimpleQueue()
+                try:
+                    threading.Thread(
+                        target=_serve_stand_in, args=(self, calls), name="pjrt-rendezvous-stand-in", daemon=True
+                    ).start()
+                except BaseException:  # a thread that started after all ends at once
+                    self._stand_in = None
+                    calls.put(None)
+                    raise
+            done, outcome = _allocate_lock(), []
+            done.acquire()
+            calls.put((call, done, outcome))
+        return done, outcome
 
     def _arrive(
         self, ordinal: int, tag: str, payload: bytes, replicas: list[int], group: tuple[int, ...], deadline: float | None

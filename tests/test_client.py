@@ -314,12 +314,15 @@ def sigint_raises_interrupted():
 
 def _main_thread_interrupted_in_a_round(coordinator, main_at: float, *, absent: int | None = None, timeout: float = 20) -> dict:
     """A round of 2 processes x 4 threads in which the main thread is ordinal 0, arrives
-    ``main_at`` seconds in and is interrupted by a SIGINT at 0.6 s (``_Interrupted``).
-    Task 0's threads 1-3 arrive at 0.1, 0.2 and 0.3 s (thread ``absent`` not at all), task 1's
-    at 1 s, so the round is pending at the coordinator when the signal comes. Then every
-    thread that came makes a second round. Returns what the other ordinals got from each
-    round (their payloads, or the exception)."""
-    clients = [make_client(coordinator.address, tasks=2, devices=4, task=task, timeout=timeout) for task in range(2)]
+    ``main_at`` seconds in and is interrupted by a SIGINT at 1 s (``_Interrupted``). Task
+    0's threads 1-3 arrive at 0.1, 0.3 and 0.5 s (thread ``absent`` not at all), task 1's at
+    1.6 s, so the round is pending at the coordinator when the signal comes; the batch
+    window is 2 s. Then every thread that came makes a second round. Returns what the
+    other ordinals got from each round (their payloads, or the exception)."""
+    clients = [
+        make_client(coordinator.address, tasks=2, devices=4, task=task, timeout=timeout, batch_window=2.0)
+        for task in range(2)
+    ]
     results: dict[int, list] = {}
     bound = threading.Barrier(8)  # every thread bound before any round, as spawn does
     finished = threading.Event()
@@ -341,7 +344,7 @@ def _main_thread_interrupted_in_a_round(coordinator, main_at: float, *, absent: 
         finally:
             client.unbind_thread()
 
-    delays = {(0, 1): 0.1, (0, 2): 0.2, (0, 3): 0.3, **{(1, i): 1.0 for i in range(4)}}
+    delays = {(0, 1): 0.1, (0, 2): 0.3, (0, 3): 0.5, **{(1, i): 1.6 for i in range(4)}}
     if absent is not None:
         delays[(0, absent)] = None
     threads = [
@@ -350,13 +353,13 @@ def _main_thread_interrupted_in_a_round(coordinator, main_at: float, *, absent: 
     for thread in threads:
         thread.start()
     binding = clients[0].bind_thread(0)
+    timer = None
     try:
         bound.wait(10)
-        timer = _interrupt_main_after(0.6)
+        timer = _interrupt_main_after(1.0)
         time.sleep(main_at)
         with pytest.raises(_Interrupted):
             clients[0].rendezvous(binding, "r", b"0")
-        timer.cancel()
         if absent is None:  # in step with its siblings: its next call is their next round
             assert clients[0].rendezvous(binding, "again", b"0") == [b"%d" % i for i in range(8)]
         for thread, delay in zip(threads, delays.values()):
@@ -367,6 +370,8 @@ def _main_thread_interrupted_in_a_round(coordinator, main_at: float, *, absent: 
             thread.join(10)
         assert not any(thread.is_alive() for thread in threads)
     finally:
+        if timer is not None:
+            timer.cancel()
         finished.set()
         clients[0].unbind_thread()
         for client in clients:
@@ -374,7 +379,7 @@ def _main_thread_interrupted_in_a_round(coordinator, main_at: float, *, absent: 
     return results
 
 
-@pytest.mark.parametrize("main_at", [0.0, 0.15, 0.4], ids=["main-thread-first", "main-thread-second", "main-thread-sends"])
+@pytest.mark.parametrize("main_at", [0.0, 0.2, 0.7], ids=["main-thread-first", "main-thread-second", "main-thread-sends"])
 def test_the_main_thread_interrupted_in_a_round_keeps_none_of_its_siblings_waiting(
     coordinator, sigint_raises_interrupted, main_at
 ):
@@ -394,11 +399,48 @@ def test_the_main_thread_interrupted_in_the_batch_window_leaves_no_sibling_waiti
     a sibling that never comes: the batch is still sent when the window ends, so the round
     times out for everyone, naming the absent ordinal, instead of its siblings waiting for a
     sender for ever."""
-    results = _main_thread_interrupted_in_a_round(coordinator, 0.0, absent=3, timeout=3)
+    results = _main_thread_interrupted_in_a_round(coordinator, 0.0, absent=3, timeout=4)
     assert sorted(results) == [1, 2, 4, 5, 6, 7]
     for ordinal, (first, second) in results.items():
         assert isinstance(first, pr.RendezvousTimeout), (ordinal, first)
         assert "missing ordinal 3 " in str(first), str(first)
+
+
+def test_the_main_thread_keeps_its_stand_in_once_it_has_one(coordinator):
+    """Once the main thread has had siblings, its rounds all run on the stand-in thread, in
+    order, even alone (a round it made itself could overtake one still queued there); the
+    thread ends when the client is closed."""
+    client = make_client(coordinator.address, devices=2, timeout=10)
+    ran_on = []
+    arrive = client._arrive
+
+    def recorded(ordinal, tag, *rest):
+        ran_on.append((tag, threading.current_thread().name))
+        return arrive(ordinal, tag, *rest)
+
+    client._arrive = recorded
+
+    bound = threading.Barrier(2)
+
+    def sibling_main() -> None:
+        with client.bind_thread(1) as binding:
+            bound.wait(10)
+            client.rendezvous(binding, "both", b"1")
+
+    binding = client.bind_thread(0)
+    sibling = threading.Thread(target=sibling_main, name="sibling")
+    sibling.start()
+    bound.wait(10)
+    assert client.rendezvous(binding, "both", b"0") == [b"0", b"1"]
+    sibling.join(10)
+    assert client._local_ordinals() == {0}  # the sibling is gone
+    assert client.rendezvous(binding, "alone", b"0", replicas=[0]) == [b"0"]
+    assert sorted(ran_on) == [("alone", "pjrt-rendezvous-stand-in"), ("both", "pjrt-rendezvous-stand-in"), ("both", "sibling")]
+    (stand_in,) = [t for t in threading.enumerate() if t.name == "pjrt-rendezvous-stand-in"]
+    client.unbind_thread()
+    client.close()
+    stand_in.join(10)
+    assert not stand_in.is_alive()
 
 
 def test_the_wake_chain_wakes_each_waiter_in_turn():
