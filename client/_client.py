@@ -162,9 +162,12 @@ def _serve_stand_in(client: "Client", calls: queue.SimpleQueue) -> None:
     """The stand-in thread of a client (``Client._stand_in_calls``): runs the main thread's
     rounds, one after another, until a None."""
     while (item := calls.get()) is not None:
-        call, done, outcome = item
+        (binding, tag, payload, replicas, deadline), done, outcome = item
         try:
-            outcome += (client._arrive(*call), None)
+            # The deadline as the main thread's call set it (if it passed while the call
+            # was queued, the round fails as timed out).
+            timeout = None if deadline is None else max(deadline - time.monotonic(), 1e-6)
+            outcome += (client.rendezvous(binding, tag, payload, replicas, timeout=timeout), None)
         except BaseException as exc:  # the main thread raises it, if still waiting
             outcome += (None, exc)
         finally:
@@ -179,6 +182,9 @@ class Client:
     """
 
     def __init__(self, settings: Settings, topology: Topology) -> None:
+        # Fewer than 30 attributes: from 30 on, CPython (3.11-3.13) no longer shares an
+        # instance's keys with its class, and every attribute and method access in
+        # rendezvous() takes the slow path (+3 % client instructions per round at 2x8).
         self.settings = settings
         self.topology = topology
         self.incarnation = uuid.uuid4().hex
@@ -187,7 +193,6 @@ class Client:
             self._channel = grpc.insecure_channel(settings.address, options=_CHANNEL_OPTIONS)
         else:
             self._channel = grpc.secure_channel(settings.address, credentials, options=_CHANNEL_OPTIONS)
-        self._metadata = (("authorization", f"Bearer {settings.token}"),) if settings.token else None
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self._lock = threading.Lock()
         self._bindings: dict[int, Binding] = {}  # thread index -> binding
@@ -214,13 +219,19 @@ class Client:
         self._relay_started = False
         self._relay_session: SocketSession | None = None
         self._relay_retry_at = 0.0
-        # The coordinator's session port, once a Register or Heartbeat answer names it (0: none).
-        self._session_port = 0
-        self._session_port_retry_at = 0.0
+        # The coordinator's session port, once a Register or Heartbeat answer names it (0:
+        # none), and the time (monotonic) before which it is not tried again after failing.
+        self._session_port = (0, 0.0)
         # Whether the coordinator reads a relay's processes named once (Register, Heartbeat).
         self.reads_process_indexes = False
 
     # -- plumbing -------------------------------------------------------------------------
+
+    @property
+    def _metadata(self) -> tuple[tuple[str, str], ...] | None:
+        """The gRPC calls' metadata: the token, if any. (A property, not an attribute: see
+        ``tests/test_client.py``, ``test_a_client_has_fewer_than_30_attributes``.)"""
+        return (("authorization", f"Bearer {self.settings.token}"),) if self.settings.token else None
 
     def _deadline(self, timeout) -> float | None:
         timeout = self.settings.timeout if timeout is DEFAULT else check_timeout(timeout)
@@ -339,20 +350,21 @@ class Client:
     def _open_session(self) -> Session:
         """On the coordinator's session port when it offers one and it has not failed
         lately, else on gRPC. Called with the session lock held."""
-        if self._session_port and time.monotonic() >= self._session_port_retry_at:
+        port, retry_at = self._session_port
+        if port and time.monotonic() >= retry_at:
             host = self.settings.address.rpartition(":")[0].strip("[]")
             authorization = f"Bearer {self.settings.token}" if self.settings.token else ""
             try:
-                return SocketSession.tcp(host, self._session_port, authorization, _SESSION_PORT_CONNECT)
+                return SocketSession.tcp(host, port, authorization, _SESSION_PORT_CONNECT)
             except grpc.RpcError as exc:
                 if isinstance(exc.__cause__, TimeoutError):
-                    self._session_port_retry_at = math.inf
+                    self._session_port = (port, math.inf)
                     log.warning(
                         "%s; using gRPC from now on (open the port to the coordinator, or set "
                         "PJRT_RENDEZVOUS_TRANSPORT=grpc)", exc.details()
                     )
                 else:
-                    self._session_port_retry_at = time.monotonic() + _SESSION_PORT_RETRY
+                    self._session_port = (port, time.monotonic() + _SESSION_PORT_RETRY)
                     log.info("%s; using gRPC for %.0f s", exc.details(), _SESSION_PORT_RETRY)
         return Session(self._stub, self._metadata)
 
@@ -363,9 +375,9 @@ class Client:
         if self.settings.transport != "auto" or self.settings.tls_ca is not None:
             return  # never the token in plain text next to a TLS channel
         with self._session_lock:
-            if port != self._session_port:
-                self._session_port, self._session_port_retry_at = port, 0.0
-            if port and type(self._current_session) is Session and time.monotonic() >= self._session_port_retry_at:
+            if port != self._session_port[0]:
+                self._session_port = (port, 0.0)
+            if port and type(self._current_session) is Session and time.monotonic() >= self._session_port[1]:
                 self._current_session.retire()
                 self._current_session = None
 
@@ -667,9 +679,8 @@ class Client:
             members = sorted(set(replicas))
             if members != list(range(world)):
                 group = tuple(members)
-        call = (binding.ordinal, tag, payload, replicas, group, deadline)
         if _get_ident() == self._main_thread:
-            handed = self._stand_in_calls(call)
+            handed = self._stand_in_calls((binding, tag, payload, replicas, deadline))
             if handed is not None:  # from here on an interrupt stops only the wait
                 handed[0].acquire()
                 payloads, error = handed[1]
@@ -679,44 +690,7 @@ class Client:
                     finally:
                         del error, handed  # no cycle through this frame (it holds the payload)
                 return payloads
-        return self._arrive(*call)
-
-    def _stand_in_calls(self, call: tuple) -> tuple[LockType, list] | None:
-        """Hands a call of the main thread to the stand-in thread, started with the first
-        call the main thread makes while other threads of the process are bound; returns a
-        lock released once the outcome, (payloads, None) or (None, the exception), is in the
-        list. None: the main thread makes the call itself (it has never had siblings, or the
-        client is closed).
-
-        The main thread is the one a signal interrupts (Ctrl-C), at almost any point. In a
-        round its siblings depend on whichever thread sends their batch, or waits out the
-        batch window for one that does not come; interrupted in either part, it would leave
-        them waiting. So once it has siblings, its rounds run on a thread of its own, which
-        no signal interrupts, in the order they were made (its round counters stay in
-        step), and the main thread only waits for the outcome.
-        """
-        with self._lock:  # against close() and the bindings changing
-            calls = self._stand_in
-            if calls is None:
-                if self._closed or len(self._local_ordinals()) < 2:
-                    return None
-                calls = self._stand_in = queue.SimpleQueue()
-                try:
-                    threading.Thread(
-                        target=_serve_stand_in, args=(self, calls), name="pjrt-rendezvous-stand-in", daemon=True
-                    ).start()
-                except BaseException:  # a thread that started after all ends at once
-                    self._stand_in = None
-                    calls.put(None)
-                    raise
-            done, outcome = _allocate_lock(), []
-            done.acquire()
-            calls.put((call, done, outcome))
-        return done, outcome
-
-    def _arrive(
-        self, ordinal: int, tag: str, payload: bytes, replicas: list[int], group: tuple[int, ...], deadline: float | None
-    ) -> list[bytes]:
+        ordinal = binding.ordinal
         with self._lock:
             counter = (ordinal, group)
             round_number = self._rounds.get(counter, 0)
@@ -768,6 +742,39 @@ class Client:
                 raise batch.error
             raise _copy_error(batch.error) from batch.error.__cause__
         return list(batch.payloads)
+
+    def _stand_in_calls(self, call: tuple) -> tuple[LockType, list] | None:
+        """Hands a call of the main thread to the stand-in thread, started with the first
+        call the main thread makes while other threads of the process are bound; returns a
+        lock released once the outcome, (payloads, None) or (None, the exception), is in the
+        list. None: the main thread makes the call itself (it has never had siblings, or the
+        client is closed).
+
+        The main thread is the one a signal interrupts (Ctrl-C), at almost any point. In a
+        round its siblings depend on whichever thread sends their batch, or waits out the
+        batch window for one that does not come; interrupted in either part, it would leave
+        them waiting. So once it has siblings, its rounds run on a thread of its own, which
+        no signal interrupts, in the order they were made (its round counters stay in
+        step), and the main thread only waits for the outcome.
+        """
+        with self._lock:  # against close() and the bindings changing
+            calls = self._stand_in
+            if calls is None:
+                if self._closed or len(self._local_ordinals()) < 2:
+                    return None
+                calls = self._stand_in = queue.SimpleQueue()
+                try:
+                    threading.Thread(
+                        target=_serve_stand_in, args=(self, calls), name="pjrt-rendezvous-stand-in", daemon=True
+                    ).start()
+                except BaseException:  # a thread that started after all ends at once
+                    self._stand_in = None
+                    calls.put(None)
+                    raise
+            done, outcome = _allocate_lock(), []
+            done.acquire()
+            calls.put((call, done, outcome))
+        return done, outcome
 
     def _signal_gathered(self, arrived: _Batch) -> None:
         """With the lock held: an arrival may complete other batches too (its thread is no
