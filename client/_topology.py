@@ -118,10 +118,20 @@ def cores_per_chip(accelerator_type: str) -> int:
     match = _ACCELERATOR_RE.fullmatch(accelerator_type.strip().lower())
     if match and match["family"] in _CORES_PER_CHIP and int(match["size"]) > 0:
         return _CORES_PER_CHIP[match["family"]]
+    hint = ""
+    if match and match["family"].startswith("tpu7"):
+        # JAX's tpu_info lists TPU7x with two TensorCores a chip and no megacore (each core
+        # a device), but torch_xla's thread-per-device runtime does not name TPU7x (its
+        # tpu.version() parses v<N>-<size> only): how many threads a process runs there is
+        # torch_xla's to say, not ours to guess.
+        hint = (
+            " (a TPU7x chip has two TensorCores and no megacore, so JAX sees two devices per "
+            "chip; torch_xla's runtime does not name TPU7x yet, so this is not guessed)"
+        )
     raise TopologyError(
         f"unknown TPU accelerator type {accelerator_type!r}: cores per chip is known only for "
         "v2-*, v3-* (2) and v4-*, v5litepod-*, v5e-*, v5p-*, v6e-* (1); set "
-        "PJRT_RENDEZVOUS_CORES_PER_CHIP explicitly to the number of PJRT devices per chip"
+        f"PJRT_RENDEZVOUS_CORES_PER_CHIP explicitly to the number of PJRT devices per chip{hint}"
     )
 
 

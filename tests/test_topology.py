@@ -141,6 +141,8 @@ def test_cores_per_chip_unknown_types_raise(accelerator_type):
         cores_per_chip(accelerator_type)
     assert repr(accelerator_type) in str(info.value)
     assert "PJRT_RENDEZVOUS_CORES_PER_CHIP" in str(info.value)
+    # What is known of TPU7x is said; nothing is guessed for the others.
+    assert ("two TensorCores" in str(info.value)) == accelerator_type.startswith("tpu7")
 
 
 # --- detect_topology: full cases -----------------------------------------------------------------
