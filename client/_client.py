@@ -161,17 +161,31 @@ def _pass_on(batch: _Batch, waiter: LockType | None = None) -> None:
 def _serve_stand_in(client: "Client", calls: queue.SimpleQueue) -> None:
     """The stand-in thread of a client (``Client._stand_in_calls``): runs the main thread's
     rounds, one after another, until a None."""
-    while (item := calls.get()) is not None:
-        (binding, tag, payload, replicas, deadline), done, outcome = item
-        try:
-            # The deadline as the main thread's call set it (if it passed while the call
-            # was queued, the round fails as timed out).
-            timeout = None if deadline is None else max(deadline - time.monotonic(), 1e-6)
-            outcome += (client.rendezvous(binding, tag, payload, replicas, timeout=timeout), None)
-        except BaseException as exc:  # the main thread raises it, if still waiting
-            outcome += (None, exc)
-        finally:
-            done.release()
+    while _stand_in_round(client, calls):
+        pass
+
+
+def _stand_in_round(client: "Client", calls: queue.SimpleQueue) -> bool:
+    """Runs the next call handed over (False: the None that ends the thread). Nothing of
+    the call stays referenced here once the main thread is woken: this frame may live on in
+    an exception's traceback, and the thread waits for the next call for as long as the
+    main thread takes to make one."""
+    item = calls.get()
+    if item is None:
+        return False
+    call, done, outcome = item
+    try:
+        binding, tag, payload, replicas, deadline = call
+        # The deadline the main thread's call set (if it passed while the call was queued
+        # behind an interrupted one, the round fails as timed out).
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 1e-6)
+        outcome += (client.rendezvous(binding, tag, payload, replicas, timeout=timeout), None)
+    except BaseException as exc:  # the main thread raises it, if still waiting
+        outcome += (None, exc)
+    finally:
+        item = call = outcome = binding = tag = payload = replicas = None
+        done.release()
+    return True
 
 
 class Client:

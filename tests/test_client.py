@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -441,6 +443,39 @@ def test_the_main_thread_keeps_its_stand_in_once_it_has_one(coordinator):
     client.close()
     stand_in.join(10)
     assert not stand_in.is_alive()
+
+
+def test_the_stand_in_keeps_nothing_of_a_done_round(coordinator):
+    """Once the main thread's call returns or raises, neither its payload nor its result
+    stays referenced by the stand-in (a large all-gather's memory would stay held until the
+    main thread's next round)."""
+    client = make_client(coordinator.address, devices=2, timeout=10)
+    bound = threading.Barrier(2)
+
+    def sibling_main() -> None:
+        with client.bind_thread(1) as binding:
+            bound.wait(10)
+            client.rendezvous(binding, "x", b"1")
+
+    binding = client.bind_thread(0)
+    sibling = threading.Thread(target=sibling_main)
+    sibling.start()
+    bound.wait(10)
+    payload = b"m" * 1000
+    held = sys.getrefcount(payload)
+    result = client.rendezvous(binding, "x", payload)
+    sibling.join(10)
+    assert result == [payload, b"1"]
+    assert sys.getrefcount(result) == 2  # ours (and the call's argument) only
+    del result
+    assert sys.getrefcount(payload) == held
+    # A round that fails (ordinal 1 never comes): the exception, raised here, keeps nothing.
+    with pytest.raises(pr.RendezvousTimeout):
+        client.rendezvous(binding, "y", payload, timeout=0.5)
+    gc.collect()
+    assert sys.getrefcount(payload) == held
+    client.unbind_thread()
+    client.close()
 
 
 def test_a_client_has_fewer_than_30_attributes(client):
