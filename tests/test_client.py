@@ -408,6 +408,23 @@ def test_the_main_thread_interrupted_in_the_batch_window_leaves_no_sibling_waiti
         assert "missing ordinal 3 " in str(first), str(first)
 
 
+def _bind_main_with_a_sibling(client: pr.Client, tag: str) -> tuple[pr.Binding, threading.Thread]:
+    """Binds the main thread to ordinal 0 and starts a sibling thread, bound to ordinal 1
+    before this returns, that makes one round ``tag`` (payload b"1") and unbinds."""
+    bound = threading.Barrier(2)
+
+    def sibling_main() -> None:
+        with client.bind_thread(1) as binding:
+            bound.wait(10)
+            client.rendezvous(binding, tag, b"1")
+
+    binding = client.bind_thread(0)
+    sibling = threading.Thread(target=sibling_main, name="sibling")
+    sibling.start()
+    bound.wait(10)
+    return binding, sibling
+
+
 def test_the_main_thread_keeps_its_stand_in_once_it_has_one(coordinator):
     """Once the main thread has had siblings, its rounds all run on the stand-in thread, in
     order, even alone (a round it made itself could overtake one still queued there); the
@@ -421,18 +438,7 @@ def test_the_main_thread_keeps_its_stand_in_once_it_has_one(coordinator):
         return gathered(batch)
 
     client._gathered = recorded
-
-    bound = threading.Barrier(2)
-
-    def sibling_main() -> None:
-        with client.bind_thread(1) as binding:
-            bound.wait(10)
-            client.rendezvous(binding, "both", b"1")
-
-    binding = client.bind_thread(0)
-    sibling = threading.Thread(target=sibling_main, name="sibling")
-    sibling.start()
-    bound.wait(10)
+    binding, sibling = _bind_main_with_a_sibling(client, "both")
     assert client.rendezvous(binding, "both", b"0") == [b"0", b"1"]
     sibling.join(10)
     assert client._local_ordinals() == {0}  # the sibling is gone
@@ -450,17 +456,7 @@ def test_the_stand_in_keeps_nothing_of_a_done_round(coordinator):
     stays referenced by the stand-in (a large all-gather's memory would stay held until the
     main thread's next round)."""
     client = make_client(coordinator.address, devices=2, timeout=10)
-    bound = threading.Barrier(2)
-
-    def sibling_main() -> None:
-        with client.bind_thread(1) as binding:
-            bound.wait(10)
-            client.rendezvous(binding, "x", b"1")
-
-    binding = client.bind_thread(0)
-    sibling = threading.Thread(target=sibling_main)
-    sibling.start()
-    bound.wait(10)
+    binding, sibling = _bind_main_with_a_sibling(client, "x")
     payload = b"m" * 1000
     held = sys.getrefcount(payload)
     result = client.rendezvous(binding, "x", payload)
