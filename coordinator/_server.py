@@ -179,10 +179,19 @@ class _SessionPort:
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[FramedSession] = set()
 
+    # Connections the kernel completes and queues while the event loop is busy: a pod's
+    # processes connect at about the same time, as their Register answers name the port.
+    # asyncio's default of 100 drops the SYNs beyond it, and each of those connections then
+    # waits for a retransmission, a second later. gRPC's port asks for as many; the kernel
+    # caps it at net.core.somaxconn.
+    BACKLOG = 4096
+
     async def start(self, host: str, port: int) -> int:
         # Like gRPC's port: "" or "0.0.0.0" listen everywhere (IPv4), "::" on both families.
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._connection, host or None, port, reuse_address=True)
+        self._server = await loop.create_server(
+            self._connection, host or None, port, reuse_address=True, backlog=self.BACKLOG
+        )
         return self._server.sockets[0].getsockname()[1]
 
     def _hello(self, greeting: pb.SessionHello) -> tuple[grpc.StatusCode, str] | None:

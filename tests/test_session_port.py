@@ -7,6 +7,7 @@ import asyncio
 import functools
 import logging
 import random
+import selectors
 import socket
 import threading
 import time
@@ -462,3 +463,35 @@ def test_deadlines_of_finished_rounds_lapse_without_piling_up():
 
     waited = asyncio.run(main())
     assert 0.2 <= waited < 5
+
+
+def test_connections_that_come_while_the_coordinator_is_busy_wait_in_the_kernels_queue():
+    """A pod's processes connect to the session port at about the same time, while the
+    coordinator is busy with their Registers: the kernel completes and queues them all (up
+    to ``_SessionPort.BACKLOG``) until the event loop accepts them. With asyncio's default
+    backlog of 100, 101 of these 200 connected; the SYNs of the rest were dropped, and each
+    retried a second later, and again while the loop stayed busy."""
+    with Coordinator(port=0) as coordinator:
+        stalled, release = threading.Event(), threading.Event()
+        coordinator._loop.call_soon_threadsafe(lambda: (stalled.set(), release.wait(30)))
+        sockets = []
+        try:
+            assert stalled.wait(10)
+            with selectors.DefaultSelector() as selector:
+                for _ in range(200):
+                    sock = socket.socket()
+                    sockets.append(sock)
+                    sock.setblocking(False)
+                    sock.connect_ex(("127.0.0.1", coordinator.session_port))
+                    selector.register(sock, selectors.EVENT_WRITE)
+                connected, deadline = 0, time.monotonic() + 10
+                while connected < len(sockets) and time.monotonic() < deadline:
+                    for key, _ in selector.select(0.1):  # writable: the handshake is done
+                        assert key.fileobj.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
+                        selector.unregister(key.fileobj)
+                        connected += 1
+            assert connected == len(sockets)
+        finally:
+            release.set()
+            for sock in sockets:
+                sock.close()
