@@ -577,10 +577,43 @@ def tune_collector() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+# Open files a serving process asks for: a client process holds two connections (gRPC and
+# the session port), so a pod of 4,096 processes needs some 8,200.
+OPEN_FILES_WANTED = 1 << 16
+
+
+def raise_open_files_limit() -> int | None:
+    """Raises this process's soft limit on open files to its hard limit (at most
+    ``OPEN_FILES_WANTED``), as a serving process may (not an embedded coordinator: the
+    process is not ours); returns the limit (None off POSIX). A shell's soft limit is often
+    1,024, where about 500 client processes connect and the next ones' connections are
+    refused by ``accept`` (asyncio and gRPC then stop accepting for a while, and retry)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES_WANTED)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError) as exc:  # pragma: no cover - a sandbox refusing it
+            log.debug("cannot raise the open files limit from %d to %d: %s", soft, wanted, exc)
+    if soft != resource.RLIM_INFINITY and soft < OPEN_FILES_WANTED // 8:
+        log.warning(
+            "this process may hold %d open files (its hard limit): about %d client processes "
+            "can connect (two connections each); raise it for a larger pod (ulimit -Hn, or "
+            "LimitNOFILE= in a systemd unit)", soft, max(0, soft - 64) // 2,
+        )
+    return soft
+
+
 def serve_forever(options: ServerOptions, *, on_ready=None) -> None:
     """Serves until SIGINT/SIGTERM, then drains for ``options.grace`` seconds. Meant to own
-    its process (``pjrt-rendezvous serve``): it tunes the process's garbage collector once
-    it listens (:func:`tune_collector`).
+    its process (``pjrt-rendezvous serve``): it raises the process's open files limit
+    (:func:`raise_open_files_limit`) and tunes its garbage collector once it listens
+    (:func:`tune_collector`).
 
     Under systemd (``NOTIFY_SOCKET`` set, ``Type=notify``) it sends ``READY=1`` once the
     gRPC port (and the metrics port) listen, ``STOPPING=1`` when a stop signal arrives, and
@@ -592,6 +625,7 @@ def serve_forever(options: ServerOptions, *, on_ready=None) -> None:
     """
 
     async def main() -> None:
+        raise_open_files_limit()
         running = await start_server(options)
         tune_collector()
         if on_ready is not None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import queue
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -501,3 +503,39 @@ assert gc.collect() >= 2  # a cycle made after the freeze is still garbage to th
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def _serve_with_open_files_limit(soft: int, hard: int) -> Serve:
+    """``serve`` started with the given limit on open files, as a shell's ulimit would set it."""
+    lower = (
+        "import resource, runpy, sys; "
+        f"resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard})); "
+        "runpy.run_module('pjrt_rendezvous.coordinator', run_name='__main__')"
+    )
+    return Serve(program=[sys.executable, "-c", lower])
+
+
+def _open_files_limit(pid: int) -> int:
+    for line in pathlib.Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            return int(line.split()[3])
+    raise AssertionError("no open files line")
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/limits").exists(), reason="reads /proc")
+def test_serve_raises_its_open_files_limit_for_a_large_pods_connections():
+    """A shell's soft limit of 1,024 open files holds about 500 client processes' two
+    connections each: ``serve`` raises it to its hard limit (at most 65,536), and says so
+    when even the hard limit is low."""
+    hard = min(resource.getrlimit(resource.RLIMIT_NOFILE)[1], 1 << 16)
+    if hard <= 1024:
+        pytest.skip(f"the hard limit here ({hard}) leaves nothing to raise")
+    with _serve_with_open_files_limit(1024, hard) as serve:
+        assert _open_files_limit(serve.proc.pid) == hard
+        assert "open files" not in serve.stderr() or hard < 8192
+        assert serve.stop() == 0
+    with _serve_with_open_files_limit(512, 512) as serve:
+        line = serve.wait_for_line("open files")
+        assert "512" in line and "about 224 client processes" in line, line
+        assert _open_files_limit(serve.proc.pid) == 512
+        assert serve.stop() == 0
