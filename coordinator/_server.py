@@ -621,19 +621,20 @@ def serve_forever(options: ServerOptions, *, on_ready=None) -> None:
 
     Args:
         options: how to serve.
-        on_ready: called with the :class:`RunningServer` once it listens (before READY=1).
+        on_ready: called with the :class:`RunningServer` once it listens and a stop signal
+            drains it (before READY=1).
     """
 
     async def main() -> None:
         raise_open_files_limit()
         running = await start_server(options)
         tune_collector()
-        if on_ready is not None:
-            on_ready(running)
         stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stopping.set)
+        if on_ready is not None:  # after the handlers: a stop signal from here on drains
+            on_ready(running)
         where = f"{options.host}:{running.port}"
         if running.session_port is not None:
             where += f" (session port {running.session_port})"
