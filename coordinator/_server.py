@@ -582,16 +582,16 @@ def tune_collector() -> None:
 OPEN_FILES_WANTED = 1 << 16
 
 
-def raise_open_files_limit() -> int | None:
+def raise_open_files_limit() -> None:
     """Raises this process's soft limit on open files to its hard limit (at most
     ``OPEN_FILES_WANTED``), as a serving process may (not an embedded coordinator: the
-    process is not ours); returns the limit (None off POSIX). A shell's soft limit is often
-    1,024, where about 500 client processes connect and the next ones' connections are
-    refused by ``accept`` (asyncio and gRPC then stop accepting for a while, and retry)."""
+    process is not ours). A shell's soft limit is often 1,024, where about 500 client
+    processes connect and the next ones' connections are refused by ``accept`` (asyncio and
+    gRPC then stop accepting for a while, and retry)."""
     try:
         import resource
     except ImportError:  # pragma: no cover - not POSIX
-        return None
+        return
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES_WANTED)
     if soft != resource.RLIM_INFINITY and soft < wanted:
@@ -606,7 +606,6 @@ def raise_open_files_limit() -> int | None:
             "can connect (two connections each); raise it for a larger pod (ulimit -Hn, or "
             "LimitNOFILE= in a systemd unit)", soft, max(0, soft - 64) // 2,
         )
-    return soft
 
 
 def serve_forever(options: ServerOptions, *, on_ready=None) -> None:
