@@ -586,8 +586,8 @@ def raise_open_files_limit() -> None:
     """Raises this process's soft limit on open files to its hard limit (at most
     ``OPEN_FILES_WANTED``), as a serving process may (not an embedded coordinator: the
     process is not ours). A shell's soft limit is often 1,024, where about 500 client
-    processes connect and the next ones' connections are refused by ``accept`` (asyncio and
-    gRPC then stop accepting for a while, and retry)."""
+    processes connect: for the next ones ``accept`` fails (EMFILE), and asyncio and gRPC
+    stop accepting for a while before they try again."""
     try:
         import resource
     except ImportError:  # pragma: no cover - not POSIX
