@@ -693,46 +693,50 @@ class Client:
             members = sorted(set(replicas))
             if members != list(range(world)):
                 group = tuple(members)
-        if _get_ident() == self._main_thread:
-            handed = self._stand_in_calls((binding, tag, payload, replicas, deadline))
-            if handed is not None:  # from here on an interrupt stops only the wait
-                handed[0].acquire()
-                payloads, error = handed[1]
-                if error is not None:
-                    try:
-                        raise error
-                    finally:
-                        del error, handed  # no cycle through this frame (it holds the payload)
-                return payloads
+        main = _get_ident() == self._main_thread
         ordinal = binding.ordinal
         with self._lock:
-            counter = (ordinal, group)
-            round_number = self._rounds.get(counter, 0)
-            self._rounds[counter] = round_number + 1
-            # Siblings share a call only with the very same replicas list: the coordinator
-            # must see (and refuse) a sibling's malformed list too.
-            key = (group, round_number, tuple(replicas) if replicas else ())
-            batch = self._batches.get(key)
-            first = batch is None
-            if first:
-                batch = self._batches[key] = _Batch(group, round_number, self._generation, self._local_ordinals())
-            batch.contributions[ordinal] = (ordinal, tag, payload, "")
-            if deadline is not None and (batch.deadline is None or deadline < batch.deadline):
-                batch.deadline = deadline
-            self._inside[ordinal] = batch
-            # The thread whose arrival completes the round sends it: no thread is woken to
-            # send, and siblings are not woken at each arrival.
-            send = self._gathered(batch)
-            if send:
-                del self._batches[key]
-            else:
-                waiter = _allocate_lock()
-                waiter.acquire()
-                batch.waiters.append(waiter)
+            # The main thread's hand-off is decided in the same hold of the lock as its
+            # arrival: a sibling bound in between would make it a batch's first or sending
+            # thread, which an interrupt must not stop.
+            handed = main and self._stand_in_calls((binding, tag, payload, replicas, deadline))
+            if not handed:
+                counter = (ordinal, group)
+                round_number = self._rounds.get(counter, 0)
+                self._rounds[counter] = round_number + 1
+                # Siblings share a call only with the very same replicas list: the coordinator
+                # must see (and refuse) a sibling's malformed list too.
+                key = (group, round_number, tuple(replicas) if replicas else ())
+                batch = self._batches.get(key)
+                first = batch is None
                 if first:
-                    batch.first = waiter
-            if len(self._batches) > (not send):  # other open batches (ours is one unless sent)
-                self._signal_gathered(batch)
+                    batch = self._batches[key] = _Batch(group, round_number, self._generation, self._local_ordinals())
+                batch.contributions[ordinal] = (ordinal, tag, payload, "")
+                if deadline is not None and (batch.deadline is None or deadline < batch.deadline):
+                    batch.deadline = deadline
+                self._inside[ordinal] = batch
+                # The thread whose arrival completes the round sends it: no thread is woken to
+                # send, and siblings are not woken at each arrival.
+                send = self._gathered(batch)
+                if send:
+                    del self._batches[key]
+                else:
+                    waiter = _allocate_lock()
+                    waiter.acquire()
+                    batch.waiters.append(waiter)
+                    if first:
+                        batch.first = waiter
+                if len(self._batches) > (not send):  # other open batches (ours is one unless sent)
+                    self._signal_gathered(batch)
+        if handed:  # from here on an interrupt stops only the wait
+            handed[0].acquire()
+            payloads, error = handed[1]
+            if error is not None:
+                try:
+                    raise error
+                finally:
+                    del error, handed  # no cycle through this frame (it holds the payload)
+            return payloads
         if not send:
             if first:
                 send = self._wait_for_sender(key, batch, waiter)
@@ -758,11 +762,12 @@ class Client:
         return list(batch.payloads)
 
     def _stand_in_calls(self, call: tuple) -> tuple[LockType, list] | None:
-        """Hands a call of the main thread to the stand-in thread, started with the first
-        call the main thread makes while other threads of the process are bound; returns a
-        lock released once the outcome, (payloads, None) or (None, the exception), is in the
-        list. None: the main thread makes the call itself (it has never had siblings, or the
-        client is closed).
+        """With the lock held (against close() and the bindings changing): hands a call of
+        the main thread to the stand-in thread, started with the first call the main thread
+        makes while other threads of the process are bound; returns a lock released once
+        the outcome, (payloads, None) or (None, the exception), is in the list. None: the
+        main thread makes the call itself (it has never had siblings, or the client is
+        closed).
 
         The main thread is the one a signal interrupts (Ctrl-C), at almost any point. In a
         round its siblings depend on whichever thread sends their batch, or waits out the
@@ -771,23 +776,22 @@ class Client:
         no signal interrupts, in the order they were made (its round counters stay in
         step), and the main thread only waits for the outcome.
         """
-        with self._lock:  # against close() and the bindings changing
-            calls = self._stand_in
-            if calls is None:
-                if self._closed or len(self._local_ordinals()) < 2:
-                    return None
-                calls = self._stand_in = queue.SimpleQueue()
-                try:
-                    threading.Thread(
-                        target=_serve_stand_in, args=(self, calls), name="pjrt-rendezvous-stand-in", daemon=True
-                    ).start()
-                except BaseException:  # a thread that started after all ends at once
-                    self._stand_in = None
-                    calls.put(None)
-                    raise
-            done, outcome = _allocate_lock(), []
-            done.acquire()
-            calls.put((call, done, outcome))
+        calls = self._stand_in
+        if calls is None:
+            if self._closed or len(self._local_ordinals()) < 2:
+                return None
+            calls = self._stand_in = queue.SimpleQueue()
+            try:
+                threading.Thread(
+                    target=_serve_stand_in, args=(self, calls), name="pjrt-rendezvous-stand-in", daemon=True
+                ).start()
+            except BaseException:  # a thread that started after all ends at once
+                self._stand_in = None
+                calls.put(None)
+                raise
+        done, outcome = _allocate_lock(), []
+        done.acquire()
+        calls.put((call, done, outcome))
         return done, outcome
 
     def _signal_gathered(self, arrived: _Batch) -> None:
