@@ -43,6 +43,7 @@ RoundKey = tuple[int, GroupKey, int]  # (generation, group, number)
 # it), so two finished rounds per group are enough.
 _FINISHED_ROUNDS_KEPT = 2
 _REQUEST_IDS_KEPT = 100_000
+_REPLACED_KEPT = 1024  # replaced incarnations remembered per job, for their late calls' errors
 _DECLARED = "the coordinator's --world-size"
 
 
@@ -309,6 +310,9 @@ class Job:
     request_results: collections.OrderedDict[str, object] = dataclasses.field(
         default_factory=collections.OrderedDict
     )
+    # Incarnations replaced by a restart -> why, so their later calls say so (the latest
+    # few; not in the state file).
+    replaced: collections.OrderedDict[str, str] = dataclasses.field(default_factory=collections.OrderedDict)
 
     @property
     def complete(self) -> bool:
@@ -419,6 +423,12 @@ class Core:
     def _process(self, job: Job, incarnation: str, now: float) -> Process:
         process = job.processes.get(incarnation)
         if process is None:
+            if incarnation in job.replaced:
+                raise CoreError(
+                    Code.FAILED_PRECONDITION,
+                    f"process incarnation {incarnation!r} of job {job.name!r} was replaced: "
+                    f"{job.replaced[incarnation]}; it takes no part any more",
+                )
             raise CoreError(
                 Code.FAILED_PRECONDITION,
                 f"process incarnation {incarnation!r} is not registered in job {job.name!r}; "
@@ -544,13 +554,18 @@ class Core:
         replaced = None
         if owner is not None and owner != r.incarnation:
             holder = job.processes[owner]
-            if holder.alive:
+            # A process started again on its host with its local rank (a crash and a
+            # relaunch, before its silence is noticed) takes over its task at once; a claim
+            # from anywhere else is two processes sharing one task id.
+            if holder.alive and (holder.host, holder.local_rank) != (r.host, r.local_rank):
                 first = r.task_id * r.devices_per_task
                 hint = (
-                    f"; if that process exited, a replacement can register once it is declared "
-                    f"dead ({self.heartbeat_timeout:g} s without heartbeat)"
+                    f"; if that process exited, a replacement can register on {holder.host} with "
+                    f"local rank {holder.local_rank} at once, elsewhere once it is declared dead "
+                    f"({self.heartbeat_timeout:g} s without heartbeat)"
                     if self.heartbeat_timeout
-                    else ""
+                    else f"; if that process exited, a replacement can register on {holder.host} "
+                    f"with local rank {holder.local_rank}"
                 )
                 raise CoreError(
                     Code.ALREADY_EXISTS,
@@ -1108,16 +1123,24 @@ class Core:
         return CoreError(Code.ABORTED, f"{rnd.describe()} cannot complete: a member {verb} ({deaths})")
 
     def _replace(self, job: Job, old: Process, newcomer: str, now: float) -> None:
-        """A new incarnation takes over a dead process's task: a new generation begins."""
+        """A new incarnation takes over a process's task (dead, or restarted on its host
+        before it was declared dead): a new generation begins."""
         for ordinal in old.ordinals:
             job.members.pop(ordinal, None)
         job.dead -= old.ordinals
         del job.processes[old.incarnation]
         job.generation += 1
+        if old.alive:
+            was = f"was last heard from {max(0.0, now - old.last_seen):.1f} s before"
+        else:
+            was = old.death or "stopped"
         message = (
             f"task {old.task_id} ({_ordinals_word(sorted(old.ordinals))}) restarted: {newcomer} "
-            f"replaces {old.label()}, which {old.death or 'stopped'}"
+            f"replaces {old.label()}, which {was}"
         )
+        job.replaced[old.incarnation] = message
+        while len(job.replaced) > _REPLACED_KEPT:
+            job.replaced.popitem(last=False)
         error = CoreError(
             Code.ABORTED, f"job {job.name!r} moved to generation {job.generation}: {message}"
         )

@@ -1348,6 +1348,92 @@ def test_a_finished_run_starts_afresh_but_an_unformed_one_does_not():
     assert core.jobs[JOB].generation == 2 and set(core.jobs[JOB].members) == {0}
 
 
+# -- liveness and restarts (time passed in, nothing sleeps) ------------------------------------
+
+
+def test_a_silent_process_is_declared_dead_and_every_round_needing_it_fails_naming_it():
+    pod = Pod(Core(heartbeat_timeout=10), 2, 1)
+    pod.register(0)
+    pod.register(1)
+    for task in (0, 1):
+        pod.core.touch(JOB, incarnation_of(task), now=8.0)
+    pod.core.check_liveness(15.0)  # 7 s of silence: alive
+    assert all(p.alive for p in pod.core.status(15.0, JOB)[0].participants)
+    key = pod.arrive(0, now=16.0)
+    pod.core.touch(JOB, incarnation_of(0), now=17.0)
+    pod.core.check_liveness(18.5)
+    assert_message(pod.error(key), Code.ABORTED, "ordinal 1 on host-0 pid 1001", "no heartbeat for 10.5 s")
+    assert [p.alive for p in pod.core.status(18.5, JOB)[0].participants] == [True, False]
+    (event,) = pod.core.events(JOB, 0)
+    assert event.kind == "PROCESS_DEAD" and event.ordinals == (1,) and "died: no heartbeat" in event.message
+    later = pod.arrive(0, round_number=1, now=19.0)  # a later round that needs it fails at once
+    assert pod.error(later).code == Code.ABORTED
+    with raises(Code.ABORTED, "was declared dead", "start a new process"):
+        pod.core.touch(JOB, incarnation_of(1), now=19.0)
+
+
+def test_without_a_heartbeat_timeout_nobody_is_declared_dead():
+    pod = make_pod(2)
+    pod.core.check_liveness(1e9)
+    assert all(p.alive for p in pod.core.status(1e9, JOB)[0].participants)
+
+
+def test_a_dead_process_is_replaced_from_any_host_and_old_rounds_are_void():
+    pod = Pod(Core(heartbeat_timeout=10), 2, 1)
+    pod.register(0)
+    pod.register(1)
+    pod.core.declare_dead(JOB, incarnation_of(1), "killed")
+    pod.register(1, now=5.0, incarnation="new-1", host="elsewhere", pid=7)
+    job = pod.core.jobs[JOB]
+    assert job.generation == 2 and job.members[1].incarnation == "new-1" and not job.dead
+    assert "restarted: elsewhere pid 7 replaces host-0 pid 1001, which killed" in pod.core.events(JOB, 0)[-1].message
+    with raises(Code.ABORTED, "moved from generation 1 to 2", "restarted"):
+        pod.core.arrive(6.0, job=JOB, incarnation=incarnation_of(0), replicas=[], round_number=0,
+                        contributions=[Contribution(0, "t", b"")], deadline=None, generation=1)
+    key = pod.arrive(0, now=6.0)
+    pod.arrive(1, now=6.0, incarnation="new-1")
+    assert pod.result(key) == [payload_of(0), payload_of(1)]
+
+
+def test_a_process_restarted_on_its_host_with_its_local_rank_replaces_the_live_one_at_once():
+    """A crash and a relaunch, before the old process's silence is noticed: the same host and
+    local rank take the task over, a new generation begins, and the old incarnation's calls
+    say it was replaced; the same claim from another host is still two processes sharing a task."""
+    pod = Pod(Core(heartbeat_timeout=60), 2, 1)
+    pod.register(0)
+    pod.register(1)
+    key = pod.arrive(0, now=2.0)
+    pod.register(1, now=3.0, incarnation="again-1", pid=9999)
+    assert pod.core.jobs[JOB].generation == 2
+    assert_message(
+        pod.error(key),
+        Code.ABORTED,
+        "moved to generation 2: task 1 (ordinal 1) restarted: host-0 pid 9999 replaces host-0 pid 1001, "
+        "which was last heard from 3.0 s before",
+    )
+    with raises(Code.FAILED_PRECONDITION, "'inc-1'", "was replaced", "host-0 pid 9999 replaces"):
+        pod.core.touch(JOB, incarnation_of(1), now=4.0)
+    with raises(Code.ALREADY_EXISTS, "already registered by host-0 pid 9999", "register on host-0 with local rank 1 at once"):
+        pod.register(1, now=4.0, incarnation="intruder", host="host-9", pid=5)
+    key = pod.arrive(0, now=5.0)
+    pod.arrive(1, now=5.0, incarnation="again-1")
+    assert pod.result(key) == [payload_of(0), payload_of(1)]
+
+
+def test_the_core_imports_only_the_standard_library():
+    """DESIGN: a pure core, no grpc and no asyncio (time passed in, decisions returned)."""
+    import ast
+    import pathlib
+    import sys
+
+    from pjrt_rendezvous.coordinator import _core
+
+    tree = ast.parse(pathlib.Path(_core.__file__).read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 0}
+    assert imported and imported <= set(sys.stdlib_module_names) - {"asyncio"}, imported
+
+
 # -- host relays ------------------------------------------------------------------------------
 
 

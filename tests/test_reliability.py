@@ -99,14 +99,49 @@ def test_watch_stream_reports_deaths_to_idle_processes():
 
 
 def test_duplicate_task_while_holder_lives_hints_at_heartbeat_timeout():
-    """A second process claiming a live task is refused; the message says when a replacement may register."""
+    """A second process claiming a live task from another local rank is refused; the message
+    says when a replacement may register."""
     with Coordinator(port=0, heartbeat_timeout=30) as coordinator:
-        topology = pr.detect_topology({"PJRT_RENDEZVOUS_NUM_TASKS": "2"}, address=coordinator.address)
-        first = pr.Client(pr.Settings(address=coordinator.address), topology)
-        second = pr.Client(pr.Settings(address=coordinator.address), topology)
+        env = {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": "0"}
+        first = pr.Client(pr.Settings(address=coordinator.address), pr.detect_topology(env, address=coordinator.address))
+        other_rank = pr.detect_topology(
+            {**env, "PJRT_RENDEZVOUS_LOCAL_RANK": "1", "PJRT_RENDEZVOUS_LOCAL_WORLD_SIZE": "2"}, address=coordinator.address
+        )
+        second = pr.Client(pr.Settings(address=coordinator.address), other_rank)
         first.bind_thread(0)
         first.unbind_thread()
-        with pytest.raises(pr.DuplicateOrdinalError, match=r"declared dead \(30 s without heartbeat\)"):
+        with pytest.raises(pr.DuplicateOrdinalError, match=r"elsewhere once it is declared dead \(30 s without heartbeat\)"):
             second.bind_thread(0)
         first.close()
         second.close()
+
+
+def test_a_process_restarted_on_its_host_takes_over_its_task_at_once():
+    """A participant killed mid-round and started again on its host with its local rank,
+    long before the heartbeat timeout: the new process registers at once, the job moves to a
+    new generation, the round its peer waits in fails naming the restart, and the two meet
+    in the next round (a claim from another host is still refused: test_integration)."""
+    with Coordinator(port=0, heartbeat_timeout=60) as coordinator:
+        watcher = observer(coordinator.address)
+        survivor = start(coordinator.address, "survivor", 0, processes=2)
+        victim = start(coordinator.address, "hang", 1, processes=2)
+        try:
+            watcher.wait(["ready/0", "ready/1"], timeout=30)
+            deadline = time.monotonic() + 10
+            while not watcher.status().jobs[0].pending_rounds and time.monotonic() < deadline:
+                time.sleep(0.02)  # the survivor is now waiting in 'before-death'
+            victim.send_signal(signal.SIGKILL)
+            victim.wait(10)
+            replacement = start(coordinator.address, "replacement", 1, processes=2)
+            (after,) = finish(replacement)
+            (record,) = finish(survivor)
+        finally:
+            for child in (survivor, victim):
+                child.kill()
+        watcher.close()
+    assert record["first"].startswith("ParticipantFailedError: job 'default' moved to generation 2: task 1")
+    assert "restarted: sim-host-1 pid" in record["first"] and "which was last heard from" in record["first"]
+    assert record["aborted_after"] < 30  # not the 60 s heartbeat timeout
+    assert after == dict(thread=0, ordinal=1, local_ordinal=0, pid=after["pid"], after=["s0", "r1"], generation=2)
+    assert record["after"] == ["s0", "r1"]
+    assert not any("died" in e for e in record["events"]) and any("restarted" in e for e in record["events"])
