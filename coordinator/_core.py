@@ -73,7 +73,7 @@ class CoreError(Exception):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Limits:
-    """Size and count limits; breaching one is RESOURCE_EXHAUSTED or INVALID_ARGUMENT."""
+    """Size and count limits; breaching one is RESOURCE_EXHAUSTED, naming the limit and the value."""
 
     max_payload_bytes: int = 64 * 1024 * 1024
     max_tag_length: int = 1024
@@ -765,11 +765,23 @@ class Core:
             or max(map(len, tags)) > limits.max_tag_length
             or max(map(len, payloads)) > limits.max_payload_bytes
         ):
-            self._check_contributions(state, process, incarnation, contributions, now)
+            over = self._check_contributions(state, process, incarnation, contributions, now)
+        else:
+            over = None
         group: GroupKey = ALL
         if replicas:
             group = self._replicas_group(state, replicas, ordinals, tags[0], now)
         rnd = self._round(state, group, round_number, now)
+        if over is not None:
+            # The members would otherwise wait for an arrival that was refused, and time out
+            # naming it as missing: the round fails for every member, as for bad replicas.
+            error = CoreError(
+                Code.RESOURCE_EXHAUSTED,
+                f"{over}; round {round_number} of {describe_group(group)} fails for every member",
+            )
+            if not rnd.finished:
+                self._fail(state, rnd, error)
+            raise error
         if rnd.result is not None:
             resent = contributions
         elif rnd.arrivals and not rnd.arrivals.keys().isdisjoint(ordinals):
@@ -836,12 +848,13 @@ class Core:
 
     def _check_contributions(
         self, state: Job, process: Process, incarnation: str, contributions: Sequence[ContributionRow], now: float
-    ) -> None:
-        """Checks each contribution in turn and raises at the first one that is wrong: an
-        ordinal its process (the caller, or the live process a host relay named) does not
-        own, a tag or a payload over the limit."""
+    ) -> str | None:
+        """Checks each contribution in turn and raises at the first ordinal that its process
+        (the caller, or the live process a host relay named) does not own; returns what the
+        first tag or payload over its limit is (None: none is)."""
         owners, max_tag, max_payload = state.members, self.limits.max_tag_length, self.limits.max_payload_bytes
         relayed = {incarnation}
+        over = None
         for ordinal, tag, payload, named in contributions:
             if named and named not in relayed:
                 self._process(state, named, now)  # a relay speaks for live, registered processes only
@@ -858,18 +871,19 @@ class Core:
                     f"{'calling process' if claimed is process else 'process a host relay named'} "
                     f"({claimed.label()}); bind the thread first",
                 )
+            if over is not None:
+                continue
             if len(tag) > max_tag:
-                raise CoreError(
-                    Code.INVALID_ARGUMENT,
-                    f"tag of {len(tag)} characters exceeds the limit of "
-                    f"{max_tag} (max_tag_length)",
+                over = (
+                    f"the tag of ordinal {ordinal} is {len(tag)} characters, over the limit of "
+                    f"{max_tag} (max_tag_length)"
                 )
-            if len(payload) > max_payload:
-                raise CoreError(
-                    Code.RESOURCE_EXHAUSTED,
-                    f"payload of ordinal {ordinal} is {len(payload)} bytes, over the limit of "
-                    f"{max_payload} bytes (max_payload_bytes)",
+            elif len(payload) > max_payload:
+                over = (
+                    f"the payload of ordinal {ordinal} is {len(payload)} bytes, over the limit of "
+                    f"{max_payload} bytes (max_payload_bytes)"
                 )
+        return over
 
     def _replicas_group(self, state: Job, replicas: Sequence[int], ordinals: Sequence[int], tag: str, now: float) -> GroupKey:
         """The group a replicas list names; a malformed list fails the round the callers'
@@ -1176,7 +1190,7 @@ class Core:
             raise CoreError(Code.INVALID_ARGUMENT, "key must not be empty")
         if len(key) > self.limits.max_key_length:
             raise CoreError(
-                Code.INVALID_ARGUMENT,
+                Code.RESOURCE_EXHAUSTED,
                 f"key of {len(key)} characters exceeds the limit of {self.limits.max_key_length} "
                 "(max_key_length)",
             )

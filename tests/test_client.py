@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import logging
 import signal
@@ -115,13 +116,30 @@ def test_world_of_one_binding_returns_own_payload(client):
         assert client.rendezvous(binding, "solo", b"me") == [b"me"]
 
 
-def test_payload_over_limit_is_resource_exhausted(coordinator):
-    """A payload over the coordinator's limit fails with the limit and the size in the message."""
-    client = make_client(coordinator.address, tasks=2, timeout=5)
+def test_payload_over_limit_is_resource_exhausted_for_the_caller_and_its_waiting_peer(coordinator):
+    """A payload over the coordinator's limit fails with the limit and the size in the
+    message, at once for the peer already waiting in the round too (not after its timeout,
+    naming the refused ordinal as missing); the next round runs."""
+    client = make_client(coordinator.address, tasks=2, timeout=30)
+    peer = make_client(coordinator.address, tasks=2, task=1, timeout=30)
+    waiting = concurrent.futures.ThreadPoolExecutor(1)  # one thread: the peer's, bound there
+    peer_binding = waiting.submit(peer.bind_thread, 0).result()
     with client.bind_thread(0) as binding:
+        started = time.monotonic()
+        outcome = waiting.submit(peer.rendezvous, peer_binding, "big", b"small")
+        while not client.status().jobs[0].pending_rounds:
+            time.sleep(0.01)
         with pytest.raises(pr.LimitExceededError, match=r"2000 bytes, over the limit of 1024 bytes"):
             client.rendezvous(binding, "big", b"x" * 2000)
+        with pytest.raises(pr.LimitExceededError, match=r"ordinal 0 is 2000 bytes.*fails for every member"):
+            outcome.result(timeout=20)
+        assert time.monotonic() - started < 20
+        after = waiting.submit(peer.rendezvous, peer_binding, "next", b"p1")
+        assert client.rendezvous(binding, "next", b"p0") == [b"p0", b"p1"] == after.result(timeout=20)
+    waiting.submit(peer.unbind_thread).result()
+    waiting.shutdown()
     client.close()
+    peer.close()
 
 
 def test_unknown_job_is_not_found(client):

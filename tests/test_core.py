@@ -760,21 +760,32 @@ def test_rounds_without_a_deadline_never_expire():
     assert pod.outcome(key) is None
 
 
-def test_payload_over_the_limit_is_resource_exhausted_naming_size_and_limit():
-    """A payload over max_payload_bytes is RESOURCE_EXHAUSTED naming size and limit; at the limit it passes."""
-    pod = make_pod(1, limits=Limits(max_payload_bytes=8))
-    with raises(Code.RESOURCE_EXHAUSTED, "ordinal 0", "9 bytes", "limit of 8 bytes", "max_payload_bytes"):
-        pod.arrive(0, payloads={0: b"x" * 9})
+def test_payload_over_the_limit_is_resource_exhausted_and_fails_the_round_for_every_member():
+    """A payload over max_payload_bytes is RESOURCE_EXHAUSTED naming size and limit, and the
+    round fails at once for the members already waiting (not a timeout naming the refused
+    ordinal as missing); at the limit it passes."""
+    pod = make_pod(2, limits=Limits(max_payload_bytes=8))
+    key = pod.arrive(0)
+    fragments = ("ordinal 1", "9 bytes", "limit of 8 bytes", "max_payload_bytes", "round 0 of all ordinals fails for every member")
+    with raises(Code.RESOURCE_EXHAUSTED, *fragments) as caught:
+        pod.arrive(1, payloads={1: b"x" * 9})
+    assert pod.error(key) is caught.error
     assert pod.core.jobs[JOB].pending == {}
-    assert pod.result(pod.arrive(0, payloads={0: b"x" * 8})) == [b"x" * 8]
+    key = pod.arrive([0], round_number=1)
+    pod.arrive(1, round_number=1, payloads={1: b"x" * 8})
+    assert pod.result(key) == [payload_of(0), b"x" * 8]
 
 
-def test_tag_over_the_limit_is_invalid_argument():
-    """A tag longer than max_tag_length is INVALID_ARGUMENT naming its length and the limit."""
-    pod = make_pod(1, limits=Limits(max_tag_length=5))
-    with raises(Code.INVALID_ARGUMENT, "6 characters", "limit of 5"):
-        pod.arrive(0, tag="x" * 6)
-    assert pod.result(pod.arrive(0, tag="x" * 5)) == [b"p0"]
+def test_tag_over_the_limit_is_resource_exhausted_and_fails_the_round():
+    """A tag longer than max_tag_length is RESOURCE_EXHAUSTED naming its length and the limit."""
+    pod = make_pod(2, limits=Limits(max_tag_length=5))
+    key = pod.arrive(0, tag="x" * 5)
+    with raises(Code.RESOURCE_EXHAUSTED, "the tag of ordinal 1 is 6 characters", "limit of 5", "max_tag_length") as caught:
+        pod.arrive(1, tag="x" * 6)
+    assert pod.error(key) is caught.error
+    key = pod.arrive(0, tag="x" * 5, round_number=1)
+    pod.arrive(1, tag="x" * 5, round_number=1)
+    assert pod.result(key) == [payload_of(0), payload_of(1)]
 
 
 def test_unknown_job_is_not_found():
@@ -983,7 +994,8 @@ def test_kv_list_returns_keys_with_a_prefix_sorted_and_kv_count_counts_them():
 
 
 def test_kv_keys_must_be_non_empty_and_within_max_key_length():
-    """An empty key or one over max_key_length is INVALID_ARGUMENT for every KV operation; the limit fits."""
+    """An empty key is INVALID_ARGUMENT and one over max_key_length RESOURCE_EXHAUSTED, for
+    every KV operation; the limit fits."""
     core = Core(Limits(max_key_length=4))
     operations = [
         lambda k: core.kv_set(JOB, [(k, b"0")]),
@@ -996,7 +1008,7 @@ def test_kv_keys_must_be_non_empty_and_within_max_key_length():
     for operation in operations:
         with raises(Code.INVALID_ARGUMENT, "must not be empty"):
             operation("")
-        with raises(Code.INVALID_ARGUMENT, "5 characters", "limit of 4"):
+        with raises(Code.RESOURCE_EXHAUSTED, "5 characters", "limit of 4"):
             operation("x" * 5)
         operation("x" * 4)
 
