@@ -51,8 +51,9 @@ marker rather than ``torch_xla.sync``/``xm.mark_step`` also covers references ta
 
 Not replaced, on purpose: ``torch_xla.runtime.global_ordinal()``/``world_size()``. They are the XLA
 runtime's own numbers, which XLA collectives use (``reduce_gradients`` scales by
-``runtime.world_size()``). On a TPU pod they equal ours, and :func:`bind_device` checks that; in a
-CPU simulation each process is its own XLA world.
+``runtime.world_size()``). On a TPU pod they equal ours: :func:`bind_device` registers them, and
+the coordinator refuses a thread whose runtime ordinal or world size differs from ours. In a CPU
+simulation each process is its own XLA world.
 
 Rules for XLA collectives between threads (measured, see FACTS)
 ---------------------------------------------------------------

@@ -649,6 +649,15 @@ class Core:
         # its device index is the thread index.
         if thread.runtime_ordinal is None:
             return
+        if r.runtime_world_size not in (0, world_size, r.devices_per_task):  # 0: not said
+            raise CoreError(
+                Code.FAILED_PRECONDITION,
+                f"the XLA runtime of task {r.task_id} ({r.host} pid {r.pid}) has {r.runtime_world_size} "
+                f"devices in its world, but the job has {world_size} ordinals ({r.num_tasks} tasks x "
+                f"{r.devices_per_task} devices) and this process drives {r.devices_per_task}: the "
+                "runtime's global ordinals and world size, which XLA collectives use, would not be "
+                "ours; check PJRT_RENDEZVOUS_NUM_TASKS, TPU_PROCESS_BOUNDS and TPU_ACCELERATOR_TYPE",
+            )
         if r.runtime_world_size == world_size and thread.runtime_ordinal != ordinal:
             raise CoreError(
                 Code.FAILED_PRECONDITION,

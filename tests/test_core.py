@@ -403,6 +403,18 @@ def test_local_only_runtime_must_match_the_thread_index():
         pod.register(0, runtime={0: 1, 1: 0}, runtime_world_size=2)
 
 
+def test_a_runtime_world_neither_ours_nor_the_process_own_fails_naming_both_sizes():
+    """DESIGN "Ordinals": the runtime's numbers are the authority only where its world is ours;
+    a runtime world of another size would order XLA collectives differently from the rank table."""
+    pod = make_pod(2, 2, register=False)
+    with raises(Code.FAILED_PRECONDITION, "has 8 devices in its world", "the job has 4 ordinals (2 tasks x 2 devices)",
+                "PJRT_RENDEZVOUS_NUM_TASKS"):
+        pod.register(0, runtime={0: 0, 1: 1}, runtime_world_size=8)
+    pod.register(0, runtime={0: 0, 1: 1}, runtime_world_size=4)  # ours
+    pod.register(1, runtime={0: 0, 1: 1}, runtime_world_size=2)  # the process's own (PJRT on CPU)
+    assert pod.core.world(JOB) is not None
+
+
 def test_reregistering_with_another_runtime_ordinal_fails():
     """Re-registering an ordinal with a different runtime ordinal is FAILED_PRECONDITION."""
     pod = make_pod(1, 2, register=False)
