@@ -465,12 +465,12 @@ class Coordinator:
     >>> with Coordinator(port=0) as coordinator:
     ...     address = coordinator.address   # "127.0.0.1:PORT"
 
-    Keyword arguments are :class:`ServerOptions` fields; the liveness watch is off unless
-    ``heartbeat_timeout`` is given.
+    Keyword arguments are :class:`ServerOptions` fields, with its defaults: as under
+    ``serve``, a process silent for ``heartbeat_timeout`` (60 s) is declared dead, and
+    ``heartbeat_timeout=None`` turns the watch off.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, **options) -> None:
-        options.setdefault("heartbeat_timeout", None)
         self._options = ServerOptions(host=host, port=port, **options)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

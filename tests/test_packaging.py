@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pathlib
+import shutil
 import subprocess
 import sys
+import zipfile
 
 import pjrt_rendezvous.client as client
 import pjrt_rendezvous.coordinator as coordinator
@@ -46,3 +49,43 @@ def test_errors_form_one_tree():
             assert issubclass(obj, client.RendezvousError), name
     assert issubclass(client.RendezvousTimeout, TimeoutError)
     assert issubclass(client.UsageError, ValueError)
+
+
+def test_a_wheel_holds_only_the_package_and_runs_without_the_source_tree(tmp_path):
+    """DESIGN: the package-dir mapping works for ``pip install .`` (the image's) as for the
+    editable install the suite runs on, and installs no generic top-level names: the wheel
+    holds ``pjrt_rendezvous/`` and its metadata alone, and, installed elsewhere, a coordinator
+    from it serves (its protos, its native module where a compiler is)."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    source = tmp_path / "source"
+    for name in ("coordinator", "client", "protos"):
+        shutil.copytree(root / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyc"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, source / name)
+    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+    build = subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(source)],
+                           capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"pjrt_rendezvous", "pjrt_rendezvous-0.1.0.dist-info"}, names
+    for expected in ("coordinator/_core.py", "client/_native.c", "protos/v1/coordinator_pb2.py",
+                     "protos/pjrt_rendezvous/v1/coordinator.proto", "protos/v1/coordinator_pb2.pyi"):
+        assert f"pjrt_rendezvous/{expected}" in names, expected
+    site = tmp_path / "site"
+    install = subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)],
+                             capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stderr
+    code = (
+        f"import sys; sys.path.insert(0, {str(site)!r});"
+        "import pjrt_rendezvous.client as client, pjrt_rendezvous.coordinator as coordinator;"
+        "from pjrt_rendezvous.client import _session;"
+        "c = coordinator.Coordinator().start(); c.stop();"
+        "print(coordinator.__file__); print(client.__file__); print(_session._native is not None)"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    coordinator_file, client_file, native = run.stdout.split()
+    assert coordinator_file.startswith(str(site)) and client_file.startswith(str(site))
+    compiled = any(n.startswith("pjrt_rendezvous/client/_native.") and n.endswith((".so", ".pyd")) for n in names)
+    assert native == str(compiled)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import pathlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -145,3 +147,39 @@ def test_a_process_restarted_on_its_host_takes_over_its_task_at_once():
     assert after == dict(thread=0, ordinal=1, local_ordinal=0, pid=after["pid"], after=["s0", "r1"], generation=2)
     assert record["after"] == ["s0", "r1"]
     assert not any("died" in e for e in record["events"]) and any("restarted" in e for e in record["events"])
+
+
+
+def test_a_coordinator_held_up_longer_than_the_heartbeat_timeout_declares_nobody_dead():
+    """The coordinator's own event loop stalls past the heartbeat timeout (a busy or paused
+    host, or an embedded coordinator starved by its training process) while every client
+    keeps heartbeating: the heartbeats that came in meanwhile count before anyone is judged,
+    so nobody is declared dead and the next round runs."""
+    with Coordinator(port=0, heartbeat_timeout=1.0) as coordinator:
+        clients = [
+            pr.Client(
+                pr.Settings(address=coordinator.address, timeout=30),
+                pr.detect_topology(
+                    {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": str(task)},
+                    address=coordinator.address,
+                ),
+            )
+            for task in range(2)
+        ]
+        threads = [concurrent.futures.ThreadPoolExecutor(1) for _ in clients]  # a bound thread each
+        for pool, client in zip(threads, clients):
+            pool.submit(client.bind_thread, 0).result()  # registers; heartbeats every 1/3 s from here
+        time.sleep(1.0)
+        stalled = threading.Event()
+        coordinator._loop.call_soon_threadsafe(lambda: (stalled.set(), time.sleep(2.5)))
+        assert stalled.wait(10)
+        time.sleep(3.5)  # the stall, then a second of heartbeats after it
+        status = clients[0].status()
+        assert all(p.alive for p in status.jobs[0].participants), status
+        assert not clients[0].events
+        rounds = [pool.submit(lambda c=c: c.rendezvous(pr.current_binding(), "after", b"x")) for pool, c in zip(threads, clients)]
+        assert [r.result(timeout=30) for r in rounds] == [[b"x", b"x"]] * 2
+        for pool, client in zip(threads, clients):
+            pool.submit(client.unbind_thread).result()
+            pool.shutdown()
+            client.close()
