@@ -7,7 +7,9 @@ process client (set once) and the calling thread's binding.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
+import sys
 import threading
 from typing import Mapping, Sequence
 
@@ -21,6 +23,8 @@ _client: Client | None = None
 _init_args: dict | None = None
 _atexit_registered = False
 # init()'s parameters left out (anything else given means "these arguments")
+log = logging.getLogger("pjrt_rendezvous.client")
+
 _DEFAULTS = {"address": None, "job": None, "timeout": DEFAULT, "topology": None, "env": None}
 
 _METADATA_URL = "http://metadata.google.internal/computeMetadata/v1/instance/attributes"
@@ -32,7 +36,22 @@ def _detect(env: Mapping[str, str], address: str | None) -> Topology:
     url = env.get("PJRT_RENDEZVOUS_METADATA_URL")
     if url is None and env.get("PJRT_DEVICE", "").upper() == "TPU":
         url = _METADATA_URL
-    return detect_topology(env, address=address, metadata=metadata_fetcher(url) if url else None)
+    return detect_topology(
+        env, address=address, metadata=metadata_fetcher(url) if url else None, runtime_devices=_runtime_devices
+    )
+
+
+def _runtime_devices() -> int | None:
+    """The XLA runtime's devices in this process once torch_xla has started it; None before
+    (it is never started from here: its configuration is the caller's)."""
+    torch_xla = sys.modules.get("torch_xla")
+    if torch_xla is None or not torch_xla._XLAC._xla_runtime_is_initialized():
+        return None
+    import torch_xla.core.xla_model as xm
+
+    count = len(xm.get_xla_supported_devices())
+    log.info("cores per chip from the XLA runtime: %d device(s) in this process", count)
+    return count
 
 
 def init(

@@ -119,20 +119,27 @@ def cores_per_chip(accelerator_type: str) -> int:
     if match and match["family"] in _CORES_PER_CHIP and int(match["size"]) > 0:
         return _CORES_PER_CHIP[match["family"]]
     hint = ""
-    if match and match["family"].startswith("tpu7"):
+    if _unconfirmed(accelerator_type):
         # JAX's tpu_info lists TPU7x with two TensorCores a chip and no megacore (each core
         # a device), but torch_xla's thread-per-device runtime does not name TPU7x (its
         # tpu.version() parses v<N>-<size> only): how many threads a process runs there is
-        # torch_xla's to say, not ours to guess.
+        # torch_xla's to say, not ours to guess (detect_topology asks its runtime).
         hint = (
             " (a TPU7x chip has two TensorCores and no megacore, so JAX sees two devices per "
-            "chip; torch_xla's runtime does not name TPU7x yet, so this is not guessed)"
+            "chip; torch_xla's runtime does not name TPU7x yet, so this is not guessed; or "
+            "start torch_xla's runtime before init(), and its device count is used)"
         )
     raise TopologyError(
         f"unknown TPU accelerator type {accelerator_type!r}: cores per chip is known only for "
         "v2-*, v3-* (2) and v4-*, v5litepod-*, v5e-*, v5p-*, v6e-* (1); set "
         f"PJRT_RENDEZVOUS_CORES_PER_CHIP explicitly to the number of PJRT devices per chip{hint}"
     )
+
+
+def _unconfirmed(accelerator_type: str) -> bool:
+    """A TPU generation whose devices per chip are taken from the XLA runtime (DESIGN)."""
+    match = _ACCELERATOR_RE.fullmatch(accelerator_type.strip().lower())
+    return bool(match) and match["family"].startswith("tpu7")
 
 
 def metadata_fetcher(base_url: str, timeout: float = 2.0) -> Callable[[str], str]:
@@ -310,8 +317,13 @@ def detect_topology(
     address: str | None = None,
     metadata: Callable[[str], str] | None = None,
     hostname: Callable[[], str] = socket.gethostname,
+    runtime_devices: Callable[[], int | None] | None = None,
 ) -> Topology:
-    """Work out this process's Topology from ``env`` (and ``metadata``, see the module docstring)."""
+    """Work out this process's Topology from ``env`` (and ``metadata``, see the module docstring).
+
+    ``runtime_devices``: the XLA runtime's devices in this process, or None while it has not
+    started; asked only for a TPU generation whose cores per chip are unconfirmed (TPU7x),
+    which is then that count over the process's chips."""
     use_mds = metadata is not None and not _skip_mds(env.get("TPU_SKIP_MDS_QUERY"))
     fetched: dict[str, str | None] = {}
 
@@ -355,13 +367,18 @@ def detect_topology(
 
     # Cores per chip: override, else from the type, else (no TPU) 1.
     cores_override = _from_env(env, "PJRT_RENDEZVOUS_CORES_PER_CHIP")
+    runtime_count = None  # the runtime's devices in this process, for an unconfirmed generation
     if cores_override is not None:
         cores = _int(cores_override, what="cores per chip", minimum=1, default=1, default_fix="").value
     elif accelerator is not None:
         try:
             cores = cores_per_chip(accelerator.text)
         except TopologyError as error:
-            raise TopologyError(f"{error} (accelerator type from {accelerator.source})") from None
+            if runtime_devices is not None and _unconfirmed(accelerator.text):
+                runtime_count = runtime_devices()
+            if runtime_count is None:
+                raise TopologyError(f"{error} (accelerator type from {accelerator.source})") from None
+            cores = 0  # the runtime's count over the chips per process, below
     else:
         cores = 1
 
@@ -384,6 +401,13 @@ def detect_topology(
                     f"({local_world.source}); set TPU_CHIPS_PER_PROCESS_BOUNDS"
                 )
             chips = host_chips // local_world.value
+    if runtime_count is not None:
+        if runtime_count < 1 or runtime_count % chips:
+            raise TopologyError(
+                f"the XLA runtime gives this process {runtime_count} device(s), which do not divide "
+                f"evenly among its {chips} chip(s) ({accelerator_type}); set PJRT_RENDEZVOUS_CORES_PER_CHIP"
+            )
+        cores = runtime_count // chips
 
     # Worker hostnames and this host's index.
     hostnames: tuple[str, ...] = ()

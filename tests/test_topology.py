@@ -145,6 +145,29 @@ def test_cores_per_chip_unknown_types_raise(accelerator_type):
     assert ("two TensorCores" in str(info.value)) == accelerator_type.startswith("tpu7")
 
 
+def test_tpu7x_cores_per_chip_come_from_the_runtime_once_it_has_started():
+    """DESIGN: TPU7x's devices per chip are taken from the XLA runtime's device count (over
+    the process's chips) when torch_xla has started it; never guessed, and the override wins."""
+    asked = []
+
+    def devices(count):
+        return lambda: asked.append(count) or count
+
+    env = {"TPU_ACCELERATOR_TYPE": "tpu7x-8", "TPU_CHIPS_PER_PROCESS_BOUNDS": "2,2,1", "PJRT_RENDEZVOUS_NUM_TASKS": "1"}
+    topology = detect_topology(env, hostname=lambda: "h", runtime_devices=devices(8))
+    assert (topology.cores_per_chip, topology.chips_per_process, topology.world_size) == (2, 4, 8)
+    with pytest.raises(TopologyError, match="'tpu7x-8'.*PJRT_RENDEZVOUS_CORES_PER_CHIP.*start torch_xla's runtime"):
+        detect_topology(env, hostname=lambda: "h", runtime_devices=devices(None))  # not started
+    with pytest.raises(TopologyError, match=r"gives this process 6 device\(s\), which do not divide evenly among its 4"):
+        detect_topology(env, hostname=lambda: "h", runtime_devices=devices(6))
+    asked.clear()
+    overridden = detect_topology({**env, "PJRT_RENDEZVOUS_CORES_PER_CHIP": "1"}, hostname=lambda: "h", runtime_devices=devices(8))
+    known = detect_topology({**env, "TPU_ACCELERATOR_TYPE": "v3-8"}, hostname=lambda: "h", runtime_devices=devices(8))
+    with pytest.raises(TopologyError, match="'banana'"):
+        detect_topology({**env, "TPU_ACCELERATOR_TYPE": "banana"}, hostname=lambda: "h", runtime_devices=devices(8))
+    assert (overridden.cores_per_chip, known.cores_per_chip, asked) == (1, 2, [])  # asked for TPU7x only
+
+
 # --- detect_topology: full cases -----------------------------------------------------------------
 
 

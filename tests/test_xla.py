@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -565,3 +566,30 @@ def test_seed_in_a_world_of_one_without_torch_xla_devices(no_process_client):
     assert first.seed == second.seed == first.process_seed
     assert first.random.random() == second.random.random()
     assert xla.seed(4).seed != first.seed
+
+
+@pytest.mark.xla
+def test_tpu7x_cores_per_chip_come_from_the_started_runtime(torch_xla):
+    """DESIGN: TPU7x's devices per chip are not guessed. Before torch_xla's runtime starts,
+    init() refuses naming the override; once it has started, its device count in this
+    process (here 2 simulated CPU devices on one chip) is used."""
+    code = (
+        "import pjrt_rendezvous.client as pr\n"
+        "from pjrt_rendezvous.client import _api\n"
+        "import os, torch_xla.core.xla_model as xm\n"
+        "try:\n"
+        "    _api._detect(os.environ, None)\n"
+        "except pr.TopologyError as error:\n"
+        "    print('before:', error)\n"
+        "xm.get_xla_supported_devices()  # starts the runtime\n"
+        "t = _api._detect(os.environ, None)\n"
+        "print('after:', t.cores_per_chip, t.chips_per_process, t.world_size)\n"
+    )
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="2", TPU_ACCELERATOR_TYPE="tpu7x-2",
+               TPU_CHIPS_PER_PROCESS_BOUNDS="1,1,1", PJRT_RENDEZVOUS_NUM_TASKS="1")
+    env.pop("PJRT_RENDEZVOUS_CORES_PER_CHIP", None)
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    before, after = run.stdout.strip().splitlines()
+    assert "unknown TPU accelerator type 'tpu7x-2'" in before and "start torch_xla's runtime before init()" in before
+    assert after == "after: 2 1 2"
