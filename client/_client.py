@@ -499,8 +499,8 @@ class Client:
                 if self._stopped.is_set():
                     return
                 log.warning("heartbeat to %s failed: %s", self.settings.address, exc)
-                if isinstance(exc, UsageError) or getattr(exc, "code", "") == "ABORTED":
-                    return  # declared dead or closed: nothing left to keep alive
+                if isinstance(exc, UsageError) or getattr(exc, "code", "") in ("ABORTED", "FAILED_PRECONDITION"):
+                    return  # declared dead, replaced by a restart, or closed: nothing left to keep alive
                 continue
             self._adopt_generation(response.generation)
             self._learn_session_port(response.session_port)

@@ -427,7 +427,9 @@ class Core:
                 raise CoreError(
                     Code.FAILED_PRECONDITION,
                     f"process incarnation {incarnation!r} of job {job.name!r} was replaced: "
-                    f"{job.replaced[incarnation]}; it takes no part any more",
+                    f"{job.replaced[incarnation]}; it takes no part any more (if this process "
+                    "did not restart, two processes on one host share one task id and local "
+                    "rank: check CLOUD_TPU_TASK_ID, TPU_WORKER_ID and PJRT_LOCAL_PROCESS_RANK)",
                 )
             raise CoreError(
                 Code.FAILED_PRECONDITION,

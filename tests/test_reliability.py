@@ -183,3 +183,26 @@ def test_a_coordinator_held_up_longer_than_the_heartbeat_timeout_declares_nobody
             pool.submit(client.unbind_thread).result()
             pool.shutdown()
             client.close()
+
+
+def test_a_replaced_process_is_told_so_and_stops_heartbeating(caplog):
+    """Two clients of one task on one host and local rank: the second takes the task over
+    (a restart as the coordinator sees it). The first one's calls fail saying it was
+    replaced, naming the duplicate-task mistake it may be, and its heartbeats stop."""
+    with Coordinator(port=0) as coordinator:
+        topology = pr.detect_topology({"PJRT_RENDEZVOUS_NUM_TASKS": "2"}, address=coordinator.address)
+        settings = pr.Settings(address=coordinator.address, timeout=10, heartbeat_interval=0.1)
+        old, new = pr.Client(settings, topology), pr.Client(settings, topology)
+        with concurrent.futures.ThreadPoolExecutor(1) as other:
+            old_binding = other.submit(old.bind_thread, 0).result()
+            new.bind_thread(0)
+            with pytest.raises(pr.MismatchError, match=r"was replaced: task 0 \(ordinal 0\) restarted.*share one task id"):
+                other.submit(old.rendezvous, old_binding, "t", b"").result()
+            time.sleep(1.0)  # ten heartbeat intervals
+            failed = [r for r in caplog.records if r.getMessage().startswith("heartbeat to")]
+            assert len(failed) <= 1, failed
+            assert [p.pid for p in new.status().jobs[0].participants] == [os.getpid()]
+            other.submit(old.unbind_thread).result()
+        new.unbind_thread()
+        old.close()
+        new.close()
