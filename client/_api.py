@@ -195,6 +195,10 @@ def rendezvous(
         UsageError: the calling thread is not bound (in a world of more than one).
         MismatchError: members brought different tags, or disagree on replicas.
         InvalidArgumentError: the caller is not in ``replicas``, or replicas repeat.
+        LimitExceededError: a member's tag or payload is over the coordinator's limit
+            (the round fails for every member).
+        ParticipantFailedError: a member died or restarted, or the job moved to a new
+            generation.
         RendezvousTimeout: the deadline passed; the message names every missing
             ordinal with its host and when it was last seen.
     """

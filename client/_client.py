@@ -490,6 +490,7 @@ class Client:
         interval = self.settings.heartbeat_interval
         if self._heartbeat_timeout:
             interval = min(interval, self._heartbeat_timeout / 3)
+        refused = None  # the last refusal warned of: each is warned of once while it lasts
         while not self._stopped.wait(interval):
             try:
                 response = self._call("Heartbeat", request)
@@ -498,10 +499,13 @@ class Client:
             except RendezvousError as exc:
                 if self._stopped.is_set():
                     return
-                log.warning("heartbeat to %s failed: %s", self.settings.address, exc)
-                if isinstance(exc, UsageError) or getattr(exc, "code", "") in ("ABORTED", "FAILED_PRECONDITION"):
-                    return  # declared dead, replaced by a restart, or closed: nothing left to keep alive
-                continue
+                if str(exc) != refused:
+                    log.warning("heartbeat to %s failed: %s", self.settings.address, exc)
+                    refused = str(exc)
+                if isinstance(exc, UsageError) or getattr(exc, "code", "") == "ABORTED":
+                    return  # declared dead or closed: nothing left to keep alive
+                continue  # a replaced process, or one a restarted coordinator forgot, may bind again
+            refused = None
             self._adopt_generation(response.generation)
             self._learn_session_port(response.session_port)
             self.reads_process_indexes = response.reads_process_indexes

@@ -7,7 +7,7 @@
     │   └── TopologyError                  the environment does not describe a valid topology
     ├── SpawnError                         xla.spawn: a replica raised, a process died, or a timeout
     └── RemoteError                        the coordinator refused a call or a round failed
-        ├── InvalidArgumentError           INVALID_ARGUMENT: bad input (replicas, sizes, names)
+        ├── InvalidArgumentError           INVALID_ARGUMENT: bad input (replicas, ranges, empty names)
         ├── MismatchError                  FAILED_PRECONDITION: tag / replicas mismatch, world
         │                                  size conflict, unknown incarnation
         ├── DuplicateOrdinalError          ALREADY_EXISTS: another process holds the ordinal

@@ -310,8 +310,9 @@ class Job:
     request_results: collections.OrderedDict[str, object] = dataclasses.field(
         default_factory=collections.OrderedDict
     )
-    # Incarnations replaced by a restart -> why, so their later calls say so (the latest
-    # few; not in the state file).
+    # Incarnations replaced by a restart -> why: their later calls say so, and they cannot
+    # register again (two live processes would take the task from each other). The latest
+    # _REPLACED_KEPT.
     replaced: collections.OrderedDict[str, str] = dataclasses.field(default_factory=collections.OrderedDict)
 
     @property
@@ -402,9 +403,9 @@ class Core:
             raise CoreError(Code.INVALID_ARGUMENT, "job name must not be empty")
         if len(name) > self.limits.max_name_length:
             raise CoreError(
-                Code.INVALID_ARGUMENT,
+                Code.RESOURCE_EXHAUSTED,
                 f"job name of {len(name)} characters exceeds the limit of "
-                f"{self.limits.max_name_length}",
+                f"{self.limits.max_name_length} (max_name_length)",
             )
         if len(self.jobs) >= self.limits.max_jobs:
             raise CoreError(
@@ -497,8 +498,9 @@ class Core:
         for name, value in (("incarnation", r.incarnation), ("host", r.host)):
             if len(value) > self.limits.max_name_length:
                 raise CoreError(
-                    Code.INVALID_ARGUMENT,
-                    f"{name} of {len(value)} characters exceeds the limit of {self.limits.max_name_length}",
+                    Code.RESOURCE_EXHAUSTED,
+                    f"{name} of {len(value)} characters exceeds the limit of {self.limits.max_name_length} "
+                    "(max_name_length)",
                 )
         if not r.threads:
             raise CoreError(Code.INVALID_ARGUMENT, "a registration must name at least one thread")
@@ -551,8 +553,8 @@ class Core:
 
         owner = job.tasks.get(r.task_id)
         process = job.processes.get(r.incarnation)
-        if process is not None:
-            self._process(job, r.incarnation, now)  # a dead process cannot add threads
+        if process is not None or r.incarnation in job.replaced:
+            self._process(job, r.incarnation, now)  # a dead or replaced process cannot add threads
         replaced = None
         if owner is not None and owner != r.incarnation:
             holder = job.processes[owner]
@@ -651,6 +653,14 @@ class Core:
         # its device index is the thread index.
         if thread.runtime_ordinal is None:
             return
+        if r.runtime_world_size == 1 < r.devices_per_task:  # FACTS 1
+            raise CoreError(
+                Code.FAILED_PRECONDITION,
+                f"the XLA runtime of task {r.task_id} ({r.host} pid {r.pid}) has a world of 1 device "
+                f"while this process drives {r.devices_per_task} of a job of {world_size}: its "
+                "replication was not set before the device was bound, and every XLA all_reduce "
+                "would be a silent no-op; call xm.set_replication first, or run under xla.spawn",
+            )
         if r.runtime_world_size not in (0, world_size, r.devices_per_task):  # 0: not said
             raise CoreError(
                 Code.FAILED_PRECONDITION,

@@ -307,6 +307,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
         job, incarnation, replicas, round_number, timeout, generation, rows = request  # decode_rendezvous
         _checked_timeout(timeout)
         now = self._clock()
+        version = self._core.version
         try:
             rnd = self._core.arrive(
                 now,
@@ -318,8 +319,12 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 deadline=None if timeout is None else now + timeout,
                 generation=generation,
             )
-        finally:
+        except CoreError:
             self._wake()  # a refused call may have failed its peers' round: release them now
+            if self._core.version != version:
+                await self._persist()  # that failed round is on disk before anyone is told
+            raise
+        self._wake()
         while rnd.result is None and rnd.error is None:  # finished in place (Core.arrive)
             if not await self._wait(("round", job, *rnd.key), rnd.deadline):
                 self._core.expire(self._clock())

@@ -2,7 +2,7 @@
 
 Kept: per job the world size, rank table, generation, events, finished rounds (so a
 client resending a round that finished just before the crash gets its result), round
-counters, key-value data and applied request ids. Not kept: pending rounds (their members
+counters, key-value data, applied request ids and the incarnations replaced by restarts. Not kept: pending rounds (their members
 resend them when they reconnect) and last-seen times (every process gets a fresh heartbeat
 timeout from the restart).
 
@@ -128,6 +128,7 @@ def snapshot(core: Core) -> dict:
                     [e.kind, e.generation, list(e.ordinals), e.host, e.message] for e in job.events
                 ],
                 "dead": sorted(job.dead),
+                "replaced": list(job.replaced.items()),
                 "kv": {k: _b(v) for k, v in job.kv.items()},
                 "requests": [[k, _request_result(v)] for k, v in job.request_results.items()],
             }
@@ -181,6 +182,7 @@ def restore(
             Event(kind=k, generation=gen, ordinals=tuple(o), host=h, message=m) for k, gen, o, h, m in d["events"]
         ]
         job.dead = set(d["dead"])
+        job.replaced = collections.OrderedDict(d.get("replaced", ()))  # not in files before it was kept
         job.kv = {k: _unb(v) for k, v in d["kv"].items()}
         job.request_results = collections.OrderedDict((k, _request_result_back(v)) for k, v in d["requests"])
         core.jobs[job.name] = job

@@ -369,10 +369,10 @@ def test_jobs_over_max_jobs_are_resource_exhausted():
     assert core.world("a") is not None
 
 
-@pytest.mark.parametrize("name", ["", "x" * 9])
-def test_job_names_must_be_non_empty_and_short(name):
-    """An empty job name or one over max_name_length is INVALID_ARGUMENT."""
-    with raises(Code.INVALID_ARGUMENT, "job name"):
+@pytest.mark.parametrize("name, code", [("", Code.INVALID_ARGUMENT), ("x" * 9, Code.RESOURCE_EXHAUSTED)])
+def test_job_names_must_be_non_empty_and_short(name, code):
+    """An empty job name is INVALID_ARGUMENT, one over max_name_length RESOURCE_EXHAUSTED."""
+    with raises(code, "job name"):
         Core(Limits(max_name_length=8)).register(0.0, registration(0, 1, 1, job=name))
 
 
@@ -410,6 +410,8 @@ def test_a_runtime_world_neither_ours_nor_the_process_own_fails_naming_both_size
     with raises(Code.FAILED_PRECONDITION, "has 8 devices in its world", "the job has 4 ordinals (2 tasks x 2 devices)",
                 "PJRT_RENDEZVOUS_NUM_TASKS"):
         pod.register(0, runtime={0: 0, 1: 1}, runtime_world_size=8)
+    with raises(Code.FAILED_PRECONDITION, "has a world of 1 device while this process drives 2", "xm.set_replication"):
+        pod.register(0, runtime={0: 0, 1: 0}, runtime_world_size=1)  # replication not set yet
     pod.register(0, runtime={0: 0, 1: 1}, runtime_world_size=4)  # ours
     pod.register(1, runtime={0: 0, 1: 1}, runtime_world_size=2)  # the process's own (PJRT on CPU)
     assert pod.core.world(JOB) is not None
@@ -1437,6 +1439,9 @@ def test_a_process_restarted_on_its_host_with_its_local_rank_replaces_the_live_o
     )
     with raises(Code.FAILED_PRECONDITION, "'inc-1'", "was replaced", "host-0 pid 9999 replaces"):
         pod.core.touch(JOB, incarnation_of(1), now=4.0)
+    with raises(Code.FAILED_PRECONDITION, "'inc-1'", "was replaced"):  # nor does it take the task back
+        pod.register(1, now=4.0)
+    assert pod.core.jobs[JOB].generation == 2 and pod.core.jobs[JOB].members[1].incarnation == "again-1"
     with raises(Code.ALREADY_EXISTS, "already registered by host-0 pid 9999", "register on host-0 with local rank 1 at once"):
         pod.register(1, now=4.0, incarnation="intruder", host="host-9", pid=5)
     key = pod.arrive(0, now=5.0)

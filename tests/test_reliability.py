@@ -185,12 +185,14 @@ def test_a_coordinator_held_up_longer_than_the_heartbeat_timeout_declares_nobody
             client.close()
 
 
-def test_a_replaced_process_is_told_so_and_stops_heartbeating(caplog):
+def test_a_replaced_process_is_told_so_and_warned_once(caplog):
     """Two clients of one task on one host and local rank: the second takes the task over
     (a restart as the coordinator sees it). The first one's calls fail saying it was
-    replaced, naming the duplicate-task mistake it may be, and its heartbeats stop."""
+    replaced, naming the duplicate-task mistake it may be; it cannot bind again to take the
+    task back, and its refused heartbeats are warned of once, not at every interval."""
     with Coordinator(port=0) as coordinator:
-        topology = pr.detect_topology({"PJRT_RENDEZVOUS_NUM_TASKS": "2"}, address=coordinator.address)
+        env = {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_CORES_PER_CHIP": "2"}
+        topology = pr.detect_topology(env, address=coordinator.address)
         settings = pr.Settings(address=coordinator.address, timeout=10, heartbeat_interval=0.1)
         old, new = pr.Client(settings, topology), pr.Client(settings, topology)
         with concurrent.futures.ThreadPoolExecutor(1) as other:
@@ -198,11 +200,22 @@ def test_a_replaced_process_is_told_so_and_stops_heartbeating(caplog):
             new.bind_thread(0)
             with pytest.raises(pr.MismatchError, match=r"was replaced: task 0 \(ordinal 0\) restarted.*share one task id"):
                 other.submit(old.rendezvous, old_binding, "t", b"").result()
+            with concurrent.futures.ThreadPoolExecutor(1) as another, pytest.raises(pr.MismatchError, match="was replaced"):
+                another.submit(old.bind_thread, 1).result()  # cannot take the task back
             time.sleep(1.0)  # ten heartbeat intervals
             failed = [r for r in caplog.records if r.getMessage().startswith("heartbeat to")]
-            assert len(failed) <= 1, failed
+            assert len(failed) == 1 and "was replaced" in failed[0].getMessage(), failed
             assert [p.pid for p in new.status().jobs[0].participants] == [os.getpid()]
             other.submit(old.unbind_thread).result()
         new.unbind_thread()
         old.close()
         new.close()
+
+
+def test_an_embedded_coordinator_watches_liveness_as_serve_does():
+    """The embedded form declares silent processes dead after serve's default 60 s too;
+    heartbeat_timeout=None turns the watch off."""
+    with Coordinator(port=0) as coordinator:
+        assert coordinator.core.heartbeat_timeout == 60.0
+    with Coordinator(port=0, heartbeat_timeout=None) as coordinator:
+        assert coordinator.core.heartbeat_timeout is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import pathlib
 import re
@@ -17,7 +18,7 @@ import pjrt_rendezvous.client as pr
 from pjrt_rendezvous.client._demo import simulated_env
 from pjrt_rendezvous.coordinator import Core, StateFileError
 from pjrt_rendezvous.coordinator import _state
-from pjrt_rendezvous.coordinator._core import Contribution, Registration, ThreadRequest
+from pjrt_rendezvous.coordinator._core import Contribution, CoreError, Registration, ThreadRequest
 
 WORKER = pathlib.Path(__file__).with_name("pod_worker.py")
 
@@ -56,6 +57,21 @@ def test_snapshot_round_trip_keeps_ranks_rounds_and_keys():
         contributions=[Contribution(ordinal=0, tag="t", payload=b"\x00\xff")], deadline=None,
     ).key
     assert restored.outcome("j", again).result == [b"\x00\xff", b"\x01\xff"]
+
+
+def test_a_replaced_incarnation_stays_refused_after_a_restart():
+    """The incarnation a restart replaced is kept: after the coordinator restarts from its
+    state, it still cannot register again and take the task back."""
+    core, _ = populated_core()
+    again = Registration(
+        job="j", incarnation="inc1-again", host="h1", pid=999, task_id=1,
+        num_tasks=2, devices_per_task=1, local_rank=0, threads=(ThreadRequest(thread_index=0),),
+    )
+    core.register(2.0, again)
+    restored = _state.restore(_state.decode(_state.encode(_state.snapshot(core))), now=50.0)
+    with pytest.raises(CoreError, match="'inc1' of job 'j' was replaced: task 1 .* restarted: h1 pid 999"):
+        restored.register(51.0, dataclasses.replace(again, incarnation="inc1", pid=101))
+    assert restored.jobs["j"].members[1].incarnation == "inc1-again"
 
 
 @pytest.mark.parametrize(
