@@ -522,6 +522,7 @@ class Client:
                     if event.host == self.topology.host and event.kind in (
                         pb.WatchEvent.PROCESS_DEAD,
                         pb.WatchEvent.PROCESS_LEFT,
+                        pb.WatchEvent.PROCESS_RESTARTED,
                     ):
                         self._leave_relay()
             except grpc.RpcError as exc:

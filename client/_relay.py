@@ -231,10 +231,11 @@ class Relay:
         )
         set_contribution_rows(combined, host_round.rows, index_processes=self._client.reads_process_indexes)
         outcome = self._send_one(combined, deadline)
-        if isinstance(outcome, bytes) or len(requests) == 1:
+        if isinstance(outcome, bytes) or (len(requests) == 1 and first.incarnation == combined.incarnation):
             return [outcome] * len(requests)
         # Each process gets the answer it would have had alone: a failed round's error again
-        # (the coordinator keeps it), a refusal of one process's call for that one only.
+        # (the coordinator keeps it), a refusal of one process's call for that one only (as
+        # of the relay's own process, should a restart have replaced it while it lives on).
         log.debug("a call for %d processes failed (%s); sending them one by one", len(requests), outcome)
         return [self._send_one(r, deadline) for r in requests]
 

@@ -266,3 +266,23 @@ def test_a_stuck_relay_whose_process_is_declared_dead_does_not_hang_its_host(mon
         assert "a member died (ordinals 0-1 on sim-host-0" in str(outcome["error"])
         for c in clients:
             c.close(leave=False)
+
+
+def test_a_relay_whose_process_was_replaced_still_carries_its_siblings_rounds(coordinator):
+    """Host 0's relay runs in task 0's process; a new process for task 0 on that host takes
+    the task over (a restart as the coordinator sees it) while the old one lives on with its
+    relay. The relay's calls as the replaced process are refused, so it resends its sibling's
+    call as the sibling's own: the rounds complete, exact, without the old process."""
+    clients = make_clients(coordinator.address)
+    run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
+    env = simulated_env(address=coordinator.address, accelerator="v3-8", task=0, processes=PROCESSES, hosts=HOSTS, threads=THREADS)
+    fresh = pr.Client(pr.Settings(address=coordinator.address, fan_in="off", timeout=60), pr.detect_topology(env, address=coordinator.address))
+    team = [fresh, *clients[1:]]
+    results = run_threads(
+        team, lambda client, binding: [client.rendezvous(binding, f"after{k}", b"%d" % binding.ordinal) for k in range(3)]
+    )
+    expected = [[b"%d" % o for o in range(PROCESSES * THREADS)]] * 3
+    assert all(out == expected for out in results.values()), results
+    assert clients[0]._relay is not None and fresh.generation == 2
+    for c in [*clients, fresh]:
+        c.close()
