@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -70,10 +70,14 @@ _TIMED = {m.name for m in _METHODS if "timeout" in m.input_type.fields_by_name} 
 
 _RELAY_RETRY = 5.0  # seconds: after the host's relay failed, call the coordinator directly this long
 # The coordinator's session port: how long to try connecting; how long to use gRPC's stream
-# after a refused connection (a coordinator restarting). A connection that timed out (a
-# firewall, a container that does not publish the port) is not tried again.
+# after a refused connection (a coordinator restarting). After a connection that timed out
+# (a firewall, a container that does not publish the port, or SYNs lost in a start-up burst)
+# calls stay on gRPC, and the heartbeat thread, never a call, tries the port again after a
+# minute, then after twice as long each time it times out again, at most hourly.
 _SESSION_PORT_CONNECT = 2.0
 _SESSION_PORT_RETRY = 10.0
+_SESSION_PORT_PROBE = 60.0
+_SESSION_PORT_PROBE_MAX = 3600.0
 
 _bound = threading.local()
 
@@ -235,7 +239,7 @@ class Client:
         self._relay_retry_at = 0.0
         # The coordinator's session port, once a Register or Heartbeat answer names it (0:
         # none), and the time (monotonic) before which it is not tried again after failing.
-        self._session_port = (0, 0.0)
+        self._session_port = (0, 0.0, 0.0)  # (port, retry at, probe backoff: > 0 after a timeout)
         # Whether the coordinator reads a relay's processes named once (Register, Heartbeat).
         self.reads_process_indexes = False
 
@@ -364,23 +368,47 @@ class Client:
     def _open_session(self) -> Session:
         """On the coordinator's session port when it offers one and it has not failed
         lately, else on gRPC. Called with the session lock held."""
-        port, retry_at = self._session_port
-        if port and time.monotonic() >= retry_at:
-            host = self.settings.address.rpartition(":")[0].strip("[]")
+        port, retry_at, backoff = self._session_port
+        if port and not backoff and time.monotonic() >= retry_at:
             authorization = f"Bearer {self.settings.token}" if self.settings.token else ""
             try:
-                return SocketSession.tcp(host, port, authorization, _SESSION_PORT_CONNECT)
+                return SocketSession.tcp(self._coordinator_host(), port, authorization, _SESSION_PORT_CONNECT)
             except grpc.RpcError as exc:
                 if isinstance(exc.__cause__, TimeoutError):
-                    self._session_port = (port, math.inf)
+                    self._session_port = (port, time.monotonic() + _SESSION_PORT_PROBE, _SESSION_PORT_PROBE)
                     log.warning(
-                        "%s; using gRPC from now on (open the port to the coordinator, or set "
-                        "PJRT_RENDEZVOUS_TRANSPORT=grpc)", exc.details()
+                        "%s; using gRPC, and trying the port again in the background from time to "
+                        "time (open the port to the coordinator, or set PJRT_RENDEZVOUS_TRANSPORT=grpc)",
+                        exc.details(),
                     )
                 else:
-                    self._session_port = (port, time.monotonic() + _SESSION_PORT_RETRY)
+                    self._session_port = (port, time.monotonic() + _SESSION_PORT_RETRY, 0.0)
                     log.info("%s; using gRPC for %.0f s", exc.details(), _SESSION_PORT_RETRY)
         return Session(self._stub, self._metadata)
+
+    def _coordinator_host(self) -> str:
+        return self.settings.address.rpartition(":")[0].strip("[]")
+
+    def _probe_session_port(self) -> None:
+        """In the heartbeat thread: a session port whose connection timed out is tried again
+        when its backoff has passed; once it answers, the next session uses it."""
+        port, retry_at, backoff = self._session_port
+        if not backoff or time.monotonic() < retry_at:
+            return
+        try:
+            socket.create_connection((self._coordinator_host(), port), timeout=_SESSION_PORT_CONNECT).close()
+        except OSError as exc:
+            backoff = min(2 * backoff, _SESSION_PORT_PROBE_MAX)
+            with self._session_lock:
+                if self._session_port[0] == port:
+                    self._session_port = (port, time.monotonic() + backoff, backoff)
+            log.debug("the session port %d is still unreachable (%s); next try in %.0f s", port, exc, backoff)
+            return
+        log.info("the coordinator's session port %d answers again; calls move to it", port)
+        with self._session_lock:
+            if self._session_port[0] == port:
+                self._session_port = (port, 0.0, 0.0)
+        self._learn_session_port(port)
 
     def _learn_session_port(self, port: int) -> None:
         """The coordinator offers ``port`` (0: none), told in a Register or Heartbeat answer:
@@ -390,8 +418,9 @@ class Client:
             return  # never the token in plain text next to a TLS channel
         with self._session_lock:
             if port != self._session_port[0]:
-                self._session_port = (port, 0.0)
-            if port and type(self._current_session) is Session and time.monotonic() >= self._session_port[1]:
+                self._session_port = (port, 0.0, 0.0)
+            _, retry_at, backoff = self._session_port
+            if port and not backoff and type(self._current_session) is Session and time.monotonic() >= retry_at:
                 self._current_session.retire()
                 self._current_session = None
 
@@ -508,6 +537,7 @@ class Client:
             refused = None
             self._adopt_generation(response.generation)
             self._learn_session_port(response.session_port)
+            self._probe_session_port()
             self.reads_process_indexes = response.reads_process_indexes
 
     def _watch_loop(self) -> None:

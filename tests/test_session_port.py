@@ -4,6 +4,7 @@ TCP (client/_session.py ``SocketSession``, coordinator/_server.py ``_SessionPort
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
 import pathlib
@@ -19,6 +20,7 @@ from test_cli import Serve
 from test_fanin import make_clients, run_threads
 
 import pjrt_rendezvous.client as pr
+from pjrt_rendezvous.client import _client
 from pjrt_rendezvous.client._session import Session, SocketSession, encode_answers, frame, session_answer, take_frames
 from pjrt_rendezvous.coordinator import Coordinator
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
@@ -124,6 +126,90 @@ def test_an_unreachable_session_port_leaves_calls_on_grpc():
         for c in clients:
             c._learn_session_port(closed)  # as if the coordinator had named it
         assert_round_on(clients, "second", Session)
+
+
+def test_a_session_port_whose_connect_timed_out_is_tried_again_in_the_background(monkeypatch):
+    """A session port whose connect times out (SYNs dropped: here a listener whose queue is
+    full; a firewall, or a start-up burst) leaves calls on gRPC, and never stalls a call
+    again: the heartbeat thread tries the port when its backoff has passed (a minute, then
+    twice as long each time it times out again), and once it answers, calls move to it."""
+    monkeypatch.setattr(_client, "_SESSION_PORT_CONNECT", 0.3)
+    gate = socket.socket()
+    gate.bind(("127.0.0.1", 0))
+    gate.listen(0)
+    queued = [socket.socket() for _ in range(3)]  # fill its queue: further SYNs are dropped
+    for sock in queued:
+        sock.setblocking(False)
+        sock.connect_ex(gate.getsockname())
+    with Coordinator(port=0) as coordinator:
+        clients = make_clients(coordinator.address, fan_in="off", heartbeat_interval=3600)  # probes by hand below
+        # Threads bound once for the whole test (a Register answer names the real port again).
+        threads = [(c, concurrent.futures.ThreadPoolExecutor(1)) for c in clients for _ in range(2)]
+        bindings = [pool.submit(c.bind_thread, i % 2).result() for i, (c, pool) in enumerate(threads)]
+
+        def round_on(tag: str, session_type: type) -> None:
+            calls = [pool.submit(c.rendezvous, b, tag, b"%d" % b.ordinal) for (c, pool), b in zip(threads, bindings)]
+            assert all(call.result(timeout=60) == expected() for call in calls)
+            assert all(type(c._current_session) is session_type for c in clients)
+
+        round_on("first", SocketSession)  # on the coordinator's own session port
+        for c in clients:
+            c._learn_session_port(gate.getsockname()[1])  # as if the coordinator had named the gate
+            c._current_session.close()  # the next call opens a session: on the gate
+        started = time.monotonic()
+        round_on("timed-out", Session)
+        for c in clients:
+            port, retry_at, backoff = c._session_port
+            assert backoff == 60.0 and started + 60 <= retry_at <= time.monotonic() + 60
+            c._probe_session_port()  # not due yet: nothing tried
+            assert c._session_port == (port, retry_at, backoff)
+            c._session_port = (port, 0.0, backoff)  # due now
+            c._probe_session_port()  # still dropped: twice the backoff
+            assert c._session_port[2] == 120.0
+        round_on("still-grpc", Session)
+        forwarding = threading.Thread(target=_forward, args=(gate, ("127.0.0.1", coordinator.session_port)), daemon=True)
+        forwarding.start()  # the gate opens, in front of the real session port
+        for sock in queued:
+            sock.close()
+        gate.listen(64)  # a queue with room
+        socket.create_connection(gate.getsockname(), timeout=10).close()  # once the old one has drained
+        for c in clients:
+            c._session_port = (c._session_port[0], 0.0, c._session_port[2])
+            c._probe_session_port()
+            assert c._session_port[1:] == (0.0, 0.0)
+        round_on("moved", SocketSession)
+        for (c, pool) in threads:
+            pool.submit(c.unbind_thread).result()
+            pool.shutdown()
+        for c in clients:
+            c.close()
+    gate.close()
+
+
+def _forward(listener: socket.socket, target: tuple[str, int]) -> None:
+    """Accepts on ``listener`` (the connections queued while it was shut first) and passes
+    each connection's bytes to and from ``target``."""
+    def pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    while True:
+        try:
+            down, _ = listener.accept()
+            up = socket.create_connection(target)
+        except OSError:
+            return
+        for pair in ((down, up), (up, down)):
+            threading.Thread(target=pump, args=pair, daemon=True).start()
 
 
 def test_a_restarted_coordinator_moves_its_clients_to_its_new_session_port(tmp_path):
