@@ -1,13 +1,14 @@
 # The pjrt-rendezvous coordinator image: the package and its gRPC dependencies, no torch.
 #
 #   docker build -t pjrt-rendezvous .
-#   docker run -d --name coordinator -p 7481:7481 -v pjrt-state:/var/lib/pjrt-rendezvous pjrt-rendezvous
+#   docker run -d --name coordinator -p 7481:7481 -p 7482:7482 -v pjrt-state:/var/lib/pjrt-rendezvous pjrt-rendezvous
 #   docker exec coordinator pjrt-rendezvous status
 #
 # Configuration: PJRT_RENDEZVOUS_* variables (docker run -e ...) or flags after the image
-# name, which replace CMD: `docker run ... pjrt-rendezvous serve --world-size 32`. Every
-# serve flag and its variable: `docker run --rm pjrt-rendezvous serve --help`; the list is
-# in deploy/README.md. The state file lives on the volume, so a restarted container resumes
+# name, which replace CMD: `docker run ... pjrt-rendezvous serve --world-size 32`. Set the
+# host and ports with the variables (-e PJRT_RENDEZVOUS_PORT=...), not flags: the health
+# check and `status` read them to find the server. Every serve flag and its variable:
+# `docker run --rm pjrt-rendezvous serve --help`; the list is in deploy/README.md. The state file lives on the volume, so a restarted container resumes
 # the job with the same ordinals.
 
 ARG PYTHON_IMAGE=python:3.11-slim
@@ -48,7 +49,8 @@ EXPOSE 7481 7482
 # The gRPC health service through the project's own CLI: exit code 0 when SERVING. It
 # checks this container (127.0.0.1 at PJRT_RENDEZVOUS_PORT) and needs no token; with TLS,
 # set PJRT_RENDEZVOUS_TLS_CA (and PJRT_RENDEZVOUS_TLS_SERVER_NAME if the certificate does
-# not name 127.0.0.1).
+# not name 127.0.0.1), and with mutual TLS (--tls-ca) also PJRT_RENDEZVOUS_TLS_CERT and
+# _TLS_KEY: a client certificate that CA signed.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=10s --retries=3 \
   CMD ["pjrt-rendezvous", "health", "--timeout", "3"]
 # SIGTERM (docker stop) drains in-flight calls for PJRT_RENDEZVOUS_GRACE seconds (default 5).

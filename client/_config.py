@@ -47,6 +47,14 @@ FAN_IN_AUTO_HOSTS = 16
 TRANSPORTS = ("auto", "grpc")
 
 
+def token_conflict(variable: str, file_variable: str) -> str:
+    """The refusal when a token and a token file disagree (serve and the clients alike)."""
+    return (
+        f"{variable} and {file_variable} are both set and hold different tokens; set one of "
+        "them (the coordinator and its clients must read the same one)"
+    )
+
+
 def check_timeout(value: Any, what: str = "timeout") -> float | None:
     """Validates a timeout: a positive number of seconds, or None for no limit."""
     if value is None:
@@ -190,10 +198,13 @@ class Settings:
             if value is not DEFAULT:
                 values[name] = value
         token_file = values.pop("token_file", None)
-        if token_file is not None and "token" not in values:
+        if token_file is not None and given.get("token", DEFAULT) is DEFAULT:
             try:
                 with open(token_file) as f:
-                    values["token"] = f.read().strip()
+                    from_file = f.read().strip()
             except OSError as exc:
                 raise UsageError(f"cannot read the token file {token_file}: {exc.strerror}") from exc
+            if "token" in values and values["token"].strip() != from_file:
+                raise UsageError(token_conflict(_VARIABLES["token"], _VARIABLES["token_file"]))
+            values["token"] = from_file
         return cls(address=address, **values)

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any, Callable, Mapping
 
-from pjrt_rendezvous.client._config import parse_seconds
+from pjrt_rendezvous.client._config import parse_seconds, token_conflict
 from pjrt_rendezvous.client._errors import UsageError
 
 from ._core import Limits
@@ -231,8 +231,9 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "status",
         help="show a job's hosts, processes and pending rounds",
         description="Show who registered and what every pending round waits for. The coordinator is "
-        "found as clients find it (PJRT_RENDEZVOUS_ADDRESS, TPU worker 0, localhost); token and TLS "
-        "come from the client variables (PJRT_RENDEZVOUS_TOKEN, PJRT_RENDEZVOUS_TLS_CA, ...).",
+        "found as clients find it (PJRT_RENDEZVOUS_ADDRESS, TPU worker 0, localhost), or where serve "
+        "listens when serve's PJRT_RENDEZVOUS_PORT is set (as in the image); token and TLS come from "
+        "the client variables (PJRT_RENDEZVOUS_TOKEN, PJRT_RENDEZVOUS_TLS_CA, ...).",
     )
     status.add_argument("--address", help="coordinator host:port (default: as the client finds it)")
     status.add_argument("--job", default="", help="one job (default: every job)")
@@ -315,12 +316,12 @@ def _serve(args, env: Mapping[str, str]) -> int:
             print(f"pjrt-rendezvous metrics on http://{host}:{running.metrics_port}/metrics", flush=True)
 
     try:
+        token = env[TOKEN_VARIABLE].strip() if env.get(TOKEN_VARIABLE) else None
         if args.token_file is not None:
-            token = args.token_file.read_text().strip()
-        elif env.get(TOKEN_VARIABLE):
-            token = env[TOKEN_VARIABLE].strip()
-        else:
-            token = None
+            from_file = args.token_file.read_text().strip()
+            if token is not None and token != from_file:
+                raise ValueError(token_conflict(TOKEN_VARIABLE, "the token file (--token-file)"))
+            token = from_file
         options = ServerOptions(
             host=args.host,
             port=args.port,
@@ -615,8 +616,11 @@ def _status(args, env: Mapping[str, str]) -> int:
     from pjrt_rendezvous.client._client import Client
     from pjrt_rendezvous.client._config import Settings
 
+    address = args.address
+    if address is None and not env.get("PJRT_RENDEZVOUS_ADDRESS") and env.get(SERVE_VARIABLES["port"]):
+        address = local_address(env)  # next to a serve configuration (the image, a unit's file)
     try:
-        topology = _detect(env, args.address)
+        topology = _detect(env, address)
         client = Client(Settings.resolve(env, address=topology.address, connect_timeout=5.0), topology)
     except pr.RendezvousError as exc:
         print(f"pjrt-rendezvous status: {exc}", file=sys.stderr)

@@ -243,6 +243,15 @@ def test_status_of_an_unknown_job_or_an_absent_coordinator_fails_with_a_message(
     assert gone.returncode == 1 and "pjrt-rendezvous status:" in gone.stderr
 
 
+def test_status_finds_the_coordinator_where_serve_s_variables_put_it():
+    """Next to a serve configuration (the image sets PJRT_RENDEZVOUS_HOST=0.0.0.0 and
+    _PORT), `status` without --address dials that port on this machine, as `health` does."""
+    with Serve("--world-size", "2") as server:
+        found = run_cli("status", env={"PJRT_RENDEZVOUS_HOST": "0.0.0.0", "PJRT_RENDEZVOUS_PORT": str(server.port)})
+        assert found.returncode == 0, found.stderr
+        assert f"127.0.0.1:{server.port}" in found.stdout
+
+
 def test_render_status_marks_dead_processes_and_groups_hosts_naturally():
     """Rendering alone: hosts sort as host-2 before host-10, a dead pid is marked, plural words agree."""
     participants = [

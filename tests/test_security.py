@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -90,6 +91,24 @@ def test_token_from_file_and_environment(tmp_path):
         settings = pr.Settings.resolve({"PJRT_RENDEZVOUS_TOKEN_FILE": str(token_file)}, address=c.address)
         assert "s3cr3t" not in repr(settings)
         assert outcome(pr.Client(settings, pr.detect_topology({}, address=c.address))) == "ok"
+
+
+def test_a_token_and_a_token_file_that_disagree_are_refused_by_serve_and_clients(tmp_path):
+    """Both variables set with different tokens (an old PJRT_RENDEZVOUS_TOKEN left beside a
+    new token file): serve and the clients refuse alike, instead of each picking another one;
+    the same token in both is fine, and a token given in code wins over the file."""
+    token_file = tmp_path / "token"
+    token_file.write_text(SECRET + "\n")
+    both = {"PJRT_RENDEZVOUS_TOKEN": "old", "PJRT_RENDEZVOUS_TOKEN_FILE": str(token_file)}
+    with pytest.raises(pr.UsageError, match="PJRT_RENDEZVOUS_TOKEN and PJRT_RENDEZVOUS_TOKEN_FILE are both set"):
+        pr.Settings.resolve(both, address="127.0.0.1:1")
+    assert pr.Settings.resolve({**both, "PJRT_RENDEZVOUS_TOKEN": SECRET}, address="127.0.0.1:1").token == SECRET
+    assert pr.Settings.resolve(both, address="127.0.0.1:1", token="given").token == "given"
+    out = subprocess.run(
+        [sys.executable, "-m", "pjrt_rendezvous.coordinator", "serve", "--port", "0"],
+        env={**os.environ, **both}, capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 1 and "PJRT_RENDEZVOUS_TOKEN and the token file (--token-file) are both set" in out.stderr
 
 
 def test_tls_server_refuses_plaintext_and_accepts_its_ca(pki):

@@ -26,6 +26,7 @@ fi
 "$PREFIX/bin/pip" install --quiet --upgrade pip
 "$PREFIX/bin/pip" install --quiet --upgrade "$SOURCE"
 "$PREFIX/bin/pjrt-rendezvous" --version
+ln -sf "$PREFIX/bin/pjrt-rendezvous" /usr/local/bin/pjrt-rendezvous  # status and health on PATH
 
 install -d -m 0755 "$CONFIG"
 if [[ ! -e "$CONFIG/coordinator.env" ]]; then
@@ -36,6 +37,7 @@ systemctl daemon-reload
 systemctl enable pjrt-rendezvous.service
 systemctl restart pjrt-rendezvous.service
 # Check it the way a probe would, with the port and host the service was given. With TLS,
-# export PJRT_RENDEZVOUS_TLS_CA (and PJRT_RENDEZVOUS_TLS_SERVER_NAME) before running this.
+# export PJRT_RENDEZVOUS_TLS_CA (and PJRT_RENDEZVOUS_TLS_SERVER_NAME) before running this,
+# and with mutual TLS PJRT_RENDEZVOUS_TLS_CERT and _TLS_KEY (a client certificate).
 (set -a; . "$CONFIG/coordinator.env"; set +a; exec "$PREFIX/bin/pjrt-rendezvous" health --wait --timeout 30)
 systemctl --no-pager status pjrt-rendezvous.service | head -n 5
