@@ -17,7 +17,9 @@
         ├── ParticipantFailedError         ABORTED: a participant died or restarted
         ├── LimitExceededError             RESOURCE_EXHAUSTED: a size or count limit
         ├── AuthenticationError            UNAUTHENTICATED / PERMISSION_DENIED
-        └── CoordinatorUnavailableError    UNAVAILABLE after every retry
+        ├── CoordinatorUnavailableError    UNAVAILABLE after every retry
+        │   └── StoreUnavailable (DistNetworkError)  the same for a torch Store call
+        └── StoreError (DistStoreError)    any other refusal of a torch Store call (``code``)
 
 ``payload`` that is not bytes raises ``TypeError``, as torch_xla's ``xm.rendezvous`` does.
 No ``grpc.RpcError`` escapes the public API: :func:`from_rpc_error` is the one translation.

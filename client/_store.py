@@ -9,13 +9,22 @@ Keys live under a prefix in the coordinator job, so several groups (and several 
 coordinator without colliding.
 
 Timeouts follow torch's conventions here, not ours: ``timedelta`` values, and a zero timeout
-means "no timeout" (c10d's ``kNoTimeout``). A wait that times out raises :class:`StoreTimeout`,
-which is both our :class:`~pjrt_rendezvous.client.RendezvousTimeout` (naming the missing keys)
-and torch's ``DistStoreError``.
+means "no timeout" (c10d's ``kNoTimeout``). Errors are torch's kinds as well as ours: a wait
+that times out raises :class:`StoreTimeout` (our
+:class:`~pjrt_rendezvous.client.RendezvousTimeout`, naming the missing keys, and torch's
+``DistStoreError``), a refused call :class:`StoreError` (``DistStoreError``), an unreachable
+coordinator :class:`StoreUnavailable` (``DistNetworkError``).
+
+torch's C++ side does not keep a Python store alive (pytorch#106633): once the caller's last
+reference went, a process group's later use of it (``new_group``, store-based barriers)
+failed with "pure virtual function" errors. So every :class:`Store` lives as long as its
+process (they are small, and a process makes a handful).
 """
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
 import socket
 import threading
@@ -29,7 +38,7 @@ from torch.distributed.rendezvous import register_rendezvous_handler
 from . import _api
 from ._client import Client
 from ._config import Settings
-from ._errors import RendezvousTimeout, UsageError
+from ._errors import CoordinatorUnavailableError, RemoteError, RendezvousTimeout, UsageError
 from ._topology import DEFAULT_PORT, Topology, host_port
 
 SCHEME = "pjrt-rendezvous"
@@ -40,6 +49,37 @@ DEFAULT_TIMEOUT = timedelta(seconds=300)
 
 class StoreTimeout(RendezvousTimeout, dist.DistStoreError):
     """A Store wait timed out: catchable as ``RendezvousTimeout`` and as torch's ``DistStoreError``."""
+
+
+class StoreError(RemoteError, dist.DistStoreError):
+    """The coordinator refused a Store call (``code`` says why): our ``RemoteError`` and
+    torch's ``DistStoreError``."""
+
+
+class StoreUnavailable(CoordinatorUnavailableError, dist.DistNetworkError):
+    """The coordinator could not be reached for a Store call: our
+    ``CoordinatorUnavailableError`` and torch's ``DistNetworkError``."""
+
+
+_kept: list["Store"] = []  # every Store, for as long as the process lives (module docstring)
+_kept_lock = threading.Lock()
+
+
+def _as_torch_errors(method):
+    """Raises a Store method's errors as torch's kinds too (module docstring)."""
+
+    @functools.wraps(method)
+    def call(self: "Store", *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except RendezvousTimeout as exc:
+            raise StoreTimeout(f"{exc} (keys are stored under the prefix {self._root!r})") from exc
+        except CoordinatorUnavailableError as exc:
+            raise StoreUnavailable(str(exc)) from exc
+        except RemoteError as exc:
+            raise StoreError(str(exc), code=exc.code) from exc
+
+    return call
 
 
 def _key_bytes(value) -> bytes:
@@ -98,12 +138,20 @@ class Store(dist.Store):
         self._root = prefix.rstrip("/") + "/" if prefix else ""
         seconds = _seconds(timeout)
         self.set_timeout(timedelta(0) if seconds is None else timedelta(seconds=seconds))
+        with _kept_lock:
+            _kept.append(self)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        _seconds(timeout)  # refused here, not at the next wait
+        super().set_timeout(timeout)
 
     @property
     def client(self) -> Client:
         return self._client or _api.get_client()
 
-    def _key(self, key: str) -> str:
+    def _key(self, key: str | bytes) -> str:
+        if isinstance(key, (bytes, bytearray)):  # as torch's own stores take them
+            key = bytes(key).decode()
         if not isinstance(key, str):
             raise TypeError(f"Store keys must be str, got {type(key).__name__}")
         return self._root + key
@@ -111,62 +159,63 @@ class Store(dist.Store):
     def _wait_seconds(self, timeout=None) -> float | None:
         return _seconds(self.timeout if timeout is None else timeout)
 
-    def _timeout_error(self, exc: RendezvousTimeout) -> StoreTimeout:
-        return StoreTimeout(f"{exc} (keys are stored under the prefix {self._root!r})")
-
     # -- the c10d Store interface ---------------------------------------------------------
 
+    @_as_torch_errors
     def set(self, key: str, value) -> None:
         self.client.set(self._key(key), _key_bytes(value))
 
+    @_as_torch_errors
     def get(self, key: str) -> bytes:
         """Waits up to the store timeout for ``key``; returns its value."""
-        try:
-            return self.client.get(self._key(key), timeout=self._wait_seconds())
-        except RendezvousTimeout as exc:
-            raise self._timeout_error(exc) from exc
+        return self.client.get(self._key(key), timeout=self._wait_seconds())
 
+    @_as_torch_errors
     def add(self, key: str, value: int) -> int:
-        return self.client.add(self._key(key), int(value))
+        return self.client.add(self._key(key), operator.index(value))
 
+    @_as_torch_errors
     def compare_set(self, key: str, expected_value, desired_value) -> bytes:
         """Sets ``key`` to ``desired_value`` if it holds ``expected_value`` (a missing key
         matches an empty ``expected_value``); returns the value after the call."""
         return self.client.compare_set(self._key(key), _key_bytes(expected_value), _key_bytes(desired_value))
 
+    @_as_torch_errors
     def check(self, keys: Sequence[str]) -> bool:
         return self.client.check([self._key(k) for k in keys])
 
+    @_as_torch_errors
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
         """Waits until every key exists, up to ``timeout`` (default: the store timeout)."""
-        try:
-            self.client.wait([self._key(k) for k in keys], timeout=self._wait_seconds(timeout))
-        except RendezvousTimeout as exc:
-            raise self._timeout_error(exc) from exc
+        self.client.wait([self._key(k) for k in keys], timeout=self._wait_seconds(timeout))
 
+    @_as_torch_errors
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        try:
-            return self.client.multi_get([self._key(k) for k in keys], timeout=self._wait_seconds())
-        except RendezvousTimeout as exc:
-            raise self._timeout_error(exc) from exc
+        return self.client.multi_get([self._key(k) for k in keys], timeout=self._wait_seconds())
 
+    @_as_torch_errors
     def multi_set(self, keys: Sequence[str], values: Iterable) -> None:
         self.client.multi_set([self._key(k) for k in keys], [_key_bytes(v) for v in values])
 
+    @_as_torch_errors
     def append(self, key: str, value) -> None:
         self.client.append(self._key(key), _key_bytes(value))
 
     def has_extended_api(self) -> bool:
         return True
 
+    @_as_torch_errors
     def deleteKey(self, key: str) -> bool:  # noqa: N802 -- the name C++ calls
         return self.client.delete(self._key(key))
 
+    @_as_torch_errors
     def getNumKeys(self) -> int:  # noqa: N802 -- the name C++ calls
         """Keys under this store's prefix."""
         return self.client.count(self._root)
 
     def clone(self) -> "Store":
+        """Another Store on the same keys (kept alive as every Store is; torch's
+        ``PrefixStore`` and group splitting clone the store)."""
         return Store(self._client, prefix=self.prefix, timeout=self.timeout)
 
     def __repr__(self) -> str:

@@ -16,6 +16,11 @@ or pass a store yourself::
     dist.init_process_group("gloo", store=Store(prefix="run-42"), rank=rank, world_size=world_size)
 """
 
-from ._store import DEFAULT_PREFIX, DEFAULT_TIMEOUT, SCHEME, Store, StoreTimeout, rendezvous_handler
+from ._store import (
+    DEFAULT_PREFIX, DEFAULT_TIMEOUT, SCHEME, Store, StoreError, StoreTimeout, StoreUnavailable, rendezvous_handler,
+)
 
-__all__ = ["DEFAULT_PREFIX", "DEFAULT_TIMEOUT", "SCHEME", "Store", "StoreTimeout", "rendezvous_handler"]
+__all__ = [
+    "DEFAULT_PREFIX", "DEFAULT_TIMEOUT", "SCHEME", "Store", "StoreError", "StoreTimeout", "StoreUnavailable",
+    "rendezvous_handler",
+]

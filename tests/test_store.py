@@ -4,6 +4,7 @@ every Store method against a real coordinator, then gloo process groups in real 
 from __future__ import annotations
 
 import datetime
+import gc
 import multiprocessing
 import os
 import queue
@@ -20,7 +21,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
-from pjrt_rendezvous.client.torch_store import SCHEME, Store, StoreTimeout  # noqa: E402
+from pjrt_rendezvous.client.torch_store import SCHEME, Store, StoreError, StoreTimeout, StoreUnavailable  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -106,6 +107,39 @@ def test_get_and_wait_time_out_naming_the_key(store):
     assert time.monotonic() - started < 5
 
 
+def test_refusals_and_bad_arguments_are_torch_s_kinds_too(client, store, coordinator):
+    """A refused call is torch's DistStoreError (our RemoteError, with its code), an
+    unreachable coordinator torch's DistNetworkError; keys may be bytes as in torch's
+    stores; add takes ints only; a negative timeout is refused when it is set."""
+    store.set("text", b"not a number")
+    with pytest.raises(StoreError, match="not an integer|integer") as info:
+        store.add("text", 1)
+    assert isinstance(info.value, dist.DistStoreError) and isinstance(info.value, pr.RemoteError)
+    assert info.value.code == "INVALID_ARGUMENT"
+    store.set(b"bytes-key", b"v")
+    assert store.get("bytes-key") == b"v" and store.check([b"bytes-key"])
+    with pytest.raises(TypeError):
+        store.add("n", 1.5)
+    with pytest.raises(pr.UsageError, match="must not be negative"):
+        store.set_timeout(datetime.timedelta(seconds=-1))
+    away = pr.Client(pr.Settings(address="127.0.0.1:1", connect_timeout=0.5), client.topology)
+    with pytest.raises(StoreUnavailable) as info:
+        Store(away, prefix="x").set("k", b"v")
+    assert isinstance(info.value, dist.DistNetworkError) and isinstance(info.value, pr.CoordinatorUnavailableError)
+    away.close()
+
+
+def test_stores_and_their_clones_outlive_the_caller_s_reference(client):
+    """torch's C++ side does not keep a Python store alive (pytorch#106633): a Store passed
+    inline, and the clones PrefixStore makes, still answer once Python dropped them."""
+    prefixed = dist.PrefixStore("outer", Store(client, prefix="test/inline"))  # no other reference
+    gc.collect()
+    prefixed.set("k", b"v")
+    clone = prefixed.clone()
+    gc.collect()
+    assert clone.get("k") == b"v" and prefixed.num_keys() == 1
+
+
 def test_a_waiting_get_is_released_by_a_set_from_another_store(client, store):
     """A blocking get returns once another store object sets the key."""
     got = queue.Queue()
@@ -165,8 +199,15 @@ def gloo_worker(rank: int, address: str, how: str, results) -> None:
         value = torch.tensor([float(rank + 1), 10.0 * rank])
         dist.all_reduce(value)
         dist.barrier()
+        # A group made after init uses the store again (it must still be alive; every rank
+        # makes it, its members reduce in it).
+        pair = dist.new_group([0, 1])
+        in_pair = torch.tensor([float(rank + 1)])
+        if rank in (0, 1):
+            dist.all_reduce(in_pair, group=pair)
+        dist.barrier()
         dist.destroy_process_group()
-        results.put((rank, value.tolist(), "torch_xla" in sys.modules))
+        results.put((rank, value.tolist() + in_pair.tolist(), "torch_xla" in sys.modules))
     except BaseException as exc:  # noqa: BLE001 -- reported to the test
         results.put((rank, repr(exc), None))
 
@@ -193,8 +234,9 @@ def _run_gloo(address: str, how: str):
 
 @pytest.mark.parametrize("how", ["store", "url"])
 def test_gloo_all_reduce_in_three_processes(coordinator, how):
-    """init_process_group('gloo') through Store(...) or the pjrt-rendezvous:// URL in three
-    processes, then all_reduce sums every rank's tensor (without importing torch_xla)."""
+    """init_process_group('gloo') through Store(...) (passed inline) or the pjrt-rendezvous://
+    URL in three processes, then all_reduce sums every rank's tensor (without importing
+    torch_xla), and a group made afterwards (new_group, on the same store) reduces too."""
     results = _run_gloo(coordinator.address, how)
     expected = [1.0 + 2.0 + 3.0, 0.0 + 10.0 + 20.0]
-    assert results == [(rank, expected, False) for rank in range(WORLD)]
+    assert results == [(rank, expected + [3.0 if rank < 2 else rank + 1.0], False) for rank in range(WORLD)]
