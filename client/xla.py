@@ -14,8 +14,10 @@ falls back to the original otherwise:
 function                       bound thread                                    unbound thread
 =============================  ==============================================  ==========================
 ``get_ordinal(defval=0)``      the thread's global ordinal. Removed from       the original where it
-                               torch_xla in 2.7; FSDP, MoCo and countless      exists (< 2.7); else 0 in a
-                               scripts still call it.                          world of one, else
+                               torch_xla in 2.7; FSDP, MoCo and countless      exists (< 2.7); else the
+                               scripts still call it.                          XLA runtime's once it has
+                                                                               started (as < 2.7); else
+                                                                               0 in a world of one, else
                                                                                ``UsageError``
 ``xrt_world_size(defval=1)``   the job's world size (tasks x devices per       as ``get_ordinal``
                                process). Removed in 2.7, as above.
@@ -31,12 +33,14 @@ replicas)``                    subsets allowed, a deadline, and errors naming  (
                                ignores the tag, refuses subsets, has no
                                timeout and hangs on a skipped call.
 ``mesh_reduce(tag, data,       ``torch.save`` to bytes, :func:`rendezvous`,    the original
-reduce_fn)``                   ``torch.load(weights_only=True)``,
+reduce_fn)``                   ``torch.load`` (as torch_xla),
                                ``reduce_fn`` -- torch_xla's contract
 =============================  ==============================================  ==========================
 
-Functions that ``xm`` calls internally (``xm.save``, ``xm.master_print``, ``xm.do_on_ordinals``)
-look these names up at call time and so use the replacements too.
+Functions that ``xm`` calls internally (``xm.save``, ``xm.master_print``) look these names up at
+call time and so use the replacements too; ``xm.do_on_ordinals`` chooses by the runtime's
+``global_ordinal()`` instead (below). ``xla_device()`` also makes the device the thread's
+default, as ``torch_xla.device(n)`` does, so its syncs run there.
 
 One more replacement makes XLA collectives between the threads of a process work (FACTS, "one
 compile, shared"): ``torch_xla._XLAC._xla_step_marker``, the single call through which
@@ -53,7 +57,8 @@ Not replaced, on purpose: ``torch_xla.runtime.global_ordinal()``/``world_size()`
 runtime's own numbers, which XLA collectives use (``reduce_gradients`` scales by
 ``runtime.world_size()``). On a TPU pod they equal ours: :func:`bind_device` registers them, and
 the coordinator refuses a thread whose runtime ordinal or world size differs from ours. In a CPU
-simulation each process is its own XLA world.
+simulation each process is its own XLA world: XLA collectives, ``reduce_gradients`` and
+``do_on_ordinals`` stay within the process there, while the replaced calls span the job.
 
 Rules for XLA collectives between threads (measured, see FACTS)
 ---------------------------------------------------------------
@@ -189,7 +194,8 @@ def uninstall() -> None:
                     delattr(owner, name)
             else:
                 setattr(owner, name, original)
-        _originals.clear()
+        # _originals stay: a replacement captured while installed (``from ... import
+        # rendezvous``) still falls back to them in an unbound thread.
 
 
 def _locked_step_marker(original: Callable, xlac: Any) -> Callable:
@@ -212,7 +218,8 @@ def _get_ordinal(defval: int = 0) -> int:
         return binding.ordinal
     if "get_ordinal" in _originals:
         return _originals["get_ordinal"](defval)
-    return _api.get_ordinal()
+    runtime = _started_runtime()
+    return _api.get_ordinal() if runtime is None else runtime.global_ordinal()
 
 
 def _xrt_world_size(defval: int = 1) -> int:
@@ -222,7 +229,20 @@ def _xrt_world_size(defval: int = 1) -> int:
         return binding.world_size
     if "xrt_world_size" in _originals:
         return _originals["xrt_world_size"](defval)
-    return _api.get_world_size()
+    runtime = _started_runtime()
+    return _api.get_world_size() if runtime is None else runtime.world_size()
+
+
+def _started_runtime():
+    """``torch_xla.runtime`` once the XLA runtime has started (its numbers are what torch_xla
+    < 2.7 answered for an unbound thread, as under its own ``xmp.spawn``), else None."""
+    import torch_xla
+
+    if not torch_xla._XLAC._xla_runtime_is_initialized():
+        return None
+    import torch_xla.runtime as xr
+
+    return xr
 
 
 def _get_local_ordinal() -> int:
@@ -247,8 +267,13 @@ def _xla_device(n: int | None = None, devkind: str | None = None):
     if binding is None or n is not None:
         return _originals["xla_device"](n, devkind)
     import torch
+    import torch_xla
 
-    return torch.device(f"xla:{binding.device_index}")
+    device = f"xla:{binding.device_index}"
+    # As torch_xla.device(n) does: the thread's syncs and the runtime's ordinal follow it
+    # (a thread bound with bind_thread alone would otherwise sync device 0).
+    torch_xla._XLAC._xla_set_default_device(device)
+    return torch.device(device)
 
 
 def _rendezvous(tag: str, payload: bytes = b"", replicas: Sequence[int] = ()) -> list[bytes]:
@@ -268,8 +293,9 @@ def _mesh_reduce(tag: str, data: Any, reduce_fn: Callable[[list], Any]) -> Any:
     ``reduce_fn(list of the copies, in ordinal order)`` -- torch_xla's contract.
 
     XLA tensors in ``data`` are moved to the CPU first; call ``xm.mark_step()`` before if they
-    have pending collectives. Copies are read with ``torch.load(weights_only=True)`` as in
-    torch_xla 2.9: tensors, numbers, strings, lists, tuples and dicts.
+    have pending collectives. Copies are read with ``torch.load`` as torch_xla 2.9 reads them
+    (torch's default ``weights_only=True``: tensors, numbers, strings, lists, tuples and dicts;
+    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` lifts it, as for torch_xla).
     """
     binding = current_binding()
     if binding is None:
@@ -282,7 +308,7 @@ def _mesh_reduce(tag: str, data: Any, reduce_fn: Callable[[list], Any]) -> Any:
     buffer = io.BytesIO()
     torch.save(cpu_data, buffer)
     payloads = binding.client.rendezvous(binding, tag, buffer.getvalue())
-    copies = [torch.load(io.BytesIO(p), weights_only=True) for p in payloads]
+    copies = [torch.load(io.BytesIO(p)) for p in payloads]
     return reduce_fn(copies) if copies else cpu_data
 
 
@@ -362,8 +388,10 @@ def spawn(
     fn: Callable[..., Any],
     args: tuple = (),
     nprocs: int | None = None,
-    *,
+    join: bool = True,
+    daemon: bool = False,
     start_method: str = "spawn",
+    *,
     devices_per_process: int | None = None,
     address: str | None = None,
     job: str | None = None,
@@ -372,8 +400,8 @@ def spawn(
 ) -> dict[int, Any]:
     """Runs ``fn(ordinal, *args)`` in one thread per XLA device, one process per chip.
 
-    Shaped like ``torch_xla.distributed.xla_multiprocessing.spawn`` (and its thread runner
-    ``torch_xla._internal.pjrt.run_multiprocess``). In each process, before ``fn`` runs:
+    Shaped like ``torch_xla.distributed.xla_multiprocessing.spawn`` (its positional
+    arguments too) and its thread runner ``torch_xla._internal.pjrt.run_multiprocess``. In each process, before ``fn`` runs:
     with a thread per device, ``XLA_ENABLE_PARAM_ALIASING=0`` is set before the runtime starts
     (unless the environment sets it), replication is set over the process's devices (``initialize_multiprocess``, as torch_xla
     does), :func:`install` patches ``xm``, and each thread is bound with :func:`bind_device` to
@@ -393,6 +421,8 @@ def spawn(
         fn: a picklable (module-level) function called as ``fn(ordinal, *args)``.
         args: further arguments (picklable).
         nprocs: processes on this host (CPU: default 1; TPU: must be None).
+        join, daemon: accepted and ignored, as torch_xla 2.9's ``xmp.spawn`` does: the call
+            waits for the replicas and returns their results.
         start_method: the multiprocessing start method; ``spawn`` (default) or ``forkserver``
             give each process a fresh XLA runtime. ``fork`` only works while this process has
             not started one.
@@ -445,7 +475,8 @@ def spawn(
             raise UsageError(
                 "on TPU, spawn() runs one process per local chip with the devices the runtime "
                 "reports: leave nprocs and devices_per_process unset (limit chips with "
-                "TPU_VISIBLE_CHIPS / TPU_NUM_DEVICES, as with xmp.spawn)"
+                "TPU_VISIBLE_CHIPS / TPU_NUM_DEVICES; unlike xmp.spawn, nprocs=1 does not run one "
+                "device in this process)"
             )
         from torch_xla._internal import tpu
 

@@ -320,7 +320,6 @@ def test_bound_threads_answer_xm_calls_through_the_coordinator(xm, torch_xla, co
             world=xm.xrt_world_size(),
             local=xm.get_local_ordinal(),
             master=(xm.is_master_ordinal(), xm.is_master_ordinal(local=False)),
-            device=str(xm.xla_device()),
             everyone=xm.rendezvous("hello", bytes([ordinal])),
             alone=xm.rendezvous("solo", bytes([ordinal]), replicas=[ordinal]),
             total=xm.mesh_reduce("total", torch.tensor([ordinal + 1.0]), lambda xs: float(torch.cat(xs).sum())),
@@ -331,7 +330,7 @@ def test_bound_threads_answer_xm_calls_through_the_coordinator(xm, torch_xla, co
     assert not errors
     for index in (0, 1):
         r = results[index]
-        assert (r["ordinal"], r["world"], r["local"], r["device"]) == (index, 2, index, f"xla:{index}")
+        assert (r["ordinal"], r["world"], r["local"]) == (index, 2, index)
         assert r["master"] == ((index == 0), (index == 0))
         assert r["everyone"] == [b"\x00", b"\x01"]
         assert r["alone"] == [bytes([index])]
@@ -593,3 +592,49 @@ def test_tpu7x_cores_per_chip_come_from_the_started_runtime(torch_xla):
     before, after = run.stdout.strip().splitlines()
     assert "unknown TPU accelerator type 'tpu7x-2'" in before and "start torch_xla's runtime before init()" in before
     assert after == "after: 2 1 2"
+
+
+_RUNTIME_SCRIPT = """
+import threading
+import pjrt_rendezvous.client as pr
+from pjrt_rendezvous.client import xla
+from pjrt_rendezvous.coordinator import Coordinator
+import torch_xla, torch_xla.core.xla_model as xm, torch_xla.runtime as xr
+
+xla.install()
+captured = xm.get_local_ordinal  # a replacement taken while installed
+with Coordinator(port=0) as coordinator:
+    topology = pr.detect_topology({"PJRT_RENDEZVOUS_CORES_PER_CHIP": "2"}, address=coordinator.address)
+    client = pr.Client(pr.Settings(address=coordinator.address), topology)
+    devices = {}
+
+    def bound(index):
+        client.bind_thread(index)  # bind_thread alone, not bind_device
+        devices[index] = (str(xm.xla_device()), torch_xla._XLAC._xla_get_default_device())
+        client.unbind_thread()
+
+    threads = [threading.Thread(target=bound, args=(i,)) for i in (1, 0)]
+    for t in threads:
+        t.start()
+        t.join()
+    client.close()
+print("devices", devices[0], devices[1])
+print("unbound", xm.get_ordinal(), xm.xrt_world_size(), xr.global_ordinal(), xr.world_size())
+xla.uninstall()
+print("captured", captured())
+"""
+
+
+@pytest.mark.xla
+def test_xla_device_defaults_the_thread_and_unbound_calls_follow_the_runtime(torch_xla):
+    """In a thread bound with bind_thread alone, xm.xla_device() makes its device the
+    thread's default (syncs run there, as after torch_xla.device(n)); once the runtime has
+    started, an unbound thread's get_ordinal / xrt_world_size are the runtime's (torch_xla
+    < 2.7's answer); a replacement captured while installed still works after uninstall()."""
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="2")
+    run = subprocess.run([sys.executable, "-c", _RUNTIME_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = dict(line.split(" ", 1) for line in run.stdout.strip().splitlines())
+    assert lines["devices"] == "('xla:0', 'xla:0') ('xla:1', 'xla:1')"
+    assert lines["unbound"] == "0 1 0 1"  # the runtime's, not a UsageError (world of 2 here)
+    assert lines["captured"] == "0"
