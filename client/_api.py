@@ -22,9 +22,8 @@ _lock = threading.Lock()
 _client: Client | None = None
 _init_args: dict | None = None
 _atexit_registered = False
-# init()'s parameters left out (anything else given means "these arguments")
 log = logging.getLogger("pjrt_rendezvous.client")
-
+# init()'s parameters left out (anything else given means "these arguments")
 _DEFAULTS = {"address": None, "job": None, "timeout": DEFAULT, "topology": None, "env": None}
 
 _METADATA_URL = "http://metadata.google.internal/computeMetadata/v1/instance/attributes"

@@ -319,7 +319,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 deadline=None if timeout is None else now + timeout,
                 generation=generation,
             )
-        except CoreError:
+        except Exception:
             self._wake()  # a refused call may have failed its peers' round: release them now
             if self._core.version != version:
                 await self._persist()  # that failed round is on disk before anyone is told

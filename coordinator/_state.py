@@ -2,9 +2,9 @@
 
 Kept: per job the world size, rank table, generation, events, finished rounds (so a
 client resending a round that finished just before the crash gets its result), round
-counters, key-value data, applied request ids and the incarnations replaced by restarts. Not kept: pending rounds (their members
-resend them when they reconnect) and last-seen times (every process gets a fresh heartbeat
-timeout from the restart).
+counters, key-value data, applied request ids and the incarnations replaced by restarts.
+Not kept: pending rounds (their members resend them when they reconnect) and last-seen
+times (every process gets a fresh heartbeat timeout from the restart).
 
 Format: one JSON document ``{"format", "version", "sha256", "body"}``; bytes are base64.
 Writes are atomic (temporary file, fsync, rename, fsync of the folder); a torn or edited
