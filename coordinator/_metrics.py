@@ -105,6 +105,13 @@ class Histogram:
             family.add(base, series[-1], "_count")
 
 
+# The coordinator job's label: not "job", which Prometheus sets on every scraped series
+# (the scrape job) and would rename ours to "exported_job".
+JOB_LABEL = "rendezvous_job"
+# Codes a round usually fails with, exported from 0 for every job.
+FAILURE_CODES = ("ABORTED", "DEADLINE_EXCEEDED", "FAILED_PRECONDITION", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED")
+
+
 class Metrics:
     """The coordinator's event-fed metrics; :meth:`render` adds the gauges read from the core."""
 
@@ -114,7 +121,7 @@ class Metrics:
         self.rpcs: dict[tuple[str, str, str], int] = {}  # (service, method, code) -> calls
 
     def round_completed(self, job: str, waited: float) -> None:
-        self.round_wait.observe((("job", job),), max(0.0, waited))
+        self.round_wait.observe(((JOB_LABEL, job),), max(0.0, waited))
 
     def round_failed(self, job: str, code: str) -> None:
         self.rounds_failed[(job, code)] = self.rounds_failed.get((job, code), 0) + 1
@@ -142,8 +149,12 @@ class Metrics:
         )
         expected = family("participants_expected", "gauge", "World size of the job (0 until known).")
         registered = family("participants_registered", "gauge", "Ordinals registered in the job.")
-        processes = family("processes", "gauge", "Registered processes of the job by state (alive, dead).")
-        generation = family("job_generation", "gauge", "Generation of the job; grows when a dead process is replaced.")
+        processes = family(
+            "processes", "gauge", "Registered processes of the job by state (alive; left: closed its client; dead)."
+        )
+        generation = family(
+            "job_generation", "gauge", "Generation of the job; grows at each restart of a process and each new run."
+        )
         completed = family("rounds_completed_total", "counter", "Rendezvous rounds completed in the job.")
         failed = family(
             "rounds_failed_total", "counter", "Rendezvous rounds failed since the coordinator started, by gRPC status code."
@@ -160,22 +171,26 @@ class Metrics:
         )
         rpcs = family("rpcs_total", "counter", "RPCs handled (calls on a Session stream under their own method), by service, method and gRPC status code.")
 
+        failures = dict.fromkeys(((name, code) for name in core.jobs for code in FAILURE_CODES), 0)
+        failures.update(self.rounds_failed)  # every job's usual codes from 0: rate() sees the first
         for name in sorted(core.jobs):
             job = core.jobs[name]
-            labels = {"job": name}
+            labels = {JOB_LABEL: name}
             expected.add(labels, job.world_size or 0)
             registered.add(labels, len(job.members))
             alive = sum(1 for p in job.processes.values() if p.alive)
+            left = sum(1 for p in job.processes.values() if p.left)
             processes.add({**labels, "state": "alive"}, alive)
-            processes.add({**labels, "state": "dead"}, len(job.processes) - alive)
+            processes.add({**labels, "state": "left"}, left)
+            processes.add({**labels, "state": "dead"}, len(job.processes) - alive - left)
             generation.add(labels, job.generation)
             completed.add(labels, job.rounds_completed)
             pending.add(labels, len(job.pending))
             started = min((r.started for r in job.pending.values()), default=None)
             oldest.add(labels, 0.0 if started is None else max(0.0, now - started))
             keys.add(labels, len(job.kv))
-        for (job_name, code), count in sorted(self.rounds_failed.items()):
-            failed.add({"job": job_name, "code": code}, count)
+        for (job_name, code), count in sorted(failures.items()):
+            failed.add({JOB_LABEL: job_name, "code": code}, count)
         self.round_wait.fill(wait)
         for (service, method, code), count in sorted(self.rpcs.items()):
             rpcs.add({"service": service, "method": method, "code": code}, count)

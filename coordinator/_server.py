@@ -130,7 +130,7 @@ def _token_refusal(expected: bytes, given: str | bytes, what: str) -> str | None
     if hmac.compare_digest(given.encode() if isinstance(given, str) else given, expected):
         return None
     reason = "no token" if not given else "a wrong token"
-    log.warning("refused %s: the caller sent %s", what, reason)
+    log.warning("refused %s: the caller sent %s", what, reason, extra={"event": "refused", "what": what, "reason": reason})
     return f"{what} refused: {reason}; set PJRT_RENDEZVOUS_TOKEN or PJRT_RENDEZVOUS_TOKEN_FILE"
 
 

@@ -143,9 +143,13 @@ def test_metrics_move_during_a_real_job():
     job; a stuck round shows as pending with a growing age, then as a timeout failure."""
     with Serve("--metrics-port", "0", "--world-size", "4") as server:
         before = scrape(server.metrics_port)
-        assert value(before, "pjrt_rendezvous_participants_expected", job="default") == 4
-        assert value(before, "pjrt_rendezvous_participants_registered", job="default") == 0
-        assert value(before, "pjrt_rendezvous_rounds_completed_total", job="default") == 0
+        assert value(before, "pjrt_rendezvous_participants_expected", rendezvous_job="default") == 4
+        assert value(before, "pjrt_rendezvous_participants_registered", rendezvous_job="default") == 0
+        assert value(before, "pjrt_rendezvous_rounds_completed_total", rendezvous_job="default") == 0
+        # Every job's usual failure codes are there from 0 (rate() then sees the first failure).
+        failed = before["pjrt_rendezvous_rounds_failed_total"]
+        assert failed[(("code", "DEADLINE_EXCEEDED"), ("rendezvous_job", "default"))] == 0
+        assert not any(label == "job" for series in before.values() for key in series for label, _ in key)
         assert value(before, "pjrt_rendezvous_build_info", version=before and next(
             dict(k)["version"] for k in before["pjrt_rendezvous_build_info"])) == 1
 
@@ -171,7 +175,7 @@ def test_metrics_move_during_a_real_job():
             thread.join(30)
             assert not errors, errors
 
-        job = {"job": "default"}
+        job = {"rendezvous_job": "default"}
         assert value(middle, "pjrt_rendezvous_participants_registered", **job) == 4
         assert value(middle, "pjrt_rendezvous_processes", **job, state="alive") == 2
         assert value(middle, "pjrt_rendezvous_rounds_completed_total", **job) == 5
@@ -214,13 +218,14 @@ def test_metrics_move_during_a_real_job():
 
 
 def test_dead_processes_and_generation_are_counted():
-    """A process that stops heartbeating shows as dead; its replacement raises the generation."""
+    """A process that stops heartbeating shows as dead; its replacement raises the generation;
+    one that closes its client shows as left."""
     with Coordinator(port=0, metrics_port=0, heartbeat_timeout=3.0) as coordinator:
         first = simulated_process(coordinator.address, 0, processes=2, threads=1)
         second = simulated_process(coordinator.address, 1, processes=2, threads=1)
         bound_thread(first, 0)
         bound_thread(second, 0)
-        job = {"job": "default"}
+        job = {"rendezvous_job": "default"}
         assert value(scrape(coordinator.metrics_port), "pjrt_rendezvous_processes", **job, state="alive") == 2
         second.close(leave=False)  # heartbeats stop without a goodbye
         wait_until(
@@ -233,7 +238,10 @@ def test_dead_processes_and_generation_are_counted():
         assert value(samples, "pjrt_rendezvous_processes", **job, state="dead") == 0
         assert value(samples, "pjrt_rendezvous_processes", **job, state="alive") == 2
         assert value(samples, "pjrt_rendezvous_job_generation", **job) == 2
-        first.close()
+        first.close()  # leaves: counted as left, not dead (no alert after a normal end)
+        samples = scrape(coordinator.metrics_port)
+        assert value(samples, "pjrt_rendezvous_processes", **job, state="left") == 1
+        assert value(samples, "pjrt_rendezvous_processes", **job, state="dead") == 0
         replacement.close()
 
 
@@ -261,7 +269,7 @@ def test_rpcs_are_counted_by_code_including_refusals():
         assert value(samples, "pjrt_rendezvous_rpcs_total", service=service, method="KvSet", code="OK") == 1
         assert value(samples, "pjrt_rendezvous_rpcs_total", service=service, method="KvGet", code="OK") == 1
         assert value(samples, "pjrt_rendezvous_rpcs_total", service="(unknown)", method="(unknown)", code="UNIMPLEMENTED") == 1
-        assert value(samples, "pjrt_rendezvous_kv_keys", job="default") == 1
+        assert value(samples, "pjrt_rendezvous_kv_keys", rendezvous_job="default") == 1
         assert coordinator._running._metrics_server.sockets[0].getsockname()[0] == "127.0.0.1"
 
 
