@@ -314,6 +314,9 @@ class Job:
     # register again (two live processes would take the task from each other). The latest
     # _REPLACED_KEPT.
     replaced: collections.OrderedDict[str, str] = dataclasses.field(default_factory=collections.OrderedDict)
+    # Core._uses when a call last named the job: at max_jobs, the finished job used longest
+    # ago makes room for a new one (Core._droppable).
+    used: int = 0
 
     @property
     def complete(self) -> bool:
@@ -333,6 +336,7 @@ class Core:
         # Grows with every change worth persisting (ranks, finished rounds, events, keys);
         # the state-file writer compares it with the version it last wrote.
         self.version = 0
+        self._uses = 0  # calls that named a job (Job.used)
         # Grows with the same changes but those the state file's journal takes: finished
         # rounds and key-value changes are appended to it (``journal``), every other
         # change (ranks, events) rewrites the state file.
@@ -388,15 +392,16 @@ class Core:
 
     def _job(self, name: str) -> Job:
         job = self.jobs.get(name)
-        if job is None:
-            known = ", ".join(repr(j) for j in sorted(self.jobs)[:10]) or "none"
-            shown = repr(name) if len(name) <= 80 else repr(name[:80]) + "..."
-            raise CoreError(
-                Code.NOT_FOUND,
-                f"job {shown} is not known to this coordinator (known jobs: {known}); "
-                "processes create a job by registering, or start the coordinator with --world-size",
-            )
-        return job
+        if job is not None:
+            self._uses = job.used = self._uses + 1
+            return job
+        known = ", ".join(repr(j) for j in sorted(self.jobs)[:10]) or "none"
+        shown = repr(name) if len(name) <= 80 else repr(name[:80]) + "..."
+        raise CoreError(
+            Code.NOT_FOUND,
+            f"job {shown} is not known to this coordinator (known jobs: {known}); "
+            "processes create a job by registering, or start the coordinator with --world-size",
+        )
 
     def _new_job(self, name: str, *, insert: bool = True) -> Job:
         if not name:
@@ -407,19 +412,46 @@ class Core:
                 f"job name of {len(name)} characters exceeds the limit of "
                 f"{self.limits.max_name_length} (max_name_length)",
             )
-        if len(self.jobs) >= self.limits.max_jobs:
+        if len(self.jobs) >= self.limits.max_jobs and self._droppable() is None:
             raise CoreError(
                 Code.RESOURCE_EXHAUSTED,
                 f"this coordinator already serves {len(self.jobs)} jobs, the limit "
-                f"(max_jobs={self.limits.max_jobs}); job {name!r} cannot be created",
+                f"(max_jobs={self.limits.max_jobs}), and none has finished (a job finishes when "
+                f"every process of it is gone) to make room; job {name!r} cannot be created",
             )
         job = Job(name=name)
         if insert:
-            self.jobs[name] = job
+            self._insert_job(job)
         return job
 
+    def _droppable(self) -> Job | None:
+        """The finished job used longest ago: registered processes that are all gone, no
+        round pending. Jobs that never had a process (key-value alone, or declared) stay."""
+        finished = [
+            job for job in self.jobs.values()
+            if job.processes and not job.pending and not any(p.alive for p in job.processes.values())
+        ]
+        return min(finished, key=lambda job: job.used, default=None)
+
+    def _insert_job(self, job: Job) -> None:
+        """Adds a new job; at max_jobs the finished job used longest ago is dropped for it
+        (a long-lived coordinator serving a job name per run would otherwise fill up)."""
+        self._uses = job.used = self._uses + 1
+        if len(self.jobs) >= self.limits.max_jobs:
+            dropped = self._droppable()
+            if dropped is None:  # _new_job refused already; never reached
+                raise CoreError(Code.RESOURCE_EXHAUSTED, f"max_jobs={self.limits.max_jobs} reached")
+            del self.jobs[dropped.name]
+            self._changed()
+            self._wakeups.append(("dropped", dropped.name, job.name))
+        self.jobs[job.name] = job
+
     def _job_or_create(self, name: str) -> Job:
-        return self.jobs.get(name) or self._new_job(name)
+        job = self.jobs.get(name)
+        if job is None:
+            return self._new_job(name)
+        self._uses = job.used = self._uses + 1
+        return job
 
     def _process(self, job: Job, incarnation: str, now: float) -> Process:
         process = job.processes.get(incarnation)
@@ -530,6 +562,7 @@ class Core:
 
         # A refused first registration must not leave an empty job behind.
         job = self.jobs.get(r.job) or self._new_job(r.job, insert=False)
+        self._uses = job.used = self._uses + 1
         if job.formed and not any(p.alive for p in job.processes.values()):
             # A run formed and every process of it is gone: this is a new run. (A process that
             # fails or leaves before the world ever formed does not end the run: late members
@@ -618,7 +651,8 @@ class Core:
             )
 
         # Every check passed: apply.
-        self.jobs.setdefault(job.name, job)
+        if job.name not in self.jobs:
+            self._insert_job(job)
         if replaced is not None:
             self._replace(job, replaced, f"{r.host} pid {r.pid}", now)
         if job.world_size is None:

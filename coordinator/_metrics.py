@@ -91,6 +91,9 @@ class Histogram:
         series[-2] += value
         series[-1] += 1
 
+    def forget(self, labels: tuple[tuple[str, str], ...]) -> None:
+        self._series.pop(labels, None)
+
     def count(self, labels: tuple[tuple[str, str], ...]) -> int:
         series = self._series.get(labels)
         return 0 if series is None else series[-1]
@@ -125,6 +128,11 @@ class Metrics:
 
     def round_failed(self, job: str, code: str) -> None:
         self.rounds_failed[(job, code)] = self.rounds_failed.get((job, code), 0) + 1
+
+    def forget(self, job: str) -> None:
+        """A job the coordinator dropped: its series end."""
+        self.rounds_failed = {key: n for key, n in self.rounds_failed.items() if key[0] != job}
+        self.round_wait.forget(((JOB_LABEL, job),))
 
     def rpc_handled(self, service: str, method: str, code: str) -> None:
         key = (service, method, code)

@@ -79,7 +79,9 @@ class Monitor:
                     self._world(key[1])
                 elif key[0] == "events":
                     self._events(key[1])
-            except CoreError:  # pragma: no cover - the job vanished; nothing to report
+                elif key[0] == "dropped":
+                    self._dropped(key[1], key[2])
+            except CoreError:  # the job was dropped since (max_jobs): nothing to report
                 continue
 
     def _round(self, job: str, key: tuple, now: float) -> None:
@@ -108,9 +110,24 @@ class Monitor:
             },
         )
 
+    def _dropped(self, job_name: str, for_name: str) -> None:
+        """A finished job dropped to make room for a new one (``Limits.max_jobs``)."""
+        self._events_seen.pop(job_name, None)
+        self._formed = {(name, generation) for name, generation in self._formed if name != job_name}
+        if self._metrics is not None:
+            self._metrics.forget(job_name)
+        log.info(
+            "job %r dropped to make room for job %r: it had finished (every process gone) and "
+            "was the one used longest ago, with max_jobs=%d jobs",
+            job_name,
+            for_name,
+            self._core.limits.max_jobs,
+            extra={"event": "job_dropped", "job": job_name, "for_job": for_name},
+        )
+
     def _world(self, job_name: str) -> None:
-        job = self._core.jobs[job_name]
-        if not job.complete or (job_name, job.generation) in self._formed:
+        job = self._core.jobs.get(job_name)  # None: dropped since (max_jobs)
+        if job is None or not job.complete or (job_name, job.generation) in self._formed:
             return
         self._formed.add((job_name, job.generation))
         hosts = {p.host for p in job.processes.values()}

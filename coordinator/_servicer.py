@@ -153,6 +153,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
             except Exception:  # pragma: no cover - reporting must never break serving
                 log.exception("monitoring failed on %s", wakeups)
         for key in wakeups:
+            if key[0] == "dropped":
+                self._world_tables.pop(key[1], None)
             self._deadlines.pop(key, None)
             waiters = self._waiters.pop(key, None)
             if waiters:

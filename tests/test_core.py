@@ -369,6 +369,37 @@ def test_jobs_over_max_jobs_are_resource_exhausted():
     assert core.world("a") is not None
 
 
+def test_at_max_jobs_the_finished_job_used_longest_ago_makes_room(caplog):
+    """A long-lived coordinator serving a job name per run (a Kubernetes Job each) does not
+    fill up: at max_jobs, a new job takes the place of the finished job (every process gone,
+    no round pending) used longest ago, and the event log says so, with the metrics of the
+    dropped job gone; jobs that never had a process (key-value alone) are never dropped."""
+    from pjrt_rendezvous.coordinator._metrics import Metrics
+    from pjrt_rendezvous.coordinator._monitor import Monitor
+
+    core = Core(Limits(max_jobs=3))
+    metrics = Metrics()
+    monitor = Monitor(core, metrics, clock=lambda: 0.0)
+    core.kv_set("store-only", [("k", b"v")])
+    for name in ("run-1", "run-2"):
+        core.register(0.0, registration(0, 1, 1, job=name))
+        core.leave(name, incarnation_of(0))
+    metrics.round_failed("run-1", "ABORTED")
+    core.status(0.0, "run-1")  # a use: run-2 is now the one used longest ago
+    core.register(0.0, registration(0, 1, 1, job="run-3"))
+    assert sorted(core.jobs) == ["run-1", "run-3", "store-only"]
+    with caplog.at_level("INFO", logger="pjrt_rendezvous.coordinator"):
+        monitor.woke(core.take_wakeups())
+    (line,) = [r for r in caplog.records if getattr(r, "event", "") == "job_dropped"]
+    assert (line.job, line.for_job) == ("run-2", "run-3")
+    core.kv_set("run-4", [("k", b"v")])  # run-1 makes room (key-value calls create jobs too)
+    monitor.woke(core.take_wakeups())
+    assert sorted(core.jobs) == ["run-3", "run-4", "store-only"]
+    assert "run-1" not in metrics.render(core, 0.0)
+    with raises(Code.RESOURCE_EXHAUSTED, "max_jobs=3", "none has finished", "'run-5'"):
+        core.register(0.0, registration(0, 1, 1, job="run-5"))  # run-3 lives, run-4 and store-only never had a process
+
+
 @pytest.mark.parametrize("name, code", [("", Code.INVALID_ARGUMENT), ("x" * 9, Code.RESOURCE_EXHAUSTED)])
 def test_job_names_must_be_non_empty_and_short(name, code):
     """An empty job name is INVALID_ARGUMENT, one over max_name_length RESOURCE_EXHAUSTED."""
