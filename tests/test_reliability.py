@@ -40,14 +40,17 @@ def finish(child, timeout=60):
     return [json.loads(line) for line in out.splitlines()]
 
 
-@pytest.mark.parametrize("trial", range(KILL_TRIALS))
-def test_killed_process_aborts_the_round_and_its_replacement_starts_a_new_generation(trial):
-    """SIGKILL of a participant mid-round: its peer gets ABORTED naming it within the heartbeat
-    timeout; a replacement process takes over the task in a new generation and the job goes on."""
-    with Coordinator(port=0, heartbeat_timeout=HEARTBEAT_TIMEOUT) as coordinator:
+def kill_and_replace(heartbeat_timeout: float, *, after_death: bool):
+    """The survivor (task 0) waits in a round while the victim (task 1) is killed with
+    SIGKILL; a replacement for task 1 starts on the victim's host, once the coordinator has
+    declared the victim dead (``after_death``) or at once. Returns the survivor's and the
+    replacement's records, and the seconds from the kill to the death being seen (None
+    when not waited for)."""
+    with Coordinator(port=0, heartbeat_timeout=heartbeat_timeout) as coordinator:
         watcher = observer(coordinator.address)
         survivor = start(coordinator.address, "survivor", 0, processes=2)
         victim = start(coordinator.address, "hang", 1, processes=2)
+        detected = None
         try:
             watcher.wait(["ready/0", "ready/1"], timeout=30)
             deadline = time.monotonic() + 10
@@ -56,10 +59,11 @@ def test_killed_process_aborts_the_round_and_its_replacement_starts_a_new_genera
             victim.send_signal(signal.SIGKILL)
             killed_at = time.monotonic()
             victim.wait(10)
-            deadline = time.monotonic() + 10
-            while watcher.status().jobs[0].participants[1].alive and time.monotonic() < deadline:
-                time.sleep(0.05)
-            detected = time.monotonic() - killed_at
+            if after_death:
+                deadline = time.monotonic() + 10
+                while watcher.status().jobs[0].participants[1].alive and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                detected = time.monotonic() - killed_at
             replacement = start(coordinator.address, "replacement", 1, processes=2)
             (after,) = finish(replacement)
             (record,) = finish(survivor)
@@ -67,6 +71,14 @@ def test_killed_process_aborts_the_round_and_its_replacement_starts_a_new_genera
             for child in (survivor, victim):
                 child.kill()
         watcher.close()
+    return record, after, detected
+
+
+@pytest.mark.parametrize("trial", range(KILL_TRIALS))
+def test_killed_process_aborts_the_round_and_its_replacement_starts_a_new_generation(trial):
+    """SIGKILL of a participant mid-round: its peer gets ABORTED naming it within the heartbeat
+    timeout; a replacement process takes over the task in a new generation and the job goes on."""
+    record, after, detected = kill_and_replace(HEARTBEAT_TIMEOUT, after_death=True)
     assert detected < HEARTBEAT_TIMEOUT + 2.0
     assert record["first"].startswith("ParticipantFailedError: rendezvous 'before-death' on all ordinals")
     assert "ordinal 1 on sim-host-1 pid" in record["first"] and "no heartbeat for" in record["first"]
@@ -123,31 +135,13 @@ def test_a_process_restarted_on_its_host_takes_over_its_task_at_once():
     long before the heartbeat timeout: the new process registers at once, the job moves to a
     new generation, the round its peer waits in fails naming the restart, and the two meet
     in the next round (a claim from another host is still refused: test_integration)."""
-    with Coordinator(port=0, heartbeat_timeout=60) as coordinator:
-        watcher = observer(coordinator.address)
-        survivor = start(coordinator.address, "survivor", 0, processes=2)
-        victim = start(coordinator.address, "hang", 1, processes=2)
-        try:
-            watcher.wait(["ready/0", "ready/1"], timeout=30)
-            deadline = time.monotonic() + 10
-            while not watcher.status().jobs[0].pending_rounds and time.monotonic() < deadline:
-                time.sleep(0.02)  # the survivor is now waiting in 'before-death'
-            victim.send_signal(signal.SIGKILL)
-            victim.wait(10)
-            replacement = start(coordinator.address, "replacement", 1, processes=2)
-            (after,) = finish(replacement)
-            (record,) = finish(survivor)
-        finally:
-            for child in (survivor, victim):
-                child.kill()
-        watcher.close()
+    record, after, _ = kill_and_replace(60, after_death=False)
     assert record["first"].startswith("ParticipantFailedError: job 'default' moved to generation 2: task 1")
     assert "restarted: sim-host-1 pid" in record["first"] and "which was last heard from" in record["first"]
     assert record["aborted_after"] < 30  # not the 60 s heartbeat timeout
     assert after == dict(thread=0, ordinal=1, local_ordinal=0, pid=after["pid"], after=["s0", "r1"], generation=2)
     assert record["after"] == ["s0", "r1"]
     assert not any("died" in e for e in record["events"]) and any("restarted" in e for e in record["events"])
-
 
 
 def test_a_coordinator_held_up_longer_than_the_heartbeat_timeout_declares_nobody_dead():
