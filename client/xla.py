@@ -401,11 +401,12 @@ def spawn(
     """Runs ``fn(ordinal, *args)`` in one thread per XLA device, one process per chip.
 
     Shaped like ``torch_xla.distributed.xla_multiprocessing.spawn`` (its positional
-    arguments too) and its thread runner ``torch_xla._internal.pjrt.run_multiprocess``. In each process, before ``fn`` runs:
-    with a thread per device, ``XLA_ENABLE_PARAM_ALIASING=0`` is set before the runtime starts
-    (unless the environment sets it), replication is set over the process's devices (``initialize_multiprocess``, as torch_xla
-    does), :func:`install` patches ``xm``, and each thread is bound with :func:`bind_device` to
-    ``xla:<thread index>`` and its global ordinal. ``fn`` receives the global ordinal, like
+    arguments too) and its thread runner ``torch_xla._internal.pjrt.run_multiprocess``. In
+    each process, before ``fn`` runs: with a thread per device, ``XLA_ENABLE_PARAM_ALIASING=0``
+    is set before the runtime starts (unless the environment sets it), replication is set over
+    the process's devices (``initialize_multiprocess``, as torch_xla does), :func:`install`
+    patches ``xm``, and each thread is bound with :func:`bind_device` to ``xla:<thread index>``
+    and its global ordinal. ``fn`` receives the global ordinal, like
     ``xmp.spawn``'s index.
 
     ``PJRT_DEVICE=CPU`` simulates chips: ``nprocs`` processes (default 1) with
