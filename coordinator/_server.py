@@ -198,7 +198,11 @@ class _SessionPort:
         if self._expected is None:
             return None
         message = _token_refusal(self._expected, greeting.authorization, "a session on the session port")
-        return None if message is None else (grpc.StatusCode.UNAUTHENTICATED, message)
+        if message is None:
+            return None
+        if self._servicer._on_call is not None:  # counted as a refused Session stream is
+            self._servicer._on_call("Session", grpc.StatusCode.UNAUTHENTICATED.name)
+        return grpc.StatusCode.UNAUTHENTICATED, message
 
     def _connection(self) -> FramedSession:
         connection = _Connection(self._servicer._session_call, self._hello, self._connections.discard)

@@ -411,6 +411,10 @@ class Servicer(pb_grpc.CoordinatorServicer):
                     raise CoreError(Code.INVALID_ARGUMENT, request.message)
                 result = await handler(self, request, None)
                 status = grpc.StatusCode.OK
+            except asyncio.CancelledError:  # its session ended under it
+                if self._on_call is not None:
+                    self._on_call(method, grpc.StatusCode.CANCELLED.name)
+                raise
             except CoreError as exc:
                 status, text = _STATUS[exc.code], exc.message
             except Exception:

@@ -15,8 +15,10 @@ import grpc
 import pytest
 
 import pjrt_rendezvous.client as pr
+from pjrt_rendezvous.client._session import frame
 from pjrt_rendezvous.coordinator import Coordinator
 from pjrt_rendezvous.coordinator._metrics import Family, Histogram, exposition, start_http_server
+from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_cli import Serve, bound_thread, run_cli, simulated_process, wait_until  # noqa: E402
@@ -262,9 +264,13 @@ def test_rpcs_are_counted_by_code_including_refusals():
             with pytest.raises(grpc.RpcError) as info:
                 channel.unary_unary("/no.Such/Method")(b"", timeout=10)
             assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        with socket.create_connection(("127.0.0.1", coordinator.session_port), timeout=10) as sock:
+            sock.sendall(frame(pb.SessionHello(authorization="Bearer wrong").SerializeToString()))
+            assert sock.recv(65536)  # the refusal, then the end
         samples = scrape(coordinator.metrics_port)
         service = "pjrt_rendezvous.v1.Coordinator"
-        assert value(samples, "pjrt_rendezvous_rpcs_total", service=service, method="Session", code="UNAUTHENTICATED") == 1
+        # One on gRPC's Session stream, one on the session port.
+        assert value(samples, "pjrt_rendezvous_rpcs_total", service=service, method="Session", code="UNAUTHENTICATED") == 2
         assert value(samples, "pjrt_rendezvous_rpcs_total", service=service, method="KvSet", code="UNAUTHENTICATED") == 0
         assert value(samples, "pjrt_rendezvous_rpcs_total", service=service, method="KvSet", code="OK") == 1
         assert value(samples, "pjrt_rendezvous_rpcs_total", service=service, method="KvGet", code="OK") == 1
