@@ -82,6 +82,15 @@ def _as_torch_errors(method):
     return call
 
 
+def _run_prefix(prefix: str) -> str:
+    """``prefix``, and under torchrun its run id and restart count: a later run (or restart)
+    on a long-lived coordinator does not meet this one's keys."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id:
+        return prefix
+    return f"{prefix}/{run_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
 def _key_bytes(value) -> bytes:
     # torch's own stores accept str or bytes from Python callers; C++ callers pass bytes.
     if isinstance(value, str):
@@ -118,7 +127,10 @@ class Store(dist.Store):
         client: the client to use (default: the process client, created from the environment
             on first use). No thread needs to be bound.
         prefix: a namespace in the coordinator job; stores with the same prefix see the same
-            keys. Give every run on a long-lived coordinator its own prefix (or job): keys
+            keys. Default: ``torch.distributed``, and under torchrun also its run id and
+            restart count (``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT``), as for
+            the ``pjrt-rendezvous://`` URL. Give every run on a long-lived coordinator its own
+            prefix (or job) when it is not run by torchrun: keys
             outlive processes there, unlike a TCPStore.
         timeout: the default for blocking calls (``timedelta`` or seconds; 0 = no timeout).
     """
@@ -127,10 +139,12 @@ class Store(dist.Store):
         self,
         client: Client | None = None,
         *,
-        prefix: str = DEFAULT_PREFIX,
+        prefix: str | None = None,
         timeout: timedelta | float = DEFAULT_TIMEOUT,
     ) -> None:
         super().__init__()
+        if prefix is None:
+            prefix = _run_prefix(DEFAULT_PREFIX)
         if not isinstance(prefix, str):
             raise UsageError(f"prefix must be a str, got {prefix!r}")
         self._client = client
@@ -296,10 +310,7 @@ def rendezvous_handler(url: str, timeout: timedelta = DEFAULT_TIMEOUT, **kwargs)
     if not 0 <= rank < world_size:
         raise UsageError(f"{SCHEME}:// rendezvous: rank {rank} is out of range for world size {world_size}")
     job = query.get("job") or None
-    prefix = query.get("prefix", DEFAULT_PREFIX)
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id and "prefix" not in query:
-        prefix += f"/{run_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    prefix = query["prefix"] if "prefix" in query else _run_prefix(DEFAULT_PREFIX)
     with _clients_lock:
         generation = _generations.get((address, job, prefix), 0)
         _generations[(address, job, prefix)] = generation + 1

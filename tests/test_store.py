@@ -168,6 +168,25 @@ def test_url_handler_yields_a_store_per_group(coordinator):
         next(dist.rendezvous(url, rank=3, world_size=3))
 
 
+def test_under_torchrun_the_default_prefix_is_the_run_s_own(client, coordinator, monkeypatch):
+    """Under torchrun (TORCHELASTIC_RUN_ID) a Store and the URL handler put their keys under
+    the run id and restart count by default, so a later run or restart on a long-lived
+    coordinator does not read this one's keys (stale gloo addresses, say); an explicit
+    prefix stays as given."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert Store(client).prefix == "torch.distributed"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-7")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    first = Store(client)
+    assert first.prefix == "torch.distributed/run-7/2"
+    first.set("rank_0", b"old address")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    assert Store(client).check(["rank_0"]) is False  # the restarted run starts clean
+    assert Store(client, prefix="mine").prefix == "mine"
+    store, _, _ = next(dist.rendezvous(f"{SCHEME}://{coordinator.address}?job=url-run", rank=0, world_size=1))
+    assert store.prefix == "torch.distributed/run-7/3/0"
+
+
 def test_url_handler_needs_rank_and_world_size(coordinator, monkeypatch):
     """Without rank/world_size in the arguments, the URL or RANK/WORLD_SIZE, the error says where."""
     monkeypatch.delenv("RANK", raising=False)
