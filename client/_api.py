@@ -86,6 +86,8 @@ def init(
     args = dict(address=address, job=job, timeout=timeout, topology=topology, env=env, **settings)
     explicit = sorted(k for k, v in args.items() if v is not _DEFAULTS.get(k, DEFAULT))
     with _lock:
+        if _client is not None and _client._closed:  # closed by hand: a new one, as after shutdown()
+            _client = None
         if _client is not None:
             if explicit and args != _init_args:
                 raise UsageError(
@@ -98,7 +100,7 @@ def init(
         given = dict(settings, timeout=timeout)
         if job is not None:
             given["job"] = job
-        _client = Client(Settings.resolve(env, address=topology.address, **given), topology)
+        _client = Client(Settings.resolve(env, address=address or topology.address, **given), topology)
         _init_args = args
         if not _atexit_registered:
             atexit.register(shutdown)  # leave the job on a normal exit

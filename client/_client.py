@@ -109,8 +109,12 @@ class Binding:
 
 
 def current_binding() -> Binding | None:
-    """The calling thread's binding, or None."""
-    return getattr(_bound, "binding", None)
+    """The calling thread's binding, or None (also once its client was closed: the thread
+    may then bind again, to a new client)."""
+    binding = getattr(_bound, "binding", None)
+    if binding is not None and binding.client._closed:
+        _bound.binding = binding = None
+    return binding
 
 
 def _payload_bytes(payload) -> bytes:

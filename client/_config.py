@@ -143,8 +143,9 @@ class Settings:
         object.__setattr__(self, "timeout", check_timeout(self.timeout))
         if check_timeout(self.connect_timeout, "connect_timeout") is None:
             raise UsageError("connect_timeout must be finite")
-        if not isinstance(self.batch_window, (int, float)) or self.batch_window < 0:
-            raise UsageError(f"batch_window must be >= 0 seconds, got {self.batch_window!r}")
+        window = self.batch_window
+        if isinstance(window, bool) or not isinstance(window, (int, float)) or not 0 <= window < math.inf:
+            raise UsageError(f"batch_window must be a finite number of seconds >= 0, got {window!r}")
         if self.fan_in not in FAN_IN_MODES:
             raise UsageError(f"fan_in must be one of {', '.join(FAN_IN_MODES)}, got {self.fan_in!r}")
         if self.transport not in TRANSPORTS:
@@ -189,8 +190,10 @@ class Settings:
             value = given.get(name, DEFAULT)
             if value is DEFAULT and env.get(variable):
                 text = env[variable]
-                if name in _TEXT:
-                    value = text
+                if name in ("fan_in", "transport"):
+                    value = text.strip().lower()  # as parse_seconds reads its words
+                elif name in _TEXT:
+                    value = text.strip() if name == "token" else text
                 elif name == "batch_window":
                     value = _parse_number(variable, text)
                 else:

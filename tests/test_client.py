@@ -216,6 +216,42 @@ def test_init_is_idempotent_and_refuses_different_arguments(coordinator):
         pr.shutdown()
 
 
+def test_a_closed_process_client_is_replaced_by_init_and_its_threads_may_bind_again(coordinator):
+    """init() after the process client was closed by hand makes a new one (it returned the
+    closed one, whose error said to call init() again); a thread bound to the closed client
+    counts as unbound and binds to the new one; an address given beside a topology is used."""
+    pr.shutdown()
+    try:
+        first = pr.init(coordinator.address, env={})
+        binding = pr.bind_thread(0)
+        assert pr.current_binding() is binding
+        first.close()
+        assert pr.current_binding() is None
+        second = pr.init(coordinator.address, env={})
+        assert second is not first and not second._closed
+        assert pr.bind_thread(0).client is second and pr.get_ordinal() == 0
+        second.unbind_thread()
+        pr.shutdown()
+        topology = pr.detect_topology({}, address="127.0.0.1:1")
+        third = pr.init(coordinator.address, topology=topology, env={})
+        assert third.settings.address == coordinator.address
+    finally:
+        pr.shutdown()
+
+
+def test_settings_read_variables_as_written_by_hand():
+    """Enum variables are read in any case and with stray spaces, a token without its line
+    end; a batch window must be a finite number of seconds."""
+    env = {"PJRT_RENDEZVOUS_FAN_IN": " HOST ", "PJRT_RENDEZVOUS_TRANSPORT": "gRPC\n", "PJRT_RENDEZVOUS_TOKEN": "s3cret\n"}
+    settings = Settings.resolve(env, address="127.0.0.1:1")
+    assert (settings.fan_in, settings.transport, settings.token) == ("host", "grpc", "s3cret")
+    for bad in ("nan", "inf", "-1"):
+        with pytest.raises(pr.UsageError, match="batch_window"):
+            Settings.resolve({"PJRT_RENDEZVOUS_BATCH_WINDOW": bad}, address="127.0.0.1:1")
+    with pytest.raises(pr.UsageError, match="batch_window"):
+        Settings(address="127.0.0.1:1", batch_window=True)
+
+
 def test_still_waiting_lines_name_the_missing_ordinals(coordinator, caplog):
     """While blocked, the client logs a periodic 'still waiting' line naming who is missing."""
     client = make_client(coordinator.address, tasks=2, progress_interval=0.3)
