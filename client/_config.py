@@ -140,9 +140,13 @@ class Settings:
             raise UsageError(f"address must be 'host:port', got {self.address!r}")
         if not self.job or not isinstance(self.job, str):
             raise UsageError(f"job must be a non-empty string, got {self.job!r}")
+        if self.job != self.job.strip():  # one host's stray space would make it a job of its own
+            raise UsageError(f"job {self.job!r} has spaces at an end (PJRT_RENDEZVOUS_JOB, init(job=))")
         object.__setattr__(self, "timeout", check_timeout(self.timeout))
         if check_timeout(self.connect_timeout, "connect_timeout") is None:
-            raise UsageError("connect_timeout must be finite")
+            raise UsageError(
+                f"connect_timeout must be a finite number of seconds (PJRT_RENDEZVOUS_CONNECT_TIMEOUT), got {self.connect_timeout!r}"
+            )
         window = self.batch_window
         if isinstance(window, bool) or not isinstance(window, (int, float)) or not 0 <= window < math.inf:
             raise UsageError(f"batch_window must be a finite number of seconds >= 0, got {window!r}")
@@ -151,10 +155,13 @@ class Settings:
         if self.transport not in TRANSPORTS:
             raise UsageError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         if check_timeout(self.heartbeat_interval, "heartbeat_interval") is None:
-            raise UsageError("heartbeat_interval must be finite")
+            raise UsageError(
+                "heartbeat_interval must be a finite number of seconds (PJRT_RENDEZVOUS_HEARTBEAT_INTERVAL), "
+                f"got {self.heartbeat_interval!r}"
+            )
         object.__setattr__(self, "progress_interval", check_timeout(self.progress_interval, "progress_interval"))
         if self.token is not None and not self.token.strip():
-            raise UsageError("the token is empty")
+            raise UsageError("the token is empty (PJRT_RENDEZVOUS_TOKEN, the file PJRT_RENDEZVOUS_TOKEN_FILE names, or init(token=))")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise UsageError("mutual TLS needs both tls_cert and tls_key (PJRT_RENDEZVOUS_TLS_CERT / _TLS_KEY)")
         if self.tls_cert is not None and self.tls_ca is None:

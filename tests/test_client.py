@@ -241,7 +241,8 @@ def test_a_closed_process_client_is_replaced_by_init_and_its_threads_may_bind_ag
 
 def test_settings_read_variables_as_written_by_hand():
     """Enum variables are read in any case and with stray spaces, a token without its line
-    end; a batch window must be a finite number of seconds."""
+    end; a batch window must be a finite number of seconds; a job name with a stray space is
+    refused, and refusals name the variable and the value."""
     env = {"PJRT_RENDEZVOUS_FAN_IN": " HOST ", "PJRT_RENDEZVOUS_TRANSPORT": "gRPC\n", "PJRT_RENDEZVOUS_TOKEN": "s3cret\n"}
     settings = Settings.resolve(env, address="127.0.0.1:1")
     assert (settings.fan_in, settings.transport, settings.token) == ("host", "grpc", "s3cret")
@@ -250,6 +251,10 @@ def test_settings_read_variables_as_written_by_hand():
             Settings.resolve({"PJRT_RENDEZVOUS_BATCH_WINDOW": bad}, address="127.0.0.1:1")
     with pytest.raises(pr.UsageError, match="batch_window"):
         Settings(address="127.0.0.1:1", batch_window=True)
+    with pytest.raises(pr.UsageError, match="job 'train ' has spaces at an end"):
+        Settings.resolve({"PJRT_RENDEZVOUS_JOB": "train "}, address="127.0.0.1:1")
+    with pytest.raises(pr.UsageError, match=r"PJRT_RENDEZVOUS_CONNECT_TIMEOUT\), got None"):
+        Settings.resolve({"PJRT_RENDEZVOUS_CONNECT_TIMEOUT": "none"}, address="127.0.0.1:1")
 
 
 def test_still_waiting_lines_name_the_missing_ordinals(coordinator, caplog):
