@@ -1263,14 +1263,18 @@ class Core:
         self._journaled(("set", job.name, key, value))
         self._wakeups.append(("kv", job.name, key))
 
-    def _once(self, job: Job, request_id: str, apply):
-        """Applies a non-idempotent change once per request id (retries get the first result)."""
-        if request_id and request_id in job.request_results:
-            return job.request_results[request_id]
+    def _once(self, job: Job, request_id: str, change: str, key: str, apply):
+        """Applies a non-idempotent ``change`` of ``key`` once per request id (retries get
+        the first result). The id counts for that change of that key only: another change
+        reusing it (a client's bug) is applied, not answered with a result of another type."""
+        if not request_id:
+            return apply()
+        entry = f"{change}\0{key}\0{request_id}"
+        if entry in job.request_results:
+            return job.request_results[entry]
         result = apply()
-        if request_id:
-            self.record_request(job, request_id, result)
-            self._journaled(("request", job.name, request_id, result))
+        self.record_request(job, entry, result)
+        self._journaled(("request", job.name, entry, result))
         return result
 
     def kv_set(self, job_name: str, entries: Sequence[tuple[str, bytes]]) -> None:
@@ -1308,7 +1312,7 @@ class Core:
             self._write(job, key, str(value).encode())
             return value
 
-        return self._once(job, request_id, apply)
+        return self._once(job, request_id, "add", key, apply)
 
     def kv_compare_set(
         self, job_name: str, key: str, expected: bytes, desired: bytes, request_id: str = ""
@@ -1332,7 +1336,7 @@ class Core:
                 return desired
             return current
 
-        return self._once(job, request_id, apply)
+        return self._once(job, request_id, "compare_set", key, apply)
 
     def kv_append(self, job_name: str, key: str, value: bytes, request_id: str = "") -> None:
         self._check_key(key)
@@ -1343,7 +1347,7 @@ class Core:
             self._check_value(key, combined)
             self._write(job, key, combined)
 
-        self._once(job, request_id, apply)
+        self._once(job, request_id, "append", key, apply)
 
     def kv_delete(self, job_name: str, key: str) -> bool:
         self._check_key(key)

@@ -1007,6 +1007,18 @@ def test_kv_compare_set_with_the_same_request_id_returns_the_first_answer():
     assert core.kv_get(JOB, ["k"]) == [b"theirs"]
 
 
+def test_a_request_id_reused_by_another_change_or_key_is_a_new_change():
+    """A request id answers retries of its own change of its own key: another change (or
+    key) reusing it is applied, not answered with the first one's result (an int for a
+    compare_set, found by the fuzz test)."""
+    core = Core()
+    assert core.kv_add(JOB, "a", 5, request_id="r") == 5
+    assert core.kv_compare_set(JOB, "a", b"5", b"x", request_id="r") == b"x"
+    assert core.kv_add(JOB, "b", 2, request_id="r") == 2
+    assert core.kv_add(JOB, "a", 5, request_id="r") == 5  # the first add's retry: its result again
+    assert core.kv_get(JOB, ["a", "b"]) == [b"x", b"2"]
+
+
 def test_kv_append_concatenates_once_per_request_id():
     """kv_append creates or extends a value, and a retried append with the same request id adds nothing."""
     core = Core()
