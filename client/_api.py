@@ -40,11 +40,20 @@ def _detect(env: Mapping[str, str], address: str | None) -> Topology:
     )
 
 
-def _runtime_devices() -> int | None:
-    """The XLA runtime's devices in this process once torch_xla has started it; None before
-    (it is never started from here: its configuration is the caller's)."""
+def started_xla_runtime():
+    """``torch_xla.runtime`` once torch_xla has started its runtime, else None (it is never
+    imported or started from here: its configuration is the caller's)."""
     torch_xla = sys.modules.get("torch_xla")
     if torch_xla is None or not torch_xla._XLAC._xla_runtime_is_initialized():
+        return None
+    import torch_xla.runtime as xr
+
+    return xr
+
+
+def _runtime_devices() -> int | None:
+    """The XLA runtime's devices in this process once torch_xla has started it; None before."""
+    if started_xla_runtime() is None:
         return None
     import torch_xla.core.xla_model as xm
 

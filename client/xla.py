@@ -218,7 +218,7 @@ def _get_ordinal(defval: int = 0) -> int:
         return binding.ordinal
     if "get_ordinal" in _originals:
         return _originals["get_ordinal"](defval)
-    runtime = _started_runtime()
+    runtime = _api.started_xla_runtime()  # torch_xla < 2.7 answered with its numbers
     return _api.get_ordinal() if runtime is None else runtime.global_ordinal()
 
 
@@ -229,20 +229,8 @@ def _xrt_world_size(defval: int = 1) -> int:
         return binding.world_size
     if "xrt_world_size" in _originals:
         return _originals["xrt_world_size"](defval)
-    runtime = _started_runtime()
+    runtime = _api.started_xla_runtime()
     return _api.get_world_size() if runtime is None else runtime.world_size()
-
-
-def _started_runtime():
-    """``torch_xla.runtime`` once the XLA runtime has started (its numbers are what torch_xla
-    < 2.7 answered for an unbound thread, as under its own ``xmp.spawn``), else None."""
-    import torch_xla
-
-    if not torch_xla._XLAC._xla_runtime_is_initialized():
-        return None
-    import torch_xla.runtime as xr
-
-    return xr
 
 
 def _get_local_ordinal() -> int:
