@@ -42,16 +42,18 @@ call time and so use the replacements too; ``xm.do_on_ordinals`` chooses by the 
 ``global_ordinal()`` instead (below). ``xla_device()`` also makes the device the thread's
 default, as ``torch_xla.device(n)`` does, so its syncs run there.
 
-One more replacement makes XLA collectives between the threads of a process work (FACTS, "one
+Two more replacements make XLA collectives between the threads of a process work (FACTS, "one
 compile, shared"): ``torch_xla._XLAC._xla_step_marker``, the single call through which
 ``torch_xla.sync()``, ``xm.mark_step()``, ``xm.optimizer_step(barrier=True)`` and the parallel
-loaders launch a graph, is wrapped in a process-wide lock. When two threads miss the compile cache
-at once they compile the same graph twice, with different collective op ids, and never meet (XLA
-aborts after 10 s). Under the lock the second thread finds the first thread's compilation. The lock
-covers compile and launch only: a ``wait=True`` step waits for its device outside the lock (inside,
-it would wait for a sibling that cannot launch), and step closures run outside it. Wrapping the step
-marker rather than ``torch_xla.sync``/``xm.mark_step`` also covers references taken before
-:func:`install` (``from torch_xla import sync``).
+loaders launch a graph, and ``torch_xla._XLAC._xla_sync_multi``, through which ``xm.save``,
+``xm.unlazy`` and ``mesh_reduce`` sync the tensors they read, are wrapped in one process-wide
+lock. When two threads miss the compile cache at once they compile the same graph twice, with
+different collective op ids, and never meet (XLA aborts after 10 s). Under the lock the second
+thread finds the first thread's compilation. The lock covers compile and launch only: a waiting
+call (``wait=True``) waits for its own devices outside the lock (inside, it would wait for a
+sibling that cannot launch), and step closures run outside it. Wrapping these two rather than
+``torch_xla.sync``/``xm.mark_step`` also covers references taken before :func:`install`
+(``from torch_xla import sync``).
 
 Not replaced, on purpose: ``torch_xla.runtime.global_ordinal()``/``world_size()``. They are the XLA
 runtime's own numbers, which XLA collectives use (``reduce_gradients`` scales by
@@ -73,8 +75,9 @@ Rules for XLA collectives between threads (measured, see FACTS)
    1 becomes a constant in one thread and a parameter in another: bring per-replica values in as
    1-D tensors copied from the CPU (as :func:`broadcast_master_params` does), use
    ``all_gather(pin_layout=False)`` (``pin_layout=True`` pads by the ordinal), and call
-   ``xm.mark_step()`` before reading a tensor with pending collectives on the host (``.cpu()``,
-   ``.item()`` compile outside the lock).
+   ``xm.mark_step()`` before reading a tensor with pending collectives on the host with ``.cpu()``
+   or ``.item()`` (they compile in C++, outside the lock; ``xm.save``, ``xm.unlazy`` and
+   ``xm.mesh_reduce`` take it).
 """
 
 from __future__ import annotations
@@ -175,9 +178,11 @@ def install() -> bool:
                 _originals[name] = original
             _patches.append((xm, name, original))
             setattr(xm, name, replacement)
-        marker = torch_xla._XLAC._xla_step_marker
-        _patches.append((torch_xla._XLAC, "_xla_step_marker", marker))
-        torch_xla._XLAC._xla_step_marker = _locked_step_marker(marker, torch_xla._XLAC)
+        xlac = torch_xla._XLAC
+        for name, wrap in (("_xla_step_marker", _locked_step_marker), ("_xla_sync_multi", _locked_sync_multi)):
+            original = getattr(xlac, name)
+            _patches.append((xlac, name, original))
+            setattr(xlac, name, wrap(original, xlac))
         return True
 
 
@@ -203,12 +208,29 @@ def _locked_step_marker(original: Callable, xlac: Any) -> Callable:
         with _step_lock:
             original(device, list(devices), wait=False, reset_scope=reset_scope)
         if wait:
-            # Outside the lock: waiting inside would block a sibling whose launch this
-            # graph's collectives wait for.
-            xlac._xla_wait_device_ops([str(device or xlac._xla_get_default_device())])
+            _wait_device_ops(xlac, [device or xlac._xla_get_default_device()])
 
     _xla_step_marker.__wrapped__ = original  # type: ignore[attr-defined]
     return _xla_step_marker
+
+
+def _locked_sync_multi(original: Callable, xlac: Any) -> Callable:
+    def _xla_sync_multi(tensors: Sequence[Any], devices: Sequence[str], wait: bool = True, sync_xla_data: bool = True):
+        with _step_lock:
+            original(tensors, list(devices), wait=False, sync_xla_data=sync_xla_data)
+        if wait:
+            _wait_device_ops(xlac, list(devices) or sorted({str(t.device) for t in tensors}))
+
+    _xla_sync_multi.__wrapped__ = original  # type: ignore[attr-defined]
+    return _xla_sync_multi
+
+
+def _wait_device_ops(xlac: Any, devices: list[str]) -> None:
+    """Waits, outside the step lock, for what was launched on these devices only: waiting inside
+    would block a sibling whose launch this graph's collectives wait for, and a sibling's device
+    may already hold its next step, waiting for ours."""
+    if devices:  # (no devices: nothing was launched; the runtime would wait for every device)
+        xlac._xla_wait_device_ops(xlac._xla_real_devices(devices))  # "xla:1" -> "CPU:1"/"TPU:1"
 
 
 def _get_ordinal(defval: int = 0) -> int:

@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -153,7 +154,7 @@ def train_replicas(index, runs, steps):
 
     ordinal = xm.get_ordinal()
     device = xm.xla_device()
-    report = dict(ordinal=ordinal, broadcast_ok=[], trained_equal=[], changed=[])
+    report = dict(ordinal=ordinal, broadcast_ok=[], trained_equal=[], changed=[], pending_reads=[])
     for run in range(runs):
         seeds = xla.seed(100 + run)
         hidden = 4 + run % 4  # the first runs compile new graphs in both threads at once
@@ -183,11 +184,26 @@ def train_replicas(index, runs, steps):
             optimizer.zero_grad()
             loss.backward()
             xm.optimizer_step(optimizer)
-            xm.mark_step()
+            xm.mark_step(wait=run % 2 == 0)
         params = {k: _bits(p) for k, p in model.named_parameters()}
         everyone = xm.rendezvous(f"trained-{run}", repr(params).encode())
         report["trained_equal"].append(all(p == everyone[0] for p in everyone))
         report["changed"].append(params != {k: master_before[k] for k in params})
+
+        # Read on the host a tensor with a pending collective, without mark_step first, through
+        # each xm call that syncs (a new shape each run: both threads compile at once).
+        summed = xm.all_reduce(xm.REDUCE_SUM, (torch.arange(hidden + run, dtype=torch.float32) + ordinal).to(device))
+        if run % 3 == 0:
+            xm.unlazy([summed])
+            read = summed.cpu()
+        elif run % 3 == 1:
+            path = os.path.join(tempfile.gettempdir(), f"pjrt-rendezvous-test-{os.getpid()}-{ordinal}.pt")
+            xm.save(summed, path, master_only=False)
+            read = torch.load(path)
+            os.remove(path)
+        else:
+            read = xm.mesh_reduce(f"pending-{run}", summed, lambda copies: copies[ordinal])
+        report["pending_reads"].append(read.tolist() == [2.0 * i + 1 for i in range(hidden + run)])
 
     # seed(): the XLA device RNG is per replica and reproducible.
     draws = []
@@ -274,21 +290,22 @@ def test_install_is_idempotent_and_uninstall_restores_exactly(xm, torch_xla):
     functions torch_xla 2.7 removed."""
     names = ["get_local_ordinal", "is_master_ordinal", "xla_device", "rendezvous", "mesh_reduce"]
     originals = {n: getattr(xm, n) for n in names}
-    marker = torch_xla._XLAC._xla_step_marker
+    wrapped = {n: getattr(torch_xla._XLAC, n) for n in ("_xla_step_marker", "_xla_sync_multi")}
     removed = {n: hasattr(xm, n) for n in ("get_ordinal", "xrt_world_size")}
 
     assert xla.install() is True and xla.install() is True
     assert xla.is_installed()
     assert all(getattr(xm, n) is not originals[n] for n in names)
     assert callable(xm.get_ordinal) and callable(xm.xrt_world_size)
-    assert torch_xla._XLAC._xla_step_marker is not marker
-    assert torch_xla._XLAC._xla_step_marker.__wrapped__ is marker
+    for n, original in wrapped.items():
+        assert getattr(torch_xla._XLAC, n) is not original
+        assert getattr(torch_xla._XLAC, n).__wrapped__ is original
 
     xla.uninstall()
     xla.uninstall()
     assert not xla.is_installed()
     assert all(getattr(xm, n) is originals[n] for n in names)
-    assert torch_xla._XLAC._xla_step_marker is marker
+    assert all(getattr(torch_xla._XLAC, n) is original for n, original in wrapped.items())
     assert {n: hasattr(xm, n) for n in removed} == removed
 
 
@@ -506,6 +523,16 @@ def test_data_parallel_training_between_threads_ends_bit_identical(training_run)
     for r in results.values():
         assert r["trained_equal"] == [True] * TRAINING_RUNS
         assert r["changed"] == [True] * TRAINING_RUNS
+
+
+@pytest.mark.xla
+def test_host_reads_of_pending_collectives_in_both_threads_share_one_compile(training_run):
+    """xm.unlazy, xm.save and mesh_reduce of a tensor whose all_reduce is still pending, in both
+    threads at once without mark_step (and mark_step(wait=True)): they sync under the step lock,
+    so both threads run one compilation (unwrapped, XLA aborts the process after 10 s)."""
+    results, _ = training_run
+    for r in results.values():
+        assert r["pending_reads"] == [True] * TRAINING_RUNS
 
 
 @pytest.mark.xla
