@@ -149,11 +149,11 @@ class Settings:
             )
         window = self.batch_window
         if isinstance(window, bool) or not isinstance(window, (int, float)) or not 0 <= window < math.inf:
-            raise UsageError(f"batch_window must be a finite number of seconds >= 0, got {window!r}")
+            raise UsageError(f"batch_window must be a finite number of seconds >= 0 (PJRT_RENDEZVOUS_BATCH_WINDOW), got {window!r}")
         if self.fan_in not in FAN_IN_MODES:
-            raise UsageError(f"fan_in must be one of {', '.join(FAN_IN_MODES)}, got {self.fan_in!r}")
+            raise UsageError(f"fan_in must be one of {', '.join(FAN_IN_MODES)} (PJRT_RENDEZVOUS_FAN_IN), got {self.fan_in!r}")
         if self.transport not in TRANSPORTS:
-            raise UsageError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+            raise UsageError(f"transport must be one of {', '.join(TRANSPORTS)} (PJRT_RENDEZVOUS_TRANSPORT), got {self.transport!r}")
         if check_timeout(self.heartbeat_interval, "heartbeat_interval") is None:
             raise UsageError(
                 "heartbeat_interval must be a finite number of seconds (PJRT_RENDEZVOUS_HEARTBEAT_INTERVAL), "
@@ -208,13 +208,15 @@ class Settings:
             if value is not DEFAULT:
                 values[name] = value
         token_file = values.pop("token_file", None)
-        if token_file is not None and given.get("token", DEFAULT) is DEFAULT:
+        token_given, file_given = (given.get(n, DEFAULT) is not DEFAULT for n in ("token", "token_file"))
+        if token_file is not None and (file_given or not token_given):  # an argument wins over a variable
             try:
                 with open(token_file) as f:
                     from_file = f.read().strip()
             except OSError as exc:
                 raise UsageError(f"cannot read the token file {token_file}: {exc.strerror}") from exc
-            if "token" in values and values["token"].strip() != from_file:
-                raise UsageError(token_conflict(_VARIABLES["token"], _VARIABLES["token_file"]))
+            if "token" in values and token_given == file_given and values["token"].strip() != from_file:
+                names = ("init(token=)", "init(token_file=)") if file_given else (_VARIABLES["token"], _VARIABLES["token_file"])
+                raise UsageError(token_conflict(*names))
             values["token"] = from_file
         return cls(address=address, **values)

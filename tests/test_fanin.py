@@ -179,7 +179,7 @@ def test_auto_fan_in_needs_many_hosts_with_several_processes(fan_in, tasks, per_
 
 
 def test_an_unknown_fan_in_mode_is_refused():
-    with pytest.raises(pr.UsageError, match="fan_in must be one of auto, host, off"):
+    with pytest.raises(pr.UsageError, match=r"fan_in must be one of auto, host, off \(PJRT_RENDEZVOUS_FAN_IN\)"):
         pr.Settings(address="127.0.0.1:1", fan_in="tree")
 
 

@@ -96,7 +96,8 @@ def test_token_from_file_and_environment(tmp_path):
 def test_a_token_and_a_token_file_that_disagree_are_refused_by_serve_and_clients(tmp_path):
     """Both variables set with different tokens (an old PJRT_RENDEZVOUS_TOKEN left beside a
     new token file): serve and the clients refuse alike, instead of each picking another one;
-    the same token in both is fine, and a token given in code wins over the file."""
+    the same token in both is fine, an argument wins over a variable, and two arguments that
+    disagree are refused too."""
     token_file = tmp_path / "token"
     token_file.write_text(SECRET + "\n")
     both = {"PJRT_RENDEZVOUS_TOKEN": "old", "PJRT_RENDEZVOUS_TOKEN_FILE": str(token_file)}
@@ -104,6 +105,10 @@ def test_a_token_and_a_token_file_that_disagree_are_refused_by_serve_and_clients
         pr.Settings.resolve(both, address="127.0.0.1:1")
     assert pr.Settings.resolve({**both, "PJRT_RENDEZVOUS_TOKEN": SECRET}, address="127.0.0.1:1").token == SECRET
     assert pr.Settings.resolve(both, address="127.0.0.1:1", token="given").token == "given"
+    assert pr.Settings.resolve({"PJRT_RENDEZVOUS_TOKEN": "old"}, address="127.0.0.1:1", token_file=str(token_file)).token == SECRET
+    with pytest.raises(pr.UsageError, match=r"init\(token=\) and init\(token_file=\) are both set"):
+        pr.Settings.resolve({}, address="127.0.0.1:1", token="old", token_file=str(token_file))
+    assert pr.Settings.resolve({}, address="127.0.0.1:1", token=SECRET, token_file=str(token_file)).token == SECRET
     out = subprocess.run(
         [sys.executable, "-m", "pjrt_rendezvous.coordinator", "serve", "--port", "0"],
         env={**os.environ, **both}, capture_output=True, text=True, timeout=60,

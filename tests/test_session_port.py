@@ -71,7 +71,7 @@ def test_calls_move_to_the_session_port_once_the_coordinator_names_it():
 
 
 def test_an_unknown_transport_is_refused():
-    with pytest.raises(pr.UsageError, match="transport must be one of auto, grpc"):
+    with pytest.raises(pr.UsageError, match=r"transport must be one of auto, grpc \(PJRT_RENDEZVOUS_TRANSPORT\)"):
         pr.Settings(address="127.0.0.1:1", transport="udp")
 
 
