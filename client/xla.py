@@ -205,10 +205,12 @@ def uninstall() -> None:
 
 def _locked_step_marker(original: Callable, xlac: Any) -> Callable:
     def _xla_step_marker(device: str = "", devices: Sequence[str] = (), wait: bool = True, reset_scope: bool = True):
+        own = [device or xlac._xla_get_default_device()]
+        _wait_device_ops(xlac, own)
         with _step_lock:
             original(device, list(devices), wait=False, reset_scope=reset_scope)
         if wait:
-            _wait_device_ops(xlac, [device or xlac._xla_get_default_device()])
+            _wait_device_ops(xlac, own)
 
     _xla_step_marker.__wrapped__ = original  # type: ignore[attr-defined]
     return _xla_step_marker
@@ -216,20 +218,27 @@ def _locked_step_marker(original: Callable, xlac: Any) -> Callable:
 
 def _locked_sync_multi(original: Callable, xlac: Any) -> Callable:
     def _xla_sync_multi(tensors: Sequence[Any], devices: Sequence[str], wait: bool = True, sync_xla_data: bool = True):
+        own = list(devices) or sorted({str(t.device) for t in tensors})
+        _wait_device_ops(xlac, own)
         with _step_lock:
             original(tensors, list(devices), wait=False, sync_xla_data=sync_xla_data)
         if wait:
-            _wait_device_ops(xlac, list(devices) or sorted({str(t.device) for t in tensors}))
+            _wait_device_ops(xlac, own)
 
     _xla_sync_multi.__wrapped__ = original  # type: ignore[attr-defined]
     return _xla_sync_multi
 
 
 def _wait_device_ops(xlac: Any, devices: list[str]) -> None:
-    """Waits, outside the step lock, for what was launched on these devices only: waiting inside
-    would block a sibling whose launch this graph's collectives wait for, and a sibling's device
-    may already hold its next step, waiting for ours."""
-    if devices:  # (no devices: nothing was launched; the runtime would wait for every device)
+    """Waits, outside the step lock, for what was launched on these devices (the calling
+    thread's own) and only these: a sibling's device may hold its next step, waiting for ours.
+
+    Before a launch: torch_xla launches a device's next graph only once its last one is done,
+    and that one's collectives may wait for a sibling's launch; blocked there inside the lock,
+    the sibling could never launch (XLA aborts after 10 s). After a launch with ``wait=True``:
+    waiting inside would block a sibling whose launch this graph's collectives wait for.
+    """
+    if devices:  # (none: nothing to launch; the runtime would wait for every device)
         xlac._xla_wait_device_ops(xlac._xla_real_devices(devices))  # "xla:1" -> "CPU:1"/"TPU:1"
 
 

@@ -205,6 +205,17 @@ def train_replicas(index, runs, steps):
             read = xm.mesh_reduce(f"pending-{run}", summed, lambda copies: copies[ordinal])
         report["pending_reads"].append(read.tolist() == [2.0 * i + 1 for i in range(hidden + run)])
 
+    # Cheap steps with a collective each, one replica late once (master-only work, say): a launch
+    # waits for its device's last step, whose all_reduce waits for the late sibling's launch.
+    w = torch.ones(4).to(device)
+    for step in range(10):
+        g = xm.all_reduce(xm.REDUCE_SUM, w * 2 + torch.tensor([float(ordinal)]).to(device), scale=0.5)
+        w = w - 0.1 * g
+        if step == 0 and ordinal == 0:
+            time.sleep(0.2)
+        xm.mark_step()
+    report["cheap_steps"] = w.cpu().tolist()
+
     # seed(): the XLA device RNG is per replica and reproducible.
     draws = []
     for _ in range(2):
@@ -533,6 +544,16 @@ def test_host_reads_of_pending_collectives_in_both_threads_share_one_compile(tra
     results, _ = training_run
     for r in results.values():
         assert r["pending_reads"] == [True] * TRAINING_RUNS
+
+
+@pytest.mark.xla
+def test_cheap_steps_with_a_late_replica_do_not_deadlock_on_the_step_lock(training_run):
+    """A step's launch waits for its device's previous step outside the step lock: inside, it
+    blocked a late sibling whose launch that step's all_reduce waited for (XLA aborted the
+    process after 10 s). Both replicas end with the same weights."""
+    results, _ = training_run
+    assert results[0]["cheap_steps"] == results[1]["cheap_steps"]
+    assert len(results[0]["cheap_steps"]) == 4
 
 
 @pytest.mark.xla
