@@ -663,15 +663,24 @@ def session_answer(
     return pb.SessionAnswer(id=call_id, code=status.value[0], message=clip(message)).SerializeToString(), b""
 
 
-async def serve_session(requests, context, run: Callable[[Call], Awaitable[tuple[bytes, bytes]]]) -> None:
+async def serve_session(
+    requests,
+    context,
+    run: Callable[[Call], Awaitable[tuple[bytes, bytes]]],
+    streams: dict[asyncio.Task, Callable[[], bool]] | None = None,
+) -> None:
     """Serves one Session stream of decoded requests (:func:`decode_session_calls`): each
     call runs as its own task (``run`` returns its answer as in :func:`encode_answers`) and
     is answered when done, in any order (see the .proto).
     Answers that are ready while the stream is busy writing go out together in the next
-    message; a cancel stops the call's task."""
+    message; a cancel stops the call's task. While it serves, ``streams`` maps its task to
+    a test whether it is idle (no call running, every answer written)."""
     calls: dict[int, asyncio.Task] = {}  # running, cancellable by the client
     ready: list[tuple[bytes, bytes]] = []  # answers waiting for the stream
     writer: asyncio.Task | None = None
+    if streams is not None:
+        this = asyncio.current_task()
+        streams[this] = lambda: not calls and not ready and (writer is None or writer.done())
 
     async def write() -> None:
         try:
@@ -710,6 +719,8 @@ async def serve_session(requests, context, run: Callable[[Call], Awaitable[tuple
         while writer is not None and not writer.done():
             await writer
     finally:
+        if streams is not None:
+            streams.pop(this, None)
         for task in calls.values():
             task.cancel()
         if writer is not None:
@@ -827,6 +838,10 @@ class FramedSession(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+
+    def busy(self) -> bool:
+        """Whether a call is running."""
+        return bool(self._calls)
 
     def data_received(self, data: bytes) -> None:
         if not self._buffer and one_whole_message(data):  # nearly every read: taken as it came

@@ -269,6 +269,11 @@ def host_port(host: str, port: int | str) -> str:
     return f"{host}:{port}"
 
 
+def normalize_address(text: str, source: str) -> str:
+    """``text`` as ``host:port`` (see :func:`_normalize_address`); ``source`` names it in errors."""
+    return _normalize_address(_Raw(text, source, source))
+
+
 def _normalize_address(raw: _Raw) -> str:
     """``host``, ``host:port``, ``[v6]``, ``[v6]:port`` or a bare IPv6 literal -> ``host:port``."""
     text = raw.text.strip()

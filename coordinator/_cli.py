@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import re
@@ -18,6 +19,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from pjrt_rendezvous.client._config import parse_seconds, token_conflict
+from pjrt_rendezvous.client._topology import host_port
 from pjrt_rendezvous.client._errors import UsageError
 
 from ._core import Limits
@@ -92,8 +94,8 @@ def _non_negative_seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
     return value
 
 
@@ -238,6 +240,17 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     status.add_argument("--address", help="coordinator host:port (default: as the client finds it)")
     status.add_argument("--job", default="", help="one job (default: every job)")
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        default=DEFAULT_HEALTH_TIMEOUT,
+        help=f"seconds to wait for the answer (default {DEFAULT_HEALTH_TIMEOUT:g})",
+    )
+    tls_server_name = dict(
+        default=env.get(TLS_SERVER_NAME_VARIABLE) or None,
+        help=f"name the server certificate must carry when it differs from --address's host [{TLS_SERVER_NAME_VARIABLE}]",
+    )
+    status.add_argument("--tls-server-name", **tls_server_name)
 
     health = commands.add_parser(
         "health",
@@ -260,11 +273,7 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     health.add_argument("--wait", action="store_true", help="wait up to --timeout for the coordinator to be serving")
     health.add_argument("--service", default="", help="service to ask about (default '': the whole server)")
-    health.add_argument(
-        "--tls-server-name",
-        default=env.get(TLS_SERVER_NAME_VARIABLE) or None,
-        help=f"name the server certificate must carry when it differs from --address's host [{TLS_SERVER_NAME_VARIABLE}]",
-    )
+    health.add_argument("--tls-server-name", **tls_server_name)
 
     demo = commands.add_parser("demo", help="run a coordinator and a simulated pod on this machine")
     demo.add_argument("--processes", type=_positive, default=4, help="simulated chips/processes (default 4)")
@@ -308,12 +317,12 @@ def _serve(args, env: Mapping[str, str]) -> int:
     _logging.configure(args.log_level, args.log_format)
 
     def ready(running) -> None:
-        print(f"pjrt-rendezvous coordinator listening on {args.host}:{running.port}", flush=True)
+        print(f"pjrt-rendezvous coordinator listening on {host_port(args.host, running.port)}", flush=True)
         if running.session_port is not None:
-            print(f"pjrt-rendezvous session port {args.host}:{running.session_port}", flush=True)
+            print(f"pjrt-rendezvous session port {host_port(args.host, running.session_port)}", flush=True)
         if running.metrics_port is not None:
             host = args.host if args.metrics_host is None else args.metrics_host
-            print(f"pjrt-rendezvous metrics on http://{host}:{running.metrics_port}/metrics", flush=True)
+            print(f"pjrt-rendezvous metrics on http://{host_port(host, running.metrics_port)}/metrics", flush=True)
 
     try:
         token = env[TOKEN_VARIABLE].strip() if env.get(TOKEN_VARIABLE) else None
@@ -352,7 +361,7 @@ def _serve(args, env: Mapping[str, str]) -> int:
 
 def local_address(env: Mapping[str, str]) -> str:
     """Where ``serve`` run with ``env`` can be reached from this machine."""
-    from pjrt_rendezvous.client._topology import DEFAULT_PORT, host_port
+    from pjrt_rendezvous.client._topology import DEFAULT_PORT
 
     host = env.get(SERVE_VARIABLES["host"], "").strip()
     if host in ("", "0.0.0.0", "::", "[::]"):
@@ -360,27 +369,40 @@ def local_address(env: Mapping[str, str]) -> str:
     return host_port(host, env.get(SERVE_VARIABLES["port"], "").strip() or DEFAULT_PORT)
 
 
-def _health(args, env: Mapping[str, str]) -> int:
+def _dial(command: str, address: str, env: Mapping[str, str], tls_server_name: str | None):
+    """A channel to ``address`` (normalized like the clients' addresses: default port,
+    IPv6 brackets) with the client variables' TLS, and the token's metadata; or prints why
+    not and returns None."""
     import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from pjrt_rendezvous.client._config import Settings
     from pjrt_rendezvous.client._errors import RendezvousError
+    from pjrt_rendezvous.client._topology import normalize_address
 
-    address = args.address or local_address(env)
     try:
+        address = normalize_address(address, "--address")
         settings = Settings.resolve(env, address=address)
         credentials = settings.credentials()
     except RendezvousError as exc:
-        print(f"pjrt-rendezvous health: {exc}", file=sys.stderr)
-        return 1
-    options = [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
+        print(f"pjrt-rendezvous {command}: {exc}", file=sys.stderr)
+        return None
+    options = [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else []
     if credentials is None:
         channel = grpc.insecure_channel(address, options=options)
     else:
         channel = grpc.secure_channel(address, credentials, options=options)
-    # Health checks are exempt from the token; sending it does no harm.
     metadata = (("authorization", f"Bearer {settings.token}"),) if settings.token else None
+    return address, channel, metadata
+
+
+def _health(args, env: Mapping[str, str]) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    dialed = _dial("health", args.address or local_address(env), env, args.tls_server_name)
+    if dialed is None:
+        return 1
+    address, channel, metadata = dialed  # (health checks are exempt from the token; it does no harm)
     deadline = time.monotonic() + args.timeout
     request = health_pb2.HealthCheckRequest(service=args.service)
     with channel:
@@ -452,8 +474,8 @@ def _count(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
-def _pids(pids: list[int], dead: set[int] = frozenset(), limit: int = 4) -> str:
-    shown = [f"{p} (dead)" if p in dead else str(p) for p in pids[:limit]]
+def _pids(pids: list[int], dead: set[int] = frozenset(), left: set[int] = frozenset(), limit: int = 4) -> str:
+    shown = [f"{p} (dead)" if p in dead else f"{p} (left)" if p in left else str(p) for p in pids[:limit]]
     if len(pids) > limit:
         shown.append(f"+{len(pids) - limit} more")
     return ", ".join(shown)
@@ -472,6 +494,11 @@ def _table(headers: list[str], rows: list[list], indent: str = "  ") -> list[str
             parts = [(lines[k] if k < len(lines) else "").ljust(w) for lines, w in zip(row, widths)]
             out.append(indent + "  ".join(parts).rstrip())
     return out
+
+
+def _dead(participant) -> bool:
+    """Declared dead (a process that closed its client has left: not alive, not dead)."""
+    return not participant.alive and not participant.left
 
 
 def summarize_job(job) -> dict:
@@ -493,9 +520,11 @@ def summarize_job(job) -> dict:
             {
                 "host": host,
                 "processes": len(procs),
-                "dead": sum(1 for p in procs if not p.alive),
+                "dead": sum(1 for p in procs if _dead(p)),
+                "left": sum(1 for p in procs if p.left),
                 "pids": [p.pid for p in procs],
-                "deadPids": [p.pid for p in procs if not p.alive],
+                "deadPids": [p.pid for p in procs if _dead(p)],
+                "leftPids": [p.pid for p in procs if p.left],
                 "tasks": format_ranges(p.task_id for p in procs),
                 "ordinals": format_ranges(entry["ordinals"]),
                 "lastHeartbeatAge": max(p.last_seen_age for p in procs),
@@ -518,7 +547,8 @@ def summarize_job(job) -> dict:
                     "ordinals": ordinals,
                     "ranges": format_ranges(ordinals),
                     "pids": sorted(p.pid for p in procs.values()),
-                    "deadPids": sorted(p.pid for p in procs.values() if not p.alive),
+                    "deadPids": sorted(p.pid for p in procs.values() if _dead(p)),
+                    "leftPids": sorted(p.pid for p in procs.values() if p.left),
                     "lastHeartbeatAge": max((p.last_seen_age for p in procs.values()), default=None),
                 }
             )
@@ -577,8 +607,8 @@ def render_status(response, address: str) -> str:
             rows = [
                 [
                     h["host"],
-                    f"{h['processes']}" + (f" ({h['dead']} dead)" if h["dead"] else ""),
-                    _pids(h["pids"], set(h["deadPids"])),
+                    f"{h['processes']}" + "".join(f" ({h[k]} {k})" for k in ("dead", "left") if h[k]),
+                    _pids(h["pids"], set(h["deadPids"]), set(h["leftPids"])),
                     h["ordinals"],
                     f"{_age(h['lastHeartbeatAge'])} ago",
                 ]
@@ -599,7 +629,7 @@ def render_status(response, address: str) -> str:
                     if m["host"] is None:
                         missing.append(f"{m['ranges']} not registered")
                         continue
-                    detail = [f"pid{'s' if len(m['pids']) != 1 else ''} {_pids(m['pids'], set(m['deadPids']))}"]
+                    detail = [f"pid{'s' if len(m['pids']) != 1 else ''} {_pids(m['pids'], set(m['deadPids']), set(m['leftPids']))}"]
                     if m["lastHeartbeatAge"] is not None:
                         detail.append(f"last heartbeat {_age(m['lastHeartbeatAge'])} ago")
                     missing.append(f"{m['ranges']} on {m['host']} ({', '.join(detail)})")
@@ -611,31 +641,38 @@ def render_status(response, address: str) -> str:
 
 
 def _status(args, env: Mapping[str, str]) -> int:
-    import pjrt_rendezvous.client as pr
-    from pjrt_rendezvous.client._api import _detect
-    from pjrt_rendezvous.client._client import Client
-    from pjrt_rendezvous.client._config import Settings
+    import grpc
 
-    address = args.address
-    if address is None and not env.get("PJRT_RENDEZVOUS_ADDRESS") and env.get(SERVE_VARIABLES["port"]):
+    from pjrt_rendezvous.client._api import _detect
+    from pjrt_rendezvous.client._errors import RendezvousError
+    from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
+    from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
+
+    address = args.address or env.get("PJRT_RENDEZVOUS_ADDRESS", "").strip() or None
+    if address is None and env.get(SERVE_VARIABLES["port"]):
         address = local_address(env)  # next to a serve configuration (the image, a unit's file)
-    try:
-        topology = _detect(env, address)
-        client = Client(Settings.resolve(env, address=topology.address, connect_timeout=5.0), topology)
-    except pr.RendezvousError as exc:
-        print(f"pjrt-rendezvous status: {exc}", file=sys.stderr)
+    if address is None:
+        try:  # as a client finds it: TPU worker 0, else localhost
+            address = _detect(env, None).address
+        except RendezvousError as exc:
+            print(f"pjrt-rendezvous status: {exc} (or name the coordinator: --address)", file=sys.stderr)
+            return 1
+    dialed = _dial("status", address, env, args.tls_server_name)
+    if dialed is None:
         return 1
-    try:
-        response = client.status(args.job)
-    except pr.RendezvousError as exc:
-        print(f"pjrt-rendezvous status: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        client.close()
+    address, channel, metadata = dialed
+    with channel:
+        try:
+            response = pb_grpc.CoordinatorStub(channel).Status(
+                pb.StatusRequest(job=args.job), timeout=args.timeout, metadata=metadata
+            )
+        except grpc.RpcError as exc:
+            print(f"pjrt-rendezvous status: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
     if args.json:
-        print(json.dumps(status_json(response, topology.address), indent=2))
+        print(json.dumps(status_json(response, address), indent=2))
     else:
-        sys.stdout.write(render_status(response, topology.address))
+        sys.stdout.write(render_status(response, address))
     return 0
 
 

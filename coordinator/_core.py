@@ -57,6 +57,7 @@ class Code(enum.Enum):
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     ABORTED = "ABORTED"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    UNAVAILABLE = "UNAVAILABLE"  # the coordinator is stopping
 
 
 class CoreError(Exception):
@@ -198,6 +199,7 @@ class ParticipantView:
     last_seen_age: float
     runtime_ordinal: int | None
     alive: bool
+    left: bool = False  # not alive: it closed its client
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -492,10 +494,10 @@ class Core:
             )
         job = self._job_or_create(name)
         if job.world_size is not None and job.world_size != world_size:
-            raise CoreError(
-                Code.FAILED_PRECONDITION,
-                f"job {name!r} already has world size {job.world_size}, cannot declare {world_size}",
-            )
+            # Restored from a state file: the operator changed the size, so the job is a new
+            # run of that size (a coordinator that refused to start would restart in a loop).
+            self._start_afresh(job, f"its world size changed from {job.world_size} to {world_size}")
+            job.devices_per_task = None
         job.world_size = world_size
         job.world_fixed_by = _DECLARED
         self._changed()
@@ -1163,10 +1165,10 @@ class Core:
         if incarnation in job.processes:
             self.declare_dead(job_name, incarnation, "its client closed", left=True)
 
-    def _start_afresh(self, job: Job) -> None:
-        """Every process of the job left or died: a new run starts from an empty rank table
-        (keys stay: a new run may have written some before registering)."""
-        error = CoreError(Code.ABORTED, f"job {job.name!r} starts afresh: every process of the last run is gone")
+    def _start_afresh(self, job: Job, why: str = "every process of the last run is gone") -> None:
+        """A new run starts from an empty rank table (keys stay: a new run may have written
+        some before registering); the last run's pending rounds fail."""
+        error = CoreError(Code.ABORTED, f"job {job.name!r} starts afresh: {why}")
         for rnd in list(job.pending.values()):
             self._fail(job, rnd, error)
         job.processes.clear()
@@ -1402,6 +1404,7 @@ class Core:
                     last_seen_age=0.0 if now is None else max(0.0, now - p.last_seen),
                     runtime_ordinal=m.runtime_ordinal,
                     alive=p.alive,
+                    left=p.left,
                 )
             )
         return views

@@ -189,9 +189,12 @@ class _SessionPort:
     async def start(self, host: str, port: int) -> int:
         # Like gRPC's port: "" or "0.0.0.0" listen everywhere (IPv4), "::" on both families.
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            self._connection, host or None, port, reuse_address=True, backlog=self.BACKLOG
-        )
+        try:
+            self._server = await loop.create_server(
+                self._connection, host or None, port, reuse_address=True, backlog=self.BACKLOG
+            )
+        except OSError as exc:
+            raise OSError(f"cannot listen on the session port {host_port(host, port)} (--session-port): {exc.strerror or exc}") from None
         return self._server.sockets[0].getsockname()[1]
 
     def _hello(self, greeting: pb.SessionHello) -> tuple[grpc.StatusCode, str] | None:
@@ -209,12 +212,16 @@ class _SessionPort:
         self._connections.add(connection)
         return connection
 
+    def calls_in_flight(self) -> bool:
+        return any(connection.busy() for connection in self._connections)
+
     def close_listener(self) -> None:
-        self._server.close()
+        if self._server is not None:  # (None: it never listened)
+            self._server.close()
 
     def close(self) -> None:
         """Drops every connection (their clients resend, to a restarted coordinator)."""
-        self._server.close()
+        self.close_listener()
         for connection in list(self._connections):
             if connection.transport is not None:
                 connection.transport.abort()
@@ -329,6 +336,7 @@ class RunningServer:
         server: grpc.aio.Server,
         port: int,
         core: Core,
+        servicer: Servicer,
         health_servicer,
         tasks,
         *,
@@ -349,25 +357,45 @@ class RunningServer:
         self._metrics_server = metrics_server
         self._sessions = sessions
         self._writer = writer
+        self._servicer = servicer
         self._health = health_servicer
         self._tasks = tasks
+        self._hurried = asyncio.Event()
 
     async def stop(self, grace: float | None) -> None:
-        """Marks health NOT_SERVING, lets in-flight calls finish for ``grace`` seconds, stops."""
+        """Marks health NOT_SERVING, lets in-flight calls finish for ``grace`` seconds (or
+        until :meth:`hurry`), stops, and writes the state file a last time."""
+        loop = asyncio.get_running_loop()
+        deadline = None if grace is None else loop.time() + grace
         for task in self._tasks:
             task.cancel()
         await self._health.enter_graceful_shutdown()
-        # No new sessions; those open get the grace like gRPC's calls, then end.
-        if self._sessions is not None:
-            self._sessions.close_listener()
-        await self.server.stop(grace)
-        if self._sessions is not None:
-            self._sessions.close()
+        # No new connections to the session port. Calls running on it or on a gRPC Session
+        # stream get the grace; idle streams (and every Watch stream) end now.
+        sessions = self._sessions
+        if sessions is not None:
+            sessions.close_listener()
+        while self._servicer.end_streams() or (sessions is not None and sessions.calls_in_flight()):
+            if self._hurried.is_set() or (deadline is not None and loop.time() >= deadline):
+                break
+            await asyncio.sleep(0.02)
+        await self.server.stop(None if deadline is None else max(0.0, deadline - loop.time()))
+        if sessions is not None:
+            sessions.close()
         if self._metrics_server is not None:
             self._metrics_server.close()
             await self._metrics_server.wait_closed()
         if self._writer is not None:
+            try:  # what changed without a call (deaths found by the liveness watch) is on disk
+                await self._writer.flush()
+            except Exception:
+                log.exception("cannot write the state file on stop")
             self._writer.close()
+
+    def hurry(self) -> None:
+        """Ends a :meth:`stop` under way now: in-flight calls are cancelled."""
+        self._hurried.set()
+        self._hurry_task = asyncio.get_running_loop().create_task(self.server.stop(0))
 
 
 async def start_server(options: ServerOptions = ServerOptions(), *, core: Core | None = None) -> RunningServer:
@@ -395,6 +423,13 @@ async def start_server(options: ServerOptions = ServerOptions(), *, core: Core |
             )
     core = core or Core(options.limits, heartbeat_timeout=options.heartbeat_timeout)
     if options.world_size is not None:
+        restored = core.jobs.get(options.job)
+        if restored is not None and restored.world_size not in (None, options.world_size):
+            log.warning(
+                "job %s had world size %d in %s; --world-size %d starts it afresh (its keys stay)",
+                options.job, restored.world_size, options.state_file, options.world_size,
+                extra={"event": "world_size_changed", "job": options.job},
+            )
         core.declare_job(options.job, options.world_size)
     writer = _StateWriter(core, options.state_file) if options.state_file else None
     metrics = Metrics() if options.metrics_port is not None else None
@@ -416,15 +451,18 @@ async def start_server(options: ServerOptions = ServerOptions(), *, core: Core |
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     host = options.host
     address = host_port(host, options.port)
-    if options.tls_cert is not None:
-        credentials = grpc.ssl_server_credentials(
-            [(options.tls_key, options.tls_cert)],
-            root_certificates=options.tls_ca,
-            require_client_auth=options.tls_ca is not None,
-        )
-        port = server.add_secure_port(address, credentials)
-    else:
-        port = server.add_insecure_port(address)
+    credentials = None if options.tls_cert is None else grpc.ssl_server_credentials(
+        [(options.tls_key, options.tls_cert)],
+        root_certificates=options.tls_ca,
+        require_client_auth=options.tls_ca is not None,
+    )
+    try:
+        port = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
+    except RuntimeError:  # gRPC says only "Failed to bind to address ...; set GRPC_VERBOSITY=debug"
+        tls = "" if credentials is None else "; or the TLS certificate and key (--tls-cert, --tls-key) are not valid PEM"
+        raise RuntimeError(
+            f"cannot listen on {address} (--host, --port): the port is in use, or the host is not an address of this machine{tls}"
+        ) from None
     await server.start()
     metrics_server = None
     sessions = session_port = None
@@ -453,6 +491,7 @@ async def start_server(options: ServerOptions = ServerOptions(), *, core: Core |
         server,
         port,
         core,
+        servicer,
         health_servicer,
         tasks,
         metrics=metrics,
@@ -638,7 +677,7 @@ def serve_forever(options: ServerOptions, *, on_ready=None) -> None:
             loop.add_signal_handler(sig, stopping.set)
         if on_ready is not None:  # after the handlers: a stop signal from here on drains
             on_ready(running)
-        where = f"{options.host}:{running.port}"
+        where = host_port(options.host, running.port)
         if running.session_port is not None:
             where += f" (session port {running.session_port})"
         metrics = "" if running.metrics_port is None else f", metrics on port {running.metrics_port}"
@@ -657,6 +696,8 @@ def serve_forever(options: ServerOptions, *, on_ready=None) -> None:
         interval = _notify.watchdog_interval()
         watchdog = None if interval is None else loop.create_task(_keep_watchdog_fed(interval))
         await stopping.wait()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second one ends the drain
+            loop.add_signal_handler(sig, running.hurry)
         _notify.notify(f"STOPPING=1\nSTATUS=stopping: in-flight calls get {options.grace:g} s")
         log.info("stopping: in-flight calls get %.1f s", options.grace, extra={"event": "stopping"})
         started = time.monotonic()

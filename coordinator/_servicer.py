@@ -142,6 +142,27 @@ class Servicer(pb_grpc.CoordinatorServicer):
         self._world_tables: dict[str, tuple[int, bytes]] = {}  # job -> (core version, WaitWorldResponse)
         # Told to clients in Register and Heartbeat answers (0: none; see _server._SessionPort).
         self.session_port = 0
+        self._stopping = False  # streams end (see end_streams)
+        self._streams: dict[asyncio.Task, Callable[[], bool]] = {}  # Session streams -> idle?
+
+    def end_streams(self) -> bool:
+        """On stop, called until it returns False: every Watch stream ends (UNAVAILABLE; its
+        client watches again once a coordinator answers) and every idle Session stream (its
+        client opens another), instead of holding the drain for its whole grace. Returns
+        whether a Session stream still runs a call."""
+        self._stopping = True
+        for key in [k for k in self._waiters if k[0] == "events"]:
+            for waiter in list(self._waiters.pop(key)):
+                if not waiter.done():
+                    waiter.set_result(True)
+        busy = False
+        for task, idle in list(self._streams.items()):
+            if idle():
+                del self._streams[task]
+                task.cancel()
+            else:
+                busy = True
+        return busy
 
     # -- waiting --------------------------------------------------------------------------
 
@@ -348,8 +369,14 @@ class Servicer(pb_grpc.CoordinatorServicer):
             return
         while True:
             await asyncio.sleep(min(1.0, timeout / 4))
+            version = self._core.version
             self._core.check_liveness(self._clock())
             self._wake()
+            if self._core.version != version:
+                try:  # a death is state like any other: on disk, even if nobody calls again
+                    await self._persist()
+                except Exception:
+                    log.exception("cannot write the state file after a liveness check")
 
     @_translated
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
@@ -377,7 +404,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
             seen = len(self._core.events(request.job, 0))
         except CoreError as exc:
             await _abort(context, exc.code, exc.message)
-        while True:
+        while not self._stopping:
             for event in self._core.events(request.job, seen):
                 seen += 1
                 yield pb.WatchEvent(
@@ -388,12 +415,18 @@ class Servicer(pb_grpc.CoordinatorServicer):
                     message=event.message,
                 )
             await self._wait(("events", request.job), None)
+        await _abort(context, Code.UNAVAILABLE, "the coordinator is stopping")
 
     # -- sessions -------------------------------------------------------------------------
 
     async def Session(self, requests, context) -> None:
         """Carries a client process's unary calls on one stream (see :func:`serve_session`)."""
-        await serve_session(requests, context, self._session_call)
+        try:
+            await serve_session(requests, context, self._session_call, self._streams)
+        except asyncio.CancelledError:
+            if not self._stopping:
+                raise
+            # Ended by end_streams (or cut at the end of the grace): the stream ends quietly.
 
     async def _session_call(self, call: Call) -> tuple[bytes, bytes]:
         """Runs one call of a Session like the unary method would; returns its answer as
@@ -557,6 +590,7 @@ def _participant(view) -> pb.Participant:
         incarnation=view.incarnation,
         last_seen_age=view.last_seen_age,
         alive=view.alive,
+        left=view.left,
     )
     if view.runtime_ordinal is not None:
         message.runtime_ordinal = view.runtime_ordinal

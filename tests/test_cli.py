@@ -252,16 +252,34 @@ def test_status_finds_the_coordinator_where_serve_s_variables_put_it():
         assert f"127.0.0.1:{server.port}" in found.stdout
 
 
+def test_status_and_health_read_an_address_as_clients_do_and_need_no_known_tpu_layout():
+    """An address without a port takes the default port (gRPC's own default is 443); a bad
+    one is refused naming --address; a TPU type the client cannot lay out does not stop
+    `status --address`."""
+    with Serve("--world-size", "2") as server:
+        unknown_tpu = run_cli("status", "--address", server.address, env={"TPU_ACCELERATOR_TYPE": "v9-8"})
+        assert unknown_tpu.returncode == 0, unknown_tpu.stderr
+        for command in ("health", "status"):
+            default_port = run_cli(command, "--address", "127.0.0.1", "--timeout", "2")
+            assert default_port.returncode == 1 and "127.0.0.1:7481" in default_port.stderr, default_port.stderr
+            bad = run_cli(command, "--address", "127.0.0.1:99999")
+            assert bad.returncode == 1 and "--address has an invalid port" in bad.stderr, bad.stderr
+        server.stop()
+
+
 def test_render_status_marks_dead_processes_and_groups_hosts_naturally():
-    """Rendering alone: hosts sort as host-2 before host-10, a dead pid is marked, plural words agree."""
+    """Rendering alone: hosts sort as host-2 before host-10, a dead pid is marked and one that
+    closed its client marked as left, plural words agree."""
     participants = [
-        pb.Participant(ordinal=o, task_id=o, host=f"host-{h}", pid=100 + o, incarnation=f"i{o}", last_seen_age=age, alive=alive)
-        for o, h, age, alive in [(0, 10, 0.5, True), (1, 2, 75.0, False)]
+        pb.Participant(
+            ordinal=o, task_id=o, host=f"host-{h}", pid=100 + o, incarnation=f"i{o}", last_seen_age=age, alive=alive, left=left
+        )
+        for o, h, age, alive, left in [(0, 10, 0.5, True, False), (1, 2, 75.0, False, False), (2, 10, 9.0, False, True)]
     ]
     response = pb.StatusResponse(
         jobs=[
             pb.JobStatus(
-                job="j", world_size=2, registered=2, generation=3, rounds_completed=1, kv_keys=1,
+                job="j", world_size=3, registered=3, generation=3, rounds_completed=1, kv_keys=1,
                 participants=participants,
                 pending_rounds=[
                     pb.PendingRound(
@@ -277,6 +295,7 @@ def test_render_status_marks_dead_processes_and_groups_hosts_naturally():
     rows = [line.split()[0] for line in text.splitlines() if line.strip().startswith("host-")]
     assert rows == ["host-2", "host-10"]
     assert re.search(r"host-2\s+1 \(1 dead\)\s+101 \(dead\)\s+1\s+1 min 15 s ago", text), text
+    assert re.search(r"host-10\s+2 \(1 left\)\s+100, 102 \(left\)\s+0, 2\s+9.0 s ago", text), text
     assert re.search(
         r"7\s+0-1\s+'a'\s+1/2\s+1 h 2 min\s+1 on host-2 \(pid 101 \(dead\), last heartbeat 1 min 15 s ago\)", text
     ), text
@@ -368,6 +387,10 @@ def test_health_with_tls_uses_the_client_variables(tls_files):
         assert named.returncode == 0, named.stderr
         flag = run_cli("health", "--address", server.address, "--tls-server-name", "coordinator.test", env=ca)
         assert flag.returncode == 0, flag.stderr
+        status = run_cli(
+            "status", "--address", server.address, env={**ca, "PJRT_RENDEZVOUS_TLS_SERVER_NAME": "coordinator.test"}
+        )
+        assert status.returncode == 0, status.stderr
         server.stop()
 
 
@@ -548,3 +571,108 @@ def test_serve_raises_its_open_files_limit_for_a_large_pods_connections():
         assert "512" in line and "about 224 client processes" in line, line
         assert _open_files_limit(serve.proc.pid) == 512
         assert serve.stop() == 0
+
+
+# -- stopping and restarting serve ----------------------------------------------------------
+
+
+_REGISTER_AND_SLEEP = """
+import sys, time
+import pjrt_rendezvous.client as pr
+from pjrt_rendezvous.client._demo import simulated_env
+address = sys.argv[1]
+env = simulated_env(address=address, accelerator="v3-8", task=0, processes=1, hosts=1, threads=1)
+client = pr.Client(pr.Settings(address=address, connect_timeout=10), pr.detect_topology(env, address=address))
+client.bind_thread(0)
+print("bound", flush=True)
+time.sleep(600)
+"""
+
+
+def _registered_process(address: str) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _REGISTER_AND_SLEEP, address], env=clean_env(), stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "bound"
+    return proc
+
+
+def test_stop_ends_idle_streams_at_once_and_a_second_signal_ends_the_drain():
+    """Idle clients (a Watch stream each, a gRPC Session stream with transport=grpc) do not hold
+    the drain for its grace, and nothing is logged as an error; with a call in flight a second
+    SIGTERM ends the drain at once."""
+    with Serve("--grace", "60") as server:
+        clients = [simulated_process(server.address, t, processes=3, threads=1) for t in range(2)]
+        clients.append(simulated_process(server.address, 2, processes=3, threads=1, transport="grpc"))
+        threads = [bound_thread(c, 0)[0] for c in clients]
+        wait_until(lambda: all(c.status().jobs[0].registered == 3 for c in clients[:1]), what="registrations")
+        started = time.monotonic()
+        assert server.stop() == 0
+        assert time.monotonic() - started < 20, server.stderr()
+        assert "ERROR" not in server.stderr() and "Traceback" not in server.stderr(), server.stderr()
+        for c in clients:
+            c.close()
+        for t in threads:
+            t.join(10)
+
+    with Serve("--grace", "60") as server:
+        client = simulated_process(server.address, 0, processes=2, threads=1)
+        thread, errors = bound_thread(client, 0, lambda binding: client.rendezvous(binding, "never", b"", timeout=120))
+        server.wait_for_line("registered task 0")
+        time.sleep(0.5)  # the rendezvous call is in flight
+        server.terminate()
+        server.wait_for_line("stopping: in-flight calls get 60.0 s")
+        started = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0
+        assert time.monotonic() - started < 20
+        client.close()
+        thread.join(10)
+
+
+def test_serve_refuses_a_busy_session_port_and_an_endless_grace_with_a_message():
+    with Serve() as first:
+        busy = subprocess.run(
+            [*CLI, "serve", "--port", "0", "--session-port", str(first.session_port)],
+            env=clean_env(), capture_output=True, text=True, timeout=60,
+        )
+        assert busy.returncode == 1, busy.stderr
+        assert f"cannot listen on the session port 127.0.0.1:{first.session_port} (--session-port)" in busy.stderr
+        assert "Traceback" not in busy.stderr
+        taken = subprocess.run(
+            [*CLI, "serve", "--port", str(first.port)], env=clean_env(), capture_output=True, text=True, timeout=60
+        )
+        assert taken.returncode == 1 and f"cannot listen on 127.0.0.1:{first.port} (--host, --port)" in taken.stderr
+        assert "Traceback" not in taken.stderr
+        first.stop()
+    endless = run_cli("serve", "--port", "0", "--grace", "inf")
+    assert endless.returncode == 2 and "--grace: must be a finite number of seconds" in endless.stderr
+
+
+def test_a_death_found_by_the_liveness_watch_is_in_the_state_file(tmp_path):
+    """A process declared dead by its missed heartbeats, with no call after it: a coordinator
+    restarted from the state file knows it is dead."""
+    state = tmp_path / "coordinator.state"
+    with Serve("--state-file", str(state), "--heartbeat-timeout", "1") as server:
+        proc = _registered_process(server.address)
+        proc.kill()
+        proc.wait(10)
+        server.wait_for_line("no heartbeat for")
+        assert server.stop() == 0
+    with Serve("--state-file", str(state)) as server:
+        out = run_cli("status", "--address", server.address, "--json")
+        assert out.returncode == 0, out.stderr
+        (participant,) = json.loads(out.stdout)["jobs"][0]["participants"]
+        assert participant["alive"] is False
+        server.stop()
+
+
+def test_a_new_world_size_restarts_the_job_from_the_state_file_instead_of_refusing(tmp_path):
+    state = tmp_path / "coordinator.state"
+    with Serve("--state-file", str(state), "--world-size", "2") as server:
+        server.stop()
+    with Serve("--state-file", str(state), "--world-size", "4") as server:
+        server.wait_for_line("world size 2 in .*; --world-size 4 starts it afresh")
+        out = run_cli("status", "--address", server.address, "--json")
+        assert json.loads(out.stdout)["jobs"][0]["worldSize"] == 4, out.stdout
+        server.stop()

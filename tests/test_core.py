@@ -242,7 +242,7 @@ def test_world_size_is_fixed_by_the_first_registration():
 
 
 def test_declare_job_fixes_the_world_size_before_anyone_registers():
-    """declare_job sets the world size; registrations must match it and a second declaration cannot change it."""
+    """declare_job sets the world size; registrations must match it; declaring it again is a no-op."""
     core = Core()
     core.declare_job(JOB, 4)
     assert core.world(JOB) is None
@@ -250,8 +250,22 @@ def test_declare_job_fixes_the_world_size_before_anyone_registers():
         core.register(0.0, registration(0, 3, 2))
     core.register(0.0, registration(0, 2, 2))
     core.declare_job(JOB, 4)  # same size: a no-op
-    with raises(Code.FAILED_PRECONDITION, "4", "6"):
-        core.declare_job(JOB, 6)
+    assert core.jobs[JOB].generation == 1 and len(core.jobs[JOB].members) == 2
+
+
+def test_declaring_another_world_size_starts_the_job_afresh_keeping_its_keys():
+    """A coordinator restarted from its state file with another --world-size: the job is a new
+    run of that size (its pending rounds fail naming the change), not a refusal to start."""
+    pod = make_pod(2, 2)
+    pod.core.declare_job(JOB, 4)
+    pod.core.kv_set(JOB, [("k", b"v")])
+    key = pod.arrive([0, 1])
+    pod.core.declare_job(JOB, 6)
+    assert_message(pod.error(key), Code.ABORTED, "starts afresh", "world size changed from 4 to 6")
+    job = pod.core.jobs[JOB]
+    assert (job.world_size, job.generation, job.members, job.devices_per_task) == (6, 2, {}, None)
+    assert pod.core.kv_get(JOB, ["k"]) == [b"v"]
+    pod.core.register(0.0, registration(0, 3, 2))  # 3 tasks x 2 devices now
 
 
 @pytest.mark.parametrize(

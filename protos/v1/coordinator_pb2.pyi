@@ -74,7 +74,7 @@ class WaitWorldRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., timeout: _Optional[float] = ...) -> None: ...
 
 class Participant(_message.Message):
-    __slots__ = ("ordinal", "local_ordinal", "task_id", "thread_index", "host", "pid", "incarnation", "last_seen_age", "runtime_ordinal", "alive")
+    __slots__ = ("ordinal", "local_ordinal", "task_id", "thread_index", "host", "pid", "incarnation", "last_seen_age", "runtime_ordinal", "alive", "left")
     ORDINAL_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ORDINAL_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class Participant(_message.Message):
     LAST_SEEN_AGE_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_ORDINAL_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
+    LEFT_FIELD_NUMBER: _ClassVar[int]
     ordinal: int
     local_ordinal: int
     task_id: int
@@ -95,7 +96,8 @@ class Participant(_message.Message):
     last_seen_age: float
     runtime_ordinal: int
     alive: bool
-    def __init__(self, ordinal: _Optional[int] = ..., local_ordinal: _Optional[int] = ..., task_id: _Optional[int] = ..., thread_index: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., incarnation: _Optional[str] = ..., last_seen_age: _Optional[float] = ..., runtime_ordinal: _Optional[int] = ..., alive: _Optional[bool] = ...) -> None: ...
+    left: bool
+    def __init__(self, ordinal: _Optional[int] = ..., local_ordinal: _Optional[int] = ..., task_id: _Optional[int] = ..., thread_index: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., incarnation: _Optional[str] = ..., last_seen_age: _Optional[float] = ..., runtime_ordinal: _Optional[int] = ..., alive: _Optional[bool] = ..., left: _Optional[bool] = ...) -> None: ...
 
 class WaitWorldResponse(_message.Message):
     __slots__ = ("world_size", "processes")
