@@ -49,11 +49,15 @@ loaders launch a graph, and ``torch_xla._XLAC._xla_sync_multi``, through which `
 ``xm.unlazy`` and ``mesh_reduce`` sync the tensors they read, are wrapped in one process-wide
 lock. When two threads miss the compile cache at once they compile the same graph twice, with
 different collective op ids, and never meet (XLA aborts after 10 s). Under the lock the second
-thread finds the first thread's compilation. The lock covers compile and launch only: a waiting
-call (``wait=True``) waits for its own devices outside the lock (inside, it would wait for a
-sibling that cannot launch), and step closures run outside it. Wrapping these two rather than
+thread finds the first thread's compilation. The lock covers compile and launch only: a thread
+waits for its own devices outside the lock, before a launch (torch_xla launches a device's next
+graph only once its last one is done, and that one's collectives may wait for a sibling's
+launch) and after one with ``wait=True``; step closures run outside it too. Wrapping these two rather than
 ``torch_xla.sync``/``xm.mark_step`` also covers references taken before :func:`install`
 (``from torch_xla import sync``).
+
+Eager mode (``torch_xla.experimental.eager_mode(True)``) is refused in :func:`spawn`'s replicas
+when a process runs more than one device: each op then compiles on its own, outside the lock.
 
 Not replaced, on purpose: ``torch_xla.runtime.global_ordinal()``/``world_size()``. They are the XLA
 runtime's own numbers, which XLA collectives use (``reduce_gradients`` scales by
@@ -179,7 +183,12 @@ def install() -> bool:
             _patches.append((xm, name, original))
             setattr(xm, name, replacement)
         xlac = torch_xla._XLAC
-        for name, wrap in (("_xla_step_marker", _locked_step_marker), ("_xla_sync_multi", _locked_sync_multi)):
+        wrappers = (
+            ("_xla_step_marker", _locked_step_marker),
+            ("_xla_sync_multi", _locked_sync_multi),
+            ("_set_use_eager_mode", _eager_mode_refused),
+        )
+        for name, wrap in wrappers:
             original = getattr(xlac, name)
             _patches.append((xlac, name, original))
             setattr(xlac, name, wrap(original, xlac))
@@ -227,6 +236,26 @@ def _locked_sync_multi(original: Callable, xlac: Any) -> Callable:
 
     _xla_sync_multi.__wrapped__ = original  # type: ignore[attr-defined]
     return _xla_sync_multi
+
+
+# Device threads in this process, when spawn() runs them (eager mode is refused beyond one).
+_device_threads = 0
+_EAGER_REFUSED = (
+    "eager mode (torch_xla.experimental.eager_mode(True)) cannot run with a thread per device: each "
+    "op compiles on its own, outside the step lock, so the threads' collectives get different ids and "
+    "never meet (XLA aborts the process after 10 s); leave it off in spawn()'s replicas "
+    "(torch_xla.compile still works)"
+)
+
+
+def _eager_mode_refused(original: Callable, xlac: Any) -> Callable:
+    def _set_use_eager_mode(enable: bool) -> None:
+        if enable and _device_threads > 1:
+            raise UsageError(_EAGER_REFUSED)
+        original(enable)
+
+    _set_use_eager_mode.__wrapped__ = original  # type: ignore[attr-defined]
+    return _set_use_eager_mode
 
 
 def _wait_device_ops(xlac: Any, devices: list[str]) -> None:
@@ -455,7 +484,8 @@ def spawn(
             otherwise wait out its rendezvous deadline).
 
     Returns:
-        ``{ordinal: fn's return value}`` for every replica (values must be picklable).
+        ``{ordinal: fn's return value}`` for every replica (values must be picklable; XLA
+        tensors in them come back as CPU tensors).
 
     Raises:
         SpawnError: a replica raised (the message names its ordinal and carries its
@@ -625,7 +655,11 @@ def _supervise(
             try:
                 results[ordinal] = pickle.loads(blob)
             except Exception as exc:  # noqa: BLE001 -- reported as that replica's failure
-                record(ordinal, exc, traceback.format_exc())
+                error = UsageError(
+                    f"spawn(): the return value of ordinal {ordinal} cannot be unpickled in the calling "
+                    f"process: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                )
+                record(ordinal, error, _IN_PARENT + traceback.format_exc())
         elif kind == "error":
             ordinal, blob, text = rest
             try:
@@ -716,7 +750,9 @@ def _spawn_error(results, failures, tracebacks, order, terminated, timed_out, ti
     for unknown in sorted((o for o in terminated if o < 0), reverse=True):
         lines.append(f"  stopped while still starting: {_who(unknown)}")
     if failures and tracebacks.get(order[0]):
-        lines.append(f"\nTraceback of {_who(order[0])} (in its process):\n{tracebacks[order[0]].rstrip()}")
+        text = tracebacks[order[0]]
+        where = "the calling process" if text.startswith(_IN_PARENT) else "its process"
+        lines.append(f"\nTraceback of {_who(order[0])} (in {where}):\n{text.removeprefix(_IN_PARENT).rstrip()}")
     spawn_error = SpawnError(
         "\n".join(lines), failures=failures, tracebacks=tracebacks, results=dict(sorted(results.items())),
         terminated=terminated,
@@ -760,6 +796,10 @@ def _child_main(task: int, nprocs: int, env: dict, drop: list, payload: bytes, r
             )
         ordinals = [client.topology.ordinal(i) for i in range(len(devices))]
         put("ordinals", ordinals)
+        global _device_threads
+        _device_threads = len(devices)
+        if len(devices) > 1 and torch_xla._XLAC._get_use_eager_mode():  # (turned on at import)
+            raise UsageError(_EAGER_REFUSED)
         fn, args = pickle.loads(payload)
     except BaseException as exc:  # noqa: BLE001 -- reported to the parent as this task's failure
         put("error", -(task + 1), _pickled_error(exc), traceback.format_exc())
@@ -771,12 +811,12 @@ def _child_main(task: int, nprocs: int, env: dict, drop: list, payload: bytes, r
         try:
             with bind_device(index, client=client) as binding:  # devices[index] is xla:<index>
                 result = fn(binding.ordinal, *args)
-            try:
-                blob = pickle.dumps(result)
-            except Exception as exc:  # noqa: BLE001
-                raise UsageError(
-                    f"spawn(): the return value of ordinal {ordinal} cannot be pickled: {exc}"
-                ) from exc
+                try:
+                    blob = _pickled_result(result, torch_xla._XLAC)
+                except Exception as exc:  # noqa: BLE001
+                    raise UsageError(
+                        f"spawn(): the return value of ordinal {ordinal} cannot be pickled: {exc}"
+                    ) from exc
             put("result", ordinal, blob)
         except BaseException as exc:  # noqa: BLE001 -- every failure goes to the parent
             put("error", ordinal, _pickled_error(exc), traceback.format_exc())
@@ -791,6 +831,40 @@ def _child_main(task: int, nprocs: int, env: dict, drop: list, payload: bytes, r
         thread.join()
     put("done")
     _api.shutdown()
+
+
+def _pickled_result(result: Any, xlac: Any) -> bytes:
+    """``result`` pickled with its XLA tensors as CPU tensors (the calling process has no XLA
+    runtime), all synced at once under the step lock: a tensor with a pending collective,
+    pickled as it is, compiles in each thread apart. The rest is pickled as it is (tuples stay
+    tuples, unlike ``xm._maybe_convert_to_cpu``)."""
+    import torch
+
+    found: dict[int, Any] = {}  # id -> XLA tensor, in the first pass
+    cpu: dict[int, Any] = {}  # id -> its CPU copy, in the second
+
+    class Pickler(pickle.Pickler):
+        def reducer_override(self, obj):
+            if not (isinstance(obj, torch.Tensor) and obj.device.type == "xla"):
+                return NotImplemented
+            if id(obj) not in cpu:
+                found[id(obj)] = obj
+                return int, (0,)  # a stand-in: this pass only finds them
+            return cpu[id(obj)].__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+
+    buffer = io.BytesIO()
+    Pickler(buffer).dump(result)
+    if not found:
+        return buffer.getvalue()
+    tensors = list(found.values())
+    xlac._xla_sync_multi(tensors, [], wait=True, sync_xla_data=False)  # the locked one (install)
+    cpu.update(zip(found, xlac._xla_get_cpu_tensors(tensors)))
+    buffer = io.BytesIO()
+    Pickler(buffer).dump(result)
+    return buffer.getvalue()
+
+
+_IN_PARENT = "(in the calling process)\n"  # marks a traceback of the parent's, not the replica's
 
 
 def _reporter(task: int, reports) -> Callable[..., None]:

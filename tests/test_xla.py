@@ -85,6 +85,12 @@ def xm_user_code_and_registrations(index):
     return result
 
 
+def eager_replica(index):
+    import torch_xla.experimental
+
+    torch_xla.experimental.eager_mode(True)
+
+
 def failing_replica(index):
     import torch_xla.core.xla_model as xm
 
@@ -215,6 +221,8 @@ def train_replicas(index, runs, steps):
             time.sleep(0.2)
         xm.mark_step()
     report["cheap_steps"] = w.cpu().tolist()
+    # Returned to spawn() as an XLA tensor whose all_reduce is still pending.
+    report["pending_return"] = xm.all_reduce(xm.REDUCE_SUM, torch.tensor([float(ordinal), 1.0]).to(device))
 
     # seed(): the XLA device RNG is per replica and reproducible.
     draws = []
@@ -301,7 +309,7 @@ def test_install_is_idempotent_and_uninstall_restores_exactly(xm, torch_xla):
     functions torch_xla 2.7 removed."""
     names = ["get_local_ordinal", "is_master_ordinal", "xla_device", "rendezvous", "mesh_reduce"]
     originals = {n: getattr(xm, n) for n in names}
-    wrapped = {n: getattr(torch_xla._XLAC, n) for n in ("_xla_step_marker", "_xla_sync_multi")}
+    wrapped = {n: getattr(torch_xla._XLAC, n) for n in ("_xla_step_marker", "_xla_sync_multi", "_set_use_eager_mode")}
     removed = {n: hasattr(xm, n) for n in ("get_ordinal", "xrt_world_size")}
 
     assert xla.install() is True and xla.install() is True
@@ -554,6 +562,29 @@ def test_cheap_steps_with_a_late_replica_do_not_deadlock_on_the_step_lock(traini
     results, _ = training_run
     assert results[0]["cheap_steps"] == results[1]["cheap_steps"]
     assert len(results[0]["cheap_steps"]) == 4
+
+
+@pytest.mark.xla
+def test_spawn_returns_xla_tensors_as_cpu_tensors(training_run):
+    """A replica returning an XLA tensor with a pending collective gets it back on the CPU, synced
+    under the step lock (pickled as it was, both threads compiled apart and XLA aborted)."""
+    import torch
+
+    results, _ = training_run
+    for r in results.values():
+        assert isinstance(r["pending_return"], torch.Tensor) and r["pending_return"].device.type == "cpu"
+        assert r["pending_return"].tolist() == [1.0, 2.0]
+
+
+@pytest.mark.xla
+def test_eager_mode_in_threaded_replicas_is_refused_with_a_reason(torch_xla):
+    """Eager mode compiles each op outside the step lock, and the threads' collectives never
+    meet: spawn's replicas refuse it at once instead of an XLA abort 10 s later."""
+    with pytest.raises(xla.SpawnError) as caught:
+        xla.spawn(eager_replica, nprocs=1, devices_per_process=2, timeout=120)
+    assert set(caught.value.failures) == {0, 1}
+    assert all(isinstance(e, pr.UsageError) for e in caught.value.failures.values())
+    assert "eager mode" in str(caught.value) and "step lock" in str(caught.value)
 
 
 @pytest.mark.xla
