@@ -129,15 +129,21 @@ def run_demo(
     results."""
     from pjrt_rendezvous.coordinator import Coordinator
 
+    from ._errors import TopologyError
     from ._topology import cores_per_chip
 
     if processes < 1 or hosts < 1 or processes % hosts:
         print(f"--processes ({processes}) must be a positive multiple of --hosts ({hosts})", file=out)
         return 2
+    try:
+        threads_each = threads or cores_per_chip(accelerator)
+    except TopologyError as exc:
+        print(f"{exc}; or give the demo --threads", file=out)
+        return 2
     with Coordinator(port=0) as coordinator:
         print(
             f"coordinator on {coordinator.address}; simulating {accelerator}: {hosts} host(s), "
-            f"{processes} processes, {threads or cores_per_chip(accelerator)} threads each",
+            f"{processes} processes, {threads_each} threads each",
             file=out,
         )
         started = time.perf_counter()

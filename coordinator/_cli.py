@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
 import os
 import pathlib
@@ -83,9 +84,12 @@ def _seconds(text: str) -> float | None:
 
 
 def _positive_seconds(text: str) -> float:
-    value = _seconds(text)
-    if value is None:
-        raise argparse.ArgumentTypeError("must be a number of seconds > 0")
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
     return value
 
 
@@ -282,7 +286,7 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     demo.add_argument("--hosts", type=_positive, default=1, help="simulated TPU hosts (default 1)")
     demo.add_argument("--accelerator", default="v3-8", help="TPU_ACCELERATOR_TYPE to simulate (default v3-8)")
-    demo.add_argument("--timeout", type=float, default=120.0, help="seconds before giving up (default 120)")
+    demo.add_argument("--timeout", type=_positive_seconds, default=120.0, help="seconds before giving up (default 120)")
     return parser
 
 
@@ -351,7 +355,10 @@ def _serve(args, env: Mapping[str, str]) -> int:
         )
         serve_forever(options, on_ready=ready)
     except (CoreError, StateFileError, RuntimeError, OSError, ValueError) as exc:
-        print(f"pjrt-rendezvous serve: {exc}", file=sys.stderr)
+        if args.log_format == "json":  # one more JSON line for the log collector
+            logging.getLogger("pjrt_rendezvous.coordinator").error("pjrt-rendezvous serve: %s", exc, extra={"event": "failed"})
+        else:
+            print(f"pjrt-rendezvous serve: {exc}", file=sys.stderr)
         return 1
     return 0
 

@@ -122,6 +122,8 @@ class ServerOptions:
             raise ValueError("the session port is plain TCP: with TLS, leave it out (clients use gRPC's stream)")
         if self.token is not None and not self.token.strip():
             raise ValueError("the token is empty")
+        if self.state_file is not None and not pathlib.Path(self.state_file).parent.is_dir():
+            raise ValueError(f"the folder of the state file {self.state_file} (--state-file) does not exist")
 
 
 def _token_refusal(expected: bytes, given: str | bytes, what: str) -> str | None:

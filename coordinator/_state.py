@@ -348,7 +348,7 @@ def load(path: pathlib.Path, *, now: float, limits: Limits | None, heartbeat_tim
     body = decode(data, path=str(path))
     try:
         core = restore(body, now=now, limits=limits, heartbeat_timeout=heartbeat_timeout)
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise StateFileError(f"{path} does not hold a valid coordinator state ({type(exc).__name__}: {exc})") from exc
     replay_journal(core, path)
     return core

@@ -676,3 +676,21 @@ def test_a_new_world_size_restarts_the_job_from_the_state_file_instead_of_refusi
         out = run_cli("status", "--address", server.address, "--json")
         assert json.loads(out.stdout)["jobs"][0]["worldSize"] == 4, out.stdout
         server.stop()
+
+
+def test_bad_demo_serve_and_health_arguments_get_a_message_not_a_traceback(tmp_path):
+    demo = run_cli("demo", "--accelerator", "v9-8", "--processes", "1")
+    assert demo.returncode == 2 and "--threads" in demo.stdout and "Traceback" not in demo.stderr, demo
+    for command in (["demo", "--timeout", "0"], ["health", "--timeout", "nan"], ["status", "--timeout", "-1"]):
+        refused = run_cli(*command)
+        assert refused.returncode == 2 and "must be a finite number of seconds > 0" in refused.stderr, refused
+    no_folder = run_cli("serve", "--port", "0", "--state-file", str(tmp_path / "missing" / "x.state"))
+    assert no_folder.returncode == 1, no_folder
+    assert f"the folder of the state file {tmp_path / 'missing' / 'x.state'} (--state-file) does not exist" in no_folder.stderr
+    corrupt = tmp_path / "corrupt.state"
+    corrupt.write_text("{")
+    json_log = run_cli("serve", "--port", "0", "--state-file", str(corrupt), "--log-format", "json")
+    assert json_log.returncode == 1
+    lines = json_log.stderr.splitlines()
+    assert lines and all(json.loads(line)["level"] for line in lines), json_log.stderr
+    assert "corrupt or truncated" in json_log.stderr

@@ -92,6 +92,17 @@ def test_damaged_state_is_detected_never_half_loaded(damage, message):
     assert "move /var/lib/x/state.json away" in str(info.value)
 
 
+def test_a_well_formed_file_with_a_wrong_shape_is_refused_as_invalid(tmp_path):
+    """A hand-edited file whose checksum was fixed up, with a list where a mapping belongs."""
+    core, _ = populated_core()
+    body = _state.snapshot(core)
+    body["jobs"][0]["tasks"] = []
+    path = tmp_path / "state.json"
+    path.write_bytes(_state.encode(body))
+    with pytest.raises(StateFileError, match="does not hold a valid coordinator state"):
+        _state.load(path, now=0.0, limits=None, heartbeat_timeout=None)
+
+
 def test_serve_refuses_a_corrupt_state_file(tmp_path):
     """`serve --state-file` with a corrupt file exits 1 with the reason instead of starting empty."""
     path = tmp_path / "state.json"
