@@ -32,7 +32,7 @@ from pjrt_rendezvous.client._topology import host_port
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
 from . import _notify, _state
-from ._core import Core, Limits
+from ._core import Code, Core, CoreError, Limits
 from ._metrics import Metrics, RpcInterceptor, start_http_server
 from ._monitor import DEFAULT_LATE_AFTER, Monitor
 from ._servicer import Servicer, add_to_server
@@ -261,8 +261,13 @@ class _StateWriter:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         core.journal = []  # the core keeps the changes for the journal from now on
+        # Set by the first write that fails: what is in memory is no longer on disk, so the
+        # coordinator stops (serve_forever) and restarts from what is, as etcd does.
+        self.failed = asyncio.Event()
 
     async def flush(self) -> None:
+        """Returns once the core's changes so far are on disk; raises UNAVAILABLE (clients
+        retry, reaching the restarted coordinator) when they cannot be written."""
         wanted = self._core.version
         while self._written < wanted:
             if self._inflight is None:
@@ -270,7 +275,13 @@ class _StateWriter:
             # Every caller waiting on a write wakes when it is done, in one pass of the
             # loop. A cancelled Task would cancel what it awaits: gRPC's calls wait behind a
             # shield (a session's calls, run without a Task, cancel no future).
-            await (self._inflight if asyncio.current_task() is None else asyncio.shield(self._inflight))
+            try:
+                await (self._inflight if asyncio.current_task() is None else asyncio.shield(self._inflight))
+            except OSError as exc:
+                raise CoreError(
+                    Code.UNAVAILABLE,
+                    f"the coordinator cannot write its state file ({exc}); it stops, to start again from what is on disk",
+                ) from exc
 
     def _write(self) -> None:
         """Starts writing what the core holds now: the changes since the last write to the
@@ -322,6 +333,9 @@ class _StateWriter:
             self._written, self._state_written, self._journal_size = after
         else:
             self._state_written = -1  # the changes taken are not on disk: the next write is whole
+            if not self.failed.is_set():
+                log.critical("cannot write the state file: %s", error, extra={"event": "state_write_failed"})
+                self.failed.set()
         if not done.cancelled():  # cannot be (see flush), but a loop callback must not raise
             done.set_result(None) if error is None else done.set_exception(error)
 
@@ -358,7 +372,7 @@ class RunningServer:
         )
         self._metrics_server = metrics_server
         self._sessions = sessions
-        self._writer = writer
+        self.writer = writer
         self._servicer = servicer
         self._health = health_servicer
         self._tasks = tasks
@@ -387,12 +401,12 @@ class RunningServer:
         if self._metrics_server is not None:
             self._metrics_server.close()
             await self._metrics_server.wait_closed()
-        if self._writer is not None:
+        if self.writer is not None:
             try:  # what changed without a call (deaths found by the liveness watch) is on disk
-                await self._writer.flush()
+                await self.writer.flush()
             except Exception:
                 log.exception("cannot write the state file on stop")
-            self._writer.close()
+            self.writer.close()
 
     def hurry(self) -> None:
         """Ends a :meth:`stop` under way now: in-flight calls are cancelled."""
@@ -697,7 +711,12 @@ def serve_forever(options: ServerOptions, *, on_ready=None) -> None:
         _notify.notify(f"READY=1\nSTATUS=serving on {where}{metrics}")
         interval = _notify.watchdog_interval()
         watchdog = None if interval is None else loop.create_task(_keep_watchdog_fed(interval))
-        await stopping.wait()
+        waits = [loop.create_task(stopping.wait())]
+        if running.writer is not None:
+            waits.append(loop.create_task(running.writer.failed.wait()))
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for wait in waits:
+            wait.cancel()
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second one ends the drain
             loop.add_signal_handler(sig, running.hurry)
         _notify.notify(f"STOPPING=1\nSTATUS=stopping: in-flight calls get {options.grace:g} s")
@@ -707,5 +726,7 @@ def serve_forever(options: ServerOptions, *, on_ready=None) -> None:
         if watchdog is not None:  # fed through the drain: systemd may still be watching
             watchdog.cancel()
         log.info("stopped after %.1f s", time.monotonic() - started, extra={"event": "stopped"})
+        if running.writer is not None and running.writer.failed.is_set():
+            raise RuntimeError(f"stopped: the state file {options.state_file} could not be written (see the log)")
 
     asyncio.run(main())

@@ -694,3 +694,23 @@ def test_bad_demo_serve_and_health_arguments_get_a_message_not_a_traceback(tmp_p
     lines = json_log.stderr.splitlines()
     assert lines and all(json.loads(line)["level"] for line in lines), json_log.stderr
     assert "corrupt or truncated" in json_log.stderr
+
+
+def test_a_state_file_that_cannot_be_written_stops_serve_instead_of_answering_from_memory(tmp_path):
+    """The write of a registration fails (the state file's name taken by a folder): the caller
+    is told UNAVAILABLE, never OK, and serve stops with exit code 1 naming the file, to start
+    again from what is on disk."""
+    state = tmp_path / "coordinator.state"
+    with Serve("--state-file", str(state)) as server:
+        state.unlink()
+        state.mkdir()
+        (state / "keep").write_text("")  # a folder os.replace cannot replace, even as root
+        client = simulated_process(server.address, 0, processes=1, threads=1)
+        try:
+            with pytest.raises(pr.RendezvousError):
+                client.bind_thread(0)
+        finally:
+            client.close()
+        assert server.proc.wait(30) == 1
+        stderr = server.stderr()
+        assert "cannot write the state file" in stderr and f"the state file {state} could not be written" in stderr, stderr
