@@ -208,7 +208,7 @@ class Settings:
             if value is not DEFAULT:
                 values[name] = value
         token_file = values.pop("token_file", None)
-        token_given, file_given = (given.get(n, DEFAULT) is not DEFAULT for n in ("token", "token_file"))
+        token_given, file_given = (given.get(n, DEFAULT) not in (DEFAULT, None) for n in ("token", "token_file"))
         if token_file is not None and (file_given or not token_given):  # an argument wins over a variable
             try:
                 with open(token_file) as f:

@@ -227,7 +227,7 @@ def _locked_step_marker(original: Callable, xlac: Any) -> Callable:
 
 def _locked_sync_multi(original: Callable, xlac: Any) -> Callable:
     def _xla_sync_multi(tensors: Sequence[Any], devices: Sequence[str], wait: bool = True, sync_xla_data: bool = True):
-        own = list(devices) or sorted({str(t.device) for t in tensors})
+        own = sorted({str(t.device) for t in tensors})  # (``devices``: replication, siblings' too)
         _wait_device_ops(xlac, own)
         with _step_lock:
             original(tensors, list(devices), wait=False, sync_xla_data=sync_xla_data)

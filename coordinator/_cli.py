@@ -671,7 +671,7 @@ def _status(args, env: Mapping[str, str]) -> int:
     with channel:
         try:
             response = pb_grpc.CoordinatorStub(channel).Status(
-                pb.StatusRequest(job=args.job), timeout=args.timeout, metadata=metadata
+                pb.StatusRequest(job=args.job), timeout=args.timeout, metadata=metadata, wait_for_ready=True
             )
         except grpc.RpcError as exc:
             print(f"pjrt-rendezvous status: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)

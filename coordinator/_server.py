@@ -43,6 +43,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 DEFAULT_JOB = "default"
 DEFAULT_HEARTBEAT_TIMEOUT = 60.0
 DEFAULT_SESSION_PORT = 7482  # of `pjrt-rendezvous serve`; next to the gRPC port, 7481
+FINAL_WRITE_TIMEOUT = 10.0  # seconds the state file's last write on stop may take
 
 # Our own limits (Limits) give precise messages; gRPC's 4 MiB default would refuse large
 # rendezvous results with a generic error first.
@@ -382,7 +383,7 @@ class RunningServer:
         """Marks health NOT_SERVING, lets in-flight calls finish for ``grace`` seconds (or
         until :meth:`hurry`), stops, and writes the state file a last time."""
         loop = asyncio.get_running_loop()
-        deadline = None if grace is None else loop.time() + grace
+        deadline = loop.time() + (grace or 0.0)  # (None: none, as for gRPC's stop)
         for task in self._tasks:
             task.cancel()
         await self._health.enter_graceful_shutdown()
@@ -392,21 +393,33 @@ class RunningServer:
         if sessions is not None:
             sessions.close_listener()
         while self._servicer.end_streams() or (sessions is not None and sessions.calls_in_flight()):
-            if self._hurried.is_set() or (deadline is not None and loop.time() >= deadline):
+            if self._hurried.is_set() or loop.time() >= deadline:
                 break
             await asyncio.sleep(0.02)
-        await self.server.stop(None if deadline is None else max(0.0, deadline - loop.time()))
+        await self.server.stop(max(0.0, deadline - loop.time()))
         if sessions is not None:
             sessions.close()
         if self._metrics_server is not None:
             self._metrics_server.close()
             await self._metrics_server.wait_closed()
         if self.writer is not None:
-            try:  # what changed without a call (deaths found by the liveness watch) is on disk
-                await self.writer.flush()
-            except Exception:
-                log.exception("cannot write the state file on stop")
+            await self._last_write()
             self.writer.close()
+
+    async def _last_write(self) -> None:
+        """What changed without a call (deaths the liveness watch found) goes to disk, within
+        FINAL_WRITE_TIMEOUT or until :meth:`hurry` (a stuck volume must not hold the exit)."""
+        flush = asyncio.ensure_future(self.writer.flush())
+        hurried = asyncio.ensure_future(self._hurried.wait())
+        await asyncio.wait((flush, hurried), timeout=FINAL_WRITE_TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
+        hurried.cancel()
+        if not flush.done():
+            flush.cancel()
+            log.error("the last write of the state file did not finish; the state file may miss the last changes")
+        elif isinstance(flush.exception(), CoreError):  # (the writer logged why)
+            log.error("%s", flush.exception().message)
+        elif flush.exception() is not None:
+            log.error("the last write of the state file failed", exc_info=flush.exception())
 
     def hurry(self) -> None:
         """Ends a :meth:`stop` under way now: in-flight calls are cancelled."""

@@ -375,8 +375,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
             if self._core.version != version:
                 try:  # a death is state like any other: on disk, even if nobody calls again
                     await self._persist()
-                except Exception:
-                    log.exception("cannot write the state file after a liveness check")
+                except CoreError as exc:  # (the writer logged why; serve stops)
+                    log.error("%s", exc.message)
 
     @_translated
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
@@ -414,6 +414,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
                     host=event.host,
                     message=event.message,
                 )
+            if self._stopping:  # (end_streams may have run while this stream was sending)
+                break
             await self._wait(("events", request.job), None)
         await _abort(context, Code.UNAVAILABLE, "the coordinator is stopping")
 

@@ -260,8 +260,8 @@ def test_status_and_health_read_an_address_as_clients_do_and_need_no_known_tpu_l
         unknown_tpu = run_cli("status", "--address", server.address, env={"TPU_ACCELERATOR_TYPE": "v9-8"})
         assert unknown_tpu.returncode == 0, unknown_tpu.stderr
         for command in ("health", "status"):
-            default_port = run_cli(command, "--address", "127.0.0.1", "--timeout", "2")
-            assert default_port.returncode == 1 and "127.0.0.1:7481" in default_port.stderr, default_port.stderr
+            default_port = run_cli(command, "--address", "nowhere.invalid", "--timeout", "2")
+            assert default_port.returncode == 1 and "nowhere.invalid:7481" in default_port.stderr, default_port.stderr
             bad = run_cli(command, "--address", "127.0.0.1:99999")
             assert bad.returncode == 1 and "--address has an invalid port" in bad.stderr, bad.stderr
         server.stop()
@@ -658,7 +658,9 @@ def test_a_death_found_by_the_liveness_watch_is_in_the_state_file(tmp_path):
         proc.kill()
         proc.wait(10)
         server.wait_for_line("no heartbeat for")
-        assert server.stop() == 0
+        time.sleep(1.0)  # the write that follows; then no stop's last write, a crash
+        server.proc.kill()
+        server.proc.wait(10)
     with Serve("--state-file", str(state)) as server:
         out = run_cli("status", "--address", server.address, "--json")
         assert out.returncode == 0, out.stderr
@@ -707,10 +709,59 @@ def test_a_state_file_that_cannot_be_written_stops_serve_instead_of_answering_fr
         (state / "keep").write_text("")  # a folder os.replace cannot replace, even as root
         client = simulated_process(server.address, 0, processes=1, threads=1)
         try:
-            with pytest.raises(pr.RendezvousError):
+            with pytest.raises(pr.CoordinatorUnavailableError):  # (UNKNOWN before: RemoteError)
                 client.bind_thread(0)
         finally:
             client.close()
         assert server.proc.wait(30) == 1
         stderr = server.stderr()
         assert "cannot write the state file" in stderr and f"the state file {state} could not be written" in stderr, stderr
+
+
+def test_an_embedded_stop_without_grace_cancels_a_waiting_call_at_once():
+    """Coordinator.stop(grace=None) cancels calls in flight at once, as gRPC's stop(None) does
+    (a waiting rendezvous must not hold it for ever)."""
+    from pjrt_rendezvous.coordinator import Coordinator
+
+    coordinator = Coordinator(port=0).start()
+    client = simulated_process(coordinator.address, 0, processes=2, threads=1)
+    try:
+        thread, errors = bound_thread(client, 0, lambda binding: client.rendezvous(binding, "never", b"", timeout=None))
+        wait_until(lambda: client.status().jobs[0].pending_rounds, what="the pending round")
+        started = time.monotonic()
+        coordinator.stop(grace=None)
+        assert time.monotonic() - started < 5
+    finally:
+        client.close()
+        coordinator.stop()
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+def test_a_stuck_last_write_of_the_state_file_does_not_hold_the_stop(tmp_path, monkeypatch, caplog):
+    """A volume that stops answering: the last write on stop is given FINAL_WRITE_TIMEOUT, then
+    the stop goes on, saying so."""
+    from pjrt_rendezvous.coordinator import Coordinator, _server, _state
+
+    release = threading.Event()
+    monkeypatch.setattr(_server, "FINAL_WRITE_TIMEOUT", 0.5)
+    coordinator = Coordinator(port=0, state_file=tmp_path / "state").start()
+    client = simulated_process(coordinator.address, 0, processes=1, threads=1)
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(_state.Files, "rewrite", lambda self, data: release.wait())
+            patch.setattr(_state.Files, "append", lambda self, data: release.wait())
+            def register():
+                with pytest.raises(pr.RendezvousError):  # its registration's write never ends
+                    client.bind_thread(0)
+
+            registering = in_thread(register)
+            wait_until(lambda: coordinator.core.jobs.get("default"), what="the registration")
+            started = time.monotonic()
+            coordinator.stop(grace=0.2)
+            assert time.monotonic() - started < 5
+    finally:
+        release.set()
+        client.close()
+    registering.join(30)
+    assert "the last write of the state file did not finish" in caplog.text

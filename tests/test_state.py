@@ -18,7 +18,7 @@ import pjrt_rendezvous.client as pr
 from pjrt_rendezvous.client._demo import simulated_env
 from pjrt_rendezvous.coordinator import Core, StateFileError
 from pjrt_rendezvous.coordinator import _state
-from pjrt_rendezvous.coordinator._core import Contribution, CoreError, Registration, ThreadRequest
+from pjrt_rendezvous.coordinator._core import Code, Contribution, CoreError, Registration, ThreadRequest
 
 WORKER = pathlib.Path(__file__).with_name("pod_worker.py")
 
@@ -336,8 +336,9 @@ def test_other_changes_and_a_long_journal_rewrite_the_state(tmp_path, monkeypatc
         with monkeypatch.context() as patch:
             patch.setattr(_state.os, "fsync", fail)  # the next append fails
             play(core, 30, 30)
-            with pytest.raises(OSError, match="No space"):
+            with pytest.raises(CoreError, match="cannot write its state file .*No space") as failed:
                 await writer.flush()
+            assert failed.value.code is Code.UNAVAILABLE and writer.failed.is_set()
         play(core, 31, 31)
         state = path.read_bytes()
         await writer.flush()
