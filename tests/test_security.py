@@ -109,6 +109,9 @@ def test_a_token_and_a_token_file_that_disagree_are_refused_by_serve_and_clients
     with pytest.raises(pr.UsageError, match=r"init\(token=\) and init\(token_file=\) are both set"):
         pr.Settings.resolve({}, address="127.0.0.1:1", token="old", token_file=str(token_file))
     assert pr.Settings.resolve({}, address="127.0.0.1:1", token=SECRET, token_file=str(token_file)).token == SECRET
+    # None is no argument (argparse defaults passed along): the other one counts.
+    assert pr.Settings.resolve({}, address="127.0.0.1:1", token=None, token_file=str(token_file)).token == SECRET
+    assert pr.Settings.resolve(both, address="127.0.0.1:1", token="given", token_file=None).token == "given"
     out = subprocess.run(
         [sys.executable, "-m", "pjrt_rendezvous.coordinator", "serve", "--port", "0"],
         env={**os.environ, **both}, capture_output=True, text=True, timeout=60,
