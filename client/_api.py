@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 from ._client import Binding, Client, _payload_bytes, current_binding
 from ._config import DEFAULT, Settings, check_timeout
 from ._errors import UsageError
-from ._topology import Topology, detect_topology, metadata_fetcher
+from ._topology import Topology, detect_topology, metadata_fetcher, normalize_address
 
 _lock = threading.Lock()
 _client: Client | None = None
@@ -109,7 +109,8 @@ def init(
         given = dict(settings, timeout=timeout)
         if job is not None:
             given["job"] = job
-        _client = Client(Settings.resolve(env, address=address or topology.address, **given), topology)
+        address = topology.address if not address else normalize_address(address, "init(address=)")
+        _client = Client(Settings.resolve(env, address=address, **given), topology)
         _init_args = args
         if not _atexit_registered:
             atexit.register(shutdown)  # leave the job on a normal exit
@@ -128,7 +129,7 @@ def shutdown() -> None:
 
 def get_client() -> Client:
     """The process client, created from the environment on first use."""
-    return _client or init()
+    return _client if _client is not None and not _client._closed else init()
 
 
 def bind_thread(thread_index: int, **kwargs) -> Binding:

@@ -26,11 +26,7 @@ from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
 from ._config import DEFAULT, FAN_IN_AUTO_HOSTS, Settings, check_timeout
-from ._errors import (
-    RendezvousError,
-    UsageError,
-    from_rpc_error,
-)
+from ._errors import RendezvousError, RendezvousTimeout, UsageError, from_rpc_error
 from ._relay import Relay, relay_path
 from ._session import Session, SocketSession
 from ._topology import Topology
@@ -45,6 +41,7 @@ ALL: tuple[int, ...] = ()
 # deadline is this much later so that answer, not a bare DEADLINE_EXCEEDED, arrives.
 _TRANSPORT_GRACE = 10.0
 _BACKOFF_CAP = 2.0  # seconds: the longest pause between two retries
+_CLOSED = "this client was closed; call init() again"
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", -1),
     ("grpc.max_send_message_length", -1),
@@ -283,11 +280,13 @@ class Client:
         ``deadline`` (None without one) that returns the request serialized.
         """
         if self._closed:
-            raise UsageError("this client was closed; call init() again")
+            raise UsageError(_CLOSED)
         attempt = (method, request, deadline, waits, progress, relay, raw)
         try:
             return self._attempt(*attempt)  # the common case, without building a Retrying
         except grpc.RpcError as exc:
+            if self._closed:  # cancelled by close(), not refused by the coordinator
+                raise UsageError(_CLOSED) from exc
             if exc.code() != grpc.StatusCode.UNAVAILABLE:
                 raise from_rpc_error(exc, address=self.settings.address, method=method) from exc
             log.debug("%s to %s failed (%s); retrying", method, self.settings.address, exc)
@@ -323,6 +322,8 @@ class Client:
         try:
             return retrying(self._attempt, *attempt)
         except grpc.RpcError as exc:
+            if self._closed:
+                raise UsageError(_CLOSED) from exc
             raise from_rpc_error(exc, address=self.settings.address, method=method) from exc
 
     def _attempt(self, method: str, request, deadline: float | None, waits: bool, progress, relay: bool, raw: bool):
@@ -355,7 +356,7 @@ class Client:
         (they are opened lazily)."""
         with self._session_lock:
             if self._closed:
-                raise UsageError("this client was closed; call init() again")
+                raise UsageError(_CLOSED)
             if relay and self._relay_path is not None and time.monotonic() >= self._relay_retry_at:
                 if self._relay_session is None or self._relay_session.broken is not None:
                     try:
@@ -609,6 +610,8 @@ class Client:
                 f"(ordinal {existing.ordinal}); unbind it first"
             )
         with self._lock:
+            if self._closed:
+                raise UsageError(_CLOSED)
             if thread_index in self._bindings:
                 raise UsageError(
                     f"thread index {thread_index} is already bound by another thread of this "
@@ -720,9 +723,14 @@ class Client:
             payload = _payload_bytes(payload)
         if not isinstance(tag, str):
             raise TypeError(f"tag must be str, got {type(tag).__name__}")
+        if not tag.isascii():  # (checked before the round counts: its peers must not wait for it)
+            try:
+                tag.encode()
+            except UnicodeEncodeError as exc:
+                raise UsageError(f"tag {tag!r} is not valid text (UTF-8): {exc.reason}") from None
         replicas = list(replicas) if replicas else []
-        if replicas and any(isinstance(r, bool) or not isinstance(r, int) for r in replicas):
-            raise TypeError(f"replicas must be ints, got {replicas!r}")
+        if replicas and any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < 2**31 for r in replicas):
+            raise TypeError(f"replicas must be ints in [0, 2**31), got {replicas!r}")
         deadline = self._deadline(timeout)
         world = binding.world_size
         if world == 1 and (not replicas or replicas == [binding.ordinal]):
@@ -768,7 +776,13 @@ class Client:
                 if len(self._batches) > (not send):  # other open batches (ours is one unless sent)
                     self._signal_gathered(batch)
         if handed:  # from here on an interrupt stops only the wait
-            handed[0].acquire()
+            if not handed[0].acquire(True, -1 if deadline is None else deadline - time.monotonic() + _TRANSPORT_GRACE):
+                # Queued behind an earlier call that was interrupted and still waits: the
+                # stand-in runs this one later, expired (its round fails for its peers too).
+                raise RendezvousTimeout(
+                    f"rendezvous({tag!r}) of ordinal {ordinal} timed out before it started: an earlier "
+                    "call of the main thread, interrupted, is still waiting for its round"
+                )
             payloads, error = handed[1]
             if error is not None:
                 try:
@@ -925,6 +939,7 @@ class Client:
         self.multi_set([key], [value])
 
     def multi_set(self, keys: Sequence[str], values: Sequence[bytes]) -> None:
+        keys = _key_list(keys)
         if len(keys) != len(values):
             raise UsageError(f"multi_set got {len(keys)} keys but {len(values)} values")
         entries = [pb.KvEntry(key=k, value=_payload_bytes(v)) for k, v in zip(keys, values)]
@@ -937,7 +952,7 @@ class Client:
 
     def multi_get(self, keys: Sequence[str], *, wait: bool = True, timeout=DEFAULT) -> list[bytes | None]:
         deadline = self._deadline(timeout) if wait else None
-        request = pb.KvGetRequest(job=self.settings.job, keys=list(keys), wait=wait)
+        request = pb.KvGetRequest(job=self.settings.job, keys=_key_list(keys), wait=wait)
         if deadline is not None:
             request.timeout = max(1e-3, deadline - time.monotonic())
         response = self._call("KvGet", request, deadline, waits=wait)
@@ -978,7 +993,8 @@ class Client:
 
     def delete(self, key: str) -> bool:
         """Deletes ``key``; True if it existed."""
-        return self._call("KvDelete", pb.KvDeleteRequest(job=self.settings.job, key=key)).deleted
+        request = pb.KvDeleteRequest(job=self.settings.job, key=key, request_id=uuid.uuid4().hex)
+        return self._call("KvDelete", request).deleted
 
     def list(self, prefix: str = "") -> dict[str, bytes]:
         """Every key starting with ``prefix`` and its value."""
@@ -995,6 +1011,13 @@ class Client:
     def status(self, job: str | None = None) -> pb.StatusResponse:
         """The coordinator's view of ``job`` (default: this client's job; '' for all jobs)."""
         return self._call("Status", pb.StatusRequest(job=self.settings.job if job is None else job))
+
+
+def _key_list(keys: Sequence[str]) -> list[str]:
+    """``keys`` as a list, refusing one key given alone (a str would be its letters)."""
+    if isinstance(keys, (str, bytes)):
+        raise TypeError(f"keys must be a list of keys, got the single key {keys!r} (write [{keys!r}])")
+    return list(keys)
 
 
 def _copy_error(error: RendezvousError) -> RendezvousError:

@@ -55,15 +55,21 @@ def token_conflict(variable: str, file_variable: str) -> str:
     )
 
 
+# The longest wait every path can measure (poll() counts int32 milliseconds: 24.8 days);
+# a longer timeout waits without a limit.
+LONGEST_TIMEOUT = 21 * 86400.0
+
+
 def check_timeout(value: Any, what: str = "timeout") -> float | None:
-    """Validates a timeout: a positive number of seconds, or None for no limit."""
+    """Validates a timeout: a positive number of seconds, or None for no limit (as is
+    anything from LONGEST_TIMEOUT, 21 days, on)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise UsageError(f"{what} must be a number of seconds or None, got {value!r}")
-    if not value > 0 or math.isnan(value):
+    if not value > 0:  # NaN too
         raise UsageError(f"{what} must be > 0 seconds (None waits forever), got {value!r}")
-    return None if math.isinf(value) else float(value)
+    return None if value >= LONGEST_TIMEOUT else float(value)
 
 
 def _parse_number(variable: str, text: str) -> float:

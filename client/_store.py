@@ -36,8 +36,8 @@ import torch.distributed as dist
 from torch.distributed.rendezvous import register_rendezvous_handler
 
 from . import _api
-from ._client import Client
-from ._config import Settings
+from ._client import Client, _key_list
+from ._config import Settings, check_timeout
 from ._errors import CoordinatorUnavailableError, RemoteError, RendezvousTimeout, UsageError
 from ._topology import DEFAULT_PORT, Topology, host_port
 
@@ -107,7 +107,7 @@ def _seconds(timeout: timedelta | float | None) -> float | None:
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     if seconds < 0:
         raise UsageError(f"timeout must not be negative, got {timeout!r}")
-    return None if seconds == 0 else seconds
+    return None if seconds == 0 else check_timeout(seconds)
 
 
 class Store(dist.Store):
@@ -196,20 +196,20 @@ class Store(dist.Store):
 
     @_as_torch_errors
     def check(self, keys: Sequence[str]) -> bool:
-        return self.client.check([self._key(k) for k in keys])
+        return self.client.check([self._key(k) for k in _key_list(keys)])
 
     @_as_torch_errors
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
         """Waits until every key exists, up to ``timeout`` (default: the store timeout)."""
-        self.client.wait([self._key(k) for k in keys], timeout=self._wait_seconds(timeout))
+        self.client.wait([self._key(k) for k in _key_list(keys)], timeout=self._wait_seconds(timeout))
 
     @_as_torch_errors
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        return self.client.multi_get([self._key(k) for k in keys], timeout=self._wait_seconds())
+        return self.client.multi_get([self._key(k) for k in _key_list(keys)], timeout=self._wait_seconds())
 
     @_as_torch_errors
     def multi_set(self, keys: Sequence[str], values: Iterable) -> None:
-        self.client.multi_set([self._key(k) for k in keys], [_key_bytes(v) for v in values])
+        self.client.multi_set([self._key(k) for k in _key_list(keys)], [_key_bytes(v) for v in values])
 
     @_as_torch_errors
     def append(self, key: str, value) -> None:

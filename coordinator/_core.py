@@ -1351,13 +1351,17 @@ class Core:
 
         self._once(job, request_id, "append", key, apply)
 
-    def kv_delete(self, job_name: str, key: str) -> bool:
+    def kv_delete(self, job_name: str, key: str, request_id: str = "") -> bool:
         self._check_key(key)
         job = self._job_or_create(job_name)
-        if job.kv.pop(key, None) is None:
-            return False
-        self._journaled(("delete", job.name, key))
-        return True
+
+        def apply() -> bool:
+            if job.kv.pop(key, None) is None:
+                return False
+            self._journaled(("delete", job.name, key))
+            return True
+
+        return self._once(job, request_id, "delete", key, apply)
 
     def kv_list(self, job_name: str, prefix: str = "") -> list[tuple[str, bytes]]:
         job = self._job_or_create(job_name)

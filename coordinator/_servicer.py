@@ -513,7 +513,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
 
     @_translated
     async def KvDelete(self, request: pb.KvDeleteRequest, context) -> pb.KvDeleteResponse:
-        deleted = self._core.kv_delete(request.job, request.key)
+        deleted = self._core.kv_delete(request.job, request.key, request.request_id)
         await self._persist()
         return pb.KvDeleteResponse(deleted=deleted)
 

@@ -564,3 +564,114 @@ def test_the_wake_chain_wakes_each_waiter_in_turn():
         thread.join(10)
     assert not any(thread.is_alive() for thread in threads)
     assert woke == [0, 1, 2, 3]
+
+
+def test_a_call_queued_behind_an_interrupted_one_still_keeps_its_timeout(coordinator, sigint_raises_interrupted):
+    """The main thread's rounds run on its stand-in, in order: interrupted in a round that
+    waits for ever, its next call (timeout 2 s) raises RendezvousTimeout once its deadline
+    and the transport grace have passed, instead of waiting for the first one."""
+    client = make_client(coordinator.address, tasks=2, devices=2, timeout=None)
+    stop = threading.Event()
+
+    def sibling_main() -> None:
+        with client.bind_thread(1):
+            stop.wait(60)
+
+    sibling = threading.Thread(target=sibling_main)
+    sibling.start()
+    try:
+        wait_until = time.monotonic() + 10
+        while client._local_ordinals() != {1} and time.monotonic() < wait_until:
+            time.sleep(0.02)
+        binding = client.bind_thread(0)
+        timer = _interrupt_main_after(1.0)
+        with pytest.raises(_Interrupted):
+            client.rendezvous(binding, "stuck", b"0", replicas=[0, 2])  # ordinal 2 never comes
+        timer.join()
+        started = time.monotonic()
+        with pytest.raises(pr.RendezvousTimeout, match=r"rendezvous\('next'\) of ordinal 0 timed out before it started"):
+            client.rendezvous(binding, "next", b"0", replicas=[0, 1], timeout=2)
+        assert time.monotonic() - started < 30
+    finally:
+        stop.set()
+        sibling.join(10)
+        client.close()
+
+
+def test_keys_timeouts_tags_and_closed_clients_are_refused_before_anything_is_sent(coordinator):
+    """A key given alone where a list belongs (its letters would be keys), a tag that is not
+    UTF-8 (refused before its round counts: its peers do not wait for it), a timeout longer
+    than every wait can measure (waits without a limit, as torch's long store timeouts do),
+    and a thread binding on a closed client."""
+    from datetime import timedelta
+
+    from pjrt_rendezvous.client._store import Store
+
+    client = make_client(coordinator.address, tasks=1, devices=2, timeout=10)
+    client.set("ready", b"1")
+    for call in (lambda: client.check("ready"), lambda: client.wait("ready"), lambda: client.multi_set("ab", [b"1", b"2"])):
+        with pytest.raises(TypeError, match="got the single key 'ready'|got the single key 'ab'"):
+            call()
+    store = Store(client=client, timeout=timedelta(days=30))
+    with pytest.raises(TypeError, match="single key"):
+        store.check("ready")
+    assert client.get("ready", timeout=30 * 86400) == b"1" and client.get("ready", timeout=10**400) == b"1"
+    store.set("s", b"2")
+    assert store.get("s") == b"2"
+
+    errors = []
+
+    def sibling_main() -> None:
+        with client.bind_thread(1) as binding:
+            try:
+                errors.append(client.rendezvous(binding, "t", b"1", timeout=10))
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+
+    with client.bind_thread(0) as binding:
+        sibling = threading.Thread(target=sibling_main)
+        sibling.start()
+        with pytest.raises(pr.UsageError, match="is not valid text"):
+            client.rendezvous(binding, "\ud800", b"0")
+        assert client.rendezvous(binding, "t", b"0", timeout=10) == [b"0", b"1"]  # still in step
+        sibling.join(10)
+    assert errors == [[b"0", b"1"]]
+    client.close()
+    with pytest.raises(pr.UsageError, match="this client was closed"):
+        client.bind_thread(0)
+
+
+def test_init_reads_a_host_without_port_as_clients_do_and_replaces_a_closed_client(coordinator):
+    env = {"PJRT_RENDEZVOUS_NUM_TASKS": "1", "PJRT_RENDEZVOUS_TASK_ID": "0", "PJRT_RENDEZVOUS_CORES_PER_CHIP": "1"}
+    try:
+        assert pr.init(" 127.0.0.1 ", env=env).settings.address == "127.0.0.1:7481"
+    finally:
+        pr.shutdown()
+    host, port = coordinator.address.rsplit(":", 1)
+    first = pr.init(f"{host}:{port}", env=env)
+    try:
+        first.close()
+        assert pr.get_client() is not first and not pr.get_client()._closed
+    finally:
+        pr.shutdown()
+
+
+def test_close_while_calls_wait_says_the_client_was_closed_on_both_transports(coordinator):
+    for transport in ("auto", "grpc"):
+        client = make_client(coordinator.address, timeout=30, transport=transport)
+        client.set("x", b"1")  # connected
+        outcome = []
+        waiting = threading.Thread(target=lambda: outcome.append(_raised(lambda: client.get("never"))))
+        waiting.start()
+        time.sleep(0.5)
+        client.close()
+        waiting.join(10)
+        assert outcome and isinstance(outcome[0], pr.UsageError) and "was closed" in str(outcome[0]), (transport, outcome)
+
+
+def _raised(call):
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 -- returned to the test
+        return exc
+    return None

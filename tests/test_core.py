@@ -992,6 +992,17 @@ def test_kv_add_with_the_same_request_id_is_applied_once():
     assert core.kv_add(JOB, "n", 3) == 12
 
 
+def test_a_retried_delete_says_the_key_existed():
+    """A delete whose answer was lost and is resent with its request id answers True again (the
+    key existed when it was deleted); another delete of the key answers False."""
+    core = Core()
+    core.kv_set(JOB, [("k", b"v")])
+    assert core.kv_delete(JOB, "k", request_id="d1") is True
+    assert core.kv_delete(JOB, "k", request_id="d1") is True
+    assert core.kv_delete(JOB, "k", request_id="d2") is False
+    assert core.kv_get(JOB, ["k"]) == [None]
+
+
 @pytest.mark.parametrize(
     ("current", "expected", "desired", "returned", "stored"),
     [

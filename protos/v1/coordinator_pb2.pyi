@@ -352,12 +352,14 @@ class KvAppendResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class KvDeleteRequest(_message.Message):
-    __slots__ = ("job", "key")
+    __slots__ = ("job", "key", "request_id")
     JOB_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     job: str
     key: str
-    def __init__(self, job: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
+    request_id: str
+    def __init__(self, job: _Optional[str] = ..., key: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class KvDeleteResponse(_message.Message):
     __slots__ = ("deleted",)
