@@ -29,6 +29,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import queue
 import stat
 import tempfile
 import threading
@@ -92,7 +93,8 @@ class Relay:
         self._rounds: dict[tuple, _HostRound] = {}
         # Sending blocks a thread until the round ends; rounds of different groups can be
         # pending at once, so the pool must not be what bounds them.
-        self._senders = concurrent.futures.ThreadPoolExecutor(256, thread_name_prefix="pjrt-rendezvous-relay-send")
+        self._senders = _DaemonExecutor("pjrt-rendezvous-relay-send")
+        self._socket_id: tuple[int, int] | None = None  # (device, inode) of our socket file
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[FramedSession] = set()  # one per connected process
@@ -119,6 +121,8 @@ class Relay:
         if os.path.exists(self.path):
             os.unlink(self.path)  # left by an earlier run: its relay is gone
         self._server = await self._loop.create_unix_server(self._connection, path=self.path)
+        info = os.stat(self.path)
+        self._socket_id = (info.st_dev, info.st_ino)
 
     def _connection(self) -> FramedSession:
         """One process's SocketSession: length-prefixed SessionRequests in, SessionResponses out."""
@@ -153,8 +157,10 @@ class Relay:
                 log.debug("stopping the host relay: %s", exc)
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._senders.shutdown(wait=False, cancel_futures=True)
-        try:
-            os.unlink(self.path)
+        try:  # ours only: a restarted process's new relay may have taken the path since
+            info = os.stat(self.path)
+            if (info.st_dev, info.st_ino) == self._socket_id:
+                os.unlink(self.path)
         except OSError:
             pass
 
@@ -236,8 +242,10 @@ class Relay:
         # Each process gets the answer it would have had alone: a failed round's error again
         # (the coordinator keeps it), a refusal of one process's call for that one only (as
         # of the relay's own process, should a restart have replaced it while it lives on).
-        log.debug("a call for %d processes failed (%s); sending them one by one", len(requests), outcome)
-        return [self._send_one(r, deadline) for r in requests]
+        log.debug("a call for %d processes failed (%s); sending each its own", len(requests), outcome)
+        # At once: a round that needs two of them would wait for ever for the second.
+        sends = [self._senders.submit(self._send_one, r, deadline) for r in requests]
+        return [send.result() for send in sends]
 
     def _send_one(self, request: pb.RendezvousRequest, deadline: float | None) -> bytes | Exception:
         """The serialized response, or the exception the call ended with."""
@@ -247,6 +255,60 @@ class Relay:
             return self._client._call("Rendezvous", request, deadline, waits=True, raw=True)
         except Exception as exc:
             return exc
+
+
+class _DaemonExecutor(concurrent.futures.Executor):
+    """A thread pool of daemon threads, one more whenever none is idle. ThreadPoolExecutor's
+    threads are joined before ``atexit`` runs: a process whose relay still carried a
+    sibling's waiting round could not exit (nor leave the job, so the round's members waited
+    out their timeout instead of learning at once that it left)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = self._idle = 0
+        self._closed = False
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the host relay is closed")
+            self._work.put((future, fn, args, kwargs))
+            if self._idle:
+                self._idle -= 1
+                return future
+            self._threads += 1
+        threading.Thread(target=self._serve, name=f"{self._name}-{self._threads}", daemon=True).start()
+        return future
+
+    def _serve(self) -> None:
+        while (item := self._work.get()) is not None:
+            future, fn, args, kwargs = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as exc:  # noqa: BLE001 -- handed to the caller
+                    future.set_exception(exc)
+            del item, future, fn, args, kwargs
+            with self._lock:
+                self._idle += 1
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            self._closed = True
+            threads = self._threads
+        if cancel_futures:
+            try:
+                while True:
+                    item = self._work.get_nowait()
+                    if item is not None:
+                        item[0].cancel()
+            except queue.Empty:
+                pass
+        for _ in range(threads):
+            self._work.put(None)
 
 
 def _answer(call_id: int, outcome: bytes | Exception) -> tuple[bytes, bytes]:

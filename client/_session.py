@@ -310,6 +310,9 @@ def frame(message: bytes) -> bytes:
     return FRAME.pack(len(message)) + message
 
 
+_FOREIGN_RELAYS: set[str] = set()  # relay sockets served by another user, warned of once
+
+
 class SocketSession(Session):
     """The same calls and answers as length-prefixed messages on a stream socket: to the
     coordinator's session port (:meth:`tcp`) or to the host's relay (:meth:`local`).
@@ -358,9 +361,17 @@ class SocketSession(Session):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(path)
+            # Only a relay of this user: another could have made the folder and the socket first.
+            _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
         except OSError as exc:
             sock.close()
             raise StatusError(grpc.StatusCode.UNAVAILABLE, f"no host relay at {path}: {exc}") from exc
+        if uid != os.getuid():
+            sock.close()
+            if path not in _FOREIGN_RELAYS:  # (asked again every few seconds: said once)
+                _FOREIGN_RELAYS.add(path)
+                log.warning("the host relay socket %s is served by user %d, not this process's user; not using it", path, uid)
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"the host relay at {path} runs as user {uid}")
         return cls(sock, "the host relay")
 
     @classmethod

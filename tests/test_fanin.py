@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 import threading
+import time
 
 import grpc
 import pytest
@@ -28,10 +31,12 @@ def coordinator():
         yield c
 
 
-def make_clients(address: str, *, fan_in: str = "host", **settings) -> list[pr.Client]:
+def make_clients(
+    address: str, *, fan_in: str = "host", processes: int = PROCESSES, hosts: int = HOSTS, **settings
+) -> list[pr.Client]:
     clients = []
-    for task in range(PROCESSES):
-        env = simulated_env(address=address, accelerator="v3-8", task=task, processes=PROCESSES, hosts=HOSTS, threads=THREADS)
+    for task in range(processes):
+        env = simulated_env(address=address, accelerator="v3-8", task=task, processes=processes, hosts=hosts, threads=THREADS)
         topology = pr.detect_topology(env, address=address)
         settings.setdefault("timeout", 60)
         clients.append(pr.Client(pr.Settings(address=address, fan_in=fan_in, **settings), topology))
@@ -42,7 +47,7 @@ def run_threads(clients: list[pr.Client], body) -> dict:
     """Runs ``body(client, binding)`` in a bound thread per device of every client; returns
     each ordinal's result (or exception)."""
     results: dict[int, object] = {}
-    bound = threading.Barrier(PROCESSES * THREADS)
+    bound = threading.Barrier(len(clients) * THREADS)
 
     def main(client: pr.Client, index: int) -> None:
         binding = client.bind_thread(index)
@@ -286,3 +291,87 @@ def test_a_relay_whose_process_was_replaced_still_carries_its_siblings_rounds(co
     assert clients[0]._relay is not None and fresh.generation == 2
     for c in [*clients, fresh]:
         c.close()
+
+
+def test_a_replaced_relay_resends_its_siblings_calls_at_once(coordinator):
+    """As above with two siblings on the relay's host, which go on calling through it (as
+    before the restart's event reaches them): each gets its call resent as its own at once
+    (one after the other, the first waited for ever for the second's)."""
+    clients = make_clients(coordinator.address, processes=3, hosts=1)
+    run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
+    for sibling in clients[1:]:
+        sibling._leave_relay = lambda: None
+    env = simulated_env(address=coordinator.address, accelerator="v3-8", task=0, processes=3, hosts=1, threads=THREADS)
+    fresh = pr.Client(pr.Settings(address=coordinator.address, fan_in="off", timeout=20), pr.detect_topology(env, address=coordinator.address))
+    results = run_threads([fresh, *clients[1:]], lambda client, binding: client.rendezvous(binding, "after", b"%d" % binding.ordinal))
+    assert all(out == [b"%d" % o for o in range(3 * THREADS)] for out in results.values()), results
+    for c in [*clients, fresh]:
+        c.close()
+
+
+def test_a_relay_removes_only_its_own_socket_and_siblings_use_only_their_users_relay(coordinator, monkeypatch):
+    """A process restarted on its host starts a relay at the same path while the old one lives
+    on: the old one's close leaves the new socket. A relay socket served by another user (it
+    made the folder first) is not used."""
+    from pjrt_rendezvous.client._session import SocketSession, StatusError
+
+    clients = make_clients(coordinator.address)
+    run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
+    old = clients[0]._relay
+    new = Relay(clients[0], old.path)
+    old.close()
+    assert os.path.exists(new.path)
+    SocketSession.local(new.path).close()  # ours
+    monkeypatch.setattr(os, "getuid", lambda: 4242)
+    with pytest.raises(StatusError, match="runs as user"):
+        SocketSession.local(new.path)
+    monkeypatch.undo()
+    new.close()
+    assert not os.path.exists(new.path)
+    for c in clients:
+        c.close()
+
+
+_RELAYING_PROCESS = """
+import sys, time
+import pjrt_rendezvous.client as pr
+client = pr.init()
+binding = client.bind_thread(0)
+print("bound", flush=True)
+if sys.argv[1] == "relay":
+    sys.stdin.readline()  # exits normally while its relay carries the sibling's waiting round
+else:
+    try:
+        client.rendezvous(binding, "never", b"", timeout=60)  # its relay's process never comes
+    except pr.RendezvousError as exc:
+        print(type(exc).__name__, flush=True)
+"""
+
+
+def test_a_process_whose_relay_carries_a_waiting_round_exits_at_once_and_leaves(coordinator):
+    """A relay's sending threads do not hold its process's exit: it leaves the job at exit, as
+    without fan-in, so the round fails at once for its members (it waited out their timeout)."""
+    def start(task: int, role: str) -> subprocess.Popen:
+        env = simulated_env(address=coordinator.address, accelerator="v3-8", task=task, processes=2, hosts=1, threads=1)
+        env.update(PJRT_RENDEZVOUS_FAN_IN="host")
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _RELAYING_PROCESS, role], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert proc.stdout.readline().strip() == "bound"
+        return proc
+
+    relay = start(0, "relay")
+    sibling = start(1, "sibling")
+    try:
+        time.sleep(1.0)  # the sibling's round waits at the relay for ordinal 0, which never comes
+        started = time.monotonic()
+        relay.stdin.close()
+        assert relay.wait(30) == 0
+        assert time.monotonic() - started < 20
+        assert sibling.stdout.readline().strip() == "ParticipantFailedError"
+        assert time.monotonic() - started < 30
+    finally:
+        for proc in (relay, sibling):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
