@@ -29,6 +29,7 @@ import os
 import socket
 import threading
 import urllib.parse
+import uuid
 from datetime import timedelta
 from typing import Iterable, Sequence
 
@@ -88,7 +89,21 @@ def _run_prefix(prefix: str) -> str:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if not run_id:
         return prefix
+    if run_id == "none":  # torchrun's default --rdzv-id: every run's
+        run_id = _invocation_id() or run_id
     return f"{prefix}/{run_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+@functools.cache
+def _invocation_id() -> str | None:
+    """An id of this torchrun invocation that all its workers agree on, through the store of
+    torchrun's agent (new for each invocation, kept across its restarts; its workers reach it
+    as ``env://`` does); None without one."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not host or not port:
+        return None
+    agent = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
+    return agent.compare_set("pjrt_rendezvous/invocation", "", uuid.uuid4().hex).decode()
 
 
 def _key_bytes(value) -> bytes:
@@ -246,17 +261,21 @@ _generations: dict[tuple[str, str | None, str], int] = {}
 
 def _address(parsed: urllib.parse.ParseResult, url: str) -> str:
     try:
-        host, port = parsed.hostname, parsed.port or DEFAULT_PORT
+        host, port = parsed.hostname, DEFAULT_PORT if parsed.port is None else parsed.port
     except ValueError as exc:
         raise UsageError(f"{url!r}: {exc}") from None
     if not host:
         raise UsageError(f"{url!r} names no coordinator host: use {SCHEME}://HOST:PORT")
+    if port == 0:
+        raise UsageError(f"{url!r}: port 0 is no coordinator's port")
     return host_port(host, port)
 
 
-def _client_for(address: str, job: str | None) -> Client:
+def _client_for(address: str, job: str | None, timeout: timedelta | None = None) -> Client:
     """The process client when it talks to ``address`` (and ``job``), else a key-value-only
-    client of our own, one per (address, job)."""
+    client of our own, one per (address, job), that looks for an unreachable coordinator as
+    long as ``timeout`` (init_process_group's, as TCPStore's connect) unless
+    PJRT_RENDEZVOUS_CONNECT_TIMEOUT says otherwise."""
     process_client = _api._client
     if process_client is not None and process_client.settings.address == address and (
         job is None or process_client.settings.job == job
@@ -266,6 +285,9 @@ def _client_for(address: str, job: str | None) -> Client:
         client = _clients.get((address, job))
         if client is None:
             given = {} if job is None else {"job": job}
+            seconds = _seconds(timeout)
+            if seconds is not None and not os.environ.get("PJRT_RENDEZVOUS_CONNECT_TIMEOUT"):
+                given["connect_timeout"] = seconds
             settings = Settings.resolve(os.environ, address=address, **given)
             # A Store client only uses the key-value calls; its topology is never registered.
             topology = Topology(
@@ -314,7 +336,7 @@ def rendezvous_handler(url: str, timeout: timedelta = DEFAULT_TIMEOUT, **kwargs)
     with _clients_lock:
         generation = _generations.get((address, job, prefix), 0)
         _generations[(address, job, prefix)] = generation + 1
-    store = Store(_client_for(address, job), prefix=f"{prefix}/{generation}", timeout=timeout)
+    store = Store(_client_for(address, job, timeout), prefix=f"{prefix}/{generation}", timeout=timeout)
     yield store, rank, world_size
     raise RuntimeError(f"Unable to perform re-rendezvous using {SCHEME}:// method")
 

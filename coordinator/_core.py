@@ -419,7 +419,8 @@ class Core:
                 Code.RESOURCE_EXHAUSTED,
                 f"this coordinator already serves {len(self.jobs)} jobs, the limit "
                 f"(max_jobs={self.limits.max_jobs}), and none has finished (a job finishes when "
-                f"every process of it is gone) to make room; job {name!r} cannot be created",
+                f"every process of it is gone; one of keys alone never does) to make room; job "
+                f"{name!r} cannot be created",
             )
         job = Job(name=name)
         if insert:

@@ -259,3 +259,60 @@ def test_gloo_all_reduce_in_three_processes(coordinator, how):
     results = _run_gloo(coordinator.address, how)
     expected = [1.0 + 2.0 + 3.0, 0.0 + 10.0 + 20.0]
     assert results == [(rank, expected + [3.0 if rank < 2 else rank + 1.0], False) for rank in range(WORLD)]
+
+
+_TORCHRUN_WORKER = """
+import sys
+import torch, torch.distributed as dist
+import pjrt_rendezvous.client.torch_store as ts
+dist.init_process_group("gloo", init_method=f"{ts.SCHEME}://{sys.argv[1]}")
+t = torch.ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(t)
+from pjrt_rendezvous.client._store import _run_prefix
+print("prefix", _run_prefix("torch.distributed"), "sum", float(t), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_plain_torchrun_runs_on_one_coordinator_do_not_share_keys(coordinator, tmp_path):
+    """torchrun without --rdzv-id gives every run the run id "none": the keys go under an id its
+    workers agree on through torchrun's store instead, so a second run does not read the
+    first one's gloo addresses (it failed to connect to them, most times)."""
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp_path / "worker.py"
+    script.write_text(_TORCHRUN_WORKER)
+    prefixes = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_RENDEZVOUS_", "TORCHELASTIC_"))}
+        out = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}",
+             str(script), coordinator.address],
+            env={**env, "GLOO_SOCKET_IFNAME": "lo"}, capture_output=True, text=True, timeout=180,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        lines = sorted(line for line in out.stdout.splitlines() if line.startswith("prefix"))
+        assert len(lines) == 2 and all(line.endswith("sum 3.0") for line in lines), out.stdout
+        (prefix,) = {line.split()[1] for line in lines}
+        prefixes.append(prefix)
+    assert prefixes[0] != prefixes[1] and all(p.startswith("torch.distributed/") and "/none/" not in p for p in prefixes)
+
+
+def test_the_url_handler_looks_for_a_coordinator_as_long_as_its_timeout_and_refuses_port_0(monkeypatch):
+    """As TCPStore's connect: init_process_group's timeout bounds the search for an unreachable
+    coordinator (it was always connect_timeout's 60 s); port 0 names no coordinator."""
+    import torch.distributed as dist
+
+    monkeypatch.delenv("PJRT_RENDEZVOUS_CONNECT_TIMEOUT", raising=False)
+    with pytest.raises(pr.UsageError, match="port 0"):
+        next(dist.rendezvous(f"{SCHEME}://127.0.0.1:0?rank=0&world_size=1"))
+    store, _, _ = next(dist.rendezvous(f"{SCHEME}://127.0.0.1:1?job=unreachable&rank=0&world_size=1", timeout=datetime.timedelta(seconds=2)))
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable):
+        store.set("k", b"v")
+    assert time.monotonic() - started < 20
