@@ -729,8 +729,10 @@ class Client:
             except UnicodeEncodeError as exc:
                 raise UsageError(f"tag {tag!r} is not valid text (UTF-8): {exc.reason}") from None
         replicas = list(replicas) if replicas else []
-        if replicas and any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < 2**31 for r in replicas):
-            raise TypeError(f"replicas must be ints in [0, 2**31), got {replicas!r}")
+        if replicas and any(isinstance(r, bool) or not isinstance(r, int) for r in replicas):
+            raise TypeError(f"replicas must be ints, got {replicas!r}")
+        if replicas and not -(2**31) <= min(replicas) <= max(replicas) < 2**31:  # (other ordinals: the coordinator's to refuse)
+            raise UsageError(f"replicas must be 32-bit ints, got {replicas!r}")
         deadline = self._deadline(timeout)
         world = binding.world_size
         if world == 1 and (not replicas or replicas == [binding.ordinal]):
@@ -776,7 +778,7 @@ class Client:
                 if len(self._batches) > (not send):  # other open batches (ours is one unless sent)
                     self._signal_gathered(batch)
         if handed:  # from here on an interrupt stops only the wait
-            if not handed[0].acquire(True, -1 if deadline is None else deadline - time.monotonic() + _TRANSPORT_GRACE):
+            if not handed[0].acquire(True, -1 if deadline is None else max(0.0, deadline - time.monotonic() + _TRANSPORT_GRACE)):
                 # Queued behind an earlier call that was interrupted and still waits: the
                 # stand-in runs this one later, expired (its round fails for its peers too).
                 raise RendezvousTimeout(

@@ -57,7 +57,7 @@ class Code(enum.Enum):
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     ABORTED = "ABORTED"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
-    UNAVAILABLE = "UNAVAILABLE"  # the coordinator is stopping
+    UNAVAILABLE = "UNAVAILABLE"  # the coordinator is stopping, or cannot write its state file
 
 
 class CoreError(Exception):

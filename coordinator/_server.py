@@ -281,7 +281,7 @@ class _StateWriter:
             except OSError as exc:
                 raise CoreError(
                     Code.UNAVAILABLE,
-                    f"the coordinator cannot write its state file ({exc}); it stops, to start again from what is on disk",
+                    f"the coordinator cannot write its state file ({exc}); `serve` stops, to start again from what is on disk",
                 ) from exc
 
     def _write(self) -> None:
