@@ -633,6 +633,8 @@ def test_keys_timeouts_tags_and_closed_clients_are_refused_before_anything_is_se
         sibling.start()
         with pytest.raises(pr.UsageError, match="is not valid text"):
             client.rendezvous(binding, "\ud800", b"0")
+        with pytest.raises(pr.UsageError, match="32-bit"):
+            client.rendezvous(binding, "t", b"0", replicas=[0, 2**40])
         assert client.rendezvous(binding, "t", b"0", timeout=10) == [b"0", b"1"]  # still in step
         sibling.join(10)
     assert errors == [[b"0", b"1"]]
