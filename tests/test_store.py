@@ -269,7 +269,8 @@ dist.init_process_group("gloo", init_method=f"{ts.SCHEME}://{sys.argv[1]}")
 t = torch.ones(1) * (dist.get_rank() + 1)
 dist.all_reduce(t)
 from pjrt_rendezvous.client._store import _run_prefix
-print("prefix", _run_prefix("torch.distributed"), "sum", float(t), flush=True)
+import os
+os.write(1, f"prefix {_run_prefix('torch.distributed')} sum {float(t)}\\n".encode())  # one write: lines stay whole
 dist.destroy_process_group()
 """
 
