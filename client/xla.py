@@ -215,11 +215,7 @@ def uninstall() -> None:
 def _locked_step_marker(original: Callable, xlac: Any) -> Callable:
     def _xla_step_marker(device: str = "", devices: Sequence[str] = (), wait: bool = True, reset_scope: bool = True):
         own = [device or xlac._xla_get_default_device()]
-        _wait_device_ops(xlac, own)
-        with _step_lock:
-            original(device, list(devices), wait=False, reset_scope=reset_scope)
-        if wait:
-            _wait_device_ops(xlac, own)
+        _launch_locked(xlac, own, wait, lambda: original(device, list(devices), wait=False, reset_scope=reset_scope))
 
     _xla_step_marker.__wrapped__ = original  # type: ignore[attr-defined]
     return _xla_step_marker
@@ -228,14 +224,20 @@ def _locked_step_marker(original: Callable, xlac: Any) -> Callable:
 def _locked_sync_multi(original: Callable, xlac: Any) -> Callable:
     def _xla_sync_multi(tensors: Sequence[Any], devices: Sequence[str], wait: bool = True, sync_xla_data: bool = True):
         own = sorted({str(t.device) for t in tensors})  # (``devices``: replication, siblings' too)
-        _wait_device_ops(xlac, own)
-        with _step_lock:
-            original(tensors, list(devices), wait=False, sync_xla_data=sync_xla_data)
-        if wait:
-            _wait_device_ops(xlac, own)
+        _launch_locked(xlac, own, wait, lambda: original(tensors, list(devices), wait=False, sync_xla_data=sync_xla_data))
 
     _xla_sync_multi.__wrapped__ = original  # type: ignore[attr-defined]
     return _xla_sync_multi
+
+
+def _launch_locked(xlac: Any, own: list[str], wait: bool, launch: Callable[[], None]) -> None:
+    """``launch`` (compile and launch, not waiting) under the step lock, with the waits for
+    the thread's ``own`` devices outside it (:func:`_wait_device_ops`)."""
+    _wait_device_ops(xlac, own)
+    with _step_lock:
+        launch()
+    if wait:
+        _wait_device_ops(xlac, own)
 
 
 # Device threads in this process, when spawn() runs them (eager mode is refused beyond one).
