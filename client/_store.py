@@ -30,6 +30,7 @@ import socket
 import threading
 import urllib.parse
 import uuid
+import warnings
 from datetime import timedelta
 from typing import Iterable, Sequence
 
@@ -102,8 +103,17 @@ def _invocation_id() -> str | None:
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not host or not port:
         return None
-    agent = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
-    return agent.compare_set("pjrt_rendezvous/invocation", "", uuid.uuid4().hex).decode()
+    try:
+        agent = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
+        return agent.compare_set("pjrt_rendezvous/invocation", "", uuid.uuid4().hex).decode()
+    except (RuntimeError, ValueError) as exc:  # (DistError is a RuntimeError)
+        warnings.warn(
+            f"cannot reach torchrun's store at {host}:{port} ({exc}); keys go under the run id 'none', "
+            "which every run without --rdzv-id shares: give a prefix",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
 
 
 def _key_bytes(value) -> bytes:
