@@ -52,9 +52,9 @@ different collective op ids, and never meet (XLA aborts after 10 s). Under the l
 thread finds the first thread's compilation. The lock covers compile and launch only: a thread
 waits for its own devices outside the lock, before a launch (torch_xla launches a device's next
 graph only once its last one is done, and that one's collectives may wait for a sibling's
-launch) and after one with ``wait=True``; step closures run outside it too. Wrapping these two rather than
-``torch_xla.sync``/``xm.mark_step`` also covers references taken before :func:`install`
-(``from torch_xla import sync``).
+launch) and after one with ``wait=True``; step closures run outside it too. Wrapping these two
+rather than ``torch_xla.sync``/``xm.mark_step`` also covers references taken before
+:func:`install` (``from torch_xla import sync``).
 
 Eager mode (``torch_xla.experimental.eager_mode(True)``) is refused in :func:`spawn`'s replicas
 when a process runs more than one device: each op then compiles on its own, outside the lock.
@@ -261,14 +261,9 @@ def _eager_mode_refused(original: Callable, xlac: Any) -> Callable:
 
 
 def _wait_device_ops(xlac: Any, devices: list[str]) -> None:
-    """Waits, outside the step lock, for what was launched on these devices (the calling
-    thread's own) and only these: a sibling's device may hold its next step, waiting for ours.
-
-    Before a launch: torch_xla launches a device's next graph only once its last one is done,
-    and that one's collectives may wait for a sibling's launch; blocked there inside the lock,
-    the sibling could never launch (XLA aborts after 10 s). After a launch with ``wait=True``:
-    waiting inside would block a sibling whose launch this graph's collectives wait for.
-    """
+    """Waits, outside the step lock (why: the module docstring), for what was launched on these
+    devices, the calling thread's own, and only these: a sibling's device may hold its next
+    step, waiting for ours."""
     if devices:  # (none: nothing to launch; the runtime would wait for every device)
         xlac._xla_wait_device_ops(xlac._xla_real_devices(devices))  # "xla:1" -> "CPU:1"/"TPU:1"
 
@@ -659,7 +654,7 @@ def _supervise(
             except Exception as exc:  # noqa: BLE001 -- reported as that replica's failure
                 error = UsageError(
                     f"spawn(): the return value of ordinal {ordinal} cannot be unpickled in the calling "
-                    f"process: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                    f"process: {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
                 )
                 record(ordinal, error, _IN_PARENT + traceback.format_exc())
         elif kind == "error":

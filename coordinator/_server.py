@@ -378,6 +378,7 @@ class RunningServer:
         self._health = health_servicer
         self._tasks = tasks
         self._hurried = asyncio.Event()
+        self._hurry_task: asyncio.Task | None = None  # (kept: the loop holds tasks weakly)
 
     async def stop(self, grace: float | None) -> None:
         """Marks health NOT_SERVING, lets in-flight calls finish for ``grace`` seconds (or

@@ -152,9 +152,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
         whether a Session stream still runs a call."""
         self._stopping = True
         for key in [k for k in self._waiters if k[0] == "events"]:
-            for waiter in list(self._waiters.pop(key)):
-                if not waiter.done():
-                    waiter.set_result(True)
+            self._release(key)
         busy = False
         for task, idle in list(self._streams.items()):
             if idle():
@@ -177,11 +175,15 @@ class Servicer(pb_grpc.CoordinatorServicer):
             if key[0] == "dropped":
                 self._world_tables.pop(key[1], None)
             self._deadlines.pop(key, None)
-            waiters = self._waiters.pop(key, None)
-            if waiters:
-                for waiter in list(waiters):  # a Wakeup resumes its call here, which leaves the set
-                    if not waiter.done():
-                        waiter.set_result(True)
+            self._release(key)
+
+    def _release(self, key: tuple) -> None:
+        """Wakes the calls waiting on ``key``."""
+        waiters = self._waiters.pop(key, None)
+        if waiters:
+            for waiter in list(waiters):  # a Wakeup resumes its call here, which leaves the set
+                if not waiter.done():
+                    waiter.set_result(True)
 
     async def _wait(self, key: tuple, deadline: float | None) -> bool:
         """Waits until ``key`` is woken (True) or ``deadline`` (or an earlier waiter's on the
@@ -404,7 +406,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
             seen = len(self._core.events(request.job, 0))
         except CoreError as exc:
             await _abort(context, exc.code, exc.message)
-        while not self._stopping:
+        while True:
             for event in self._core.events(request.job, seen):
                 seen += 1
                 yield pb.WatchEvent(
