@@ -144,6 +144,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
         self.session_port = 0
         self._stopping = False  # streams end (see end_streams)
         self._streams: dict[asyncio.Task, Callable[[], bool]] = {}  # Session streams -> idle?
+        self._ended: set[asyncio.Task] = set()  # Session streams end_streams cancelled
 
     def end_streams(self) -> bool:
         """On stop, called until it returns False: every Watch stream ends (UNAVAILABLE; its
@@ -157,6 +158,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
         for task, idle in list(self._streams.items()):
             if idle():
                 del self._streams[task]
+                self._ended.add(task)
                 task.cancel()
             else:
                 busy = True
@@ -425,12 +427,16 @@ class Servicer(pb_grpc.CoordinatorServicer):
 
     async def Session(self, requests, context) -> None:
         """Carries a client process's unary calls on one stream (see :func:`serve_session`)."""
+        this = asyncio.current_task()
         try:
             await serve_session(requests, context, self._session_call, self._streams)
         except asyncio.CancelledError:
-            if not self._stopping:
+            # Ended idle by end_streams: the stream ends (OK), quietly. Cut by gRPC's stop, the
+            # cancellation goes on, so that gRPC resets the stream and its client resends at once.
+            if this not in self._ended:
                 raise
-            # Ended by end_streams (or cut at the end of the grace): the stream ends quietly.
+        finally:
+            self._ended.discard(this)
 
     async def _session_call(self, call: Call) -> tuple[bytes, bytes]:
         """Runs one call of a Session like the unary method would; returns its answer as
