@@ -68,6 +68,15 @@ def run_threads(clients: list[pr.Client], body) -> dict:
     return results
 
 
+def adopt(clients: list[pr.Client], generation: int) -> None:
+    """Waits until every client has heard (by its Watch) that the job moved to ``generation``:
+    a round called before that belongs to the old generation and is refused as void."""
+    deadline = time.monotonic() + 30
+    while any(c.generation < generation for c in clients):
+        assert time.monotonic() < deadline, [c.generation for c in clients]
+        time.sleep(0.01)
+
+
 def test_each_host_sends_one_call_per_round_and_every_result_is_exact(coordinator, monkeypatch):
     """After the first round (the relay learns its host's processes), the coordinator sees one
     Rendezvous call per host and round, not one per process, naming each process once (the
@@ -283,6 +292,9 @@ def test_a_relay_whose_process_was_replaced_still_carries_its_siblings_rounds(co
     env = simulated_env(address=coordinator.address, accelerator="v3-8", task=0, processes=PROCESSES, hosts=HOSTS, threads=THREADS)
     fresh = pr.Client(pr.Settings(address=coordinator.address, fan_in="off", timeout=60), pr.detect_topology(env, address=coordinator.address))
     team = [fresh, *clients[1:]]
+    fresh.bind_thread(0)  # registers: the job moves to generation 2
+    fresh.unbind_thread()
+    adopt(team, 2)
     results = run_threads(
         team, lambda client, binding: [client.rendezvous(binding, f"after{k}", b"%d" % binding.ordinal) for k in range(3)]
     )
@@ -295,14 +307,17 @@ def test_a_relay_whose_process_was_replaced_still_carries_its_siblings_rounds(co
 
 def test_a_replaced_relay_resends_its_siblings_calls_at_once(coordinator):
     """As above with two siblings on the relay's host, which go on calling through it (as
-    before the restart's event reaches them): each gets its call resent as its own at once
-    (one after the other, the first waited for ever for the second's)."""
+    if they had not yet acted on the restart's event): each gets its call resent as its own
+    at once (one after the other, the first waited for ever for the second's)."""
     clients = make_clients(coordinator.address, processes=3, hosts=1)
     run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
     for sibling in clients[1:]:
         sibling._leave_relay = lambda: None
     env = simulated_env(address=coordinator.address, accelerator="v3-8", task=0, processes=3, hosts=1, threads=THREADS)
     fresh = pr.Client(pr.Settings(address=coordinator.address, fan_in="off", timeout=20), pr.detect_topology(env, address=coordinator.address))
+    fresh.bind_thread(0)  # registers: the job moves to generation 2
+    fresh.unbind_thread()
+    adopt(clients[1:], 2)
     results = run_threads([fresh, *clients[1:]], lambda client, binding: client.rendezvous(binding, "after", b"%d" % binding.ordinal))
     assert all(out == [b"%d" % o for o in range(3 * THREADS)] for out in results.values()), results
     for c in [*clients, fresh]:

@@ -37,16 +37,20 @@ CHAOS_SECONDS = 6.0
 
 
 class RetryLog(logging.Handler):
-    """Collects the status codes of the client's retried failures, by method."""
+    """Collects the status codes of the client's retried failures, by method, from the test's
+    thread and those started after it (not from clients an earlier, failed test left open)."""
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
+        self.earlier = {thread.ident for thread in threading.enumerate()} - {threading.get_ident()}
         self.codes: collections.Counter = collections.Counter()
         self.methods: collections.Counter = collections.Counter()
         self.details: collections.Counter = collections.Counter()  # gRPC's wording, ports masked
 
     def emit(self, record: logging.LogRecord) -> None:
         if not (isinstance(record.msg, str) and record.msg.startswith("%s to %s failed") and record.args):
+            return
+        if record.thread in self.earlier:
             return
         method, _, exc = record.args[:3]
         self.codes[exc.code().name if isinstance(exc, grpc.RpcError) else type(exc).__name__] += 1
