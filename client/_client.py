@@ -65,7 +65,10 @@ _METHODS = pb.DESCRIPTOR.services_by_name["Coordinator"].methods
 _RESPONSES = {m.name: getattr(pb, m.output_type.name).FromString for m in _METHODS} | {"Rendezvous": decode_payloads}
 _TIMED = {m.name for m in _METHODS if "timeout" in m.input_type.fields_by_name}  # requests with a timeout
 
-_RELAY_RETRY = 5.0  # seconds: after the host's relay failed, call the coordinator directly this long
+# After the host's relay failed, calls go to the coordinator directly this long, twice as
+# long after each failure to connect to it in a row (a relay that never comes, or is frozen).
+_RELAY_RETRY = 5.0
+_RELAY_RETRY_MAX = 80.0
 # The coordinator's session port: how long to try connecting; how long to use gRPC's stream
 # after a refused connection (a coordinator restarting). After a connection that timed out
 # (a firewall, a container that does not publish the port, or SYNs lost in a start-up burst)
@@ -237,7 +240,7 @@ class Client:
         self._relay: Relay | None = None  # ours, when we are the host's first process
         self._relay_started = False
         self._relay_session: SocketSession | None = None
-        self._relay_retry_at = 0.0
+        self._relay_retry = (0.0, _RELAY_RETRY)  # (not before, then how long to stay away after a failure)
         # The coordinator's session port, once a Register or Heartbeat answer names it (0:
         # none), and the time (monotonic) before which it is not tried again after failing.
         self._session_port = (0, 0.0, 0.0)  # (port, retry at, probe backoff: > 0 after a timeout)
@@ -357,13 +360,14 @@ class Client:
         with self._session_lock:
             if self._closed:
                 raise UsageError(_CLOSED)
-            if relay and self._relay_path is not None and time.monotonic() >= self._relay_retry_at:
+            if relay and self._relay_path is not None and time.monotonic() >= self._relay_retry[0]:
                 if self._relay_session is None or self._relay_session.broken is not None:
                     try:
                         self._relay_session = SocketSession.local(self._relay_path)
+                        self._relay_retry = (0.0, _RELAY_RETRY)
                     except grpc.RpcError as exc:
                         self._relay_session = None
-                        self._avoid_relay(exc)
+                        self._avoid_relay(exc, again=True)
                 if self._relay_session is not None:
                     return self._relay_session
             if self._current_session is None or self._current_session.broken is not None:
@@ -434,10 +438,14 @@ class Client:
         with self._session_lock:
             self._avoid_relay(exc)
 
-    def _avoid_relay(self, exc: grpc.RpcError) -> None:
-        """With the session lock held: calls go to the coordinator directly for a while."""
-        self._relay_retry_at = time.monotonic() + _RELAY_RETRY
-        log.debug("host relay at %s unavailable (%s); calling the coordinator directly", self._relay_path, exc.details())
+    def _avoid_relay(self, exc: grpc.RpcError, again: bool = False) -> None:
+        """With the session lock held: calls go to the coordinator directly for a while,
+        longer ``again`` (the relay failed once more when tried again)."""
+        _, away = self._relay_retry
+        self._relay_retry = (time.monotonic() + away, min(2 * away, _RELAY_RETRY_MAX) if again else away)
+        log.debug(
+            "host relay at %s unavailable (%s); calling the coordinator directly for %.0f s", self._relay_path, exc.details(), away
+        )
 
     def _leave_relay(self) -> None:
         """A process of our host is gone, perhaps the one running the relay (a stuck relay

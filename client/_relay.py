@@ -16,9 +16,10 @@ ordinal.
   So the coordinator always knows exactly who is missing, and no round waits for the relay.
 - A combined call that fails is resent per process, so each process gets the answer it
   would have had alone (one process's bad call does not fail its siblings').
-- A process that cannot reach the relay (not started yet, or its process is gone) sends to
-  the coordinator directly, which takes a resent contribution as the same arrival, and
-  tries the relay again a few seconds later (``Client._session``).
+- A process that cannot reach the relay (not started yet, its process gone, or frozen: it
+  must answer a ping within a second, ``SocketSession.local``) sends to the coordinator
+  directly, which takes a resent contribution as the same arrival, and tries the relay
+  again a few seconds later, longer after each failed try (``Client._session``).
 """
 
 from __future__ import annotations

@@ -273,6 +273,11 @@ class Session:
 FRAME = struct.Struct(">I")  # the length of the serialized message that follows
 PING_EVERY = 10.0  # seconds without an answer before a SocketSession pings
 PING_TIMEOUT = 5.0
+# The host's relay is on this host, its answers in microseconds: a frozen relay process (a
+# debugger attached, SIGSTOP) is found sooner, and checked for at connect. A wrong guess (its
+# process busy) costs only calls resent to the coordinator, which counts them once.
+RELAY_PING_EVERY = 2.0
+RELAY_PING_TIMEOUT = 1.0
 _PING = b""  # a ping's request is empty
 # A SocketSession reads into a buffer of its own, at first this large, grown to hold the
 # largest message it received, so that a message comes in one read without a buffer
@@ -325,9 +330,10 @@ class SocketSession(Session):
     process, that is most of a process's CPU (``bench/``).
     """
 
-    def __init__(self, sock: socket.socket, peer: str) -> None:
+    def __init__(self, sock: socket.socket, peer: str, ping: tuple[float, float] = (PING_EVERY, PING_TIMEOUT)) -> None:
         self._socket = sock
         self._peer = peer
+        self._ping = ping  # (every, timeout): see _keepalive
         self._send_lock = threading.Lock()
         self._init_calls()
         self._reading = threading.Lock()  # held by the caller reading answers for all
@@ -341,23 +347,25 @@ class SocketSession(Session):
     def _keepalive(self) -> None:
         """A connection that silently stops passing bytes (a dead host, a dropped NAT entry,
         a frozen peer) must fail within seconds so its calls are resent, as gRPC's keepalive
-        does for its stream: after PING_EVERY seconds without an answer, a ping (a call
-        without a method) must be answered within PING_TIMEOUT."""
+        does for its stream: after ``every`` seconds without an answer, a ping (a call
+        without a method) must be answered within ``timeout`` (``self._ping``)."""
+        every, timeout = self._ping
         while self.broken is None:
-            time.sleep(max(0.0, self.heard + PING_EVERY - time.monotonic()))
-            if self.broken is not None or time.monotonic() - self.heard < PING_EVERY:
+            time.sleep(max(0.0, self.heard + every - time.monotonic()))
+            if self.broken is not None or time.monotonic() - self.heard < every:
                 continue
             try:
-                self.call("", _PING, PING_TIMEOUT)
+                self.call("", _PING, timeout)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    log.warning("%s did not answer a ping within %g s; closing the connection", self._peer, PING_TIMEOUT)
+                    log.warning("%s did not answer a ping within %g s; closing the connection", self._peer, timeout)
                     self.close()  # the calls waiting on it fail with UNAVAILABLE and are resent
                 return
 
     @classmethod
     def local(cls, path: str) -> "SocketSession":
-        """A session with the host's relay at Unix socket ``path``."""
+        """A session with the host's relay at Unix socket ``path``, once it answers a ping
+        (a stopped process's socket still takes connections)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(path)
@@ -372,7 +380,14 @@ class SocketSession(Session):
                 _FOREIGN_RELAYS.add(path)
                 log.warning("the host relay socket %s is served by user %d, not this process's user; not using it", path, uid)
             raise StatusError(grpc.StatusCode.UNAVAILABLE, f"the host relay at {path} runs as user {uid}")
-        return cls(sock, "the host relay")
+        session = cls(sock, "the host relay", (RELAY_PING_EVERY, RELAY_PING_TIMEOUT))
+        try:
+            session.call("", _PING, RELAY_PING_TIMEOUT)
+        except grpc.RpcError as exc:
+            session.close()
+            why = f"within {RELAY_PING_TIMEOUT:g} s" if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else f"({exc.details()})"
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"the host relay at {path} did not answer a ping {why}") from exc
+        return session
 
     @classmethod
     def tcp(cls, host: str, port: int, authorization: str, connect_timeout: float) -> "SocketSession":

@@ -282,6 +282,37 @@ def test_a_stuck_relay_whose_process_is_declared_dead_does_not_hang_its_host(mon
             c.close(leave=False)
 
 
+def test_a_frozen_relay_is_left_within_seconds_and_avoided_longer_each_time(coordinator, monkeypatch, caplog):
+    """The relay's loop stops (its process frozen: a debugger, SIGSTOP) while a round waits
+    in it: a ping unanswered for a second ends the session and the call is resent directly,
+    well within the round's 8 s (the general keepalive would take 15, and the sibling,
+    calling the coordinator directly, would time out). A relay tried again must answer a
+    ping at connect (its socket still takes connections); each failure in a row keeps the
+    process away twice as long."""
+    from pjrt_rendezvous.client import _client
+
+    monkeypatch.setattr(_client, "_RELAY_RETRY", 0.2)
+    clients = make_clients(coordinator.address, processes=2, hosts=1, timeout=8)
+    clients[1]._relay_path = None  # the sibling calls the coordinator directly
+    run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
+    thawed = threading.Event()
+    clients[0]._relay._loop.call_soon_threadsafe(thawed.wait, 60)
+    try:
+        for k in range(3):
+            results = run_threads(clients, lambda client, binding: client.rendezvous(binding, f"r{k}", b"%d" % binding.ordinal))
+            assert all(out == [b"%d" % o for o in range(2 * THREADS)] for out in results.values()), (k, results)
+            time.sleep(0.5)  # past the time away: the next round tries the relay again
+    finally:
+        thawed.set()
+    assert "the host relay did not answer a ping within 1 s" in caplog.text
+    # Away 0.2 s after the frozen session; then two failed connects in a row: 0.2, 0.4, next 0.8.
+    assert clients[0]._relay_retry[1] == 0.8
+    results = run_threads(clients, lambda client, binding: client.rendezvous(binding, "thawed"))
+    assert all(out == [b""] * (2 * THREADS) for out in results.values()), results
+    for c in clients:
+        c.close()
+
+
 def test_a_relay_whose_process_was_replaced_still_carries_its_siblings_rounds(coordinator):
     """Host 0's relay runs in task 0's process; a new process for task 0 on that host takes
     the task over (a restart as the coordinator sees it) while the old one lives on with its
