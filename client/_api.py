@@ -209,7 +209,8 @@ def rendezvous(
         LimitExceededError: a member's tag or payload is over the coordinator's limit
             (the round fails for every member).
         ParticipantFailedError: a member died or restarted, or the job moved to a new
-            generation.
+            generation since this thread's last round (once per move: the next call is
+            of the new generation).
         RendezvousTimeout: the deadline passed; the message names every missing
             ordinal with its host and when it was last seen.
     """

@@ -26,7 +26,7 @@ from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
 from ._config import DEFAULT, FAN_IN_AUTO_HOSTS, Settings, check_timeout
-from ._errors import RendezvousError, RendezvousTimeout, UsageError, from_rpc_error
+from ._errors import ParticipantFailedError, RendezvousError, RendezvousTimeout, UsageError, from_rpc_error
 from ._relay import Relay, relay_path
 from ._session import Session, SocketSession
 from ._topology import Topology
@@ -219,10 +219,13 @@ class Client:
         self._lock = threading.Lock()
         self._bindings: dict[int, Binding] = {}  # thread index -> binding
         self._local: frozenset[int] | None = None  # their ordinals (_local_ordinals)
-        # (group, round, the replicas list as given) -> the batch of this process's arrivals
-        self._batches: dict[tuple[tuple[int, ...], int, tuple[int, ...]], _Batch] = {}
+        # (group, round, the replicas list as given, generation) -> the batch of this process's arrivals
+        self._batches: dict[tuple[tuple[int, ...], int, tuple[int, ...], int], _Batch] = {}
         self._rounds: dict[tuple[int, tuple[int, ...]], int] = {}  # (ordinal, group) -> next round
         self._generation = 0  # the job generation our round counters belong to
+        # ordinal -> the generation its thread was last told of, None after a failed round
+        # (_moved): each thread learns of a move by an error, waiting then or calling later.
+        self._told: dict[int, int | None] = {}
         self._heartbeat_timeout = 0.0
         self._background_started = False
         self._stopped = threading.Event()
@@ -510,13 +513,46 @@ class Client:
         return self._generation
 
     def _adopt_generation(self, generation: int) -> None:
-        """A new job generation (a process restarted): round counters start again."""
+        """A new job generation (a process restarted): round counters start again, and the
+        first threads of batches of the old one send them now (no sibling joins them: see
+        ``_moved``)."""
         with self._lock:
             if generation > self._generation:
                 if self._generation:
                     log.warning("job %s moved to generation %d; round numbers restart", self.settings.job, generation)
                     self._rounds.clear()
                 self._generation = generation
+                self._signal_gathered(None)
+
+    def _refresh_generation(self) -> None:
+        """After a round failed (ABORTED): the job's generation now, so that a thread told
+        of a move by the failure calls next in the new generation, whether or not our Watch
+        has heard of it yet."""
+        try:
+            self._adopt_generation(self._call("Heartbeat", pb.HeartbeatRequest(job=self.settings.job, incarnation=self.incarnation)).generation)
+        except RendezvousError:
+            pass  # (this process replaced or declared dead: its calls say so)
+
+    def _moved(self, ordinal: int) -> None:
+        """With the lock held, at a call of a thread whose last call was in another generation
+        than the job's now. After a failed round (a member died, left or restarted) the thread
+        is resynchronizing: the call is of the new generation. Else it raises: the job moved
+        since the thread's last round, rounds of the old generation are void, and so is its
+        place in their sequence. Its peers' threads likewise fail once (their round pending
+        then, or their next call), so all meet again in the new generation whatever each had
+        heard of the move when it called."""
+        told, self._told[ordinal] = self._told[ordinal], self._generation
+        restart = next(
+            (e for e in reversed(self.events) if e.generation == self._generation and e.kind == pb.WatchEvent.PROCESS_RESTARTED),
+            None,
+        )
+        if told is None or (restart is not None and ordinal in restart.ordinals):
+            return  # (the restart replaced this process: the coordinator's answer says so)
+        why = "a process restarted" if restart is None else restart.message
+        raise ParticipantFailedError(
+            f"job {self.settings.job!r} moved from generation {told} to {self._generation} ({why}) since ordinal "
+            f"{ordinal}'s last round; rounds of the old generation are void: this call is refused, the next is of the new generation"
+        )
 
     def _start_background(self) -> None:
         """Heartbeats and the event watch run once this process has registered."""
@@ -668,6 +704,7 @@ class Client:
         with self._lock:
             self._bindings[thread_index] = binding
             self._local = None
+            self._told.setdefault(binding.ordinal, self._generation)  # (bound again: its sequence goes on)
         _bound.binding = binding
         return binding
 
@@ -758,12 +795,14 @@ class Client:
             # thread, which an interrupt must not stop.
             handed = main and self._stand_in_calls((binding, tag, payload, replicas, deadline))
             if not handed:
+                if self._told.get(ordinal, self._generation) != self._generation:
+                    self._moved(ordinal)
                 counter = (ordinal, group)
                 round_number = self._rounds.get(counter, 0)
                 self._rounds[counter] = round_number + 1
                 # Siblings share a call only with the very same replicas list: the coordinator
                 # must see (and refuse) a sibling's malformed list too.
-                key = (group, round_number, tuple(replicas) if replicas else ())
+                key = (group, round_number, tuple(replicas) if replicas else (), self._generation)
                 batch = self._batches.get(key)
                 first = batch is None
                 if first:
@@ -811,6 +850,8 @@ class Client:
                 batch.payloads = self._send_round(replicas, group, round_number, batch)
             except BaseException as exc:
                 batch.error = exc
+                if isinstance(exc, ParticipantFailedError):
+                    self._refresh_generation()
             finally:
                 with self._lock:  # no member is blocked in this round any more
                     batch.done = True
@@ -819,6 +860,8 @@ class Client:
                             del self._inside[member]
                     _pass_on(batch)  # each waiter then wakes the next
         if batch.error is not None:
+            if isinstance(batch.error, ParticipantFailedError):  # its thread resynchronizes (_moved)
+                self._told[ordinal] = None
             if send or not isinstance(batch.error, RendezvousError):
                 raise batch.error
             raise _copy_error(batch.error) from batch.error.__cause__
@@ -898,6 +941,8 @@ class Client:
         for the group is not past it) and is not blocked in another rendezvous.
         """
         contributions, members = batch.contributions, batch.members
+        if batch.generation != self._generation:
+            return True  # of a generation no sibling calls in any more
         if len(contributions) >= batch.expected and (
             members is None or contributions.keys() <= members  # no outsider counted
         ):

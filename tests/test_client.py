@@ -352,6 +352,94 @@ def test_a_second_run_of_a_job_starts_afresh(coordinator):
             c.close()
 
 
+def _threads(bodies: dict) -> dict:
+    """Runs each body in a thread of its own; returns each one's result or exception."""
+    results: dict = {}
+
+    def run(name, body) -> None:
+        try:
+            results[name] = body()
+        except Exception as exc:
+            results[name] = exc
+
+    threads = [threading.Thread(target=run, args=item) for item in bodies.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    return results
+
+
+@pytest.mark.parametrize("watch", [True, False], ids=["watch-heard-it", "watch-silent"])
+def test_a_restart_fails_each_surviving_thread_once_then_all_meet_in_the_new_generation(coordinator, watch):
+    """Task 1 restarts while the survivor's thread 0 waits in a round (its batch window)
+    and its thread 1 is between calls. Each survivor thread gets one ParticipantFailedError
+    for the move, the waiting one for its round, the other for its next call, whether or not
+    the survivor's Watch has heard of the move (without it, the failed round itself tells
+    the client the new generation), and their next calls meet the replacement's. (Before:
+    a call made before the Watch's event was refused as void and its retry too, the
+    replacement timing out blaming the survivor; a thread between calls joined the new
+    generation silently, a call out of step with its sibling.)"""
+    survivor = make_client(coordinator.address, tasks=2, devices=2, task=0, timeout=20, batch_window=3.0)
+    if not watch:
+        survivor._background_started = True  # no heartbeat, no Watch: nothing heard but answers
+    crashed = make_client(coordinator.address, tasks=2, devices=2, task=1, timeout=20)
+    warm, stepping, moved = threading.Barrier(4), threading.Event(), threading.Event()
+    everyone = [b"0", b"1", b"2", b"3"]
+
+    def survivor_thread(index: int):
+        with survivor.bind_thread(index) as binding:
+            assert survivor.rendezvous(binding, "warm", b"%d" % binding.ordinal) == everyone
+            warm.wait(10)
+            if index == 1:
+                assert moved.wait(20)
+            else:
+                stepping.set()
+            outcome = []
+            for tag in ("step", "resync", "next"):
+                try:
+                    outcome.append(survivor.rendezvous(binding, tag, b"%d" % binding.ordinal))
+                except pr.ParticipantFailedError as exc:
+                    outcome.append(exc)
+            return outcome
+
+    def crashed_thread(index: int):
+        with crashed.bind_thread(index) as binding:
+            crashed.rendezvous(binding, "warm", b"%d" % binding.ordinal)
+            warm.wait(10)
+
+    def replacement_threads():
+        assert stepping.wait(20)
+        time.sleep(0.3)  # the survivor's thread 0 is in its batch window
+        crashed.close(leave=False)  # task 1's process crashes and is relaunched on its host
+        replacement = make_client(coordinator.address, tasks=2, devices=2, task=1, timeout=20)
+
+        def thread(index: int):
+            with replacement.bind_thread(index) as binding:
+                while watch and survivor.generation < 2:  # the survivor has heard of it
+                    time.sleep(0.01)
+                moved.set()
+                return [replacement.rendezvous(binding, tag, b"%d" % binding.ordinal) for tag in ("resync", "next")]
+
+        try:
+            return _threads({0: lambda: thread(0), 1: lambda: thread(1)})
+        finally:
+            replacement.close()
+
+    results = _threads({
+        0: lambda: survivor_thread(0), 1: lambda: survivor_thread(1),
+        "crashed 0": lambda: crashed_thread(0), "crashed 1": lambda: crashed_thread(1),
+        "new": replacement_threads,
+    })
+    survivor.close()
+    assert results["new"] == {0: [everyone, everyone], 1: [everyone, everyone]}, results
+    for index in (0, 1):
+        failed, *rest = results[index]
+        assert isinstance(failed, pr.ParticipantFailedError) and "to 2" in str(failed), results
+        assert rest == [everyone, everyone], results
+
+
 class _Interrupted(Exception):
     pass
 
