@@ -371,8 +371,17 @@ class Servicer(pb_grpc.CoordinatorServicer):
         timeout = self._core.heartbeat_timeout
         if timeout is None:
             return
+        interval = min(1.0, timeout / 4)
+        loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(min(1.0, timeout / 4))
+            asleep = loop.time()
+            await asyncio.sleep(interval)
+            if loop.time() - asleep > 2 * interval:
+                # Held up (the process stopped and continued, a frozen container, a starved
+                # loop): the heartbeats sent meanwhile wait in the sockets, and after a stop
+                # the loop runs this overdue timer before it reads them (the interrupted
+                # epoll_wait returns nothing). They are read first, then judged.
+                await asyncio.sleep(interval)
             version = self._core.version
             self._core.check_liveness(self._clock())
             self._wake()

@@ -206,6 +206,41 @@ def test_a_replaced_process_is_told_so_and_warned_once(caplog):
         new.close()
 
 
+def test_a_coordinator_stopped_and_continued_past_the_heartbeat_timeout_declares_nobody_dead():
+    """``serve`` is stopped (SIGSTOP: Ctrl-Z, a frozen container) for longer than the
+    heartbeat timeout while its clients keep heartbeating, then continued: the heartbeats
+    waiting in its sockets count before anyone is judged. (After a stop, the loop ran the
+    overdue liveness check before reading them, and declared every process dead.)"""
+    from test_cli import Serve
+
+    with Serve("--heartbeat-timeout", "2") as server:
+        clients = [
+            pr.Client(
+                pr.Settings(address=server.address, timeout=30),
+                pr.detect_topology({"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": str(task)}, address=server.address),
+            )
+            for task in range(2)
+        ]
+        threads = [concurrent.futures.ThreadPoolExecutor(1) for _ in clients]  # a bound thread each
+        for pool, client in zip(threads, clients):
+            pool.submit(client.bind_thread, 0).result()  # heartbeats every 2/3 s from here
+        time.sleep(1.0)
+        server.proc.send_signal(signal.SIGSTOP)
+        time.sleep(3.5)
+        server.proc.send_signal(signal.SIGCONT)
+        time.sleep(2.0)
+        status = clients[0].status()
+        assert all(p.alive for p in status.jobs[0].participants), status
+        assert "died" not in server.stderr()
+        rounds = [pool.submit(lambda c=c: c.rendezvous(pr.current_binding(), "after", b"x")) for pool, c in zip(threads, clients)]
+        assert [r.result(timeout=30) for r in rounds] == [[b"x", b"x"]] * 2
+        for pool, client in zip(threads, clients):
+            pool.submit(client.unbind_thread).result()
+            pool.shutdown()
+            client.close()
+        server.stop()
+
+
 def test_an_embedded_coordinator_watches_liveness_as_serve_does():
     """The embedded form declares silent processes dead after serve's default 60 s too;
     heartbeat_timeout=None turns the watch off."""
