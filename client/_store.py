@@ -1,8 +1,9 @@
 """A ``torch.distributed.Store`` on the coordinator's key-value store, and the
 ``pjrt-rendezvous://`` ``init_method``.
 
-Needs torch (the ``[torch]`` extra), not torch_xla. Importing this module registers the URL
-scheme with ``torch.distributed.rendezvous``.
+Needs torch 2.2 or newer (the ``[torch]`` extra: the errors below subclass torch's
+``DistStoreError`` and ``DistNetworkError``, new in 2.2), not torch_xla. Importing this module
+registers the URL scheme with ``torch.distributed.rendezvous``.
 
 Ranks of a process group are not our ordinals: the Store needs no bound thread, only a client.
 Keys live under a prefix in the coordinator job, so several groups (and several jobs) share one

@@ -4,14 +4,17 @@ Each value is taken from the first source that has it:
 
 1. the ``address`` argument and the ``PJRT_RENDEZVOUS_*`` overrides;
 2. the variables torch_xla and the TPU VM set (``CLOUD_TPU_TASK_ID``, ``TPU_WORKER_ID``,
-   ``PJRT_LOCAL_PROCESS_RANK``/``_COUNT``, ``TPU_ACCELERATOR_TYPE``, ``TPU_*_BOUNDS``,
+   ``PJRT_LOCAL_PROCESS_RANK``/``_COUNT``, ``TPU_ACCELERATOR_TYPE``, ``TPU_PROCESS_BOUNDS``,
+   ``TPU_CHIPS_PER_PROCESS_BOUNDS``, ``TPU_CHIPS_PER_HOST_BOUNDS``, ``CHIPS_PER_HOST_BOUNDS``,
    ``TPU_WORKER_HOSTNAMES``);
 3. the GCE metadata server (``tpu-env``, ``worker-network-endpoints``), only when a fetcher is
    passed and ``TPU_SKIP_MDS_QUERY`` is not set; ``tpu-env`` is read only when
    ``TPU_ACCELERATOR_TYPE`` is unset, and a fetch that fails with ``OSError`` counts as absent;
 4. defaults for a single process off TPU: a world of one at ``localhost:7481``.
 
-``detect_topology`` never reads ``os.environ``: the caller passes the mapping.
+``detect_address`` finds the coordinator's address the same way, and asks for nothing else
+(``status`` uses it: it must work where the client cannot lay out the accelerator type).
+``detect_topology`` and ``detect_address`` never read ``os.environ``: the caller passes the mapping.
 """
 
 from __future__ import annotations
@@ -137,7 +140,8 @@ def cores_per_chip(accelerator_type: str) -> int:
 
 
 def _unconfirmed(accelerator_type: str) -> bool:
-    """A TPU generation whose devices per chip are taken from the XLA runtime (DESIGN)."""
+    """A TPU generation whose devices per chip are taken from the XLA runtime, not guessed
+    (TPU7x: torch_xla does not name it yet; see cores_per_chip)."""
     match = _ACCELERATOR_RE.fullmatch(accelerator_type.strip().lower())
     return bool(match) and match["family"].startswith("tpu7")
 
@@ -316,6 +320,94 @@ def _normalize_address(raw: _Raw) -> str:
     return f"{host}:{port_of(port_text) if sep else DEFAULT_PORT}"
 
 
+class _Metadata:
+    """The metadata server as one detection sees it: each key fetched at most once, a fetch
+    that fails with ``OSError`` counting as absent."""
+
+    def __init__(self, env: Mapping[str, str], metadata: Callable[[str], str] | None) -> None:
+        self.enabled = metadata is not None and not _skip_mds(env.get("TPU_SKIP_MDS_QUERY"))
+        self._metadata = metadata
+        self._fetched: dict[str, str | None] = {}
+        self.tpu_env: dict[str, str] = {}  # filled by _accelerator when it asks the server
+
+    def fetch(self, key: str) -> str | None:
+        if key not in self._fetched:
+            try:
+                self._fetched[key] = self._metadata(key)  # type: ignore[misc]  # only called when enabled
+            except OSError as error:
+                if isinstance(error, urllib.error.HTTPError):
+                    error.close()
+                self._fetched[key] = None
+        return self._fetched[key]
+
+    def from_tpu_env(self, fix: str, *keys: str) -> _Raw | None:
+        for key in keys:
+            value = self.tpu_env.get(key, "").strip()
+            if value:
+                return _Raw(value, f"metadata tpu-env {key}", fix)
+        return None
+
+
+def _accelerator(env: Mapping[str, str], mds: _Metadata) -> _Raw | None:
+    """``TPU_ACCELERATOR_TYPE``, else the metadata server's ``tpu-env`` one (``tpu-env`` is then
+    kept in ``mds.tpu_env``: the fallback for the other TPU variables)."""
+    accelerator = _from_env(env, "TPU_ACCELERATOR_TYPE")
+    if accelerator is None and mds.enabled:
+        text = mds.fetch("tpu-env")
+        mds.tpu_env = _parse_tpu_env(text) if text else {}
+        accelerator = mds.from_tpu_env("TPU_ACCELERATOR_TYPE", "ACCELERATOR_TYPE")
+    return accelerator
+
+
+def _worker_hostnames(
+    env: Mapping[str, str], mds: _Metadata, accelerator: Callable[[], _Raw | None]
+) -> tuple[tuple[str, ...], str]:
+    """The workers' hostnames, worker 0 first, and where they came from; ``accelerator`` is
+    asked only when the metadata server would be (on a TPU VM only)."""
+    raw = _from_env(env, "TPU_WORKER_HOSTNAMES")
+    if raw is not None:
+        return tuple(h.strip() for h in raw.text.split(",") if h.strip()), "TPU_WORKER_HOSTNAMES"
+    if mds.enabled and accelerator() is not None:
+        text = mds.fetch("worker-network-endpoints")
+        return (_parse_endpoints(text) if text else ()), "metadata worker-network-endpoints"
+    return (), "TPU_WORKER_HOSTNAMES"
+
+
+def _given_address(env: Mapping[str, str], address: str | None) -> str | None:
+    """The ``address`` argument, else ``PJRT_RENDEZVOUS_ADDRESS``, as ``host:port``; None without either."""
+    if address is not None:
+        raw: _Raw | None = _Raw(address, "the address argument", "the address argument")
+    else:
+        raw = _from_env(env, "PJRT_RENDEZVOUS_ADDRESS")
+    return None if raw is None else _normalize_address(raw)
+
+
+def _default_address(hostnames: tuple[str, ...]) -> str:
+    """Worker 0 at the default port, else this machine."""
+    return host_port(hostnames[0], DEFAULT_PORT) if hostnames else f"localhost:{DEFAULT_PORT}"
+
+
+def detect_address(
+    env: Mapping[str, str], *, address: str | None = None, metadata: Callable[[str], str] | None = None
+) -> str:
+    """The coordinator's ``host:port`` as :func:`detect_topology` finds it, and nothing else.
+
+    ``address``, else ``PJRT_RENDEZVOUS_ADDRESS``, else worker 0 of ``TPU_WORKER_HOSTNAMES``
+    (or of the metadata server's ``worker-network-endpoints``) at port 7481, else
+    ``localhost:7481``. The rest of the topology is not read, so an accelerator type the client
+    cannot lay out, or a bad rank variable, is no error here.
+
+    Raises:
+        TopologyError: a malformed address, or a malformed ``worker-network-endpoints``.
+    """
+    given = _given_address(env, address)
+    if given is not None:
+        return given
+    mds = _Metadata(env, metadata)
+    hostnames, _ = _worker_hostnames(env, mds, lambda: _accelerator(env, mds))
+    return _default_address(hostnames)
+
+
 def detect_topology(
     env: Mapping[str, str],
     *,
@@ -329,27 +421,7 @@ def detect_topology(
     ``runtime_devices``: the XLA runtime's devices in this process, or None while it has not
     started; asked only for a TPU generation whose cores per chip are unconfirmed (TPU7x),
     which is then that count over the process's chips."""
-    use_mds = metadata is not None and not _skip_mds(env.get("TPU_SKIP_MDS_QUERY"))
-    fetched: dict[str, str | None] = {}
-
-    def fetch(key: str) -> str | None:
-        if key not in fetched:
-            try:
-                fetched[key] = metadata(key)  # type: ignore[misc]  # only called when use_mds
-            except OSError as error:
-                if isinstance(error, urllib.error.HTTPError):
-                    error.close()
-                fetched[key] = None
-        return fetched[key]
-
-    tpu_env: dict[str, str] = {}
-
-    def from_tpu_env(fix: str, *keys: str) -> _Raw | None:
-        for key in keys:
-            value = tpu_env.get(key, "").strip()
-            if value:
-                return _Raw(value, f"metadata tpu-env {key}", fix)
-        return None
+    mds = _Metadata(env, metadata)
 
     # Processes on this host.
     local_rank = _int(
@@ -363,11 +435,7 @@ def detect_topology(
     )
 
     # Accelerator type, with the metadata server's tpu-env as the fallback for the TPU variables.
-    accelerator = _from_env(env, "TPU_ACCELERATOR_TYPE")
-    if accelerator is None and use_mds:
-        text = fetch("tpu-env")
-        tpu_env = _parse_tpu_env(text) if text else {}
-        accelerator = from_tpu_env("TPU_ACCELERATOR_TYPE", "ACCELERATOR_TYPE")
+    accelerator = _accelerator(env, mds)
     accelerator_type = accelerator.text if accelerator else None
 
     # Cores per chip: override, else from the type, else (no TPU) 1.
@@ -387,12 +455,13 @@ def detect_topology(
     else:
         cores = 1
 
-    # Chips per process. Metadata bounds describe one process per host: split them among local processes.
+    # Chips per process. A host's bounds (the variables first, as for the other TPU variables,
+    # then tpu-env, whose bounds describe one process per host) are split among local processes.
     chips_raw = _from_env(env, "TPU_CHIPS_PER_PROCESS_BOUNDS")
     if chips_raw is not None:
         chips = _bounds(chips_raw)
     else:
-        per_host = from_tpu_env(
+        per_host = _from_env(env, "TPU_CHIPS_PER_HOST_BOUNDS", "CHIPS_PER_HOST_BOUNDS") or mds.from_tpu_env(
             "TPU_CHIPS_PER_PROCESS_BOUNDS",
             "TPU_CHIPS_PER_PROCESS_BOUNDS", "TPU_CHIPS_PER_HOST_BOUNDS", "CHIPS_PER_HOST_BOUNDS",
         )
@@ -415,17 +484,9 @@ def detect_topology(
         cores = runtime_count // chips
 
     # Worker hostnames and this host's index.
-    hostnames: tuple[str, ...] = ()
-    hostnames_source = "TPU_WORKER_HOSTNAMES"
-    hostnames_raw = _from_env(env, "TPU_WORKER_HOSTNAMES")
-    if hostnames_raw is not None:
-        hostnames = tuple(h.strip() for h in hostnames_raw.text.split(",") if h.strip())
-    elif use_mds and accelerator is not None:
-        text = fetch("worker-network-endpoints")
-        hostnames = _parse_endpoints(text) if text else ()
-        hostnames_source = "metadata worker-network-endpoints"
+    hostnames, hostnames_source = _worker_hostnames(env, mds, lambda: accelerator)
     worker = _int(
-        _from_env(env, "TPU_WORKER_ID") or from_tpu_env("TPU_WORKER_ID", "WORKER_ID"),
+        _from_env(env, "TPU_WORKER_ID") or mds.from_tpu_env("TPU_WORKER_ID", "WORKER_ID"),
         what="worker id", minimum=0, default=0, default_fix="TPU_WORKER_ID",
     )
     if hostnames and worker.value >= len(hostnames):
@@ -449,7 +510,7 @@ def detect_topology(
         )
     num_raw = _from_env(env, "PJRT_RENDEZVOUS_NUM_TASKS")
     process_bounds = _from_env(env, "TPU_PROCESS_BOUNDS")
-    metadata_bounds = from_tpu_env("TPU_PROCESS_BOUNDS", "TPU_PROCESS_BOUNDS")
+    metadata_bounds = mds.from_tpu_env("TPU_PROCESS_BOUNDS", "TPU_PROCESS_BOUNDS")
     if num_raw is not None:
         num = _int(num_raw, what="number of tasks", minimum=1, default=1, default_fix="")
     elif process_bounds is not None:
@@ -479,17 +540,8 @@ def detect_topology(
             f"{num.value} ({num.source}); fix {task.fix} or {num.fix}"
         )
 
-    # Coordinator address.
-    if address is not None:
-        address_raw: _Raw | None = _Raw(address, "the address argument", "the address argument")
-    else:
-        address_raw = _from_env(env, "PJRT_RENDEZVOUS_ADDRESS")
-    if address_raw is not None:
-        resolved = _normalize_address(address_raw)
-    elif hostnames:
-        resolved = host_port(hostnames[0], DEFAULT_PORT)
-    else:
-        resolved = f"localhost:{DEFAULT_PORT}"
+    # Coordinator address (as detect_address finds it).
+    resolved = _given_address(env, address) or _default_address(hostnames)
 
     return Topology(
         accelerator_type=accelerator_type,

@@ -42,8 +42,8 @@ call time and so use the replacements too; ``xm.do_on_ordinals`` chooses by the 
 ``global_ordinal()`` instead (below). ``xla_device()`` also makes the device the thread's
 default, as ``torch_xla.device(n)`` does, so its syncs run there.
 
-Two more replacements make XLA collectives between the threads of a process work (FACTS, "one
-compile, shared"): ``torch_xla._XLAC._xla_step_marker``, the single call through which
+Two more replacements make XLA collectives between the threads of a process work (one compile,
+shared: rule 2 below): ``torch_xla._XLAC._xla_step_marker``, the single call through which
 ``torch_xla.sync()``, ``xm.mark_step()``, ``xm.optimizer_step(barrier=True)`` and the parallel
 loaders launch a graph, and ``torch_xla._XLAC._xla_sync_multi``, through which ``xm.save``,
 ``xm.unlazy`` and ``mesh_reduce`` sync the tensors they read, are wrapped in one process-wide
@@ -66,8 +66,8 @@ the coordinator refuses a thread whose runtime ordinal or world size differs fro
 simulation each process is its own XLA world: XLA collectives, ``reduce_gradients`` and
 ``do_on_ordinals`` stay within the process there, while the replaced calls span the job.
 
-Rules for XLA collectives between threads (measured, see FACTS)
----------------------------------------------------------------
+Rules for XLA collectives between threads (measured)
+----------------------------------------------------
 
 :func:`spawn` takes care of the first three; the last is the user's:
 
@@ -364,9 +364,9 @@ def bind_device(thread_index: int, *, client: Client | None = None) -> Binding:
     """Makes ``xla:<thread_index>`` the calling thread's default device and binds the thread.
 
     The XLA runtime's own global ordinal of that device and its world size go with the
-    registration, and the coordinator cross-checks them against the rank table (DESIGN
-    "Ordinals"): where the runtime's world is ours (a TPU pod) its ordinal must equal ours; where
-    the runtime sees only this process (PJRT on CPU) it must equal the thread index.
+    registration, and the coordinator cross-checks them against the rank table: where the
+    runtime's world is ours (a TPU pod) its ordinal must equal ours; where the runtime sees only
+    this process (PJRT on CPU) it must equal the thread index.
 
     Args:
         thread_index: the device index within this process (``xla:<thread_index>``).
@@ -533,7 +533,7 @@ def spawn(
     if threaded:
         aliasing = os.environ.get("XLA_ENABLE_PARAM_ALIASING")
         if aliasing is None:
-            env["XLA_ENABLE_PARAM_ALIASING"] = "0"  # FACTS 4
+            env["XLA_ENABLE_PARAM_ALIASING"] = "0"  # rule 3 of the module docstring
         elif aliasing.strip().lower() not in ("0", "false"):
             warnings.warn(
                 f"XLA_ENABLE_PARAM_ALIASING={aliasing} with a thread per device: collectives "
@@ -779,7 +779,8 @@ def _child_main(task: int, nprocs: int, env: dict, drop: list, payload: bytes, r
                 "the XLA runtime started before spawn() could configure it (a module imported by "
                 "the child used an XLA device at import time): keep device use inside fn"
             )
-        # FACTS 1: replication before anything reads (and caches) the runtime's world size.
+        # Rule 1 of the module docstring: replication before anything reads (and caches) the
+        # runtime's world size.
         pjrt.initialize_multiprocess(int(os.environ.get("PJRT_RENDEZVOUS_LOCAL_RANK", task)), nprocs)
         install()
         client = _api.init()
@@ -899,10 +900,10 @@ def broadcast_master_params(model) -> None:
     zeros. Every dtype comes through exactly, since the others add zero: floats narrower than 32
     bits are reduced in float32 (there is no bfloat16 all-reduce on CPU), unsigned ints wider
     than 8 bits in int64, ``bool`` as uint8, the rest as they are. The master
-    flag is a 1-D tensor copied from the CPU, so every thread traces the same graph (FACTS point
-    3); pending work is synced first for the same reason. A signed zero of ordinal 0 arrives as
-    +0.0. Where the runtime sees only this process (a CPU simulation with several processes) the
-    values of ordinal 0 travel through the coordinator instead.
+    flag is a 1-D tensor copied from the CPU, so every thread traces the same graph (rule 4 of
+    the module docstring); pending work is synced first for the same reason. A signed zero of
+    ordinal 0 arrives as +0.0. Where the runtime sees only this process (a CPU simulation with
+    several processes) the values of ordinal 0 travel through the coordinator instead.
 
     Args:
         model: a ``torch.nn.Module`` whose tensors are on this thread's XLA device (or on the

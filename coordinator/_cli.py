@@ -312,6 +312,22 @@ def session_port(args) -> int | None:
     return args.session_port
 
 
+def announce(log_format: str, message: str, service: str, address: str, port: int, **fields) -> None:
+    """Prints one of the lines ``serve`` starts with on stdout: ``message``, or under
+    ``--log-format json`` a JSON line shaped like the log's (``time``, ``level``, ``logger``,
+    ``message``) with ``event`` ``"address"``, ``service`` (``grpc``, ``session`` or
+    ``metrics``), ``address``, ``port`` and ``fields``, so that all its output is JSON."""
+    if log_format == "json":
+        from ._logging import JsonFormatter
+
+        record = logging.makeLogRecord(
+            {"name": "pjrt_rendezvous.coordinator", "levelno": logging.INFO, "levelname": "INFO", "msg": message}
+        )
+        record.__dict__.update(event="address", service=service, address=address, port=port, **fields)
+        message = JsonFormatter().format(record)
+    print(message, flush=True)
+
+
 def _serve(args, env: Mapping[str, str]) -> int:
     from . import _logging
     from ._core import CoreError
@@ -321,12 +337,18 @@ def _serve(args, env: Mapping[str, str]) -> int:
     _logging.configure(args.log_level, args.log_format)
 
     def ready(running) -> None:
-        print(f"pjrt-rendezvous coordinator listening on {host_port(args.host, running.port)}", flush=True)
+        # Where it listens, on stdout for whoever started it (scripts, tests: --port 0).
+        address = host_port(args.host, running.port)
+        announce(args.log_format, f"pjrt-rendezvous coordinator listening on {address}", "grpc", address, running.port)
         if running.session_port is not None:
-            print(f"pjrt-rendezvous session port {host_port(args.host, running.session_port)}", flush=True)
+            address = host_port(args.host, running.session_port)
+            announce(args.log_format, f"pjrt-rendezvous session port {address}", "session", address, running.session_port)
         if running.metrics_port is not None:
-            host = args.host if args.metrics_host is None else args.metrics_host
-            print(f"pjrt-rendezvous metrics on http://{host_port(host, running.metrics_port)}/metrics", flush=True)
+            address = host_port(args.host if args.metrics_host is None else args.metrics_host, running.metrics_port)
+            announce(
+                args.log_format, f"pjrt-rendezvous metrics on http://{address}/metrics", "metrics", address,
+                running.metrics_port, url=f"http://{address}/metrics",
+            )
 
     try:
         token = env[TOKEN_VARIABLE].strip() if env.get(TOKEN_VARIABLE) else None
@@ -647,10 +669,26 @@ def render_status(response, address: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def client_address(env: Mapping[str, str]) -> str:
+    """The coordinator's address as a client in ``env`` finds it (asking the metadata server
+    where the client would), without the rest of its topology: ``status`` needs no accelerator
+    type the client can lay out.
+
+    Raises:
+        TopologyError: a malformed address or ``worker-network-endpoints``.
+    """
+    from pjrt_rendezvous.client._api import _METADATA_URL
+    from pjrt_rendezvous.client._topology import detect_address, metadata_fetcher
+
+    url = env.get("PJRT_RENDEZVOUS_METADATA_URL")  # the same rule as the client's (_api._detect)
+    if url is None and env.get("PJRT_DEVICE", "").upper() == "TPU":
+        url = _METADATA_URL
+    return detect_address(env, metadata=metadata_fetcher(url) if url else None)
+
+
 def _status(args, env: Mapping[str, str]) -> int:
     import grpc
 
-    from pjrt_rendezvous.client._api import _detect
     from pjrt_rendezvous.client._errors import RendezvousError
     from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
     from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
@@ -660,7 +698,7 @@ def _status(args, env: Mapping[str, str]) -> int:
         address = local_address(env)  # next to a serve configuration (the image, a unit's file)
     if address is None:
         try:  # as a client finds it: TPU worker 0, else localhost
-            address = _detect(env, None).address
+            address = client_address(env)
         except RendezvousError as exc:
             print(f"pjrt-rendezvous status: {exc} (or name the coordinator: --address)", file=sys.stderr)
             return 1

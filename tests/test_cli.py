@@ -46,29 +46,43 @@ class Serve:
         )
         self._terminated = False
         self.lines: list[str] = []  # stderr
+        self.stdout_lines: list[str] = []  # every line, complete once stop() returns
         self._stdout: queue.Queue[str] = queue.Queue()
+
+        def stdout_line(line: str) -> None:
+            self.stdout_lines.append(line)
+            self._stdout.put(line)
+
         self._readers = [
             threading.Thread(target=self._drain, args=(self.proc.stderr, self.lines.append), daemon=True),
-            threading.Thread(target=self._drain, args=(self.proc.stdout, self._stdout.put), daemon=True),
+            threading.Thread(target=self._drain, args=(self.proc.stdout, stdout_line), daemon=True),
         ]
         for reader in self._readers:
             reader.start()
         try:
-            first = self.read_stdout_line()
-            match = re.search(r"listening on (\S+):(\d+)$", first)
-            assert match, f"serve did not start: {first!r} {self.stderr()}"
-            self.port = int(match.group(2))
+            self.port = self._announced_port("grpc", r"listening on \S+:(\d+)$")
             self.address = f"127.0.0.1:{self.port}"
             self.session_port = None
             tls = "--tls-cert" in args or "PJRT_RENDEZVOUS_SERVER_TLS_CERT" in (env or {})
             if not tls and dict(zip(args, args[1:])).get("--session-port") != "off":  # none with TLS
-                self.session_port = int(re.search(r"session port \S+:(\d+)$", self.read_stdout_line()).group(1))
+                self.session_port = self._announced_port("session", r"session port \S+:(\d+)$")
             self.metrics_port = None
             if "--metrics-port" in args or "PJRT_RENDEZVOUS_METRICS_PORT" in (env or {}):
-                self.metrics_port = int(re.search(r":(\d+)/metrics$", self.read_stdout_line()).group(1))
+                self.metrics_port = self._announced_port("metrics", r":(\d+)/metrics$")
         except BaseException:
             self.__exit__()  # no orphan server when the start fails
             raise
+
+    def _announced_port(self, service: str, text_pattern: str) -> int:
+        """The port the next stdout line announces: a JSON line under --log-format json, else text."""
+        line = self.read_stdout_line()
+        if line.startswith("{"):
+            record = json.loads(line)
+            assert (record.get("event"), record.get("service")) == ("address", service), line
+            return int(record["port"])
+        match = re.search(text_pattern, line)
+        assert match, f"serve did not announce its {service} port: {line!r} {self.stderr()}"
+        return int(match.group(1))
 
     def read_stdout_line(self, timeout: float = 30) -> str:
         try:
@@ -265,6 +279,43 @@ def test_status_and_health_read_an_address_as_clients_do_and_need_no_known_tpu_l
             bad = run_cli(command, "--address", "127.0.0.1:99999")
             assert bad.returncode == 1 and "--address has an invalid port" in bad.stderr, bad.stderr
         server.stop()
+
+
+def test_status_without_address_finds_worker_0_where_the_client_cannot_lay_out_the_tpu(capsys):
+    """`status` needs only the coordinator's address: on a TPU type the client cannot lay out
+    (tpu7x-8) it still dials worker 0 of TPU_WORKER_HOSTNAMES, or of the metadata server's
+    worker-network-endpoints, instead of failing on the topology."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    unroutable = "192.0.2.1"  # TEST-NET-1: nothing answers there
+    env = clean_env(TPU_ACCELERATOR_TYPE="tpu7x-8", TPU_WORKER_HOSTNAMES=f"{unroutable},192.0.2.2")
+    assert _cli.main(["status", "--timeout", "0.5"], env=env) == 1
+    err = capsys.readouterr().err
+    assert f"pjrt-rendezvous status: {unroutable}:7481: " in err and "accelerator" not in err, err
+
+    class Metadata(BaseHTTPRequestHandler):
+        answers = {"tpu-env": "ACCELERATOR_TYPE: 'tpu7x-8'\n", "worker-network-endpoints": f"w-0:1:{unroutable}"}
+
+        def do_GET(self):  # noqa: N802 (http.server naming)
+            body = self.answers.get(self.path.rsplit("/", 1)[-1])
+            self.send_response(200 if body is not None else 404)
+            self.end_headers()
+            self.wfile.write((body or "").encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Metadata)
+    thread = in_thread(server.serve_forever)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/attributes"
+        assert _cli.main(["status", "--timeout", "0.5"], env=clean_env(PJRT_RENDEZVOUS_METADATA_URL=url)) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+    err = capsys.readouterr().err
+    assert f"pjrt-rendezvous status: {unroutable}:7481: " in err and "accelerator" not in err, err
 
 
 def test_render_status_marks_dead_processes_and_groups_hosts_naturally():
@@ -516,6 +567,34 @@ def test_text_log_lines_are_one_line_per_event():
             client.close()
         assert server.stop() == 0
     assert any("stopping: in-flight calls get" in l for l in server.lines)
+
+
+@pytest.mark.parametrize("json_by", ["flag", "variable"])
+def test_serve_under_json_logs_prints_json_lines_on_stdout_too(json_by):
+    """Under `--log-format json` (or PJRT_RENDEZVOUS_LOG_FORMAT=json) every line serve prints on
+    stdout (where it listens: gRPC, session port, metrics) is a JSON line shaped like the log's."""
+    args, env = (("--log-format", "json"), {}) if json_by == "flag" else ((), {"PJRT_RENDEZVOUS_LOG_FORMAT": "json"})
+    with Serve(*args, "--metrics-port", "0", env=env) as server:
+        assert server.stop() == 0
+    records = [json.loads(line) for line in server.stdout_lines]
+    assert [r["service"] for r in records] == ["grpc", "session", "metrics"], server.stdout_lines
+    for record in records:
+        assert {"time", "level", "logger", "message"} <= set(record) and record["event"] == "address"
+    assert [r["port"] for r in records] == [server.port, server.session_port, server.metrics_port]
+    assert records[0]["address"] == f"127.0.0.1:{server.port}"
+    assert records[0]["message"] == f"pjrt-rendezvous coordinator listening on 127.0.0.1:{server.port}"
+    assert records[2]["url"] == f"http://127.0.0.1:{server.metrics_port}/metrics"
+
+
+def test_serve_prints_text_lines_on_stdout_by_default():
+    """The default text format keeps the plain lines scripts read (`listening on HOST:PORT`)."""
+    with Serve("--metrics-port", "0") as server:
+        assert server.stop() == 0
+    assert server.stdout_lines == [
+        f"pjrt-rendezvous coordinator listening on 127.0.0.1:{server.port}",
+        f"pjrt-rendezvous session port 127.0.0.1:{server.session_port}",
+        f"pjrt-rendezvous metrics on http://127.0.0.1:{server.metrics_port}/metrics",
+    ]
 
 
 def test_tune_collector_sets_startup_aside_and_still_collects_cycles():

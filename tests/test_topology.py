@@ -16,6 +16,7 @@ from pjrt_rendezvous.client._topology import (
     Topology,
     TopologyError,
     cores_per_chip,
+    detect_address,
     detect_topology,
     metadata_fetcher,
 )
@@ -146,7 +147,7 @@ def test_cores_per_chip_unknown_types_raise(accelerator_type):
 
 
 def test_tpu7x_cores_per_chip_come_from_the_runtime_once_it_has_started():
-    """DESIGN: TPU7x's devices per chip are taken from the XLA runtime's device count (over
+    """TPU7x's devices per chip are taken from the XLA runtime's device count (over
     the process's chips) when torch_xla has started it; never guessed, and the override wins."""
     asked = []
 
@@ -501,6 +502,102 @@ def test_metadata_chips_that_do_not_divide_raise():
     with pytest.raises(TopologyError) as info:
         detect_topology({"PJRT_LOCAL_PROCESS_COUNT": "3"}, metadata=metadata)
     assert "TPU_CHIPS_PER_PROCESS_BOUNDS" in str(info.value) and "3" in str(info.value)
+
+
+# --- chips per host from the environment ---------------------------------------------------------
+
+V5E_16_WORKER_1 = {
+    "TPU_ACCELERATOR_TYPE": "v5litepod-16", "TPU_WORKER_ID": "1", "TPU_WORKER_HOSTNAMES": "a,b",
+    "PJRT_LOCAL_PROCESS_RANK": "0", "PJRT_LOCAL_PROCESS_COUNT": "1",
+}
+
+
+@pytest.mark.parametrize("name", ["TPU_CHIPS_PER_HOST_BOUNDS", "CHIPS_PER_HOST_BOUNDS"])
+def test_chips_per_host_bounds_are_read_from_the_environment(name):
+    """A host's chip bounds in the environment (as torch_xla reads them with TPU_SKIP_MDS_QUERY)
+    give one process per host all 8 of a v5litepod-16 host's chips, not 1."""
+    topo = detect_topology({**V5E_16_WORKER_1, name: "2,4,1"}, metadata=_no_metadata)
+    assert (topo.chips_per_process, topo.devices_per_process, topo.world_size) == (8, 8, 16)
+    assert [topo.ordinal(t) for t in (0, 7)] == [8, 15]
+
+
+def test_chips_per_host_bounds_from_the_environment_are_split_among_local_processes():
+    """Four local processes share a host's 8 chips: 2 each."""
+    env = {**V5E_16_WORKER_1, "PJRT_LOCAL_PROCESS_RANK": "3", "PJRT_LOCAL_PROCESS_COUNT": "4",
+           "TPU_CHIPS_PER_HOST_BOUNDS": "2,4,1"}
+    topo = detect_topology(env)
+    assert (topo.chips_per_process, topo.task_id, topo.num_tasks, topo.ordinal(0)) == (2, 7, 8, 14)
+
+
+def test_chips_per_host_bounds_precedence(metadata_server):
+    """TPU_CHIPS_PER_PROCESS_BOUNDS beats a host's bounds; TPU_CHIPS_PER_HOST_BOUNDS beats
+    CHIPS_PER_HOST_BOUNDS; a host's bounds in the environment beat tpu-env's."""
+    both = {**V5E_16_WORKER_1, "TPU_CHIPS_PER_HOST_BOUNDS": "2,4,1", "CHIPS_PER_HOST_BOUNDS": "2,2,1"}
+    assert detect_topology(both).chips_per_process == 8
+    assert detect_topology({**both, "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1"}).chips_per_process == 1
+    server = metadata_server({"tpu-env": V4_32_TPU_ENV, "worker-network-endpoints": V4_32_ENDPOINTS})
+    topo = detect_topology({"CHIPS_PER_HOST_BOUNDS": "1,2,1"}, metadata=_plain_fetcher(server))
+    assert (topo.accelerator_type, topo.chips_per_process) == ("v4-32", 2)  # tpu-env says 4
+
+
+@pytest.mark.parametrize("name", ["TPU_CHIPS_PER_HOST_BOUNDS", "CHIPS_PER_HOST_BOUNDS"])
+def test_bad_chips_per_host_bounds_in_the_environment_raise_naming_the_variable(name):
+    """Malformed bounds, or chips that do not divide among the local processes, name the variable."""
+    with pytest.raises(TopologyError, match=f"^{name} must be 3 comma-separated positive integers.*'2,4'"):
+        detect_topology({**V5E_16_WORKER_1, name: "2,4"})
+    with pytest.raises(TopologyError) as info:
+        detect_topology({**V5E_16_WORKER_1, name: "2,4,1", "PJRT_LOCAL_PROCESS_COUNT": "3"})
+    assert f"{name}='2,4,1' gives 8 chip(s) per host" in str(info.value)
+    assert "local world size 3" in str(info.value) and "TPU_CHIPS_PER_PROCESS_BOUNDS" in str(info.value)
+
+
+# --- the coordinator's address alone -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "address", "expected"),
+    [
+        ({}, None, "localhost:7481"),
+        ({"TPU_WORKER_HOSTNAMES": "w0,w1"}, None, "w0:7481"),
+        ({"TPU_WORKER_HOSTNAMES": "w0,w1", "PJRT_RENDEZVOUS_ADDRESS": "coord:9000"}, None, "coord:9000"),
+        ({"PJRT_RENDEZVOUS_ADDRESS": "coord:9000"}, "other", "other:7481"),
+        ({"TPU_WORKER_HOSTNAMES": "fd00::1,fd00::2"}, None, "[fd00::1]:7481"),
+    ],
+)
+def test_detect_address_finds_the_coordinator_as_detect_topology_does(env, address, expected):
+    """The address alone, by the same precedence as detect_topology's."""
+    assert detect_address(env, address=address, metadata=_no_metadata if env else None) == expected
+    assert detect_topology(env, address=address, hostname=lambda: "h").address == expected
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"TPU_ACCELERATOR_TYPE": "tpu7x-8"},  # cores per chip not known
+        {"TPU_ACCELERATOR_TYPE": "v9-8"},
+        {"TPU_WORKER_ID": "7", "PJRT_LOCAL_PROCESS_RANK": "x"},  # a layout the rest would refuse
+        {"TPU_CHIPS_PER_HOST_BOUNDS": "bad"},
+    ],
+)
+def test_detect_address_needs_no_layout_the_client_can_use(extra):
+    """Worker 0 is found where detect_topology refuses the rest of the layout."""
+    env = {"TPU_WORKER_HOSTNAMES": "10.0.0.2,10.0.0.3", **extra}
+    with pytest.raises(TopologyError):
+        detect_topology(env)
+    assert detect_address(env) == "10.0.0.2:7481"
+
+
+def test_detect_address_asks_the_metadata_server_for_worker_0_only_when_needed(metadata_server):
+    """On a TPU VM whose type the client cannot lay out, worker 0 comes from the metadata server;
+    a given address asks it nothing."""
+    tpu_env = "ACCELERATOR_TYPE: 'tpu7x-16'\nWORKER_ID: '1'\n"
+    server = metadata_server({"tpu-env": tpu_env, "worker-network-endpoints": V4_32_ENDPOINTS})
+    assert detect_address({}, metadata=_plain_fetcher(server)) == "10.130.0.3:7481"
+    assert _requested_keys(server) == ["tpu-env", "worker-network-endpoints"]
+    assert detect_address({"PJRT_RENDEZVOUS_ADDRESS": "c"}, metadata=_no_metadata) == "c:7481"
+    assert detect_address({"TPU_SKIP_MDS_QUERY": "1"}, metadata=_no_metadata) == "localhost:7481"
+    with pytest.raises(TopologyError, match="PJRT_RENDEZVOUS_ADDRESS"):
+        detect_address({"PJRT_RENDEZVOUS_ADDRESS": "coord:0"})
 
 
 def test_metadata_fetcher_sends_the_flavor_header(metadata_server):

@@ -2,17 +2,38 @@
 # Installs the pjrt-rendezvous coordinator as a systemd service on this machine (run as
 # root on host 0 / TPU worker 0). Idempotent: run it again to upgrade.
 #
-#   sudo deploy/systemd/install.sh                   # the latest release from PyPI
-#   sudo deploy/systemd/install.sh /path/to/checkout # or a local source tree / wheel
+#   sudo deploy/systemd/install.sh                   # the checkout this script is in
+#   sudo deploy/systemd/install.sh /path/to/checkout # or another source tree, or a built wheel
 #
+# pjrt-rendezvous is not published on PyPI yet: it is installed from a source tree or a wheel.
 # Then edit /etc/pjrt-rendezvous/coordinator.env and `systemctl restart pjrt-rendezvous`.
 set -euo pipefail
 
 PREFIX=/opt/pjrt-rendezvous
 CONFIG=/etc/pjrt-rendezvous
 HERE="$(cd "$(dirname "$0")" && pwd)"
-SOURCE="${1:-pjrt-rendezvous}"
+CHECKOUT="$(cd "$HERE/../.." && pwd)"
 PYTHON="${PYTHON:-python3}"
+
+# What to install: the argument, else the checkout this script sits in (deploy/systemd/).
+if [[ $# -gt 0 ]]; then
+  SOURCE="$1"
+elif [[ -f "$CHECKOUT/pyproject.toml" ]] && grep -q '^name = "pjrt-rendezvous"$' "$CHECKOUT/pyproject.toml"; then
+  SOURCE="$CHECKOUT"
+else
+  echo "install.sh: no source given and $HERE is not inside a pjrt-rendezvous checkout; pass a checkout or a wheel (pjrt-rendezvous is not on PyPI yet): install.sh /path/to/pjrt-rendezvous" >&2
+  exit 2
+fi
+if [[ -d "$SOURCE" ]]; then
+  SOURCE="$(cd "$SOURCE" && pwd)"
+  [[ -f "$SOURCE/pyproject.toml" ]] || {
+    echo "install.sh: $SOURCE has no pyproject.toml; pass a pjrt-rendezvous checkout or a wheel" >&2
+    exit 2
+  }
+elif [[ ! ( -f "$SOURCE" && "$SOURCE" == *.whl ) ]]; then
+  echo "install.sh: $SOURCE is neither a folder nor a .whl file; pass a pjrt-rendezvous checkout or a wheel (it is not on PyPI yet)" >&2
+  exit 2
+fi
 
 if [[ $EUID -ne 0 ]]; then
   echo "install.sh: run as root (sudo)" >&2
