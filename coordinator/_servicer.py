@@ -501,6 +501,9 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 deadline is not None and self._clock() >= deadline
             ):
                 raise self._core.kv_timeout(request.job, request.keys, self._clock() - start)
+        # Only what is on disk is answered: a change is seen only once its writer could be
+        # answered too (else a crash could take back a value a reader acted on).
+        await self._persist()
         return pb.KvGetResponse(
             values=[pb.KvValue(found=v is not None, value=v or b"") for v in values]
         )
@@ -537,8 +540,11 @@ class Servicer(pb_grpc.CoordinatorServicer):
     @_translated
     async def KvList(self, request: pb.KvListRequest, context) -> pb.KvListResponse:
         if request.count_only:
-            return pb.KvListResponse(count=self._core.kv_count(request.job, request.prefix))
+            count = self._core.kv_count(request.job, request.prefix)
+            await self._persist()  # (as KvGet)
+            return pb.KvListResponse(count=count)
         entries = self._core.kv_list(request.job, request.prefix)
+        await self._persist()  # (as KvGet)
         return pb.KvListResponse(
             count=len(entries), entries=[pb.KvEntry(key=k, value=v) for k, v in entries]
         )

@@ -270,6 +270,50 @@ def test_still_waiting_lines_name_the_missing_ordinals(coordinator, caplog):
     client.close()
 
 
+@pytest.mark.parametrize("wait", [False, True], ids=["plain-get", "blocking-get"])
+def test_a_value_is_read_only_once_it_is_on_disk(tmp_path, monkeypatch, wait):
+    """With a state file, a get (plain, or blocked until the key is set) answers a value only
+    once the write that set it is on disk: a crash in between cannot take back what a
+    reader acted on. (It was answered from memory, before the writer was.)"""
+    from pjrt_rendezvous.coordinator import _state
+
+    writing, release = threading.Event(), threading.Event()
+    real_append = _state.Files.append
+
+    def slow_append(files, data: bytes) -> None:
+        if b"late" in data:  # the disk is slow for this one
+            writing.set()
+            release.wait(20)
+        real_append(files, data)
+
+    monkeypatch.setattr(_state.Files, "append", slow_append)
+    with Coordinator(port=0, state_file=tmp_path / "state.json") as coordinator:
+        writer, reader = make_client(coordinator.address, timeout=30), make_client(coordinator.address, timeout=30)
+        writer.set("early", b"1")  # (the state file is written whole once: later changes are appended)
+        got = {}
+        if wait:
+            blocked = in_thread(lambda: got.update(read=reader.get("late")))
+            time.sleep(0.3)
+        setter = in_thread(lambda: writer.set("late", b"v"))
+        assert writing.wait(10)
+        if not wait:
+            blocked = in_thread(lambda: got.update(read=reader.get("late", wait=False)))
+        blocked.join(1.0)
+        assert "read" not in got, got  # not before it is on disk
+        release.set()
+        blocked.join(10)
+        setter.join(10)
+        assert got == {"read": b"v"}
+        writer.close()
+        reader.close()
+
+
+def in_thread(body) -> threading.Thread:
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    return thread
+
+
 def test_a_long_wait_keeps_its_full_retry_budget_across_a_coordinator_restart(tmp_path):
     """A round waiting longer than connect_timeout still retries for connect_timeout when the
     coordinator restarts from its state file, and then completes."""
