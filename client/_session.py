@@ -285,6 +285,12 @@ _PING = b""  # a ping's request is empty
 # a message comes in several reads, joined: a few copies matter less at that size.
 _RECEIVE = 1 << 16
 _RECEIVE_MAX = 4 << 20
+# The largest message a serving end (FramedSession) takes: protobuf's own limit. The
+# coordinator's session port takes less (coordinator/_server.py, max_message_bytes).
+MAX_MESSAGE = (1 << 31) - 1
+# The first message on a connection with a hello (a SessionHello, the token: tens of bytes)
+# is read before the peer is known, so it is capped far lower.
+MAX_HELLO = 64 << 10
 
 
 def one_whole_message(data: bytes | bytearray | memoryview) -> bool:
@@ -844,6 +850,12 @@ class FramedSession(asyncio.Protocol):
     With ``hello``, the first message is a SessionHello that ``hello`` accepts (None) or
     refuses with a status. A refusal, or a message that does not parse, is answered with id
     0 and that status, and the connection closed. ``on_close`` runs when it ends.
+
+    A message is refused from its length prefix, before its bytes are held: a hello over
+    ``MAX_HELLO`` bytes closes the connection (an unauthenticated peer must not make us
+    hold gigabytes); a later message over ``max_message`` bytes is answered with
+    RESOURCE_EXHAUSTED (naming ``max_message_rule``) for its call, and its bytes are read
+    and dropped, so that its sender, still writing it, gets the answer.
     """
 
     # A peer that stops reading its answers must not grow our memory without bound.
@@ -854,10 +866,16 @@ class FramedSession(asyncio.Protocol):
         run: Callable[[Call], Awaitable[tuple[bytes, bytes]]],
         hello: Callable[[pb.SessionHello], tuple[grpc.StatusCode, str] | None] | None = None,
         on_close: Callable[["FramedSession"], None] | None = None,
+        *,
+        max_message: int = MAX_MESSAGE,
+        max_message_rule: str = "protobuf's limit",
     ) -> None:
         self._run = run
         self._hello = hello
         self._on_close = on_close
+        self._max_message = max_message
+        self._max_message_rule = max_message_rule
+        self._skip = 0  # bytes still to drop of a message refused as too big
         self._buffer = bytearray()
         self._calls: dict[int, _Call] = {}
         self.transport: asyncio.Transport | None = None
@@ -870,13 +888,68 @@ class FramedSession(asyncio.Protocol):
         return bool(self._calls)
 
     def data_received(self, data: bytes) -> None:
-        if not self._buffer and one_whole_message(data):  # nearly every read: taken as it came
-            self._message(memoryview(data)[FRAME.size :])
-            return
-        self._buffer += data
-        for message in take_frames(self._buffer):
-            if not self._message(message):
+        if self._skip:  # the rest of a message refused as too big
+            if len(data) <= self._skip:
+                self._skip -= len(data)
                 return
+            data, self._skip = memoryview(data)[self._skip :], 0
+        limit = self._max_message if self._hello is None else MAX_HELLO
+        if not self._buffer and one_whole_message(data) and len(data) - FRAME.size <= limit:
+            self._message(memoryview(data)[FRAME.size :])  # nearly every read: taken as it came
+            return
+        buffer = self._buffer
+        buffer += data
+        start = 0
+        try:
+            while len(buffer) - start >= FRAME.size:
+                size = FRAME.unpack_from(buffer, start)[0]
+                end = start + FRAME.size + size
+                if size > (self._max_message if self._hello is None else MAX_HELLO):
+                    taken = self._too_big(size, memoryview(buffer)[start + FRAME.size : end])
+                    if taken is None:  # closed, or the start of the message is still to come
+                        return
+                    start += FRAME.size + taken
+                    continue
+                if len(buffer) < end:
+                    break
+                message = bytes(buffer[start + FRAME.size : end])
+                start = end
+                if not self._message(message):
+                    return
+        finally:
+            if self.transport.is_closing():
+                buffer.clear()
+            else:
+                del buffer[:start]
+
+    def _too_big(self, size: int, received: memoryview) -> int | None:
+        """A message of ``size`` bytes, more than may come now, of which ``received`` came.
+        Refuses it, and returns how much of it was received (to be dropped; the rest will
+        be, as it comes); None when the connection was closed, or (nothing refused yet)
+        until the start of the message names its call."""
+        with received:
+            if self._hello is not None:
+                self._refuse(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the first message of a session must be a SessionHello of at most {MAX_HELLO} bytes; "
+                    f"this one announced {size} bytes (is the peer a pjrt-rendezvous client?)",
+                )
+                return None
+            call_id = _call_id(received)
+            if call_id is None and len(received) < _CALL_ID_BYTES:
+                return None  # the call id may be in the bytes still to come
+            refusal = (
+                f"a message of {size} bytes is over the limit of {self._max_message} bytes a session takes "
+                f"({self._max_message_rule}); send less in one call"
+            )
+            if not call_id:  # not a call we could answer alone: the session ends
+                self._refuse(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+                return None
+            log.warning("refused a call on a session: %s", refusal)
+            self._send(session_answer(call_id, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal))
+            taken = min(size, len(received))
+            self._skip = size - taken
+            return taken
 
     def _message(self, message: bytes | memoryview) -> bool:
         if self._hello is not None:
@@ -935,3 +1008,30 @@ class FramedSession(asyncio.Protocol):
 
 _parse_hello = parser(pb.SessionHello)
 _parse_request = parser(pb.SessionRequest)
+
+# The start of a SessionRequest that names its first call's id: its tag, its length (a
+# varint), the id's tag and the id (a varint).
+_CALL_ID_BYTES = 1 + 10 + 1 + 10
+
+
+def _read_varint(data: memoryview, at: int) -> tuple[int, int] | None:
+    """The varint at ``at`` in ``data`` and where it ends; None if it does not end there."""
+    value = shift = 0
+    for position in range(at, min(len(data), at + 10)):
+        value |= (data[position] & 0x7F) << shift
+        if data[position] < 0x80:
+            return value, position + 1
+        shift += 7
+    return None
+
+
+def _call_id(start: memoryview) -> int | None:
+    """The id of the first call in a serialized SessionRequest that begins with ``start``
+    (as :func:`session_request` encodes it: the id first), or None."""
+    if len(start) < 2 or start[0] != _CALLS_TAG[0]:
+        return None
+    length = _read_varint(start, 1)
+    if length is None or length[1] >= len(start) or start[length[1]] != _ID_TAG[0]:
+        return None
+    call_id = _read_varint(start, length[1] + 1)
+    return None if call_id is None else call_id[0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import functools
 import gc
 import hmac
@@ -27,7 +28,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pjrt_rendezvous.client._session import FramedSession
+from pjrt_rendezvous.client._session import MAX_MESSAGE, FramedSession
 from pjrt_rendezvous.client._topology import host_port
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
@@ -46,9 +47,9 @@ DEFAULT_SESSION_PORT = 7482  # of `pjrt-rendezvous serve`; next to the gRPC port
 FINAL_WRITE_TIMEOUT = 10.0  # seconds the state file's last write on stop may take
 
 # Our own limits (Limits) give precise messages; gRPC's 4 MiB default would refuse large
-# rendezvous results with a generic error first.
+# rendezvous results with a generic error first. What it receives is capped at the largest
+# message the limits allow (max_message_bytes, set per server).
 _OPTIONS = [
-    ("grpc.max_receive_message_length", -1),
     ("grpc.max_send_message_length", -1),
     # Two coordinators on one port must fail loudly, not share the traffic.
     ("grpc.so_reuseport", 0),
@@ -63,6 +64,32 @@ _OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 5000),
     ("grpc.http2.max_ping_strikes", 0),
 ]
+
+
+# A host relay sends one call for its host's ordinals: a TPU host has at most 8 chips of at
+# most 2 cores (v2, v3), so 16 contributions.
+_ITEMS_PER_MESSAGE = 16
+# Room in a message beyond its payloads or values: names, keys, replicas, protobuf's framing.
+_MESSAGE_SLACK = 16 << 20
+MAX_MESSAGE_RULE = (
+    "16 x the larger of max_payload_bytes and max_value_bytes (with their tag or key), "
+    "plus 16 MiB, at most 2 GiB"
+)
+
+
+def max_message_bytes(limits: Limits) -> int:
+    """The largest request the coordinator receives, on gRPC or its session port: a host
+    relay's rendezvous call carrying a payload of the largest size (and a tag of the longest)
+    for each of a TPU host's up to 16 ordinals, or a key-value call carrying as many values
+    of the largest size; plus room for everything else (``MAX_MESSAGE_RULE``). Within it,
+    the limits give their own precise errors; a bigger message is refused before it is read
+    (RESOURCE_EXHAUSTED): a peer, authenticated or not, cannot make us hold more."""
+    text = 4  # bytes a character may take in UTF-8
+    item = max(
+        limits.max_payload_bytes + text * (limits.max_tag_length + limits.max_name_length),
+        limits.max_value_bytes + text * limits.max_key_length,
+    )
+    return min(MAX_MESSAGE, _ITEMS_PER_MESSAGE * (item + 64) + _MESSAGE_SLACK)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -159,15 +186,17 @@ class _TokenCheck(grpc.aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
             yield  # pragma: no cover - makes this an async generator
 
-        if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(
-                deny_stream, handler.request_deserializer, handler.response_serializer
-            )
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                deny_stream, handler.request_deserializer, handler.response_serializer
-            )
-        return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
+        # The request of a refused call is never read, let alone parsed: the handlers take a
+        # stream of requests (whatever the method's shape) and end the call before reading
+        # one, so gRPC does not receive a message a caller without the token sends.
+        if handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(deny_stream, _ignore, handler.response_serializer)
+        return grpc.stream_unary_rpc_method_handler(deny, _ignore, handler.response_serializer)
+
+
+def _ignore(data: bytes) -> None:
+    """The request deserializer of a refused call (never read): the bytes are not looked at."""
+    return None
 
 
 class _SessionPort:
@@ -176,11 +205,14 @@ class _SessionPort:
     a sixth of the CPU per message it spends on gRPC's stream (bench/grpc_floor.py), and
     the client saves gRPC's thread hand-offs. The token check is the same as gRPC's."""
 
-    def __init__(self, servicer: Servicer, token: str | None) -> None:
+    def __init__(self, servicer: Servicer, token: str | None, max_message: int) -> None:
         self._servicer = servicer
         self._expected = None if token is None else f"Bearer {token}".encode()
-        self._server: asyncio.AbstractServer | None = None
+        self._max_message = max_message
+        self._listeners: list[socket.socket] = []
         self._connections: set[FramedSession] = set()
+        self._accepting: set[asyncio.Task] = set()  # connections being set up (the loop holds tasks weakly)
+        self._starved_warning = float("-inf")  # when accepting last ran out of files, warned of
 
     # Connections the kernel completes and queues while the event loop is busy: a pod's
     # processes connect at about the same time, as their Register answers name the port.
@@ -188,17 +220,74 @@ class _SessionPort:
     # waits for a retransmission, a second later. gRPC's port asks for as many; the kernel
     # caps it at net.core.somaxconn.
     BACKLOG = 4096
+    # Out of open files (EMFILE), accepting pauses this long, with one warning a minute.
+    # asyncio's own accept loop (create_server) goes on after EMFILE for up to its backlog of
+    # tries, each logging a traceback and scheduling another retry: at 4,096 that flooded
+    # the log with hundreds of MB a minute and stalled the loop (CPython 3.11).
+    ACCEPT_RETRY_DELAY = 1.0
+    STARVED_WARNING_EVERY = 60.0
 
     async def start(self, host: str, port: int) -> int:
         # Like gRPC's port: "" or "0.0.0.0" listen everywhere (IPv4), "::" on both families.
+        # asyncio's create_server opens the sockets; its accept loop is ours (see above).
         loop = asyncio.get_running_loop()
         try:
-            self._server = await loop.create_server(
-                self._connection, host or None, port, reuse_address=True, backlog=self.BACKLOG
+            server = await loop.create_server(
+                self._connection, host or None, port, reuse_address=True, backlog=self.BACKLOG, start_serving=False
             )
         except OSError as exc:
             raise OSError(f"cannot listen on the session port {host_port(host, port)} (--session-port): {exc.strerror or exc}") from None
-        return self._server.sockets[0].getsockname()[1]
+        self._listeners = [sock.dup() for sock in server.sockets]
+        server.close()  # closes its copies; ours listen on
+        for sock in self._listeners:
+            sock.setblocking(False)
+            sock.listen(self.BACKLOG)
+            loop.add_reader(sock.fileno(), self._accept, sock)
+        return self._listeners[0].getsockname()[1]
+
+    def _accept(self, sock: socket.socket) -> None:
+        """Takes the connections waiting on ``sock``: up to BACKLOG per turn of the loop."""
+        loop = asyncio.get_running_loop()
+        for _ in range(self.BACKLOG):
+            try:
+                connection, _ = sock.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return  # none left
+            except OSError as exc:
+                # Out of files (EMFILE, ENFILE) or memory (ENOBUFS, ENOMEM), or anything else
+                # that may last: the listening socket stays readable, so pause rather than
+                # spin. The waiting connections stay queued in the kernel; idle ones of ours
+                # close after HELLO_TIMEOUT, freeing files.
+                loop.remove_reader(sock.fileno())
+                loop.call_later(self.ACCEPT_RETRY_DELAY, self._resume, sock)
+                now = time.monotonic()
+                if now - self._starved_warning >= self.STARVED_WARNING_EVERY:
+                    self._starved_warning = now
+                    hint = (
+                        " (raise the open files limit: ulimit -n, or LimitNOFILE=)"
+                        if exc.errno in (errno.EMFILE, errno.ENFILE) else ""
+                    )
+                    log.warning(
+                        "the session port cannot accept connections: %s (%d open); pausing %g s at a time%s",
+                        exc.strerror or exc, len(self._connections), self.ACCEPT_RETRY_DELAY, hint,
+                        extra={"event": "accept_starved"},
+                    )
+                return
+            connection.setblocking(False)
+            task = loop.create_task(self._set_up(connection))
+            self._accepting.add(task)
+            task.add_done_callback(self._accepting.discard)
+
+    def _resume(self, sock: socket.socket) -> None:
+        if sock.fileno() >= 0:  # (-1: closed meanwhile)
+            asyncio.get_running_loop().add_reader(sock.fileno(), self._accept, sock)
+
+    async def _set_up(self, connection: socket.socket) -> None:
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(self._connection, connection)
+        except OSError as exc:  # the peer went away meanwhile
+            log.debug("a session port connection ended as it began: %s", exc)
+            connection.close()
 
     def _hello(self, greeting: pb.SessionHello) -> tuple[grpc.StatusCode, str] | None:
         if self._expected is None:
@@ -211,7 +300,13 @@ class _SessionPort:
         return grpc.StatusCode.UNAUTHENTICATED, message
 
     def _connection(self) -> FramedSession:
-        connection = _Connection(self._servicer._session_call, self._hello, self._connections.discard)
+        connection = _Connection(
+            self._servicer._session_call,
+            self._hello,
+            self._connections.discard,
+            max_message=self._max_message,
+            max_message_rule=f"the coordinator's max message size: {MAX_MESSAGE_RULE}",
+        )
         self._connections.add(connection)
         return connection
 
@@ -219,22 +314,36 @@ class _SessionPort:
         return any(connection.busy() for connection in self._connections)
 
     def close_listener(self) -> None:
-        if self._server is not None:  # (None: it never listened)
-            self._server.close()
+        loop = asyncio.get_running_loop()
+        for sock in self._listeners:
+            if sock.fileno() >= 0:
+                loop.remove_reader(sock.fileno())
+                sock.close()
 
     def close(self) -> None:
         """Drops every connection (their clients resend, to a restarted coordinator)."""
         self.close_listener()
+        for task in list(self._accepting):
+            task.cancel()
         for connection in list(self._connections):
             if connection.transport is not None:
                 connection.transport.abort()
 
 
+# Seconds a session port connection may take to send its SessionHello (SocketSession sends
+# it as it connects); then it is closed, so idle connections cannot hold our open files.
+HELLO_TIMEOUT = 10.0
+
+
 class _Connection(FramedSession):
-    """A client's connection to the session port, with TCP keepalive."""
+    """A client's connection to the session port, with TCP keepalive, closed unless it
+    sends its hello within HELLO_TIMEOUT."""
+
+    _hello_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self._hello_timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT, self._hello_overdue)
         # A client host that vanished is noticed (its connection and waiting calls freed)
         # after about two minutes of silence, as with gRPC's keepalive enforcement.
         sock = transport.get_extra_info("socket")
@@ -242,6 +351,21 @@ class _Connection(FramedSession):
         for option, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6)):
             if hasattr(socket, option):
                 sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+    def _hello_overdue(self) -> None:
+        if self._hello is None or self.transport.is_closing():  # it came, or the connection ended
+            return
+        log.debug(  # (not louder: anyone can open connections, as many as they like)
+            "closed a session port connection from %s: no SessionHello within %g s",
+            self.transport.get_extra_info("peername"), HELLO_TIMEOUT,
+        )
+        # UNAVAILABLE: a client that was this slow resends its calls on a new connection.
+        self._refuse(grpc.StatusCode.UNAVAILABLE, f"the session port got no SessionHello within {HELLO_TIMEOUT:g} s of connecting")
+
+    def connection_lost(self, exc) -> None:
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        super().connection_lost(exc)
 
 
 class _StateWriter:
@@ -467,7 +591,10 @@ async def start_server(options: ServerOptions = ServerOptions(), *, core: Core |
     # The RPC counter goes first so that it also counts the token check's refusals.
     interceptors = [RpcInterceptor(metrics)] if metrics is not None else []
     interceptors += [_TokenCheck(options.token)] if options.token else []
-    server = grpc.aio.server(options=_OPTIONS, interceptors=interceptors)
+    max_message = max_message_bytes(options.limits)
+    server = grpc.aio.server(
+        options=[*_OPTIONS, ("grpc.max_receive_message_length", max_message)], interceptors=interceptors
+    )
     servicer = Servicer(
         core,
         clock=time.monotonic,
@@ -498,7 +625,7 @@ async def start_server(options: ServerOptions = ServerOptions(), *, core: Core |
     sessions = session_port = None
     try:
         if options.session_port is not None and options.tls_cert is None:
-            sessions = _SessionPort(servicer, options.token)
+            sessions = _SessionPort(servicer, options.token, max_message)
             session_port = servicer.session_port = await sessions.start(options.host, options.session_port)
         if writer is not None:
             await writer.flush()  # a new state file exists from the start

@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import logging
 import os
+import pathlib
 import re
 import subprocess
 import sys
+import threading
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_cli import Serve
+from test_fanin import make_clients, run_threads
 
 import pjrt_rendezvous.client as pr
-from pjrt_rendezvous.coordinator import Coordinator
+from pjrt_rendezvous.client._session import SocketSession
+from pjrt_rendezvous.coordinator import Coordinator, Limits
+from pjrt_rendezvous.coordinator._server import max_message_bytes
+from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
+from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
 SECRET = "s3cr3t-token-value"
 
@@ -170,3 +178,78 @@ def test_serve_cli_with_token_file_and_tls(pki, tmp_path):
     finally:
         server.terminate()
         server.wait(10)
+
+
+def _peak_memory_mb(pid: int) -> float:
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmHWM for process {pid}")
+
+
+def test_a_refused_call_is_refused_before_its_request_is_read():
+    """A call without the token is refused as soon as it starts: a caller that never sends
+    its request (a client stream that does not yield) still gets UNAUTHENTICATED, rather
+    than the server waiting to receive (and parse) a request it will not serve."""
+    never = threading.Event()
+
+    def requests():
+        never.wait(30)  # the request never comes
+        yield pb.KvSetRequest(job="j").SerializeToString()
+
+    with Coordinator(port=0, token=SECRET) as c, grpc.insecure_channel(c.address) as channel:
+        call = channel.stream_unary("/pjrt_rendezvous.v1.Coordinator/KvSet")
+        try:
+            with pytest.raises(grpc.RpcError) as refused:
+                call(requests(), timeout=10)
+        finally:
+            never.set()
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, refused.value
+    assert "no token" in refused.value.details()
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/status").exists(), reason="reads /proc")
+def test_a_large_request_without_the_token_costs_the_server_no_memory():
+    """A 160 MB KvSet without the token is refused without the coordinator receiving or
+    parsing it: its peak memory grows by far less than the request (it grew by 770 MB for a
+    400 MB request when the request was received, then parsed, then refused)."""
+    with Serve(env={"PJRT_RENDEZVOUS_TOKEN": SECRET}, port_flag=True) as server:
+        before = _peak_memory_mb(server.proc.pid)
+        request = pb.KvSetRequest(job="j", entries=[pb.KvEntry(key="k", value=bytes(160 << 20))])
+        options = [("grpc.max_send_message_length", -1)]
+        with grpc.insecure_channel(server.address, options=options) as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                pb_grpc.CoordinatorStub(channel).KvSet(request, timeout=60)
+        del request
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, refused.value
+        grown = _peak_memory_mb(server.proc.pid) - before
+    assert grown < 64, f"the coordinator's peak memory grew by {grown:.0f} MB"
+
+
+def test_a_request_over_the_largest_message_the_limits_allow_is_resource_exhausted():
+    """A message bigger than the limits allow (max_message_bytes: 16 values of the largest
+    size, plus room for the rest) is refused before it is read, on gRPC and on the session
+    port alike, with RESOURCE_EXHAUSTED (LimitExceededError); below it the same call works.
+    The session port answers that call alone: its connection serves the next calls."""
+    limits = Limits(max_value_bytes=1 << 20, max_payload_bytes=1 << 20)
+    cap = max_message_bytes(limits)
+    count = cap // (1 << 20) + 1  # values each within max_value_bytes, more than the cap in all
+    keys, values = [f"k{i}" for i in range(count)], [bytes(1 << 20)] * count
+    with Coordinator(port=0, token=SECRET, limits=limits) as c:
+        for transport, said in (("grpc", "larger than max"), ("auto", f"over the limit of {cap} bytes")):
+            clients = make_clients(c.address, fan_in="off", token=SECRET, transport=transport, processes=1, hosts=1)
+            client = clients[0]
+            try:
+                run_threads(clients, lambda client, binding: None)  # registered: the session port is named
+                client.set("first", b"1")
+                session = client._current_session
+                with pytest.raises(pr.LimitExceededError, match=said) as refused:
+                    client.multi_set(keys, values)
+                client.multi_set(keys[: count // 4], values[: count // 4])  # within the cap: fine
+                assert client.get(keys[0], wait=False) == values[0]
+                assert client.get(keys[-1], wait=False) is None
+                if transport == "auto":  # the rule is named; the connection lives on
+                    assert "max message size" in str(refused.value)
+                    assert type(session) is SocketSession and client._current_session is session
+            finally:
+                client.close()

@@ -11,6 +11,8 @@ import pathlib
 import random
 import selectors
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -21,8 +23,19 @@ from test_fanin import make_clients, run_threads
 
 import pjrt_rendezvous.client as pr
 from pjrt_rendezvous.client import _client
-from pjrt_rendezvous.client._session import Session, SocketSession, encode_answers, frame, session_answer, take_frames
-from pjrt_rendezvous.coordinator import Coordinator
+from pjrt_rendezvous.client._session import (
+    FRAME,
+    MAX_HELLO,
+    FramedSession,
+    Session,
+    SocketSession,
+    encode_answers,
+    frame,
+    session_answer,
+    session_request,
+    take_frames,
+)
+from pjrt_rendezvous.coordinator import Coordinator, _server
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
 ALL = list(range(8))  # make_clients: 4 processes x 2 threads
@@ -586,3 +599,136 @@ def test_connections_that_come_while_the_coordinator_is_busy_wait_in_the_kernels
             release.set()
             for sock in sockets:
                 sock.close()
+
+
+def test_a_hello_longer_than_a_hello_can_be_is_refused_before_it_is_read():
+    """An unauthenticated peer announcing a first message of gigabytes is refused from the
+    length alone (RESOURCE_EXHAUSTED, naming the hello's cap) and its connection closed: the
+    coordinator does not wait to hold the bytes (it buffered up to 4 GiB)."""
+    with Coordinator(port=0, token="s3cr3t-token") as coordinator:
+        with socket.create_connection(("127.0.0.1", coordinator.session_port)) as sock:
+            sock.sendall(FRAME.pack(0xFFFF_FFF0))
+            answer = refusal(sock)
+        assert answer.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert f"SessionHello of at most {MAX_HELLO} bytes" in answer.message
+        assert str(0xFFFF_FFF0) in answer.message
+        clients = make_clients(coordinator.address, fan_in="off", token="s3cr3t-token")
+        assert_round_on(clients, "after", SocketSession)
+
+
+class _Transport(asyncio.Transport):
+    """What a FramedSession writes, kept; and whether it closed the connection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = bytearray()
+        self.closed = False
+
+    def write(self, data) -> None:
+        self.written += data
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("pieces", [1, 3, 7, 1000])
+def test_a_message_over_the_cap_is_refused_for_its_call_alone_and_its_bytes_dropped(pieces):
+    """Past the hello, a message over ``max_message`` (however its bytes are split across
+    reads) is answered RESOURCE_EXHAUSTED for its call, naming the rule; its bytes are
+    dropped as they come, and the messages after it are served on the same connection."""
+    session = FramedSession(_unused_run, max_message=100, max_message_rule="the test's rule")
+    transport = _Transport()
+    session.connection_made(transport)
+    big = session_request(7, "KvSet", bytes(300), framed=True)
+    data = session_request(5, "", b"", framed=True) + big + session_request(8, "", b"", framed=True)
+    cuts = sorted(random.Random(pieces).sample(range(1, len(data)), min(pieces, len(data) - 1)))
+    for start, end in zip([0, *cuts], [*cuts, len(data)]):
+        session.data_received(data[start:end])
+    assert not transport.closed
+    answers = pb.SessionResponse()
+    for message in take_frames(transport.written):
+        answers.MergeFromString(message)
+    assert [a.id for a in answers.answers] == [5, 7, 8]
+    refused = answers.answers[1]
+    assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert "over the limit of 100 bytes" in refused.message and "the test's rule" in refused.message
+    assert not transport.written and not session._buffer
+
+
+async def _unused_run(call):  # (the test's calls are pings, answered without running)
+    raise AssertionError(f"ran {call}")
+
+
+def test_a_connection_that_sends_no_hello_is_closed_after_the_hello_timeout(monkeypatch):
+    """A connection that never sends its SessionHello is answered UNAVAILABLE and closed once
+    HELLO_TIMEOUT passes (idle connections held open files for good); one that sent it is
+    kept, however long it stays quiet."""
+    monkeypatch.setattr(_server, "HELLO_TIMEOUT", 0.5)
+    with Coordinator(port=0) as coordinator:
+        kept = SocketSession.tcp("127.0.0.1", coordinator.session_port, "", 5.0)
+        try:
+            with socket.create_connection(("127.0.0.1", coordinator.session_port)) as idle:
+                answer = refusal(idle)  # waits for the server's answer, then its end
+            assert answer.code == grpc.StatusCode.UNAVAILABLE.value[0]
+            assert "no SessionHello within 0.5 s" in answer.message
+            assert kept.call("", b"", 10.0) == b""  # a ping, past the timeout: answered
+            assert kept.broken is None
+        finally:
+            kept.close()
+
+
+_STARVED_SERVER = """
+import logging, resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (OPEN_FILES, OPEN_FILES))
+logging.basicConfig(level=logging.WARNING)
+from pjrt_rendezvous.coordinator import Coordinator
+with Coordinator(port=0) as coordinator:
+    print(coordinator.session_port, flush=True)
+    sys.stdin.read()
+"""
+
+
+@pytest.mark.skipif(not hasattr(socket, "AF_UNIX"), reason="POSIX open files limit")
+def test_out_of_open_files_the_session_port_pauses_accepting_with_one_warning(tmp_path):
+    """Connections beyond the coordinator's open files limit wait in the kernel's queue:
+    the session port warns once and pauses accepting, rather than logging a traceback per
+    try (asyncio's accept loop logged hundreds of MB a minute); once files are free again
+    a new client is served."""
+    limit = 128
+    log_file = tmp_path / "server.log"
+    with log_file.open("w") as log_out:
+        server = subprocess.Popen(
+            [sys.executable, "-c", _STARVED_SERVER.replace("OPEN_FILES", str(limit))],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_out, text=True,
+        )
+    idle: list[socket.socket] = []
+    try:
+        port = int(server.stdout.readline())
+        for _ in range(limit + 20):  # more than it may hold: the last ones wait in the kernel
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+        deadline = time.monotonic() + 30
+        while "cannot accept" not in log_file.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.5)  # past a retry: each would have been logged again
+        for sock in idle:
+            sock.close()
+        idle.clear()
+        session = SocketSession.tcp("127.0.0.1", port, "", 10.0)
+        try:
+            assert session.call("", b"", 30.0) == b""  # a ping: the port serves again
+        finally:
+            session.close()
+    finally:
+        for sock in idle:
+            sock.close()
+        server.stdin.close()
+        server.wait(30)
+    text = log_file.read_text()
+    assert text.count("cannot accept") == 1, text[:2000]
+    assert "out of system resource" not in text and "Traceback" not in text, text[:2000]
