@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import queue
 import socket
@@ -565,11 +566,10 @@ class Client:
 
     def _heartbeat_loop(self) -> None:
         request = pb.HeartbeatRequest(job=self.settings.job, incarnation=self.incarnation)
-        interval = self.settings.heartbeat_interval
-        if self._heartbeat_timeout:
-            interval = min(interval, self._heartbeat_timeout / 3)
         refused = None  # the last refusal warned of: each is warned of once while it lasts
-        while not self._stopped.wait(interval):
+        # At most a third of the coordinator's timeout, as its last answer gives it (a
+        # coordinator restarted with a shorter one must not find every process silent).
+        while not self._stopped.wait(min(self.settings.heartbeat_interval, (self._heartbeat_timeout or math.inf) / 3)):
             try:
                 response = self._call("Heartbeat", request)
             except ValueError:  # the channel was closed under us: close() was called
@@ -584,6 +584,7 @@ class Client:
                     return  # declared dead or closed: nothing left to keep alive
                 continue  # a replaced process, or one a restarted coordinator forgot, may bind again
             refused = None
+            self._heartbeat_timeout = response.heartbeat_timeout
             self._adopt_generation(response.generation)
             self._learn_session_port(response.session_port)
             self._probe_session_port()
@@ -594,6 +595,10 @@ class Client:
         while not self._stopped.is_set():
             try:
                 for event in self._stub.Watch(request, metadata=self._metadata):
+                    request.after = event.index  # a stream opened again resumes here
+                    if event.kind == pb.WatchEvent.KIND_UNSPECIFIED:  # the stream's marker
+                        continue
+                    request.after += 1
                     self.events.append(event)
                     level = logging.INFO if event.kind == pb.WatchEvent.PROCESS_LEFT else logging.WARNING
                     log.log(level, "job %s: %s", self.settings.job, event.message)
@@ -608,13 +613,14 @@ class Client:
                 exc.__traceback__ = None  # the stream's call raised itself: free it now (see Session._read)
                 if self._stopped.is_set() or exc.code() in (
                     grpc.StatusCode.CANCELLED,
-                    grpc.StatusCode.ABORTED,
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                    grpc.StatusCode.ABORTED,  # declared dead: nothing to watch for any more
                     grpc.StatusCode.UNAUTHENTICATED,
-                    grpc.StatusCode.NOT_FOUND,
                 ):
                     return
-                self._stopped.wait(1.0)  # the coordinator went away; try again
+                # The coordinator went away, or forgot this process (restarted without a
+                # state file: the process may register again) or was told of its
+                # replacement (as the heartbeats, it keeps trying): again a little later.
+                self._stopped.wait(1.0 if exc.code() == grpc.StatusCode.UNAVAILABLE else 5.0)
             except ValueError:  # the channel was closed under us: close() was called
                 return
 

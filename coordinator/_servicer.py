@@ -409,24 +409,31 @@ class Servicer(pb_grpc.CoordinatorServicer):
         return pb.LeaveResponse()
 
     async def Watch(self, request: pb.WatchRequest, context):
-        """Streams the job's events (deaths, restarts) from the moment of the call on."""
+        """Streams the job's events (deaths, restarts) from ``request.after`` on (unset: from
+        now on), after a marker naming the index of the next one: a client whose stream broke
+        opens another where it left off, and misses nothing that happened in between."""
         if isinstance(request, Malformed):
             await _abort(context, Code.INVALID_ARGUMENT, request.message)
         try:
             self._core.touch(request.job, request.incarnation, self._clock())
-            seen = len(self._core.events(request.job, 0))
+            known = len(self._core.events(request.job, 0))
         except CoreError as exc:
             await _abort(context, exc.code, exc.message)
+        seen = request.after if request.HasField("after") else known
+        if not 0 <= seen <= known:  # past the end: a coordinator restarted without its state
+            seen = 0
+        yield pb.WatchEvent(index=seen)
         while True:
             for event in self._core.events(request.job, seen):
-                seen += 1
                 yield pb.WatchEvent(
                     kind=pb.WatchEvent.Kind.Value(event.kind),
                     generation=event.generation,
                     ordinals=event.ordinals,
                     host=event.host,
                     message=event.message,
+                    index=seen,
                 )
+                seen += 1
             if self._stopping:  # (end_streams may have run while this stream was sending)
                 break
             await self._wait(("events", request.job), None)

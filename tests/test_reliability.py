@@ -17,6 +17,7 @@ import pytest
 import pjrt_rendezvous.client as pr
 from pjrt_rendezvous.client._demo import simulated_env
 from pjrt_rendezvous.coordinator import Coordinator
+from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
 WORKER = pathlib.Path(__file__).with_name("pod_worker.py")
 # Short enough for quick trials, long enough that a loaded 2-core machine does not delay a
@@ -239,6 +240,75 @@ def test_a_coordinator_stopped_and_continued_past_the_heartbeat_timeout_declares
             pool.shutdown()
             client.close()
         server.stop()
+
+
+def test_an_event_while_a_watch_stream_is_down_is_not_missed():
+    """An idle process's Watch stream (gRPC, here through a proxy) is cut and cannot
+    reconnect for a while; meanwhile its peer dies. The stream opened again resumes where
+    the last one ended, so the death is reported, not lost (a new stream started from the
+    moment of its call). Heartbeats go to the session port, past the proxy."""
+    from _proxy import Proxy
+
+    with Coordinator(port=0, heartbeat_timeout=2.0, session_port=0) as coordinator, Proxy(coordinator.address) as proxy:
+
+        def client(task: int, address: str) -> pr.Client:
+            env = {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": str(task)}
+            return pr.Client(pr.Settings(address=address, timeout=30), pr.detect_topology(env, address=address))
+
+        idle, peer = client(0, proxy.address), client(1, coordinator.address)
+        pools = [concurrent.futures.ThreadPoolExecutor(1) for _ in range(2)]  # a bound thread each
+        for pool, c in zip(pools, (idle, peer)):
+            pool.submit(c.bind_thread, 0).result()
+        time.sleep(1.0)  # the idle process's Watch stream is open
+        assert proxy.drop(refuse_for=5.0) > 0
+        peer._stopped.set()  # no more heartbeats: declared dead within the refusal
+        deadline = time.monotonic() + 20
+        while not idle.events and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [e.kind for e in idle.events] == [pb.WatchEvent.PROCESS_DEAD], idle.events
+        assert "no heartbeat" in idle.events[0].message
+        for pool, c in zip(pools, (idle, peer)):
+            pool.submit(c.unbind_thread).result()
+            pool.shutdown()
+            c.close(leave=False)
+
+
+def test_a_process_that_registers_again_after_a_coordinator_restart_watches_again():
+    """A coordinator restarted without a state file forgets the job: the clients' Watch
+    streams are refused (NOT_FOUND) until the processes register again, as the errors tell
+    them to; then an idle process hears of its peer's death again. (Its Watch thread ended
+    for good at the first refusal.)"""
+    first = Coordinator(port=0, heartbeat_timeout=2.0).start()
+    port = first.port
+
+    def client(task: int) -> pr.Client:
+        env = {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": str(task)}
+        return pr.Client(pr.Settings(address=first.address, timeout=30), pr.detect_topology(env, address=first.address))
+
+    idle, peer = client(0), client(1)
+    pools = [concurrent.futures.ThreadPoolExecutor(1) for _ in range(2)]  # a bound thread each
+    try:
+        for pool, c in zip(pools, (idle, peer)):
+            pool.submit(c.bind_thread, 0).result()
+        first.stop(grace=0)
+        second = Coordinator(port=port, heartbeat_timeout=2.0).start()
+        try:
+            time.sleep(3.0)  # the Watch streams are refused meanwhile: the job is unknown
+            for pool, c in zip(pools, (idle, peer)):  # the documented recovery: register again
+                pool.submit(c.unbind_thread).result()
+                pool.submit(c.bind_thread, 0).result()
+            peer._stopped.set()  # the peer goes silent (no more heartbeats): it dies
+            deadline = time.monotonic() + 20
+            while not any(e.kind == pb.WatchEvent.PROCESS_DEAD for e in idle.events) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert [e.kind for e in idle.events] == [pb.WatchEvent.PROCESS_DEAD], idle.events
+        finally:
+            second.stop(grace=0)
+    finally:
+        for pool, c in zip(pools, (idle, peer)):
+            pool.submit(c.unbind_thread).result()
+            pool.shutdown()
+            c.close(leave=False)
 
 
 def test_an_embedded_coordinator_watches_liveness_as_serve_does():

@@ -218,15 +218,17 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("job", "incarnation")
+    __slots__ = ("job", "incarnation", "after")
     JOB_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
     job: str
     incarnation: str
-    def __init__(self, job: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    after: int
+    def __init__(self, job: _Optional[str] = ..., incarnation: _Optional[str] = ..., after: _Optional[int] = ...) -> None: ...
 
 class WatchEvent(_message.Message):
-    __slots__ = ("kind", "generation", "ordinals", "host", "message")
+    __slots__ = ("kind", "generation", "ordinals", "host", "message", "index")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[WatchEvent.Kind]
@@ -244,12 +246,14 @@ class WatchEvent(_message.Message):
     ORDINALS_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     kind: WatchEvent.Kind
     generation: int
     ordinals: _containers.RepeatedScalarFieldContainer[int]
     host: str
     message: str
-    def __init__(self, kind: _Optional[_Union[WatchEvent.Kind, str]] = ..., generation: _Optional[int] = ..., ordinals: _Optional[_Iterable[int]] = ..., host: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    index: int
+    def __init__(self, kind: _Optional[_Union[WatchEvent.Kind, str]] = ..., generation: _Optional[int] = ..., ordinals: _Optional[_Iterable[int]] = ..., host: _Optional[str] = ..., message: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class KvEntry(_message.Message):
     __slots__ = ("key", "value")
