@@ -13,7 +13,7 @@ import sys
 import threading
 from typing import Mapping, Sequence
 
-from ._client import Binding, Client, _payload_bytes, current_binding
+from ._client import Binding, Client, _check_call, _payload_bytes, current_binding
 from ._config import DEFAULT, Settings, check_timeout
 from ._errors import UsageError
 from ._topology import Topology, detect_topology, metadata_fetcher, normalize_address
@@ -215,12 +215,16 @@ def rendezvous(
             ordinal with its host and when it was last seen.
     """
     binding = _binding("rendezvous")
-    if binding is None:  # a world of one needs no coordinator
+    if binding is None:  # a world of one needs no coordinator; the same refusals as in more
+        payload = _payload_bytes(payload)
+        replicas = _check_call(tag, replicas)
         if timeout is not DEFAULT:
             check_timeout(timeout)
-        if list(replicas) not in ([], [0]):
-            raise UsageError(f"replicas {list(replicas)} are out of range for a world of one")
-        return [_payload_bytes(payload)]
+        if len(set(replicas)) < len(replicas):
+            raise UsageError(f"replicas {replicas} list an ordinal more than once")
+        if replicas not in ([], [0]):
+            raise UsageError(f"replicas {replicas} are out of range for a world of one")
+        return [payload]
     return binding.client.rendezvous(binding, tag, payload, replicas, timeout=timeout)
 
 

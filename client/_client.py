@@ -127,6 +127,24 @@ def _payload_bytes(payload) -> bytes:
     raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
 
 
+def _check_call(tag, replicas) -> list[int]:
+    """A rendezvous call's tag and replicas as the coordinator takes them, checked before
+    the round counts (its peers must not wait for a call refused here); the replicas as a
+    list. :meth:`Client.rendezvous` checks the common case inline."""
+    if not isinstance(tag, str):
+        raise TypeError(f"tag must be str, got {type(tag).__name__}")
+    try:
+        tag.encode()
+    except UnicodeEncodeError as exc:
+        raise UsageError(f"tag {tag!r} is not valid text (UTF-8): {exc.reason}") from None
+    replicas = list(replicas) if replicas else []
+    if replicas and any(isinstance(r, bool) or not isinstance(r, int) for r in replicas):
+        raise TypeError(f"replicas must be ints, got {replicas!r}")
+    if replicas and not -(2**31) <= min(replicas) <= max(replicas) < 2**31:  # (other ordinals: the coordinator's to refuse)
+        raise UsageError(f"replicas must be 32-bit ints, got {replicas!r}")
+    return replicas
+
+
 class _Batch:
     """One process's arrivals at one round, sent in one call by the sibling whose arrival
     completes it, or by the first to arrive once the batch window passes."""
@@ -772,18 +790,10 @@ class Client:
         :func:`pjrt_rendezvous.client.rendezvous` for the contract."""
         if type(payload) is not bytes:
             payload = _payload_bytes(payload)
-        if not isinstance(tag, str):
-            raise TypeError(f"tag must be str, got {type(tag).__name__}")
-        if not tag.isascii():  # (checked before the round counts: its peers must not wait for it)
-            try:
-                tag.encode()
-            except UnicodeEncodeError as exc:
-                raise UsageError(f"tag {tag!r} is not valid text (UTF-8): {exc.reason}") from None
-        replicas = list(replicas) if replicas else []
-        if replicas and any(isinstance(r, bool) or not isinstance(r, int) for r in replicas):
-            raise TypeError(f"replicas must be ints, got {replicas!r}")
-        if replicas and not -(2**31) <= min(replicas) <= max(replicas) < 2**31:  # (other ordinals: the coordinator's to refuse)
-            raise UsageError(f"replicas must be 32-bit ints, got {replicas!r}")
+        if type(tag) is str and tag.isascii() and not replicas:  # the common case, checked inline
+            replicas = []
+        else:
+            replicas = _check_call(tag, replicas)
         deadline = self._deadline(timeout)
         world = binding.world_size
         if world == 1 and (not replicas or replicas == [binding.ordinal]):

@@ -9,6 +9,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -162,11 +163,31 @@ def test_duplicate_ordinal_is_refused(coordinator):
 
 
 def test_world_of_one_needs_no_coordinator():
-    """A single process off TPU is a world of one: rendezvous returns [payload] with no server."""
-    code = (
-        "import pjrt_rendezvous.client as pr;"
-        "assert pr.get_world_size() == 1 and pr.get_ordinal() == 0 and pr.is_master_ordinal();"
-        "print(pr.rendezvous('t', b'solo'))"
+    """A single process off TPU is a world of one: rendezvous returns [payload] with no server,
+    and refuses what a bound thread's call refuses (a script must not break only when it
+    runs on more than one chip)."""
+    code = textwrap.dedent(
+        """
+        import pjrt_rendezvous.client as pr
+        assert pr.get_world_size() == 1 and pr.get_ordinal() == 0 and pr.is_master_ordinal()
+        refused = [
+            ((None, b"x"), TypeError, "tag must be str"),
+            ((123,), TypeError, "tag must be str"),
+            (("\\udcff",), pr.UsageError, "not valid text"),
+            (("t", "text"), TypeError, "payload must be bytes"),
+            (("t", b"", [0, "1"]), TypeError, "replicas must be ints"),
+            (("t", b"", [0, 0]), pr.UsageError, "more than once"),
+            (("t", b"", [1]), pr.UsageError, "out of range for a world of one"),
+        ]
+        for args, error, words in refused:
+            try:
+                pr.rendezvous(*args)
+            except error as exc:
+                assert words in str(exc), (args, exc)
+            else:
+                raise AssertionError(f"rendezvous{args!r} was not refused")
+        print(pr.rendezvous("t", b"solo"))
+        """
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TPU_", "PJRT_", "CLOUD_TPU"))}
     env["PJRT_RENDEZVOUS_ADDRESS"] = "127.0.0.1:1"  # nothing listens: it must not be asked
