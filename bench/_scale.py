@@ -269,8 +269,8 @@ def _gen_threads(a) -> None:
         def barrier(i, r):
             clients[i].wait_at_barrier(f"b{r}", int(TIMEOUT_S * 1000))
 
-    # The TCPStore clients' connects stall 5 s now and then on this machine (reverse DNS,
-    # see FACTS): connect them all concurrently, before the go signal, untimed.
+    # The TCPStore clients' connects stall 5 s now and then on this machine (a reverse DNS
+    # lookup that times out, bench/README.md): connect them all concurrently, before the go signal, untimed.
     t_start = time.monotonic()
     run_all(connect, sims)
     t_connected = time.monotonic()

@@ -52,7 +52,7 @@ def test_errors_form_one_tree():
 
 
 def test_a_wheel_holds_only_the_package_and_runs_without_the_source_tree(tmp_path):
-    """DESIGN: the package-dir mapping works for ``pip install .`` (the image's) as for the
+    """The package-dir mapping works for ``pip install .`` (the image's) as for the
     editable install the suite runs on, and installs no generic top-level names: the wheel
     holds ``pjrt_rendezvous/`` and its metadata alone, and, installed elsewhere, a coordinator
     from it serves (its protos, its native module where a compiler is)."""

@@ -648,7 +648,7 @@ def test_seed_in_a_world_of_one_without_torch_xla_devices(no_process_client):
 
 @pytest.mark.xla
 def test_tpu7x_cores_per_chip_come_from_the_started_runtime(torch_xla):
-    """DESIGN: TPU7x's devices per chip are not guessed. Before torch_xla's runtime starts,
+    """TPU7x's devices per chip are not guessed (torch_xla does not name it yet). Before torch_xla's runtime starts,
     init() refuses naming the override; once it has started, its device count in this
     process (here 2 simulated CPU devices on one chip) is used."""
     code = (
