@@ -42,8 +42,16 @@ RoundKey = tuple[int, GroupKey, int]  # (generation, group, number)
 # most one round behind the others of its group (they cannot finish round k+1 without
 # it), so two finished rounds per group are enough.
 _FINISHED_ROUNDS_KEPT = 2
+# How far ahead of its group's next unfinished round a call may start a round. A member
+# calls round k+1 only once round k finished, so only calls abandoned by their client (an
+# interrupt, a cancelled call) leave rounds ahead; each holds its arrivals until its deadline.
+_ROUNDS_AHEAD = 1000
 _REQUEST_IDS_KEPT = 100_000
+# A request id (a client's uuid4().hex: 32 characters) is kept with its result for retries,
+# in memory and in the state file; longer ones are refused, not kept.
+MAX_REQUEST_ID_LENGTH = 256
 _REPLACED_KEPT = 1024  # replaced incarnations remembered per job, for their late calls' errors
+_EVENTS_KEPT = 1000  # the latest events of a job (EventLog)
 _DECLARED = "the coordinator's --world-size"
 
 
@@ -140,6 +148,36 @@ class Event:
     ordinals: tuple[int, ...]
     host: str
     message: str
+
+
+class EventLog:
+    """A job's events, of which the latest ``_EVENTS_KEPT`` are kept: each keeps the index
+    it was given, counted from the job's first event (Watch streams ask for the events after
+    the ones they sent), so ``len`` counts the dropped ones too and iterating gives the kept."""
+
+    __slots__ = ("dropped", "_kept")
+
+    def __init__(self, events: Sequence[Event] = (), dropped: int = 0) -> None:
+        self._kept: collections.deque[Event] = collections.deque(events, maxlen=_EVENTS_KEPT)
+        self.dropped = dropped + len(events) - len(self._kept)  # the oldest, first
+
+    def append(self, event: Event) -> None:
+        if len(self._kept) == self._kept.maxlen:
+            self.dropped += 1  # the deque drops its oldest
+        self._kept.append(event)
+
+    def __len__(self) -> int:
+        return self.dropped + len(self._kept)
+
+    def __iter__(self):
+        return iter(self._kept)
+
+    def __reversed__(self):
+        return reversed(self._kept)
+
+    def since(self, index: int) -> list[Event]:
+        """The kept events from index ``index`` on (those dropped before it are gone)."""
+        return list(itertools.islice(self._kept, max(0, index - self.dropped), None))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -306,7 +344,7 @@ class Job:
     pending: dict[RoundKey, Round] = dataclasses.field(default_factory=dict)
     blocked: dict[int, RoundKey] = dataclasses.field(default_factory=dict)  # ordinal -> its pending round
     rounds_completed: int = 0
-    events: list[Event] = dataclasses.field(default_factory=list)
+    events: EventLog = dataclasses.field(default_factory=EventLog)
     dead: set[int] = dataclasses.field(default_factory=set)  # ordinals of dead processes
     kv: dict[str, bytes] = dataclasses.field(default_factory=dict)
     request_results: collections.OrderedDict[str, object] = dataclasses.field(
@@ -319,6 +357,10 @@ class Job:
     # Core._uses when a call last named the job: at max_jobs, the finished job used longest
     # ago makes room for a new one (Core._droppable).
     used: int = 0
+    # Runtime ordinal -> the ordinal registered with it, of the members whose runtime ordinal
+    # is global (Core._check_runtime_unique): built when a registration first needs it, kept up
+    # as members join, None again when any leave the rank table.
+    runtime_owners: dict[int, int] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def complete(self) -> bool:
@@ -405,7 +447,7 @@ class Core:
             "processes create a job by registering, or start the coordinator with --world-size",
         )
 
-    def _new_job(self, name: str, *, insert: bool = True) -> Job:
+    def _check_job_name(self, name: str) -> None:
         if not name:
             raise CoreError(Code.INVALID_ARGUMENT, "job name must not be empty")
         if len(name) > self.limits.max_name_length:
@@ -414,13 +456,17 @@ class Core:
                 f"job name of {len(name)} characters exceeds the limit of "
                 f"{self.limits.max_name_length} (max_name_length)",
             )
+
+    def _new_job(self, name: str, *, insert: bool = True) -> Job:
+        self._check_job_name(name)
         if len(self.jobs) >= self.limits.max_jobs and self._droppable() is None:
             raise CoreError(
                 Code.RESOURCE_EXHAUSTED,
                 f"this coordinator already serves {len(self.jobs)} jobs, the limit "
-                f"(max_jobs={self.limits.max_jobs}), and none has finished (a job finishes when "
-                f"every process of it is gone; one of keys alone never does) to make room; job "
-                f"{name!r} cannot be created",
+                f"(max_jobs={self.limits.max_jobs}), and none can make room: a job is dropped "
+                "once every process of it is gone, or while it holds nothing (no process, key or "
+                "pending round); one holding keys without ever having a process, or declared "
+                f"with --world-size, stays; job {name!r} cannot be created",
             )
         job = Job(name=name)
         if insert:
@@ -429,10 +475,16 @@ class Core:
 
     def _droppable(self) -> Job | None:
         """The finished job used longest ago: registered processes that are all gone, no
-        round pending. Jobs that never had a process (key-value alone, or declared) stay."""
+        round pending; or an empty one (no process, no key, not declared: made by a change
+        that wrote nothing, such as a delete of a missing key). Jobs of keys alone (a torch
+        Store), or declared (``serve --world-size``), stay."""
         finished = [
             job for job in self.jobs.values()
-            if job.processes and not job.pending and not any(p.alive for p in job.processes.values())
+            if not job.pending and (
+                not any(p.alive for p in job.processes.values())
+                if job.processes
+                else not job.kv and job.world_fixed_by != _DECLARED
+            )
         ]
         return min(finished, key=lambda job: job.used, default=None)
 
@@ -453,6 +505,16 @@ class Core:
         job = self.jobs.get(name)
         if job is None:
             return self._new_job(name)
+        self._uses = job.used = self._uses + 1
+        return job
+
+    def _job_if_any(self, name: str) -> Job | None:
+        """The job named, if there is one: a read creates none (a blocking get on a job not
+        made yet waits on its key's wake key, which the set that makes the job queues)."""
+        job = self.jobs.get(name)
+        if job is None:
+            self._check_job_name(name)
+            return None
         self._uses = job.used = self._uses + 1
         return job
 
@@ -625,10 +687,16 @@ class Core:
 
         assignments = []
         new_members = []
+        # A runtime that sees only this process numbers its devices as every other process
+        # does (PJRT on CPU); any other numbering is global: one number, one device of the job.
+        global_numbers = r.runtime_world_size != r.devices_per_task or r.devices_per_task == world_size
+        numbered: dict[int, int] = {}  # runtime ordinal -> ordinal, in this registration
         for thread in r.threads:
             ordinal = r.task_id * r.devices_per_task + thread.thread_index
             local_ordinal = r.local_rank * r.devices_per_task + thread.thread_index
             self._check_runtime_ordinal(r, thread, ordinal, world_size)
+            if global_numbers and thread.runtime_ordinal is not None:
+                self._check_runtime_unique(job, r, thread, ordinal, numbered, replaced)
             existing = job.members.get(ordinal)
             if existing is not None and replaced is not None and existing.incarnation == replaced.incarnation:
                 existing = None  # the dead predecessor's entry is replaced below
@@ -675,9 +743,12 @@ class Core:
             job.tasks[r.task_id] = r.incarnation
         process.last_seen = now
         self._changed()
+        owners = job.runtime_owners
         for member in new_members:
             job.members[member.ordinal] = member
             process.ordinals.add(member.ordinal)
+            if owners is not None and self._global_runtime_ordinal(member):
+                owners[member.runtime_ordinal] = member.ordinal
         if new_members and job.complete:
             job.formed = True
             self._wakeups.append(("world", job.name))
@@ -707,6 +778,15 @@ class Core:
                 "runtime's global ordinals and world size, which XLA collectives use, would not be "
                 "ours; check PJRT_RENDEZVOUS_NUM_TASKS, TPU_PROCESS_BOUNDS and TPU_ACCELERATOR_TYPE",
             )
+        if not 0 <= thread.runtime_ordinal < world_size:
+            raise CoreError(
+                Code.INVALID_ARGUMENT,
+                f"the XLA runtime numbers the device of task {r.task_id} thread {thread.thread_index} "
+                f"({r.host} pid {r.pid}) as global ordinal {thread.runtime_ordinal}, out of range "
+                f"[0, {world_size}) for the job's {world_size} ordinals ({r.num_tasks} tasks x "
+                f"{r.devices_per_task} devices); pass the runtime's own global ordinal of the "
+                "thread's device (torch_xla.runtime.global_ordinal())",
+            )
         if r.runtime_world_size == world_size and thread.runtime_ordinal != ordinal:
             raise CoreError(
                 Code.FAILED_PRECONDITION,
@@ -726,6 +806,50 @@ class Core:
                 f"thread {thread.thread_index} of task {r.task_id} is bound to local device "
                 f"{thread.runtime_ordinal}; a thread must drive the device of its own index",
             )
+
+    @staticmethod
+    def _global_runtime_ordinal(member: Member) -> bool:
+        """Whether ``member``'s runtime ordinal may be global: a thread numbered by its own
+        index outside task 0 is a runtime that sees only its process (PJRT on CPU), whose
+        numbers every task shares."""
+        ro = member.runtime_ordinal
+        return ro is not None and (ro != member.thread_index or ro == member.ordinal)
+
+    def _check_runtime_unique(
+        self,
+        job: Job,
+        r: Registration,
+        thread: ThreadRequest,
+        ordinal: int,
+        numbered: dict[int, int],
+        replaced: Process | None,
+    ) -> None:
+        """Refuses a global runtime ordinal that another ordinal of the job (of this
+        registration, or registered before) already has: two devices would share it."""
+        ro = thread.runtime_ordinal
+        other = numbered.setdefault(ro, ordinal)
+        if other != ordinal:
+            by = f"thread {other - r.task_id * r.devices_per_task} of this registration"
+        else:
+            owners = job.runtime_owners
+            if owners is None:
+                owners = job.runtime_owners = {
+                    m.runtime_ordinal: m.ordinal for m in job.members.values() if self._global_runtime_ordinal(m)
+                }
+            other = owners.get(ro, ordinal)
+            if other == ordinal:
+                return
+            holder = job.processes[job.members[other].incarnation]
+            if holder is replaced:
+                return  # the predecessor's entry goes with it
+            by = f"{holder.label()}, task {holder.task_id}"
+        raise CoreError(
+            Code.FAILED_PRECONDITION,
+            f"the XLA runtime numbers the device of task {r.task_id} thread {thread.thread_index} "
+            f"({r.host} pid {r.pid}, ordinal {ordinal}) as global ordinal {ro}, which ordinal {other} "
+            f"({by}) was registered with already: two devices cannot share one global ordinal; "
+            "check that each thread binds its own device and CLOUD_TPU_TASK_ID / TPU_WORKER_ID",
+        )
 
     def world_complete(self, job_name: str) -> bool:
         """Whether every ordinal of the job is registered (cheap: no table is built)."""
@@ -948,16 +1072,22 @@ class Core:
         peers are on (or are about to start), so they learn of the mistake at once instead
         of waiting for a caller that will never come."""
         world = state.world_size
-        out_of_range = [o for o in replicas if not 0 <= o < world]
+        members = sorted(set(replicas))
+        out_of_range = None
+        if members[0] < 0 or members[-1] >= world:
+            # The peers' round is that of the ordinals in range (none: no peer to tell).
+            out_of_range = [o for o in members if not 0 <= o < world]
+            members = [o for o in members if 0 <= o < world]
+        group: GroupKey = ALL if len(members) == world else tuple(members)
         if out_of_range:
-            raise CoreError(
+            problem = CoreError(
                 Code.INVALID_ARGUMENT,
-                f"replicas {sorted(out_of_range)} are out of range [0, {world}) for job {state.name!r} "
+                f"replicas {out_of_range} are out of range [0, {world}) for job {state.name!r} "
                 f"(called by {_ordinals_word(ordinals)} with tag {tag!r})",
             )
-        members = sorted(set(replicas))
-        group: GroupKey = ALL if len(members) == world else tuple(members)
-        if len(members) != len(replicas):
+            if not members:
+                raise problem
+        elif len(members) != len(replicas):
             dupes = sorted(o for o, n in collections.Counter(replicas).items() if n > 1)
             problem = CoreError(
                 Code.INVALID_ARGUMENT,
@@ -1011,6 +1141,8 @@ class Core:
             )
         rnd = job.pending.get((job.generation, group, number))
         if rnd is None:
+            if number > state.next_round + _ROUNDS_AHEAD:
+                self._check_ahead(job, state, group, number)
             if len(job.pending) >= self.limits.max_pending_rounds:
                 raise CoreError(
                     Code.RESOURCE_EXHAUSTED,
@@ -1028,6 +1160,27 @@ class Core:
             )
             job.pending[rnd.key] = rnd
         return rnd
+
+    @staticmethod
+    def _check_ahead(job: Job, state: _Group, group: GroupKey, number: int) -> None:
+        """Refuses to start round ``number`` far ahead of the group's next unfinished round.
+        A group this coordinator knows nothing of yet (restarted without a state file, its
+        clients' round counters went on) takes any number."""
+        if state.finished or state.next_round:
+            base = max(state.next_round, max(state.finished) + 1 if state.finished else 0)
+        else:  # none finished yet: its lowest pending round is where its members are
+            pending = [k[2] for k in job.pending if k[0] == job.generation and k[1] == group]
+            if not pending:
+                return
+            base = min(pending)
+        if number > base + _ROUNDS_AHEAD:
+            raise CoreError(
+                Code.INVALID_ARGUMENT,
+                f"round {number} of {describe_group(group)} is {number - base} rounds ahead of the "
+                f"group's next unfinished round ({base}), more than the {_ROUNDS_AHEAD} allowed: a "
+                "member calls a round only after its previous one finished, so this caller's round "
+                "counter ran ahead of its peers'",
+            )
 
     def _finish(self, job: Job, rnd: Round) -> None:
         del job.pending[rnd.key]
@@ -1175,12 +1328,13 @@ class Core:
         job.processes.clear()
         job.tasks.clear()
         job.members.clear()
+        job.runtime_owners = None
         job.dead.clear()
         job.blocked.clear()
         if job.world_fixed_by != _DECLARED:
             job.world_size = None
             job.devices_per_task = None
-        job.generation += 1
+        self._new_generation(job)
         job.formed = False
         self._changed()
 
@@ -1199,9 +1353,10 @@ class Core:
         before it was declared dead): a new generation begins."""
         for ordinal in old.ordinals:
             job.members.pop(ordinal, None)
+        job.runtime_owners = None
         job.dead -= old.ordinals
         del job.processes[old.incarnation]
-        job.generation += 1
+        self._new_generation(job)
         if old.alive:
             was = f"was last heard from {max(0.0, now - old.last_seen):.1f} s before"
         else:
@@ -1233,13 +1388,28 @@ class Core:
         )
         self._wakeups.append(("events", job.name))
 
-    def _generation_reason(self, job: Job) -> str:
-        restarts = [e for e in job.events if e.kind == "PROCESS_RESTARTED"]
-        return restarts[-1].message if restarts else "restart"
+    @staticmethod
+    def _new_generation(job: Job) -> None:
+        """Moves ``job`` to its next generation, forgetting the rounds of the one before the
+        last: calls naming an old generation are refused as void (Core.arrive), so nobody
+        asks for them. The last generation's stay, until the next move, for whoever looks
+        at the rounds its end failed (a monitor's round_failed report)."""
+        job.generation += 1
+        stale = [key for key in job.groups if key[0] < job.generation - 1]
+        for key in stale:
+            del job.groups[key]
 
-    def events(self, job_name: str, since: int) -> list[Event]:
-        """The job's events from index ``since`` on."""
-        return self._job(job_name).events[since:]
+    def _generation_reason(self, job: Job) -> str:
+        restart = next((e for e in reversed(job.events) if e.kind == "PROCESS_RESTARTED"), None)
+        return restart.message if restart else "restart"
+
+    def events(self, job_name: str, since: int) -> tuple[int, list[Event]]:
+        """The job's events from index ``since`` on, and the index of the first of them:
+        indexes count from the job's first event, but only the latest ``_EVENTS_KEPT`` are
+        kept, so a caller that fell further behind gets the oldest kept first."""
+        log = self._job(job_name).events
+        first = max(since, log.dropped)
+        return first, log.since(first)
 
     # -- key-value ------------------------------------------------------------------------
 
@@ -1251,6 +1421,16 @@ class Core:
                 Code.RESOURCE_EXHAUSTED,
                 f"key of {len(key)} characters exceeds the limit of {self.limits.max_key_length} "
                 "(max_key_length)",
+            )
+
+    @staticmethod
+    def _check_request_id(request_id: str) -> None:
+        if len(request_id) > MAX_REQUEST_ID_LENGTH:
+            raise CoreError(
+                Code.INVALID_ARGUMENT,
+                f"request id of {len(request_id)} characters exceeds the limit of "
+                f"{MAX_REQUEST_ID_LENGTH}; a request id names one call for its retries (the "
+                "client sends a uuid of 32)",
             )
 
     def _check_value(self, key: str, value: bytes) -> None:
@@ -1291,11 +1471,12 @@ class Core:
     def kv_get(self, job_name: str, keys: Sequence[str]) -> list[bytes | None]:
         for key in keys:
             self._check_key(key)
-        job = self._job_or_create(job_name)
-        return [job.kv.get(key) for key in keys]
+        job = self._job_if_any(job_name)
+        return [None] * len(keys) if job is None else [job.kv.get(key) for key in keys]
 
     def kv_add(self, job_name: str, key: str, delta: int, request_id: str = "") -> int:
         self._check_key(key)
+        self._check_request_id(request_id)
         job = self._job_or_create(job_name)
 
         def apply() -> int:
@@ -1325,6 +1506,7 @@ class Core:
         or ``expected`` when the key is missing and ``expected`` is not empty."""
         self._check_key(key)
         self._check_value(key, desired)
+        self._check_request_id(request_id)
         job = self._job_or_create(job_name)
 
         def apply() -> bytes:
@@ -1343,6 +1525,7 @@ class Core:
 
     def kv_append(self, job_name: str, key: str, value: bytes, request_id: str = "") -> None:
         self._check_key(key)
+        self._check_request_id(request_id)
         job = self._job_or_create(job_name)
 
         def apply() -> None:
@@ -1354,6 +1537,7 @@ class Core:
 
     def kv_delete(self, job_name: str, key: str, request_id: str = "") -> bool:
         self._check_key(key)
+        self._check_request_id(request_id)
         job = self._job_or_create(job_name)
 
         def apply() -> bool:
@@ -1365,18 +1549,22 @@ class Core:
         return self._once(job, request_id, "delete", key, apply)
 
     def kv_list(self, job_name: str, prefix: str = "") -> list[tuple[str, bytes]]:
-        job = self._job_or_create(job_name)
+        job = self._job_if_any(job_name)
+        if job is None:
+            return []
         return sorted((k, v) for k, v in job.kv.items() if k.startswith(prefix))
 
     def kv_count(self, job_name: str, prefix: str = "") -> int:
-        job = self._job_or_create(job_name)
+        job = self._job_if_any(job_name)
+        if job is None:
+            return 0
         if not prefix:
             return len(job.kv)
         return sum(1 for k in job.kv if k.startswith(prefix))
 
     def kv_timeout(self, job_name: str, keys: Sequence[str], waited: float) -> CoreError:
-        job = self._job_or_create(job_name)
-        missing = [k for k in keys if k not in job.kv]
+        job = self._job_if_any(job_name)
+        missing = [k for k in keys if job is None or k not in job.kv]
         shown = ", ".join(repr(k) for k in missing[:20]) + (" ..." if len(missing) > 20 else "")
         return CoreError(
             Code.DEADLINE_EXCEEDED,

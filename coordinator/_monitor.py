@@ -149,8 +149,8 @@ class Monitor:
         )
 
     def _events(self, job_name: str) -> None:
-        events = self._core.events(job_name, self._events_seen.get(job_name, 0))
-        self._events_seen[job_name] = self._events_seen.get(job_name, 0) + len(events)
+        first, events = self._core.events(job_name, self._events_seen.get(job_name, 0))
+        self._events_seen[job_name] = first + len(events)
         for event in events:
             name = event.kind.lower()  # process_dead, process_left, process_restarted
             log.log(

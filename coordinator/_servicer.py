@@ -416,7 +416,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
             await _abort(context, Code.INVALID_ARGUMENT, request.message)
         try:
             self._core.touch(request.job, request.incarnation, self._clock())
-            known = len(self._core.events(request.job, 0))
+            first, events = self._core.events(request.job, 0)
+            known = first + len(events)
         except CoreError as exc:
             await _abort(context, exc.code, exc.message)
         seen = request.after if request.HasField("after") else known
@@ -424,16 +425,17 @@ class Servicer(pb_grpc.CoordinatorServicer):
             seen = 0
         yield pb.WatchEvent(index=seen)
         while True:
-            for event in self._core.events(request.job, seen):
+            first, events = self._core.events(request.job, seen)
+            for index, event in enumerate(events, first):
                 yield pb.WatchEvent(
                     kind=pb.WatchEvent.Kind.Value(event.kind),
                     generation=event.generation,
                     ordinals=event.ordinals,
                     host=event.host,
                     message=event.message,
-                    index=seen,
+                    index=index,
                 )
-                seen += 1
+            seen = first + len(events)
             if self._stopping:  # (end_streams may have run while this stream was sending)
                 break
             await self._wait(("events", request.job), None)

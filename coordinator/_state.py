@@ -1,8 +1,9 @@
 """The state file: what survives a coordinator restart (``serve --state-file PATH``).
 
-Kept: per job the world size, rank table, generation, events, finished rounds (so a
-client resending a round that finished just before the crash gets its result), round
-counters, key-value data, applied request ids and the incarnations replaced by restarts.
+Kept: per job the world size, rank table, generation, the latest events (and how many came
+before them), finished rounds of the last two generations (so a client resending a round that
+finished just before the crash gets its result), round counters, key-value data, applied
+request ids and the incarnations replaced by restarts.
 Not kept: pending rounds (their members resend them when they reconnect) and last-seen
 times (every process gets a fresh heartbeat timeout from the restart).
 
@@ -30,7 +31,7 @@ import os
 import pathlib
 import tempfile
 
-from ._core import ALL, Code, Core, CoreError, Event, Job, Limits, Member, Process, Round, _Group
+from ._core import ALL, Code, Core, CoreError, Event, EventLog, Job, Limits, Member, Process, Round, _Group
 
 FORMAT = "pjrt-rendezvous-state"
 VERSION = 1
@@ -127,6 +128,7 @@ def snapshot(core: Core) -> dict:
                 "events": [
                     [e.kind, e.generation, list(e.ordinals), e.host, e.message] for e in job.events
                 ],
+                "events_dropped": job.events.dropped,
                 "dead": sorted(job.dead),
                 "replaced": list(job.replaced.items()),
                 "kv": {k: _b(v) for k, v in job.kv.items()},
@@ -175,12 +177,15 @@ def restore(
                 runtime_ordinal=runtime_ordinal,
             )
         for g in d["groups"]:
+            if g["generation"] < job.generation - 1:
+                continue  # a file written before old generations were forgotten (Core._new_generation)
             state = _Group(next_round=g["next_round"])
             state.finished = collections.OrderedDict((r["number"], _round_from_json(r)) for r in g["finished"])
             job.groups[(g["generation"], tuple(g["group"]))] = state
-        job.events = [
-            Event(kind=k, generation=gen, ordinals=tuple(o), host=h, message=m) for k, gen, o, h, m in d["events"]
-        ]
+        job.events = EventLog(
+            [Event(kind=k, generation=gen, ordinals=tuple(o), host=h, message=m) for k, gen, o, h, m in d["events"]],
+            d.get("events_dropped", 0),  # not in files before events were trimmed
+        )
         job.dead = set(d["dead"])
         job.replaced = collections.OrderedDict(d.get("replaced", ()))  # not in files before it was kept
         job.kv = {k: _unb(v) for k, v in d["kv"].items()}

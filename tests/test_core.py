@@ -410,8 +410,31 @@ def test_at_max_jobs_the_finished_job_used_longest_ago_makes_room(caplog):
     monitor.woke(core.take_wakeups())
     assert sorted(core.jobs) == ["run-3", "run-4", "store-only"]
     assert "run-1" not in metrics.render(core, 0.0)
-    with raises(Code.RESOURCE_EXHAUSTED, "max_jobs=3", "none has finished", "'run-5'"):
+    with raises(Code.RESOURCE_EXHAUSTED, "max_jobs=3", "none can make room", "'run-5'"):
         core.register(0.0, registration(0, 1, 1, job="run-5"))  # run-3 lives, run-4 and store-only never had a process
+
+
+def test_reads_of_unknown_jobs_create_none_and_empty_jobs_make_room():
+    """Key-value reads of a job nobody made answer as an empty store and create no job, so
+    they cannot fill max_jobs; a job a change made without writing anything (a delete of a
+    missing key) holds nothing and makes room; the refusal says what can and cannot."""
+    core = Core(Limits(max_jobs=2))
+    for i in range(5):
+        name = f"probe-{i}"
+        assert core.kv_get(name, ["k"]) == [None]
+        assert core.kv_list(name, "") == [] and core.kv_count(name, "k") == 0
+        assert_message(core.kv_timeout(name, ["k", "l"], 2.0), Code.DEADLINE_EXCEEDED, "2 keys", "'k', 'l'")
+    assert core.jobs == {}
+    with raises(Code.INVALID_ARGUMENT, "job name must not be empty"):
+        core.kv_get("", ["k"])
+    assert core.kv_delete("empty", "k") is False  # made a job holding nothing
+    core.kv_set("store", [("k", b"v")])
+    core.register(0.0, registration(0, 1, 1, job="run"))  # takes the empty job's place
+    assert sorted(core.jobs) == ["run", "store"]
+    with raises(Code.RESOURCE_EXHAUSTED, "max_jobs=2", "none can make room", "every process of it is gone",
+                "holding keys without ever having a process", "'other'"):
+        core.kv_set("other", [("k", b"v")])
+    assert core.kv_get("store", ["k"]) == [b"v"]
 
 
 @pytest.mark.parametrize("name, code", [("", Code.INVALID_ARGUMENT), ("x" * 9, Code.RESOURCE_EXHAUSTED)])
@@ -460,6 +483,46 @@ def test_a_runtime_world_neither_ours_nor_the_process_own_fails_naming_both_size
     pod.register(0, runtime={0: 0, 1: 1}, runtime_world_size=4)  # ours
     pod.register(1, runtime={0: 0, 1: 1}, runtime_world_size=2)  # the process's own (PJRT on CPU)
     assert pod.core.world(JOB) is not None
+
+
+@pytest.mark.parametrize("runtime_world_size", [0, 4])
+@pytest.mark.parametrize("runtime_ordinal", [-5, 4, 99])
+def test_a_runtime_ordinal_outside_the_world_is_refused_whatever_the_runtime_world(runtime_ordinal, runtime_world_size):
+    """A runtime ordinal is a global ordinal of the job: outside [0, world size) it is refused,
+    naming it and the range, even when the runtime's world size was not said."""
+    pod = make_pod(2, 2, register=False)
+    with raises(Code.INVALID_ARGUMENT, f"as global ordinal {runtime_ordinal}", "out of range [0, 4)", "task 1 thread 1"):
+        pod.register(1, runtime={0: 2, 1: runtime_ordinal}, runtime_world_size=runtime_world_size)
+    assert JOB not in pod.core.jobs
+
+
+def test_a_runtime_ordinal_two_threads_share_is_refused_without_a_runtime_world():
+    """Without a runtime world size, two threads (of one registration, of one process one at a
+    time, or of two processes) naming the same runtime ordinal are refused, naming both."""
+    pod = make_pod(2, 2, register=False)
+    with raises(Code.FAILED_PRECONDITION, "task 0 thread 1", "global ordinal 3", "ordinal 0 (thread 0 of this registration)"):
+        pod.register(0, runtime={0: 3, 1: 3})
+    pod.register(0, threads=[0], runtime={0: 3})
+    with raises(Code.FAILED_PRECONDITION, "thread 1", "ordinal 1", "global ordinal 3", "ordinal 0 (host-0 pid 1000, task 0)"):
+        pod.register(0, threads=[1], runtime={1: 3})
+    with raises(Code.FAILED_PRECONDITION, "task 1 thread 1", "global ordinal 3", "ordinal 0 (host-0 pid 1000"):
+        pod.register(1, runtime={0: 2, 1: 3}, runtime_world_size=4)  # the runtime's world is ours
+    pod.register(0, threads=[0], runtime={0: 3})  # a retry of the same registration: the same device
+    pod.register(0, threads=[1], runtime={1: 2})
+    pod.register(1, threads=[0], runtime={0: 1})
+    pod.register(1, threads=[1], runtime={1: 0})
+    assert [v.runtime_ordinal for v in pod.core.world(JOB)] == [3, 2, 1, 0]
+
+
+def test_a_restarted_process_may_take_its_predecessors_runtime_ordinals():
+    """The runtime ordinals of a replaced process go with it: its successor registers them again."""
+    pod = Pod(Core(heartbeat_timeout=10), 2, 1)
+    pod.register(0, runtime={0: 1})
+    pod.register(1, runtime={0: 0})
+    pod.register(1, now=3.0, incarnation="again-1", pid=9, runtime={0: 0})
+    assert pod.core.jobs[JOB].generation == 2
+    with raises(Code.FAILED_PRECONDITION, "global ordinal 1", "ordinal 0"):
+        pod.register(1, now=4.0, incarnation="again-1", pid=9, threads=[0], runtime={0: 1})
 
 
 def test_reregistering_with_another_runtime_ordinal_fails():
@@ -703,14 +766,29 @@ def test_a_caller_outside_its_replicas_fails_the_members_round():
     assert pod.error(waiting) is caught.error
 
 
-@pytest.mark.parametrize("replicas", [[0, 4], [-1, 0], [0, 1, 2, 3, 4]])
-def test_replicas_out_of_range_are_invalid_argument_and_leave_rounds_alone(replicas):
-    """Replicas outside [0, world) are INVALID_ARGUMENT naming them, and pending rounds are untouched."""
+@pytest.mark.parametrize(
+    "replicas, group", [([1, 0, 4], (0, 1)), ([-1, 1, 0], (0, 1)), ([0, 1, 2, 3, 4], ()), ([0, 1, 1, 7], (0, 1))]
+)
+def test_replicas_out_of_range_fail_the_round_the_peers_wait_in(replicas, group):
+    """Replicas outside [0, world) are INVALID_ARGUMENT naming them, and, as a duplicate does,
+    fail the round of the ordinals in range that the caller's peers wait in: they learn of it
+    at once instead of timing out blaming the caller as missing."""
+    pod = make_pod(4)
+    waiting = pod.arrive(1, replicas=list(group))
+    bystander = pod.arrive(2, replicas=[2, 3])
+    bad = sorted(o for o in set(replicas) if not 0 <= o < 4)
+    with raises(Code.INVALID_ARGUMENT, f"replicas {bad}", "[0, 4)", "ordinal 0", "'t'") as caught:
+        pod.arrive(0, replicas=replicas)
+    assert pod.error(waiting) is caught.error
+    assert pod.outcome(bystander) is None
+
+
+def test_replicas_all_out_of_range_fail_no_round():
+    """Replicas naming no ordinal of the job leave every round alone: no peer waits for the caller."""
     pod = make_pod(4)
     waiting = pod.arrive(1)
-    bad = [o for o in replicas if not 0 <= o < 4]
-    with raises(Code.INVALID_ARGUMENT, f"replicas {bad}", "[0, 4)", "ordinal 0"):
-        pod.arrive(0, replicas=replicas)
+    with raises(Code.INVALID_ARGUMENT, "replicas [-1, 9]", "[0, 4)"):
+        pod.arrive(0, replicas=[9, -1])
     assert pod.outcome(waiting) is None
     assert pod.core.status(0.0, JOB)[0].pending_rounds[0].arrived == [1]
 
@@ -908,6 +986,36 @@ def test_too_many_pending_rounds_is_resource_exhausted():
         pod.arrive(3, replicas=[0, 3])
 
 
+def test_a_round_far_ahead_of_its_groups_next_unfinished_round_is_refused(monkeypatch):
+    """Calls abandoned by their client leave rounds ahead of their group: a round more than
+    _ROUNDS_AHEAD past the group's next unfinished round is INVALID_ARGUMENT naming both; a
+    group the coordinator knows nothing of (restarted without a state file) takes any number."""
+    from pjrt_rendezvous.coordinator import _core
+
+    monkeypatch.setattr(_core, "_ROUNDS_AHEAD", 5)
+    pod = make_pod(2)
+    for number in range(6):
+        pod.arrive(0, round_number=number)
+    with raises(Code.INVALID_ARGUMENT, "round 6 of all ordinals is 6 rounds ahead", "next unfinished round (0)",
+                "more than the 5 allowed"):
+        pod.arrive(0, round_number=6)
+    with raises(Code.INVALID_ARGUMENT, "round 1000000 of all ordinals", "next unfinished round (0)"):
+        pod.arrive(0, replicas=[0, 1], round_number=1_000_000)  # the same group as all ordinals
+    assert len(pod.core.jobs[JOB].pending) == 6
+    pod.arrive(1, round_number=0)  # round 0 finishes: one more may start
+    pod.arrive(0, round_number=6)
+    pod.arrive(1, round_number=1)
+    assert pod.result(pod.key(ALL, 1)) == [payload_of(0), payload_of(1)]
+
+    fresh = make_pod(2)
+    key = fresh.arrive(0, replicas=[0, 1], round_number=5000)
+    fresh.arrive(1, replicas=[0, 1], round_number=5000)
+    assert fresh.result(key) == [payload_of(0), payload_of(1)]
+    fresh.arrive(0, round_number=5005)
+    with raises(Code.INVALID_ARGUMENT, "round 5007 of all ordinals is 6 rounds ahead", "(5001)"):
+        fresh.arrive(0, round_number=5007)
+
+
 def test_wake_keys_name_world_rounds_and_keys():
     """take_wakeups returns the world, round and kv wake keys queued since the last call, then nothing."""
     pod = make_pod(2, register=False)
@@ -1030,6 +1138,29 @@ def test_kv_compare_set_with_the_same_request_id_returns_the_first_answer():
     core.kv_set(JOB, [("k", b"theirs")])
     assert core.kv_compare_set(JOB, "k", b"", b"mine", request_id="r") == b"mine"
     assert core.kv_get(JOB, ["k"]) == [b"theirs"]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda core, rid: core.kv_add(JOB, "n", 1, request_id=rid),
+        lambda core, rid: core.kv_compare_set(JOB, "n", b"", b"1", request_id=rid),
+        lambda core, rid: core.kv_append(JOB, "n", b"1", request_id=rid),
+        lambda core, rid: core.kv_delete(JOB, "n", request_id=rid),
+    ],
+    ids=["add", "compare_set", "append", "delete"],
+)
+def test_request_ids_over_their_limit_are_refused_and_not_kept(change):
+    """A request id is kept with its result for retries: one over 256 characters is
+    INVALID_ARGUMENT naming its length and the limit, applies nothing and keeps nothing."""
+    core = Core()
+    change(core, "u" * 256)  # at the limit: applied and kept
+    kept = dict(core.jobs[JOB].request_results)
+    with raises(Code.INVALID_ARGUMENT, "request id of 257 characters", "limit of 256"):
+        change(core, "r" * 257)
+    assert core.jobs[JOB].request_results == kept
+    with raises(Code.INVALID_ARGUMENT, "request id of 1048576 characters"):
+        change(Core(), "r" * (1 << 20))
 
 
 def test_a_request_id_reused_by_another_change_or_key_is_a_new_change():
@@ -1458,7 +1589,7 @@ def test_a_silent_process_is_declared_dead_and_every_round_needing_it_fails_nami
     pod.core.check_liveness(18.5)
     assert_message(pod.error(key), Code.ABORTED, "ordinal 1 on host-0 pid 1001", "no heartbeat for 10.5 s")
     assert [p.alive for p in pod.core.status(18.5, JOB)[0].participants] == [True, False]
-    (event,) = pod.core.events(JOB, 0)
+    (event,) = pod.core.events(JOB, 0)[1]
     assert event.kind == "PROCESS_DEAD" and event.ordinals == (1,) and "died: no heartbeat" in event.message
     later = pod.arrive(0, round_number=1, now=19.0)  # a later round that needs it fails at once
     assert pod.error(later).code == Code.ABORTED
@@ -1480,7 +1611,7 @@ def test_a_dead_process_is_replaced_from_any_host_and_old_rounds_are_void():
     pod.register(1, now=5.0, incarnation="new-1", host="elsewhere", pid=7)
     job = pod.core.jobs[JOB]
     assert job.generation == 2 and job.members[1].incarnation == "new-1" and not job.dead
-    assert "restarted: elsewhere pid 7 replaces host-0 pid 1001, which killed" in pod.core.events(JOB, 0)[-1].message
+    assert "restarted: elsewhere pid 7 replaces host-0 pid 1001, which killed" in pod.core.events(JOB, 0)[1][-1].message
     with raises(Code.ABORTED, "moved from generation 1 to 2", "restarted"):
         pod.core.arrive(6.0, job=JOB, incarnation=incarnation_of(0), replicas=[], round_number=0,
                         contributions=[Contribution(0, "t", b"")], deadline=None, generation=1)
@@ -1515,6 +1646,60 @@ def test_a_process_restarted_on_its_host_with_its_local_rank_replaces_the_live_o
     key = pod.arrive(0, now=5.0)
     pod.arrive(1, now=5.0, incarnation="again-1")
     assert pod.result(key) == [payload_of(0), payload_of(1)]
+
+
+def test_old_generations_rounds_are_forgotten_and_their_late_calls_are_void():
+    """A job name reused by run after run (or restarted again and again) keeps the finished
+    rounds of its last two generations only; a late resend of a forgotten round still gets
+    a clear ABORTED naming the move, never another generation's result."""
+    core = Core(heartbeat_timeout=60)
+    for run in range(1, 31):  # each run afresh: a new generation
+        core.register(0.0, registration(0, 1, 1, incarnation=f"run-{run}"))
+        for number in range(2):
+            core.arrive(1.0, job=JOB, incarnation=f"run-{run}", replicas=[], round_number=number,
+                        contributions=[Contribution(0, "t", b"x" * 1000)], deadline=None, generation=run)
+        core.leave(JOB, f"run-{run}")
+    job = core.jobs[JOB]
+    assert job.generation == 30 and {key[0] for key in job.groups} == {29, 30}
+    core.register(0.0, registration(0, 1, 1, incarnation="run-31"))
+    assert {key[0] for key in job.groups} == {30}
+    with raises(Code.ABORTED, "moved from generation 1 to 31", "rounds of the old generation are void"):
+        core.arrive(2.0, job=JOB, incarnation="run-31", replicas=[], round_number=0,
+                    contributions=[Contribution(0, "t", b"x" * 1000)], deadline=None, generation=1)
+
+    pod = Pod(Core(heartbeat_timeout=60), 2, 1)
+    pod.register(0)
+    pod.register(1)
+    for restart in range(1, 6):  # restarts in place: the rounds they fail stay one generation
+        key = pod.arrive(0, now=2.0, replicas=[0, 1], round_number=0)
+        pod.register(1, now=3.0, incarnation=f"again-{restart}", pid=restart)
+        assert_message(pod.error(key), Code.ABORTED, f"moved to generation {restart + 1}")
+    assert {key[0] for key in pod.core.jobs[JOB].groups} == {5}
+
+
+def test_only_the_latest_events_are_kept_and_indexes_stay_meaningful(monkeypatch):
+    """A job keeps its latest events only, but indexes count from its first event: a stream
+    that counted the events so far (as Watch does) gets exactly the next one, and one whose
+    events were dropped meanwhile still moves on to the next index."""
+    from pjrt_rendezvous.coordinator import _core
+
+    monkeypatch.setattr(_core, "_EVENTS_KEPT", 3)
+    pod = Pod(Core(heartbeat_timeout=60), 2, 1)
+    pod.register(0)
+    for restart in range(5):
+        pod.register(1, incarnation=f"again-{restart}", pid=restart)
+    log = pod.core.jobs[JOB].events
+    assert (len(log), log.dropped) == (4, 1)
+    first, events = pod.core.events(JOB, 0)  # Watch's first count
+    assert (first, len(events)) == (1, 3)
+    seen = first + len(events)
+    pod.register(1, incarnation="again-9", pid=9)
+    (event,) = pod.core.events(JOB, seen)[1]
+    assert "again-9" not in event.message and "pid 9 replaces" in event.message
+    assert [e.message for e in pod.core.events(JOB, 3)[1]] == [e.message for e in list(log)[-2:]]
+    first, behind = pod.core.events(JOB, 1)  # event 1 is gone: the oldest kept comes first
+    assert first == 2 and first + len(behind) == len(log) == 5 and behind == list(log)
+    assert "pid 9 replaces" in pod.core._generation_reason(pod.core.jobs[JOB])
 
 
 def test_the_core_imports_only_the_standard_library():

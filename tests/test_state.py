@@ -175,6 +175,40 @@ def test_coordinator_killed_mid_job_restarts_from_its_state_file(tmp_path):
     assert adds == b"160"
 
 
+def test_a_job_name_reused_run_after_run_keeps_a_state_file_of_one_runs_size(monkeypatch):
+    """Old generations' rounds and all but the latest events are forgotten: the state file of
+    a job run 40 times is no bigger than after 4 runs, and loads back with the same events
+    (counted from the first) and rounds; an older file holding every generation loads without
+    the forgotten ones."""
+    from pjrt_rendezvous.coordinator import _core
+
+    monkeypatch.setattr(_core, "_EVENTS_KEPT", 5)
+    core = Core(heartbeat_timeout=60)
+    sizes = {}
+    for run in range(1, 41):
+        core.register(0.0, Registration(job="j", incarnation=f"run-{run}", host="h", pid=run, task_id=0, num_tasks=1,
+                                        devices_per_task=1, local_rank=0, threads=(ThreadRequest(thread_index=0),)))
+        for number in range(2):
+            core.arrive(1.0, job="j", incarnation=f"run-{run}", replicas=[], round_number=number,
+                        contributions=[Contribution(0, "t", b"x" * 10_000)], deadline=None, generation=run)
+        core.leave("j", f"run-{run}")
+        sizes[run] = len(_state.encode(_state.snapshot(core)))
+    assert sizes[40] < 1.05 * sizes[4]  # (longer numbers in it), not 10 times
+    body = _state.snapshot(core)
+    restored = _state.restore(_state.decode(_state.encode(body)), now=5.0)
+    assert _state.snapshot(restored) == body
+    log = restored.jobs["j"].events
+    assert (len(log), log.dropped) == (40, 35)
+    assert [e.message for e in restored.events("j", 38)[1]] == [e.message for e in core.events("j", 38)[1]]
+
+    older = json.loads(json.dumps(body))  # as written before: every generation, no count of dropped events
+    older["jobs"][0]["groups"] += [dict(g, generation=1) for g in older["jobs"][0]["groups"]]
+    del older["jobs"][0]["events_dropped"]
+    restored = _state.restore(older, now=5.0)
+    assert {key[0] for key in restored.jobs["j"].groups} == {39, 40}
+    assert len(restored.jobs["j"].events) == 5
+
+
 # -- the journal: finished rounds and key-value changes appended, not the whole state rewritten ---
 
 
