@@ -390,6 +390,9 @@ class Core:
         # job name, key), ("request", job name, request id, result). None: none kept (no
         # state file).
         self.journal: list[tuple] | None = None
+        # Restored from a state file: (when, for how long after that nobody is judged
+        # silent: the processes may not have been told the timeout yet), see ``_state.restore``.
+        self.restored: tuple[float, float] | None = None
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -1282,6 +1285,8 @@ class Core:
         """Declares dead every process not heard from within the heartbeat timeout."""
         if self.heartbeat_timeout is None:
             return
+        if self.restored is not None and now - self.restored[0] <= self.restored[1]:
+            return  # just restored: its processes may not have been told the timeout yet
         for job in self.jobs.values():
             for process in list(job.processes.values()):
                 silent = now - process.last_seen

@@ -27,6 +27,7 @@ import base64
 import collections
 import hashlib
 import json
+import math
 import os
 import pathlib
 import tempfile
@@ -34,6 +35,7 @@ import tempfile
 from ._core import ALL, Code, Core, CoreError, Event, EventLog, Job, Limits, Member, Process, Round, _Group
 
 FORMAT = "pjrt-rendezvous-state"
+_CLIENT_HEARTBEAT_INTERVAL = 5.0  # the client's default (client/_config.py; not imported: no client here)
 VERSION = 1
 
 
@@ -135,14 +137,21 @@ def snapshot(core: Core) -> dict:
                 "requests": [[k, _request_result(v)] for k, v in job.request_results.items()],
             }
         )
-    return {"version": core.version, "jobs": jobs}
+    return {"version": core.version, "heartbeat_timeout": core.heartbeat_timeout, "jobs": jobs}
 
 
 def restore(
     body: dict, *, now: float, limits: Limits | None = None, heartbeat_timeout: float | None = None
 ) -> Core:
-    """A core holding ``body`` (from :func:`snapshot`); every live process counts as seen ``now``."""
+    """A core holding ``body`` (from :func:`snapshot`); every live process counts as seen ``now``.
+
+    A process's client heartbeats every third of the timeout it was last given, at most every
+    5 s by default: for the shorter of the file's timeout and 15 s after the restore, nobody
+    is declared dead (a coordinator restarted with a shorter timeout must not find every
+    process silent at its old interval, which the next answer shortens)."""
     core = Core(limits, heartbeat_timeout=heartbeat_timeout)
+    before = body.get("heartbeat_timeout", 0.0)  # not in files before it was kept
+    core.restored = (now, min(math.inf if before is None else before, 3 * _CLIENT_HEARTBEAT_INTERVAL))
     for d in body["jobs"]:
         job = Job(
             name=d["name"],

@@ -242,6 +242,38 @@ def test_a_coordinator_stopped_and_continued_past_the_heartbeat_timeout_declares
         server.stop()
 
 
+def test_a_coordinator_restarted_with_a_shorter_heartbeat_timeout_keeps_its_processes(tmp_path):
+    """Restarted from its state file with a heartbeat timeout of 2 s instead of 60: the
+    restored processes, heartbeating every 5 s until an answer gives them the new timeout,
+    are not declared dead for that first gap, and then heartbeat every 2/3 s. (Clients kept
+    the interval of their first registration, and the restart declared everyone dead.)"""
+    state = tmp_path / "state.json"
+    first = Coordinator(port=0, heartbeat_timeout=60.0, state_file=state).start()
+    port = first.port
+
+    def client(task: int) -> pr.Client:
+        env = {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": str(task)}
+        return pr.Client(pr.Settings(address=first.address, timeout=30), pr.detect_topology(env, address=first.address))
+
+    clients = [client(0), client(1)]
+    pools = [concurrent.futures.ThreadPoolExecutor(1) for _ in clients]  # a bound thread each
+    for pool, c in zip(pools, clients):
+        pool.submit(c.bind_thread, 0).result()
+    first.stop(grace=0)
+    second = Coordinator(port=port, heartbeat_timeout=2.0, state_file=state).start()
+    try:
+        time.sleep(9.0)  # past the old interval, and then many of the new timeouts
+        status = clients[0].status()
+        assert all(p.alive for p in status.jobs[0].participants), status
+        assert not clients[0].events and not clients[1].events
+    finally:
+        for pool, c in zip(pools, clients):
+            pool.submit(c.unbind_thread).result()
+            pool.shutdown()
+            c.close()
+        second.stop(grace=0)
+
+
 def test_an_event_while_a_watch_stream_is_down_is_not_missed():
     """An idle process's Watch stream (gRPC, here through a proxy) is cut and cannot
     reconnect for a while; meanwhile its peer dies. The stream opened again resumes where

@@ -195,7 +195,7 @@ def test_a_job_name_reused_run_after_run_keeps_a_state_file_of_one_runs_size(mon
         sizes[run] = len(_state.encode(_state.snapshot(core)))
     assert sizes[40] < 1.05 * sizes[4]  # (longer numbers in it), not 10 times
     body = _state.snapshot(core)
-    restored = _state.restore(_state.decode(_state.encode(body)), now=5.0)
+    restored = _state.restore(_state.decode(_state.encode(body)), now=5.0, heartbeat_timeout=60)
     assert _state.snapshot(restored) == body
     log = restored.jobs["j"].events
     assert (len(log), log.dropped) == (40, 35)
