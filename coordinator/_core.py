@@ -386,8 +386,9 @@ class Core:
         # change (ranks, events) rewrites the state file.
         self.state_version = 0
         # Journaled changes since the state-file writer last took them (``take_journal``),
-        # in order: ("round", job name, Round), ("set", job name, key, value), ("delete",
-        # job name, key), ("request", job name, request id, result). None: none kept (no
+        # in order: ("round", job name, Round), ("set", job name, key, value), ("append",
+        # job name, key, value appended), ("delete", job name, key), ("request", job name,
+        # request id, result). None: none kept (no
         # state file).
         self.journal: list[tuple] | None = None
         # Restored from a state file: (when, for how long after that nobody is judged
@@ -1536,7 +1537,9 @@ class Core:
         def apply() -> None:
             combined = job.kv.get(key, b"") + value
             self._check_value(key, combined)
-            self._write(job, key, combined)
+            job.kv[key] = combined
+            self._journaled(("append", job.name, key, value))  # what it appends: the whole value each time was quadratic
+            self._wakeups.append(("kv", job.name, key))
 
         self._once(job, request_id, "append", key, apply)
 

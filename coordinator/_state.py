@@ -219,8 +219,8 @@ def journal_entry(version: int, changes: list[tuple], completed: dict[str, int])
     for change in changes:
         if change[0] == "round":
             rounds.setdefault(change[1], []).append(_round_to_json(change[2]))
-        elif change[0] == "set":
-            kv.append(["set", change[1], change[2], _b(change[3])])
+        elif change[0] in ("set", "append"):
+            kv.append([change[0], change[1], change[2], _b(change[3])])
         elif change[0] == "request":
             kv.append(["request", change[1], change[2], _request_result(change[3])])
         else:
@@ -239,6 +239,8 @@ def _replay_kv(core: Core, changes: list) -> None:
             job = core.jobs[name] = Job(name=name)
         if kind == "set":
             job.kv[key] = _unb(value[0])
+        elif kind == "append":  # (lines are replayed once each, on the state file they follow)
+            job.kv[key] = job.kv.get(key, b"") + _unb(value[0])
         elif kind == "delete":
             job.kv.pop(key, None)
         elif kind == "request":
