@@ -29,15 +29,18 @@ _DEFAULTS = {"address": None, "job": None, "timeout": DEFAULT, "topology": None,
 _METADATA_URL = "http://metadata.google.internal/computeMetadata/v1/instance/attributes"
 
 
-def _detect(env: Mapping[str, str], address: str | None) -> Topology:
-    # The metadata server exists only on Cloud TPU VMs; ask it only there (PJRT_DEVICE=TPU)
-    # or when a test points PJRT_RENDEZVOUS_METADATA_URL at its own server.
+def metadata(env: Mapping[str, str]):
+    """The metadata server's fetcher for ``env``, or None. The server exists only on Cloud
+    TPU VMs: it is asked only there (PJRT_DEVICE=TPU) or when a test points
+    PJRT_RENDEZVOUS_METADATA_URL at its own server."""
     url = env.get("PJRT_RENDEZVOUS_METADATA_URL")
     if url is None and env.get("PJRT_DEVICE", "").upper() == "TPU":
         url = _METADATA_URL
-    return detect_topology(
-        env, address=address, metadata=metadata_fetcher(url) if url else None, runtime_devices=_runtime_devices
-    )
+    return metadata_fetcher(url) if url else None
+
+
+def _detect(env: Mapping[str, str], address: str | None) -> Topology:
+    return detect_topology(env, address=address, metadata=metadata(env), runtime_devices=_runtime_devices)
 
 
 def started_xla_runtime():

@@ -677,13 +677,10 @@ def client_address(env: Mapping[str, str]) -> str:
     Raises:
         TopologyError: a malformed address or ``worker-network-endpoints``.
     """
-    from pjrt_rendezvous.client._api import _METADATA_URL
-    from pjrt_rendezvous.client._topology import detect_address, metadata_fetcher
+    from pjrt_rendezvous.client._api import metadata
+    from pjrt_rendezvous.client._topology import detect_address
 
-    url = env.get("PJRT_RENDEZVOUS_METADATA_URL")  # the same rule as the client's (_api._detect)
-    if url is None and env.get("PJRT_DEVICE", "").upper() == "TPU":
-        url = _METADATA_URL
-    return detect_address(env, metadata=metadata_fetcher(url) if url else None)
+    return detect_address(env, metadata=metadata(env))
 
 
 def _status(args, env: Mapping[str, str]) -> int:
