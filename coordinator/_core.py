@@ -30,7 +30,7 @@ import collections
 import dataclasses
 import enum
 import itertools
-from typing import Iterable, NamedTuple, Sequence
+from typing import Iterable, Mapping, NamedTuple, Sequence
 
 ALL: tuple[int, ...] = ()
 """The group key of a rendezvous over every ordinal of the job."""
@@ -92,6 +92,7 @@ class Limits:
     max_world_size: int = 65_536
     max_jobs: int = 1024
     max_pending_rounds: int = 65_536
+    max_kv_bytes: int = 1 << 30  # a job's keys and values together
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -347,6 +348,8 @@ class Job:
     events: EventLog = dataclasses.field(default_factory=EventLog)
     dead: set[int] = dataclasses.field(default_factory=set)  # ordinals of dead processes
     kv: dict[str, bytes] = dataclasses.field(default_factory=dict)
+    # The bytes of kv's keys and values (Core._kv_room); None: not counted yet (restored).
+    kv_bytes: int | None = dataclasses.field(default=None, repr=False)
     request_results: collections.OrderedDict[str, object] = dataclasses.field(
         default_factory=collections.OrderedDict
     )
@@ -1447,7 +1450,24 @@ class Core:
                 f"{self.limits.max_value_bytes} bytes (max_value_bytes)",
             )
 
+    def _kv_room(self, job: Job, values: Mapping[str, int]) -> None:
+        """Refuses writes of ``values`` (key -> the length of its new value) that would take
+        the job's keys and values past ``max_kv_bytes``."""
+        if job.kv_bytes is None:
+            job.kv_bytes = sum(len(k) + len(v) for k, v in job.kv.items())
+        grow = sum(n - (len(job.kv[k]) if k in job.kv else -len(k)) for k, n in values.items())
+        if grow > 0 and job.kv_bytes + grow > self.limits.max_kv_bytes:
+            raise CoreError(
+                Code.RESOURCE_EXHAUSTED,
+                f"job {job.name!r} holds {job.kv_bytes} bytes of keys and values; {grow} more would pass the "
+                f"limit of {self.limits.max_kv_bytes} (max_kv_bytes): delete keys it no longer needs",
+            )
+
     def _write(self, job: Job, key: str, value: bytes) -> None:
+        """Sets ``key`` (``_kv_room`` checked first)."""
+        old = job.kv.get(key)
+        if job.kv_bytes is not None:
+            job.kv_bytes += len(value) - (len(old) if old is not None else -len(key))
         job.kv[key] = value
         self._journaled(("set", job.name, key, value))
         self._wakeups.append(("kv", job.name, key))
@@ -1471,6 +1491,7 @@ class Core:
             self._check_key(key)
             self._check_value(key, value)
         job = self._job_or_create(job_name)
+        self._kv_room(job, {key: len(value) for key, value in entries})
         for key, value in entries:
             self._write(job, key, value)
 
@@ -1499,7 +1520,9 @@ class Core:
                     Code.INVALID_ARGUMENT,
                     f"adding {delta} to key {key!r} (value {int(current)}) leaves the 64-bit integer range",
                 )
-            self._write(job, key, str(value).encode())
+            text = str(value).encode()
+            self._kv_room(job, {key: len(text)})
+            self._write(job, key, text)
             return value
 
         return self._once(job, request_id, "add", key, apply)
@@ -1520,9 +1543,11 @@ class Core:
             if current is None:
                 if expected:
                     return expected
+                self._kv_room(job, {key: len(desired)})
                 self._write(job, key, desired)
                 return desired
             if current == expected:
+                self._kv_room(job, {key: len(desired)})
                 self._write(job, key, desired)
                 return desired
             return current
@@ -1537,6 +1562,8 @@ class Core:
         def apply() -> None:
             combined = job.kv.get(key, b"") + value
             self._check_value(key, combined)
+            self._kv_room(job, {key: len(combined)})
+            job.kv_bytes += len(value) + (0 if key in job.kv else len(key))  # (counted by _kv_room)
             job.kv[key] = combined
             self._journaled(("append", job.name, key, value))  # what it appends: the whole value each time was quadratic
             self._wakeups.append(("kv", job.name, key))
@@ -1549,8 +1576,11 @@ class Core:
         job = self._job_or_create(job_name)
 
         def apply() -> bool:
-            if job.kv.pop(key, None) is None:
+            old = job.kv.pop(key, None)
+            if old is None:
                 return False
+            if job.kv_bytes is not None:
+                job.kv_bytes -= len(key) + len(old)
             self._journaled(("delete", job.name, key))
             return True
 

@@ -1206,6 +1206,35 @@ def test_kv_list_returns_keys_with_a_prefix_sorted_and_kv_count_counts_them():
     assert core.kv_count(JOB, "q") == 0
 
 
+def test_a_jobs_keys_and_values_stay_within_max_kv_bytes():
+    """A job's keys and values together (bytes of each) stay within max_kv_bytes: a change
+    that would pass it is refused whole and changes nothing; replacing, shrinking and
+    deleting make room; a restored core counts what it holds."""
+    from pjrt_rendezvous.coordinator import _state
+
+    core = Core(Limits(max_kv_bytes=100))
+    core.kv_set(JOB, [("a", b"x" * 40), ("b", b"y" * 40)])  # 82 bytes
+    for change in (
+        lambda: core.kv_set(JOB, [("c", b"z" * 20), ("a", b"x" * 40)]),  # +21
+        lambda: core.kv_append(JOB, "a", b"x" * 19),
+        lambda: core.kv_compare_set(JOB, "new", b"", b"v" * 20),
+        lambda: core.kv_add(JOB, "counter-with-a-long-name", 1),
+    ):
+        with raises(Code.RESOURCE_EXHAUSTED, "holds 82 bytes", "max_kv_bytes"):
+            change()
+    assert core.kv_get(JOB, ["a", "b", "c", "new"]) == [b"x" * 40, b"y" * 40, None, None]
+    core.kv_set(JOB, [("a", b"x" * 20), ("c", b"z" * 17)])  # 20 freed, 18 taken: 80
+    core.kv_append(JOB, "c", b"z" * 20)  # 100: full
+    with raises(Code.RESOURCE_EXHAUSTED, "holds 100 bytes"):
+        core.kv_set(JOB, [("d", b"")])
+    assert core.kv_delete(JOB, "b")  # 59
+    restored = _state.restore(_state.snapshot(core), now=0.0, limits=Limits(max_kv_bytes=100))
+    for c in (core, restored):
+        c.kv_set(JOB, [("b", b"y" * 40)])  # 100 again
+        with raises(Code.RESOURCE_EXHAUSTED, "holds 100 bytes"):
+            c.kv_append(JOB, "b", b"y")
+
+
 def test_kv_keys_must_be_non_empty_and_within_max_key_length():
     """An empty key is INVALID_ARGUMENT and one over max_key_length RESOURCE_EXHAUSTED, for
     every KV operation; the limit fits."""
