@@ -51,6 +51,9 @@ class Monitor:
             None never.
     """
 
+    LATE_PER_CHECK = 16
+    LATE_KEPT = 4096  # rounds reported late, remembered; past this, those gone are forgotten
+
     def __init__(
         self,
         core: Core,
@@ -177,15 +180,25 @@ class Monitor:
             self.check_late()
 
     def check_late(self) -> None:
-        """Logs, once per round, every pending round older than ``late_after``."""
+        """Logs, once per round, every pending round older than ``late_after``: at most
+        ``LATE_PER_CHECK`` per call (naming who is missing costs the size of the round's
+        group: many late rounds of a large world would hold up the loop), the rest at the
+        next calls."""
         if self.late_after is None:
             return
         now = self._clock()
-        for name, job in self._core.jobs.items():
+        jobs = self._core.jobs
+        if len(self._late) > self.LATE_KEPT:  # forget the rounds that are no longer pending
+            self._late = {(name, key) for name, key in self._late if name in jobs and key in jobs[name].pending}
+        budget = self.LATE_PER_CHECK
+        for name, job in jobs.items():
             for key, rnd in job.pending.items():
                 waited = now - rnd.started
                 if waited < self.late_after or (name, key) in self._late:
                     continue
+                if not budget:
+                    return
+                budget -= 1
                 self._late.add((name, key))
                 missing = rnd.missing()
                 log.warning(

@@ -295,3 +295,34 @@ def test_a_taken_metrics_port_stops_serve_with_a_message():
         result = run_cli("serve", "--port", "0", "--metrics-port", str(port), timeout=60)
     assert result.returncode == 1 and "address already in use" in result.stderr, result.stderr
     assert "listening" not in result.stdout
+
+
+def test_late_rounds_are_reported_a_few_per_check_and_forgotten_once_gone(caplog):
+    """Naming who a late round misses costs its group's size: one check reports at most
+    LATE_PER_CHECK late rounds, the next ones the rest, each once; rounds reported late are
+    forgotten once they are no longer pending (past LATE_KEPT)."""
+    from pjrt_rendezvous.coordinator import Core
+    from pjrt_rendezvous.coordinator._core import Contribution, Registration, ThreadRequest
+    from pjrt_rendezvous.coordinator._monitor import Monitor
+
+    core = Core()
+    jobs = [f"j{n}" for n in range(40)]
+    for job in jobs:  # a world of 1,000, one ordinal there: its round waits
+        core.register(0.0, Registration(job=job, incarnation=f"i-{job}", host="h", pid=1, task_id=0, num_tasks=1000,
+                                        devices_per_task=1, local_rank=0, threads=(ThreadRequest(thread_index=0),)))
+        core.arrive(0.0, job=job, incarnation=f"i-{job}", replicas=[], round_number=0,
+                    contributions=[Contribution(0, "t", b"")], deadline=None)
+    monitor = Monitor(core, None, clock=lambda: 100.0, late_after=1.0)
+    monitor.LATE_KEPT = 20
+    reported = []
+    for _ in range(4):
+        caplog.clear()
+        monitor.check_late()
+        reported.append([r.getMessage() for r in caplog.records if "round late" in r.getMessage()])
+    assert [len(r) for r in reported] == [16, 16, 8, 0]
+    assert len({m.split("'")[1] for r in reported for m in r}) == 40  # each job's round once
+    assert "missing 1-999 never registered" in reported[0][0]
+    for job in jobs[:30]:
+        core.leave(job, f"i-{job}")  # their rounds fail: no longer pending
+    monitor.check_late()
+    assert len(monitor._late) == 10
