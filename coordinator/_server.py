@@ -103,7 +103,7 @@ class ServerOptions:
         heartbeat_timeout: a process silent this long is declared dead; None never.
         state_file: keep ranks, job config, finished rounds and keys here across restarts.
         token: shared secret every call must carry (``authorization: Bearer <token>``);
-            health checks are exempt so probes work.
+            health Checks are exempt so probes work (not health Watch streams).
         tls_cert, tls_key: PEM server certificate and key; enables TLS.
         tls_ca: PEM CA; with TLS, clients must present a certificate it signed (mutual TLS).
         grace: on stop, in-flight calls get this long to finish before they are cancelled.
@@ -172,7 +172,9 @@ class _TokenCheck(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if handler is None or details.method.startswith("/grpc.health.v1.Health/"):
+        # Probes carry no token: a health Check needs none. A health Watch (a stream held
+        # open, memory each) does.
+        if handler is None or details.method == "/grpc.health.v1.Health/Check":
             return handler
         given = dict(details.invocation_metadata or ()).get("authorization", "")
         message = _token_refusal(self._expected, given, details.method)

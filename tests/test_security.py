@@ -77,6 +77,9 @@ def test_token_is_required_and_compared(caplog):
         with grpc.insecure_channel(c.address) as channel:  # probes need no token
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as refused:  # a stream held open (memory) does
+                next(health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=10))
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert any("no token" in m for m in refusals) and any("a wrong token" in m for m in refusals)
     assert not any(SECRET in r.getMessage() or "guess-xyz" in r.getMessage() for r in caplog.records)
