@@ -379,22 +379,44 @@ class Client:
         """The open session to the coordinator, or with ``relay`` to the host's relay when
         fan-in is on and the relay has not failed lately; a new one after the last broke
         (they are opened lazily)."""
+        if relay and self._relay_path is not None:
+            session = self._relay_or_none()
+            if session is not None:
+                return session
         with self._session_lock:
             if self._closed:
                 raise UsageError(_CLOSED)
-            if relay and self._relay_path is not None and time.monotonic() >= self._relay_retry[0]:
-                if self._relay_session is None or self._relay_session.broken is not None:
-                    try:
-                        self._relay_session = SocketSession.local(self._relay_path)
-                        self._relay_retry = (0.0, _RELAY_RETRY)
-                    except grpc.RpcError as exc:
-                        self._relay_session = None
-                        self._avoid_relay(exc, again=True)
-                if self._relay_session is not None:
-                    return self._relay_session
             if self._current_session is None or self._current_session.broken is not None:
                 self._current_session = self._open_session()
             return self._current_session
+
+    def _relay_or_none(self) -> SocketSession | None:
+        """The session with the host's relay; None while it is avoided, or when a new one
+        cannot be had (then it is avoided longer). A new one is opened outside the session
+        lock: it waits for the relay's answer to a ping, which other calls must not."""
+        with self._session_lock:
+            if self._closed:
+                raise UsageError(_CLOSED)
+            if time.monotonic() < self._relay_retry[0]:
+                return None
+            if self._relay_session is not None and self._relay_session.broken is None:
+                return self._relay_session
+        try:
+            session = SocketSession.local(self._relay_path)
+        except grpc.RpcError as exc:
+            with self._session_lock:
+                if time.monotonic() >= self._relay_retry[0]:  # (not already by another thread)
+                    self._avoid_relay(exc, again=True)
+            return None
+        with self._session_lock:
+            current = self._relay_session
+            if self._closed or (current is not None and current.broken is None):
+                session.close()  # another thread's is in place (or we are closing)
+                if self._closed:
+                    raise UsageError(_CLOSED)
+                return current
+            self._relay_session, self._relay_retry = session, (0.0, _RELAY_RETRY)
+            return session
 
     def _open_session(self) -> Session:
         """On the coordinator's session port when it offers one and it has not failed
@@ -531,12 +553,13 @@ class Client:
         the job restarts; 0 before the first registration)."""
         return self._generation
 
-    def _adopt_generation(self, generation: int) -> None:
+    def _adopt_generation(self, generation: int, *, registered: bool = False) -> None:
         """A new job generation (a process restarted): round counters start again, and the
         first threads of batches of the old one send them now (no sibling joins them: see
-        ``_moved``)."""
+        ``_moved``). A Register answer's (``registered``) is taken even when lower: the
+        coordinator restarted without its state file and the job is new to it."""
         with self._lock:
-            if generation > self._generation:
+            if generation > self._generation or (registered and generation != self._generation):
                 if self._generation:
                     log.warning("job %s moved to generation %d; round numbers restart", self.settings.job, generation)
                     self._rounds.clear()
@@ -714,7 +737,7 @@ class Client:
         self._heartbeat_timeout = response.heartbeat_timeout
         self._learn_session_port(response.session_port)
         self.reads_process_indexes = response.reads_process_indexes
-        self._adopt_generation(response.generation)
+        self._adopt_generation(response.generation, registered=True)
         self._start_background()
         self._start_relay()
         binding = Binding(

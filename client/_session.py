@@ -62,6 +62,7 @@ _CODES = {status.value[0]: status for status in grpc.StatusCode}
 # random, all over 16 KiB): a longer message would reach the client as a bare
 # RESOURCE_EXHAUSTED. Non-ASCII text can take 3 bytes a character once escaped.
 _MESSAGE_CHARACTERS = 2000
+_BATCH_BYTES = 8 << 20  # a gRPC Session message's requests, at most (one bigger call alone)
 
 
 def clip(message: str) -> str:
@@ -166,10 +167,15 @@ class Session:
         self._finished()
 
     def _requests(self):
-        """What gRPC's sending thread sends: every call queued while it sent the last."""
-        while (call := self._outbox.get()) is not None:
-            calls = [call]
-            while True:
+        """What gRPC's sending thread sends: the calls queued while it sent the last, up to
+        _BATCH_BYTES of requests (a bigger call alone): the coordinator caps one message at
+        16 MiB beyond the largest call its limits allow, and a message over it fails every
+        call on the stream."""
+        held = None  # the call that did not fit in the last message
+        while (call := held if held is not None else self._outbox.get()) is not None:
+            held = None
+            calls, size = [call], len(call.request)
+            while size < _BATCH_BYTES:
                 try:
                     call = self._outbox.get_nowait()
                 except queue.Empty:
@@ -177,7 +183,11 @@ class Session:
                 if call is None:
                     yield pb.SessionRequest(calls=calls)
                     return
+                if size + len(call.request) > _BATCH_BYTES:
+                    held = call
+                    break
                 calls.append(call)
+                size += len(call.request)
             yield pb.SessionRequest(calls=calls)
 
     # -- calls ---------------------------------------------------------------------------------
@@ -912,7 +922,8 @@ class FramedSession(asyncio.Protocol):
                     continue
                 if len(buffer) < end:
                     break
-                message = bytes(buffer[start + FRAME.size : end])
+                with memoryview(buffer) as view:  # (one copy, not two)
+                    message = bytes(view[start + FRAME.size : end])
                 start = end
                 if not self._message(message):
                     return

@@ -178,7 +178,10 @@ class EventLog:
 
     def since(self, index: int) -> list[Event]:
         """The kept events from index ``index`` on (those dropped before it are gone)."""
-        return list(itertools.islice(self._kept, max(0, index - self.dropped), None))
+        wanted = len(self._kept) - max(0, index - self.dropped)
+        if wanted <= 16:  # a Watch's usual ask, the latest few: from the end, not the whole deque
+            return [self._kept[i] for i in range(-wanted, 0)]
+        return list(itertools.islice(self._kept, len(self._kept) - wanted, None))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -394,9 +397,10 @@ class Core:
         # request id, result). None: none kept (no
         # state file).
         self.journal: list[tuple] | None = None
-        # Restored from a state file: (when, for how long after that nobody is judged
-        # silent: the processes may not have been told the timeout yet), see ``_state.restore``.
-        self.restored: tuple[float, float] | None = None
+        # Restored from a state file: (when, for how long after that nobody is judged silent,
+        # the longest timeout the processes may still heartbeat by: they may not have been
+        # told this one yet), see ``_state.restore``; None again once that time has passed.
+        self.restored: tuple[float, float, float | None] | None = None
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -1289,8 +1293,10 @@ class Core:
         """Declares dead every process not heard from within the heartbeat timeout."""
         if self.heartbeat_timeout is None:
             return
-        if self.restored is not None and now - self.restored[0] <= self.restored[1]:
-            return  # just restored: its processes may not have been told the timeout yet
+        if self.restored is not None:
+            if now - self.restored[0] <= self.restored[1]:
+                return  # just restored: its processes may not have been told the timeout yet
+            self.restored = None
         for job in self.jobs.values():
             for process in list(job.processes.values()):
                 silent = now - process.last_seen

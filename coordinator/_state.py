@@ -137,7 +137,11 @@ def snapshot(core: Core) -> dict:
                 "requests": [[k, _request_result(v)] for k, v in job.request_results.items()],
             }
         )
-    return {"version": core.version, "heartbeat_timeout": core.heartbeat_timeout, "jobs": jobs}
+    # The longest timeout the processes may heartbeat by (None: none), for the next restore.
+    told = core.heartbeat_timeout
+    if core.restored is not None:  # (they may not have heard of this one yet)
+        told = None if told is None or core.restored[2] is None else max(told, core.restored[2])
+    return {"version": core.version, "heartbeat_timeout": told, "jobs": jobs}
 
 
 def restore(
@@ -151,7 +155,7 @@ def restore(
     process silent at its old interval, which the next answer shortens)."""
     core = Core(limits, heartbeat_timeout=heartbeat_timeout)
     before = body.get("heartbeat_timeout", 0.0)  # not in files before it was kept
-    core.restored = (now, min(math.inf if before is None else before, 3 * _CLIENT_HEARTBEAT_INTERVAL))
+    core.restored = (now, min(math.inf if before is None else before, 3 * _CLIENT_HEARTBEAT_INTERVAL), before)
     for d in body["jobs"]:
         job = Job(
             name=d["name"],

@@ -311,6 +311,41 @@ def test_a_frozen_relay_is_left_within_seconds_and_avoided_longer_each_time(coor
         c.close()
 
 
+def test_a_relay_being_connected_holds_up_no_direct_call(coordinator, monkeypatch):
+    """Connecting to the relay waits for its answer to a ping (up to a second for a frozen
+    one): meanwhile the process's direct calls (key-value, heartbeats) go on. (They waited
+    for the session lock the connect held.)"""
+    from pjrt_rendezvous.client import _client
+
+    clients = make_clients(coordinator.address, processes=2, hosts=1)
+    run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
+    sibling = clients[1]
+    sibling._relay_session.close()  # its next round connects again
+    connecting, release = threading.Event(), threading.Event()
+    real_local = _client.SocketSession.local
+
+    def slow_local(path):
+        connecting.set()
+        release.wait(30)
+        return real_local(path)
+
+    monkeypatch.setattr(_client.SocketSession, "local", staticmethod(slow_local))
+    rounds = threading.Thread(target=run_threads, args=(clients, lambda client, binding: client.rendezvous(binding, "r")))
+    rounds.start()
+    try:
+        assert connecting.wait(10)
+        direct = threading.Thread(target=lambda: sibling.set("direct", b"1"))
+        direct.start()
+        direct.join(10)
+        assert not direct.is_alive(), "a direct call waited for the relay's connect"
+    finally:
+        release.set()
+        rounds.join(60)
+    assert sibling.get("direct", wait=False) == b"1"
+    for c in clients:
+        c.close()
+
+
 def test_a_relay_whose_process_was_replaced_still_carries_its_siblings_rounds(coordinator):
     """Host 0's relay runs in task 0's process; a new process for task 0 on that host takes
     the task over (a restart as the coordinator sees it) while the old one lives on with its

@@ -343,6 +343,54 @@ def test_a_process_that_registers_again_after_a_coordinator_restart_watches_agai
             c.close(leave=False)
 
 
+def test_processes_registering_again_with_a_coordinator_that_lost_its_state_meet_in_its_generation():
+    """The job reached generation 2 (a restart), then the coordinator restarted without a
+    state file: the job is new to it (generation 1). The processes register again, as they
+    are told to, take its generation (each thread's first call says the job moved), and
+    meet. (Their rounds named generation 2 and were refused as void for ever.)"""
+    first = Coordinator(port=0).start()
+    port = first.port
+
+    def client(task: int) -> pr.Client:
+        env = {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": str(task)}
+        return pr.Client(pr.Settings(address=first.address, timeout=20), pr.detect_topology(env, address=first.address))
+
+    survivor, crashed = client(0), client(1)
+    pools = [concurrent.futures.ThreadPoolExecutor(1) for _ in range(2)]  # a bound thread each
+    pools[0].submit(survivor.bind_thread, 0).result()
+    with concurrent.futures.ThreadPoolExecutor(1) as once:
+        once.submit(crashed.bind_thread, 0).result()
+    crashed.close(leave=False)
+    replacement = client(1)
+    clients = (survivor, replacement)
+    try:
+        pools[1].submit(replacement.bind_thread, 0).result()  # the job moves to generation 2
+        assert replacement.generation == 2
+        first.stop(grace=0)
+        second = Coordinator(port=port).start()  # without a state file: the job is forgotten
+        try:
+            for pool, c in zip(pools, clients):  # registering again, as the errors say to
+                pool.submit(c.unbind_thread).result()
+                pool.submit(c.bind_thread, 0).result()
+            assert [c.generation for c in clients] == [1, 1]
+
+            def meet(c: pr.Client) -> list:
+                try:
+                    return c.rendezvous(pr.current_binding(), "again", b"x")
+                except pr.ParticipantFailedError:  # told once that the job moved
+                    return c.rendezvous(pr.current_binding(), "again", b"x")
+
+            rounds = [pool.submit(meet, c) for pool, c in zip(pools, clients)]
+            assert [r.result(timeout=60) for r in rounds] == [[b"x", b"x"]] * 2
+        finally:
+            second.stop(grace=0)
+    finally:
+        for pool, c in zip(pools, clients):
+            pool.submit(c.unbind_thread).result()
+            pool.shutdown()
+            c.close(leave=False)
+
+
 def test_an_embedded_coordinator_watches_liveness_as_serve_does():
     """The embedded form declares silent processes dead after serve's default 60 s too;
     heartbeat_timeout=None turns the watch off."""

@@ -256,3 +256,33 @@ def test_a_request_over_the_largest_message_the_limits_allow_is_resource_exhaust
                     assert type(session) is SocketSession and client._current_session is session
             finally:
                 client.close()
+
+
+def test_calls_each_within_the_largest_message_go_together_on_grpc_without_passing_it():
+    """On gRPC's Session stream the calls queued meanwhile go in one message: never more
+    than the cap in all (a bigger batch failed every call on the stream), however many
+    threads send calls of about half the cap at once."""
+    limits = Limits(max_value_bytes=64 << 10, max_payload_bytes=64 << 10)
+    cap = max_message_bytes(limits)
+    values = [bytes(60 << 10)] * (cap // 2 // (60 << 10))  # one call: about half the cap
+    with Coordinator(port=0, limits=limits, session_port=None) as c:
+        (client,) = make_clients(c.address, fan_in="off", transport="grpc", processes=1, hosts=1)
+        try:
+            start, outcomes = threading.Barrier(8), {}
+
+            def writer(n: int) -> None:
+                start.wait(10)
+                try:
+                    client.multi_set([f"t{n}/{i}" for i in range(len(values))], values)
+                    outcomes[n] = "ok"
+                except pr.RendezvousError as exc:
+                    outcomes[n] = str(exc)
+
+            threads = [threading.Thread(target=writer, args=(n,)) for n in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert outcomes == {n: "ok" for n in range(8)}, outcomes
+        finally:
+            client.close()

@@ -293,6 +293,27 @@ def test_key_value_changes_go_to_the_journal_in_order_and_come_back(tmp_path):
     assert restored.kv_compare_set("j", "cas", b"", b"w", request_id="cas") == b"v"
 
 
+def test_a_restore_with_a_shorter_heartbeat_timeout_judges_nobody_until_the_old_one_could_pass():
+    """Restored with a heartbeat timeout of 3 s from a file of a 60 s coordinator (whose
+    clients heartbeat every 5 s until told otherwise), and restored again 2 s later from the
+    file the first restore wrote: nobody is declared dead within min(60 s, 15 s) of either
+    restore, and after it the 3 s timeout applies. (The second restore read 3 s as the old
+    timeout and declared everyone dead at 3 s.)"""
+    core = Core(heartbeat_timeout=60.0)
+    for task in range(2):
+        core.register(0.0, Registration(job="j", incarnation=f"i{task}", host="h", pid=task, task_id=task, num_tasks=2,
+                                        devices_per_task=1, local_rank=task, threads=(ThreadRequest(thread_index=0),)))
+    first = _state.restore(_state.snapshot(core), now=100.0, heartbeat_timeout=3.0)
+    second = _state.restore(_state.decode(_state.encode(_state.snapshot(first))), now=102.0, heartbeat_timeout=3.0)
+    for restored, within in ((first, 114.0), (second, 116.0)):
+        restored.check_liveness(within)
+        assert all(p.alive for p in restored.jobs["j"].processes.values())
+        restored.touch("j", "i0", within)  # i0 heartbeats; i1 stays silent
+        restored.check_liveness(within + 2.0)  # past the window; i0 heard 2 s ago
+        assert [p.alive for p in restored.jobs["j"].processes.values()] == [True, False]
+    assert _state.snapshot(second)["heartbeat_timeout"] == 3.0  # all told by now
+
+
 def test_an_append_journals_what_it_appends_not_the_whole_value(tmp_path, monkeypatch):
     """Each append to a large value adds a line of its own bytes to the journal (it wrote
     the whole value each time: ten 1-byte appends to 1 MB wrote over 10 MB), and the
