@@ -565,6 +565,8 @@ class Client:
                     self._rounds.clear()
                 self._generation = generation
                 self._signal_gathered(None)
+                if self._relay is not None:
+                    self._relay.generation_moved(generation)
 
     def _refresh_generation(self) -> None:
         """After a round failed (ABORTED): the job's generation now, so that a thread told
@@ -592,8 +594,9 @@ class Client:
             return  # (the restart replaced this process: the coordinator's answer says so)
         why = "a process restarted" if restart is None else restart.message
         raise ParticipantFailedError(
-            f"job {self.settings.job!r} moved from generation {told} to {self._generation} ({why}) since ordinal "
-            f"{ordinal}'s last round; rounds of the old generation are void: this call is refused, the next is of the new generation"
+            f"job {self.settings.job!r} moved from generation {told} to {self._generation} ({why}); rounds of "
+            f"generation {told} are void, and this call of ordinal {ordinal}, its first since, is refused: its next "
+            f"call is of generation {self._generation}"
         )
 
     def _start_background(self) -> None:

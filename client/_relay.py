@@ -195,11 +195,25 @@ class Relay:
         if request.HasField("timeout"):
             deadline = time.monotonic() + request.timeout
             host_round.deadline = deadline if host_round.deadline is None else min(host_round.deadline, deadline)
-        if self._expected(request.replicas) <= host_round.arrived:
-            self._send_on(key)
+        if self._expected(request.replicas) <= host_round.arrived or request.generation < self._client.generation:
+            self._send_on(key)  # (a call of an older generation: no sibling joins it, see Client._moved)
         elif host_round.timer is None:
             host_round.timer = self._loop.call_later(self._window, self._send_on, key)
         return _answer(call_id, await answer)
+
+    def generation_moved(self, generation: int) -> None:
+        """(Any thread) The job moved to ``generation``: the rounds held for an older one are
+        sent now, not after the batch window (no sibling's call joins them: ``Client._moved``;
+        the coordinator refuses them as void, and their callers learn of the move at once)."""
+
+        def send_older() -> None:
+            for key in [key for key in self._rounds if key[1] < generation]:
+                self._send_on(key)
+
+        try:
+            self._loop.call_soon_threadsafe(send_older)
+        except RuntimeError:  # closed
+            pass
 
     def _expected(self, replicas) -> set[int]:
         """The ordinals of the host's processes heard from that belong to the group."""

@@ -1375,7 +1375,7 @@ class Core:
         if old.alive:
             was = f"was last heard from {max(0.0, now - old.last_seen):.1f} s before"
         else:
-            was = old.death or "stopped"
+            was = f"{'left' if old.left else 'died'}: {old.death}" if old.death else "had stopped"
         message = (
             f"task {old.task_id} ({_ordinals_word(sorted(old.ordinals))}) restarted: {newcomer} "
             f"replaces {old.label()}, which {was}"
@@ -1383,11 +1383,11 @@ class Core:
         job.replaced[old.incarnation] = message
         while len(job.replaced) > _REPLACED_KEPT:
             job.replaced.popitem(last=False)
-        error = CoreError(
-            Code.ABORTED, f"job {job.name!r} moved to generation {job.generation}: {message}"
-        )
         for rnd in list(job.pending.values()):
-            self._fail(job, rnd, error)
+            self._fail(
+                job, rnd,
+                CoreError(Code.ABORTED, f"job {job.name!r} moved to generation {job.generation}: {message}; {rnd.describe()} is void"),
+            )
         self._event(job, "PROCESS_RESTARTED", old, message)
 
     def _event(self, job: Job, kind: str, process: Process, message: str) -> None:

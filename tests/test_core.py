@@ -1640,7 +1640,7 @@ def test_a_dead_process_is_replaced_from_any_host_and_old_rounds_are_void():
     pod.register(1, now=5.0, incarnation="new-1", host="elsewhere", pid=7)
     job = pod.core.jobs[JOB]
     assert job.generation == 2 and job.members[1].incarnation == "new-1" and not job.dead
-    assert "restarted: elsewhere pid 7 replaces host-0 pid 1001, which killed" in pod.core.events(JOB, 0)[1][-1].message
+    assert "restarted: elsewhere pid 7 replaces host-0 pid 1001, which died: killed" in pod.core.events(JOB, 0)[1][-1].message
     with raises(Code.ABORTED, "moved from generation 1 to 2", "restarted"):
         pod.core.arrive(6.0, job=JOB, incarnation=incarnation_of(0), replicas=[], round_number=0,
                         contributions=[Contribution(0, "t", b"")], deadline=None, generation=1)
@@ -1663,7 +1663,7 @@ def test_a_process_restarted_on_its_host_with_its_local_rank_replaces_the_live_o
         pod.error(key),
         Code.ABORTED,
         "moved to generation 2: task 1 (ordinal 1) restarted: host-0 pid 9999 replaces host-0 pid 1001, "
-        "which was last heard from 3.0 s before",
+        "which was last heard from 3.0 s before; rendezvous 't' on all ordinals (round 0) is void",
     )
     with raises(Code.FAILED_PRECONDITION, "'inc-1'", "was replaced", "host-0 pid 9999 replaces"):
         pod.core.touch(JOB, incarnation_of(1), now=4.0)

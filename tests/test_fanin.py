@@ -388,6 +388,28 @@ def test_a_replaced_relay_resends_its_siblings_calls_at_once(coordinator):
         c.close()
 
 
+def test_a_round_a_relay_holds_fails_at_once_when_the_job_moves(coordinator):
+    """A relay holding a round for its host's other process (a batch window of 60 s) sends
+    it as soon as its process hears that the job moved to a new generation (a process on
+    another host restarted): its callers learn of the restart then, not a window later."""
+    clients = make_clients(coordinator.address)
+    run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
+    clients[0]._relay._window = 60.0
+    outcome = {}
+    step = threading.Thread(target=lambda: outcome.update(run_threads(clients[:1], lambda c, b: c.rendezvous(b, "step"))))
+    step.start()  # host 0's relay holds it: host 0's other process has not called
+    time.sleep(0.5)
+    env = simulated_env(address=coordinator.address, accelerator="v3-8", task=3, processes=PROCESSES, hosts=HOSTS, threads=THREADS)
+    fresh = pr.Client(pr.Settings(address=coordinator.address, fan_in="off"), pr.detect_topology(env, address=coordinator.address))
+    fresh.bind_thread(0)  # task 3 restarts on host 1: the job moves to generation 2
+    fresh.unbind_thread()
+    step.join(20)
+    assert not step.is_alive(), "the relay held the round of the old generation"
+    assert all(isinstance(e, pr.ParticipantFailedError) and "to 2" in str(e) for e in outcome.values()), outcome
+    for c in [*clients, fresh]:
+        c.close()
+
+
 def test_a_relay_removes_only_its_own_socket_and_siblings_use_only_their_users_relay(coordinator, monkeypatch):
     """A process restarted on its host starts a relay at the same path while the old one lives
     on: the old one's close leaves the new socket. A relay socket served by another user (it
