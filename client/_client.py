@@ -563,6 +563,10 @@ class Client:
                 if self._generation:
                     log.warning("job %s moved to generation %d; round numbers restart", self.settings.job, generation)
                     self._rounds.clear()
+                if generation < self._generation:  # (a number its threads may have had before: told again)
+                    for ordinal, told in self._told.items():
+                        if told is not None:
+                            self._told[ordinal] = self._generation
                 self._generation = generation
                 self._signal_gathered(None)
                 if self._relay is not None:

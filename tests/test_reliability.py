@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import pathlib
@@ -34,6 +35,34 @@ def start(address, scenario, task, *, processes):
 def observer(address):
     topology = pr.detect_topology({}, address=address)
     return pr.Client(pr.Settings(address=address, timeout=30), topology)
+
+
+def pair_client(address: str, task: int) -> pr.Client:
+    """The client of task ``task`` of a job of two processes of one device each."""
+    env = {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": str(task)}
+    return pr.Client(pr.Settings(address=address, timeout=30), pr.detect_topology(env, address=address))
+
+
+@contextlib.contextmanager
+def bound(clients):
+    """A thread of its own for each client (run there with ``pool.submit``), bound to its
+    device 0; unbound, and the clients closed, after."""
+    pools = [concurrent.futures.ThreadPoolExecutor(1) for _ in clients]
+    try:
+        for pool, client in zip(pools, clients):
+            pool.submit(client.bind_thread, 0).result()  # registers; heartbeats from here
+        yield pools
+    finally:
+        for pool, client in zip(pools, clients):
+            pool.submit(client.unbind_thread).result()
+            pool.shutdown()
+            client.close(leave=False)
+
+
+def meet(pools, clients, tag: str) -> list:
+    """Each client's bound thread calls ``rendezvous(tag, b"x")``; their results."""
+    rounds = [pool.submit(lambda c=c: c.rendezvous(pr.current_binding(), tag, b"x")) for pool, c in zip(pools, clients)]
+    return [r.result(timeout=30) for r in rounds]
 
 
 def finish(child, timeout=60):
@@ -151,33 +180,17 @@ def test_a_coordinator_held_up_longer_than_the_heartbeat_timeout_declares_nobody
     keeps heartbeating: the heartbeats that came in meanwhile count before anyone is judged,
     so nobody is declared dead and the next round runs."""
     with Coordinator(port=0, heartbeat_timeout=1.0) as coordinator:
-        clients = [
-            pr.Client(
-                pr.Settings(address=coordinator.address, timeout=30),
-                pr.detect_topology(
-                    {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": str(task)},
-                    address=coordinator.address,
-                ),
-            )
-            for task in range(2)
-        ]
-        threads = [concurrent.futures.ThreadPoolExecutor(1) for _ in clients]  # a bound thread each
-        for pool, client in zip(threads, clients):
-            pool.submit(client.bind_thread, 0).result()  # registers; heartbeats every 1/3 s from here
-        time.sleep(1.0)
-        stalled = threading.Event()
-        coordinator._loop.call_soon_threadsafe(lambda: (stalled.set(), time.sleep(2.5)))
-        assert stalled.wait(10)
-        time.sleep(3.5)  # the stall, then a second of heartbeats after it
-        status = clients[0].status()
-        assert all(p.alive for p in status.jobs[0].participants), status
-        assert not clients[0].events
-        rounds = [pool.submit(lambda c=c: c.rendezvous(pr.current_binding(), "after", b"x")) for pool, c in zip(threads, clients)]
-        assert [r.result(timeout=30) for r in rounds] == [[b"x", b"x"]] * 2
-        for pool, client in zip(threads, clients):
-            pool.submit(client.unbind_thread).result()
-            pool.shutdown()
-            client.close()
+        clients = [pair_client(coordinator.address, task) for task in range(2)]
+        with bound(clients) as pools:  # heartbeats every 1/3 s
+            time.sleep(1.0)
+            stalled = threading.Event()
+            coordinator._loop.call_soon_threadsafe(lambda: (stalled.set(), time.sleep(2.5)))
+            assert stalled.wait(10)
+            time.sleep(3.5)  # the stall, then a second of heartbeats after it
+            status = clients[0].status()
+            assert all(p.alive for p in status.jobs[0].participants), status
+            assert not clients[0].events
+            assert meet(pools, clients, "after") == [[b"x", b"x"]] * 2
 
 
 def test_a_replaced_process_is_told_so_and_warned_once(caplog):
@@ -215,30 +228,17 @@ def test_a_coordinator_stopped_and_continued_past_the_heartbeat_timeout_declares
     from test_cli import Serve
 
     with Serve("--heartbeat-timeout", "2") as server:
-        clients = [
-            pr.Client(
-                pr.Settings(address=server.address, timeout=30),
-                pr.detect_topology({"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": str(task)}, address=server.address),
-            )
-            for task in range(2)
-        ]
-        threads = [concurrent.futures.ThreadPoolExecutor(1) for _ in clients]  # a bound thread each
-        for pool, client in zip(threads, clients):
-            pool.submit(client.bind_thread, 0).result()  # heartbeats every 2/3 s from here
-        time.sleep(1.0)
-        server.proc.send_signal(signal.SIGSTOP)
-        time.sleep(3.5)
-        server.proc.send_signal(signal.SIGCONT)
-        time.sleep(2.0)
-        status = clients[0].status()
-        assert all(p.alive for p in status.jobs[0].participants), status
-        assert "died" not in server.stderr()
-        rounds = [pool.submit(lambda c=c: c.rendezvous(pr.current_binding(), "after", b"x")) for pool, c in zip(threads, clients)]
-        assert [r.result(timeout=30) for r in rounds] == [[b"x", b"x"]] * 2
-        for pool, client in zip(threads, clients):
-            pool.submit(client.unbind_thread).result()
-            pool.shutdown()
-            client.close()
+        clients = [pair_client(server.address, task) for task in range(2)]
+        with bound(clients) as pools:  # heartbeats every 2/3 s
+            time.sleep(1.0)
+            server.proc.send_signal(signal.SIGSTOP)
+            time.sleep(3.5)
+            server.proc.send_signal(signal.SIGCONT)
+            time.sleep(2.0)
+            status = clients[0].status()
+            assert all(p.alive for p in status.jobs[0].participants), status
+            assert "died" not in server.stderr()
+            assert meet(pools, clients, "after") == [[b"x", b"x"]] * 2
         server.stop()
 
 
@@ -250,28 +250,17 @@ def test_a_coordinator_restarted_with_a_shorter_heartbeat_timeout_keeps_its_proc
     state = tmp_path / "state.json"
     first = Coordinator(port=0, heartbeat_timeout=60.0, state_file=state).start()
     port = first.port
-
-    def client(task: int) -> pr.Client:
-        env = {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": str(task)}
-        return pr.Client(pr.Settings(address=first.address, timeout=30), pr.detect_topology(env, address=first.address))
-
-    clients = [client(0), client(1)]
-    pools = [concurrent.futures.ThreadPoolExecutor(1) for _ in clients]  # a bound thread each
-    for pool, c in zip(pools, clients):
-        pool.submit(c.bind_thread, 0).result()
-    first.stop(grace=0)
-    second = Coordinator(port=port, heartbeat_timeout=2.0, state_file=state).start()
-    try:
-        time.sleep(9.0)  # past the old interval, and then many of the new timeouts
-        status = clients[0].status()
-        assert all(p.alive for p in status.jobs[0].participants), status
-        assert not clients[0].events and not clients[1].events
-    finally:
-        for pool, c in zip(pools, clients):
-            pool.submit(c.unbind_thread).result()
-            pool.shutdown()
-            c.close()
-        second.stop(grace=0)
+    clients = [pair_client(first.address, task) for task in range(2)]
+    with bound(clients):
+        first.stop(grace=0)
+        second = Coordinator(port=port, heartbeat_timeout=2.0, state_file=state).start()
+        try:
+            time.sleep(9.0)  # past the old interval, and then many of the new timeouts
+            status = clients[0].status()
+            assert all(p.alive for p in status.jobs[0].participants), status
+            assert not clients[0].events and not clients[1].events
+        finally:
+            second.stop(grace=0)
 
 
 def test_an_event_while_a_watch_stream_is_down_is_not_missed():
@@ -282,27 +271,16 @@ def test_an_event_while_a_watch_stream_is_down_is_not_missed():
     from _proxy import Proxy
 
     with Coordinator(port=0, heartbeat_timeout=2.0, session_port=0) as coordinator, Proxy(coordinator.address) as proxy:
-
-        def client(task: int, address: str) -> pr.Client:
-            env = {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": str(task)}
-            return pr.Client(pr.Settings(address=address, timeout=30), pr.detect_topology(env, address=address))
-
-        idle, peer = client(0, proxy.address), client(1, coordinator.address)
-        pools = [concurrent.futures.ThreadPoolExecutor(1) for _ in range(2)]  # a bound thread each
-        for pool, c in zip(pools, (idle, peer)):
-            pool.submit(c.bind_thread, 0).result()
-        time.sleep(1.0)  # the idle process's Watch stream is open
-        assert proxy.drop(refuse_for=5.0) > 0
-        peer._stopped.set()  # no more heartbeats: declared dead within the refusal
-        deadline = time.monotonic() + 20
-        while not idle.events and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert [e.kind for e in idle.events] == [pb.WatchEvent.PROCESS_DEAD], idle.events
-        assert "no heartbeat" in idle.events[0].message
-        for pool, c in zip(pools, (idle, peer)):
-            pool.submit(c.unbind_thread).result()
-            pool.shutdown()
-            c.close(leave=False)
+        idle, peer = pair_client(proxy.address, 0), pair_client(coordinator.address, 1)
+        with bound((idle, peer)):
+            time.sleep(1.0)  # the idle process's Watch stream is open
+            assert proxy.drop(refuse_for=5.0) > 0
+            peer._stopped.set()  # no more heartbeats: declared dead within the refusal
+            deadline = time.monotonic() + 20
+            while not idle.events and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert [e.kind for e in idle.events] == [pb.WatchEvent.PROCESS_DEAD], idle.events
+            assert "no heartbeat" in idle.events[0].message
 
 
 def test_a_process_that_registers_again_after_a_coordinator_restart_watches_again():
@@ -312,16 +290,8 @@ def test_a_process_that_registers_again_after_a_coordinator_restart_watches_agai
     for good at the first refusal.)"""
     first = Coordinator(port=0, heartbeat_timeout=2.0).start()
     port = first.port
-
-    def client(task: int) -> pr.Client:
-        env = {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": str(task)}
-        return pr.Client(pr.Settings(address=first.address, timeout=30), pr.detect_topology(env, address=first.address))
-
-    idle, peer = client(0), client(1)
-    pools = [concurrent.futures.ThreadPoolExecutor(1) for _ in range(2)]  # a bound thread each
-    try:
-        for pool, c in zip(pools, (idle, peer)):
-            pool.submit(c.bind_thread, 0).result()
+    idle, peer = pair_client(first.address, 0), pair_client(first.address, 1)
+    with bound((idle, peer)) as pools:
         first.stop(grace=0)
         second = Coordinator(port=port, heartbeat_timeout=2.0).start()
         try:
@@ -336,11 +306,6 @@ def test_a_process_that_registers_again_after_a_coordinator_restart_watches_agai
             assert [e.kind for e in idle.events] == [pb.WatchEvent.PROCESS_DEAD], idle.events
         finally:
             second.stop(grace=0)
-    finally:
-        for pool, c in zip(pools, (idle, peer)):
-            pool.submit(c.unbind_thread).result()
-            pool.shutdown()
-            c.close(leave=False)
 
 
 def test_processes_registering_again_with_a_coordinator_that_lost_its_state_meet_in_its_generation():
@@ -350,22 +315,12 @@ def test_processes_registering_again_with_a_coordinator_that_lost_its_state_meet
     meet. (Their rounds named generation 2 and were refused as void for ever.)"""
     first = Coordinator(port=0).start()
     port = first.port
-
-    def client(task: int) -> pr.Client:
-        env = {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": str(task)}
-        return pr.Client(pr.Settings(address=first.address, timeout=20), pr.detect_topology(env, address=first.address))
-
-    survivor, crashed = client(0), client(1)
-    pools = [concurrent.futures.ThreadPoolExecutor(1) for _ in range(2)]  # a bound thread each
-    pools[0].submit(survivor.bind_thread, 0).result()
-    with concurrent.futures.ThreadPoolExecutor(1) as once:
-        once.submit(crashed.bind_thread, 0).result()
-    crashed.close(leave=False)
-    replacement = client(1)
-    clients = (survivor, replacement)
-    try:
-        pools[1].submit(replacement.bind_thread, 0).result()  # the job moves to generation 2
-        assert replacement.generation == 2
+    crashed = pair_client(first.address, 1)
+    with bound([crashed]):
+        pass  # (registered; the crash leaves it registered: close(leave=False))
+    clients = (pair_client(first.address, 0), pair_client(first.address, 1))
+    with bound(clients) as pools:  # task 1's replacement: the job moves to generation 2
+        assert [c.generation for c in clients] == [2, 2]
         first.stop(grace=0)
         second = Coordinator(port=port).start()  # without a state file: the job is forgotten
         try:
@@ -373,22 +328,12 @@ def test_processes_registering_again_with_a_coordinator_that_lost_its_state_meet
                 pool.submit(c.unbind_thread).result()
                 pool.submit(c.bind_thread, 0).result()
             assert [c.generation for c in clients] == [1, 1]
-
-            def meet(c: pr.Client) -> list:
-                try:
-                    return c.rendezvous(pr.current_binding(), "again", b"x")
-                except pr.ParticipantFailedError:  # told once that the job moved
-                    return c.rendezvous(pr.current_binding(), "again", b"x")
-
-            rounds = [pool.submit(meet, c) for pool, c in zip(pools, clients)]
-            assert [r.result(timeout=60) for r in rounds] == [[b"x", b"x"]] * 2
+            for pool, c in zip(pools, clients):  # each thread told once that the job moved
+                with pytest.raises(pr.ParticipantFailedError, match="moved from generation 2 to 1"):
+                    pool.submit(lambda c=c: c.rendezvous(pr.current_binding(), "again", b"x")).result(timeout=30)
+            assert meet(pools, clients, "again") == [[b"x", b"x"]] * 2
         finally:
             second.stop(grace=0)
-    finally:
-        for pool, c in zip(pools, clients):
-            pool.submit(c.unbind_thread).result()
-            pool.shutdown()
-            c.close(leave=False)
 
 
 def test_an_embedded_coordinator_watches_liveness_as_serve_does():
