@@ -426,6 +426,11 @@ class Servicer(pb_grpc.CoordinatorServicer):
         yield pb.WatchEvent(index=seen)
         while True:
             first, events = self._core.events(request.job, seen)
+            if events:  # on disk before anyone hears of them (a crash cannot take one back)
+                try:
+                    await self._persist()
+                except CoreError as exc:
+                    await _abort(context, exc.code, exc.message)
             for index, event in enumerate(events, first):
                 yield pb.WatchEvent(
                     kind=pb.WatchEvent.Kind.Value(event.kind),

@@ -283,6 +283,38 @@ def test_an_event_while_a_watch_stream_is_down_is_not_missed():
             assert "no heartbeat" in idle.events[0].message
 
 
+def test_an_event_is_streamed_only_once_it_is_on_disk(tmp_path, monkeypatch):
+    """With a state file, a Watch stream sends an event (here a peer leaving) only once the
+    state file holds it: a crash in between cannot take back an event a process acted on,
+    nor leave a resuming stream's index past the end."""
+    from pjrt_rendezvous.coordinator import _state
+
+    writing, release = threading.Event(), threading.Event()
+    real_rewrite = _state.Files.rewrite
+
+    def slow_rewrite(files, data: bytes) -> None:
+        if b"PROCESS_LEFT" in data:  # the disk is slow for this one
+            writing.set()
+            release.wait(20)
+        real_rewrite(files, data)
+
+    monkeypatch.setattr(_state.Files, "rewrite", slow_rewrite)
+    with Coordinator(port=0, state_file=tmp_path / "state.json") as coordinator:
+        idle, peer = pair_client(coordinator.address, 0), pair_client(coordinator.address, 1)
+        with bound((idle, peer)) as pools:
+            time.sleep(0.5)  # the idle process's Watch stream is open
+            leaving = pools[1].submit(peer.close)  # (its Leave waits for the write too)
+            assert writing.wait(10)
+            time.sleep(1.0)
+            assert not idle.events  # not before it is on disk
+            release.set()
+            leaving.result(timeout=20)
+            deadline = time.monotonic() + 10
+            while not idle.events and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert [e.kind for e in idle.events] == [pb.WatchEvent.PROCESS_LEFT], idle.events
+
+
 def test_a_process_that_registers_again_after_a_coordinator_restart_watches_again():
     """A coordinator restarted without a state file forgets the job: the clients' Watch
     streams are refused (NOT_FOUND) until the processes register again, as the errors tell
