@@ -275,18 +275,9 @@ def test_a_value_is_read_only_once_it_is_on_disk(tmp_path, monkeypatch, wait):
     """With a state file, a get (plain, or blocked until the key is set) answers a value only
     once the write that set it is on disk: a crash in between cannot take back what a
     reader acted on. (It was answered from memory, before the writer was.)"""
-    from pjrt_rendezvous.coordinator import _state
+    from test_state import slow_disk
 
-    writing, release = threading.Event(), threading.Event()
-    real_append = _state.Files.append
-
-    def slow_append(files, data: bytes) -> None:
-        if b"late" in data:  # the disk is slow for this one
-            writing.set()
-            release.wait(20)
-        real_append(files, data)
-
-    monkeypatch.setattr(_state.Files, "append", slow_append)
+    writing, release = slow_disk(monkeypatch, "append", b"late")  # the disk is slow for this one
     with Coordinator(port=0, state_file=tmp_path / "state.json") as coordinator:
         writer, reader = make_client(coordinator.address, timeout=30), make_client(coordinator.address, timeout=30)
         writer.set("early", b"1")  # (the state file is written whole once: later changes are appended)

@@ -287,18 +287,9 @@ def test_an_event_is_streamed_only_once_it_is_on_disk(tmp_path, monkeypatch):
     """With a state file, a Watch stream sends an event (here a peer leaving) only once the
     state file holds it: a crash in between cannot take back an event a process acted on,
     nor leave a resuming stream's index past the end."""
-    from pjrt_rendezvous.coordinator import _state
+    from test_state import slow_disk
 
-    writing, release = threading.Event(), threading.Event()
-    real_rewrite = _state.Files.rewrite
-
-    def slow_rewrite(files, data: bytes) -> None:
-        if b"PROCESS_LEFT" in data:  # the disk is slow for this one
-            writing.set()
-            release.wait(20)
-        real_rewrite(files, data)
-
-    monkeypatch.setattr(_state.Files, "rewrite", slow_rewrite)
+    writing, release = slow_disk(monkeypatch, "rewrite", b"PROCESS_LEFT")  # the disk is slow for this one
     with Coordinator(port=0, state_file=tmp_path / "state.json") as coordinator:
         idle, peer = pair_client(coordinator.address, 0), pair_client(coordinator.address, 1)
         with bound((idle, peer)) as pools:

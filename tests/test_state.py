@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -210,6 +211,22 @@ def test_a_job_name_reused_run_after_run_keeps_a_state_file_of_one_runs_size(mon
 
 
 # -- the journal: finished rounds and key-value changes appended, not the whole state rewritten ---
+
+
+def slow_disk(monkeypatch, write: str, marker: bytes):
+    """Makes the state file's ``write`` ("append" or "rewrite") of data holding ``marker``
+    wait until released; returns (set once such a write began, the release)."""
+    writing, release = threading.Event(), threading.Event()
+    real = getattr(_state.Files, write)
+
+    def slow(files, data: bytes) -> None:
+        if marker in data:
+            writing.set()
+            release.wait(20)
+        real(files, data)
+
+    monkeypatch.setattr(_state.Files, write, slow)
+    return writing, release
 
 
 def journaled_core(path: pathlib.Path):
