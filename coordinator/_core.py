@@ -42,6 +42,11 @@ RoundKey = tuple[int, GroupKey, int]  # (generation, group, number)
 # most one round behind the others of its group (they cannot finish round k+1 without
 # it), so two finished rounds per group are enough.
 _FINISHED_ROUNDS_KEPT = 2
+# Groups (replica subsets) a job keeps, with their finished rounds: past that, those that
+# finished a round longest ago and have none pending are forgotten (Core.record_finished).
+# A forgotten group starts again as a new one, as after a coordinator restart without its
+# state: only a call retried after its group was forgotten misses its result.
+_GROUPS_KEPT = 4096
 # How far ahead of its group's next unfinished round a call may start a round. A member
 # calls round k+1 only once round k finished, so only calls abandoned by their client (an
 # interrupt, a cancelled call) leave rounds ahead; each holds its arrivals until its deadline.
@@ -428,14 +433,26 @@ class Core:
     @staticmethod
     def record_finished(job: Job, rnd: Round) -> None:
         """Files a finished round with its group (also how a state file's journal is replayed)."""
-        state = job.groups.get((rnd.generation, rnd.group))
-        if state is None:
-            state = job.groups[(rnd.generation, rnd.group)] = _Group()
+        groups = job.groups
+        key = (rnd.generation, rnd.group)
+        # Re-inserted: groups stay in the order they last finished a round.
+        state = groups[key] = groups.pop(key, None) or _Group()
         state.finished[rnd.number] = rnd
         while len(state.finished) > _FINISHED_ROUNDS_KEPT:
             state.finished.popitem(last=False)
         while state.next_round in state.finished:
             state.next_round += 1
+        if len(groups) > _GROUPS_KEPT:
+            Core._forget_groups(job)
+
+    @staticmethod
+    def _forget_groups(job: Job) -> None:
+        """Forgets the groups that finished a round longest ago and have none pending, down
+        to seven eighths of ``_GROUPS_KEPT`` (so the scan runs once per many rounds)."""
+        busy = {key[:2] for key in job.pending}
+        excess = len(job.groups) - _GROUPS_KEPT * 7 // 8
+        for key in [k for k in itertools.islice(job.groups, len(job.groups) - 1) if k not in busy][:excess]:
+            del job.groups[key]  # (the last is the group that just finished a round)
 
     @staticmethod
     def record_request(job: Job, request_id: str, result) -> None:

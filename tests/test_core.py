@@ -1706,6 +1706,39 @@ def test_old_generations_rounds_are_forgotten_and_their_late_calls_are_void():
     assert {key[0] for key in pod.core.jobs[JOB].groups} == {5}
 
 
+def test_a_job_keeps_the_groups_that_finished_a_round_last_and_those_with_a_pending_round(monkeypatch):
+    """Every replica subset is a group with its last finished rounds: past _GROUPS_KEPT, the
+    groups that finished a round longest ago are forgotten (down to 7/8 of it), never one
+    with a pending round. A forgotten group starts again from nothing: its members' next
+    round completes as before; only a retry of a round it finished misses its result."""
+    from pjrt_rendezvous.coordinator import _core
+
+    monkeypatch.setattr(_core, "_GROUPS_KEPT", 8)
+    pod = make_pod(12)
+    groups = pod.core.jobs[JOB].groups
+    pod.arrive(10, replicas=[10, 11])  # pending all along
+
+    def pair(a: int, b: int, number: int = 0) -> tuple:
+        pod.arrive(a, replicas=[a, b], round_number=number)
+        return pod.arrive(b, replicas=[a, b], round_number=number)
+
+    for a in range(5):
+        pair(a, a + 1)
+    pair(0, 1, 1)  # (0, 1) finished a round last: kept over (1, 2)
+    assert len(groups) == 6
+    for a in range(5, 8):
+        pair(a, a + 1)  # the 9th group: down to 7
+    kept = [key[1] for key in groups]
+    assert kept == [(10, 11), (3, 4), (4, 5), (0, 1), (5, 6), (6, 7), (7, 8)]
+    assert pod.result(pod.key((0, 1), 1)) == [b"p0", b"p1"]
+    assert pod.outcome(pod.key((1, 2), 0)) is None  # forgotten
+    assert pod.result(pair(1, 2, 1)) == [b"p1", b"p2"]  # its next round, as a new group's
+    assert pod.result(pod.arrive(11, replicas=[10, 11])) == [b"p10", b"p11"]
+    for a in range(100):  # many more subsets: the job's groups stay bounded
+        pair(a % 11, a % 11 + 1, 2 + a // 11)
+    assert len(groups) <= 8
+
+
 def test_only_the_latest_events_are_kept_and_indexes_stay_meaningful(monkeypatch):
     """A job keeps its latest events only, but indexes count from its first event: a stream
     that counted the events so far (as Watch does) gets exactly the next one, and one whose
