@@ -11,9 +11,10 @@ import logging
 import os
 import sys
 import threading
+import urllib.error
 from typing import Mapping, Sequence
 
-from ._client import Binding, Client, _check_call, _payload_bytes, current_binding
+from ._client import Binding, Client, _check_call, _payload_bytes, xm_binding
 from ._config import DEFAULT, Settings, check_timeout
 from ._errors import UsageError
 from ._topology import Topology, detect_topology, metadata_fetcher, normalize_address
@@ -29,14 +30,37 @@ _DEFAULTS = {"address": None, "job": None, "timeout": DEFAULT, "topology": None,
 _METADATA_URL = "http://metadata.google.internal/computeMetadata/v1/instance/attributes"
 
 
+# (url, key) -> the metadata server's answer, or None for its "not found": what a VM's
+# server says does not change while the VM runs, and an unbound thread's xm call detects the
+# topology at each call (_world_of_one). Other errors (timeouts) are not kept.
+_metadata_answers: dict[tuple[str, str], str | None] = {}
+
+
 def metadata(env: Mapping[str, str]):
     """The metadata server's fetcher for ``env``, or None. The server exists only on Cloud
     TPU VMs: it is asked only there (PJRT_DEVICE=TPU) or when a test points
-    PJRT_RENDEZVOUS_METADATA_URL at its own server."""
+    PJRT_RENDEZVOUS_METADATA_URL at its own server. Each key is fetched once per process."""
     url = env.get("PJRT_RENDEZVOUS_METADATA_URL")
     if url is None and env.get("PJRT_DEVICE", "").upper() == "TPU":
         url = _METADATA_URL
-    return metadata_fetcher(url) if url else None
+    if not url:
+        return None
+    fetch = metadata_fetcher(url)
+
+    def fetch_once(key: str) -> str:
+        if (url, key) not in _metadata_answers:
+            try:
+                _metadata_answers[(url, key)] = fetch(key)
+            except urllib.error.HTTPError as error:
+                if error.code != 404:
+                    raise
+                _metadata_answers[(url, key)] = None
+        answer = _metadata_answers[(url, key)]
+        if answer is None:
+            raise FileNotFoundError(f"{url}/{key}: not found (HTTP 404)")
+        return answer
+
+    return fetch_once
 
 
 def _detect(env: Mapping[str, str], address: str | None) -> Topology:
@@ -154,7 +178,7 @@ def _world_of_one() -> bool:
 
 
 def _binding(what: str) -> Binding | None:
-    binding = current_binding()
+    binding = xm_binding(f"{what}()")
     if binding is None and not _world_of_one():
         raise UsageError(
             f"{what}() needs a bound thread: call pjrt_rendezvous.client.bind_thread(index) in "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import operator
 import os
 import queue
 import socket
@@ -27,7 +28,7 @@ from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
 from ._config import DEFAULT, FAN_IN_AUTO_HOSTS, Settings, check_timeout
-from ._errors import ParticipantFailedError, RendezvousError, RendezvousTimeout, UsageError, from_rpc_error
+from ._errors import InvalidArgumentError, ParticipantFailedError, RendezvousError, RendezvousTimeout, UsageError, from_rpc_error
 from ._relay import Relay, relay_path
 from ._session import Session, SocketSession
 from ._topology import Topology
@@ -114,7 +115,24 @@ def current_binding() -> Binding | None:
     may then bind again, to a new client)."""
     binding = getattr(_bound, "binding", None)
     if binding is not None and binding.client._closed:
-        _bound.binding = binding = None
+        _bound.binding, _bound.closed = None, binding
+        binding = None
+    return binding
+
+
+def xm_binding(what: str) -> Binding | None:
+    """``current_binding()`` for a call whose unbound form answers for another world (a world
+    of one, the XLA runtime's): a thread bound through a client closed since is refused, as
+    its answers would be silently wrong (every thread its process's master, ordinal 0)."""
+    binding = current_binding()
+    if binding is None:
+        closed = getattr(_bound, "closed", None)
+        if closed is not None:
+            raise UsageError(
+                f"{what}: this thread was bound as ordinal {closed.ordinal} through a client that "
+                "was closed since (pjrt_rendezvous.client.shutdown() or Client.close()); bind it "
+                "again, or unbind it (Client.unbind_thread) to get the answers of an unbound thread"
+            )
     return binding
 
 
@@ -138,8 +156,13 @@ def _check_call(tag, replicas) -> list[int]:
     except UnicodeEncodeError as exc:
         raise UsageError(f"tag {tag!r} is not valid text (UTF-8): {exc.reason}") from None
     replicas = list(replicas) if replicas else []
-    if replicas and any(isinstance(r, bool) or not isinstance(r, int) for r in replicas):
-        raise TypeError(f"replicas must be ints, got {replicas!r}")
+    if replicas and any(type(r) is not int for r in replicas):  # numpy's ints too, not bools
+        try:
+            if any(isinstance(r, bool) for r in replicas):
+                raise TypeError
+            replicas = [operator.index(r) for r in replicas]
+        except TypeError:
+            raise TypeError(f"replicas must be ints, got {replicas!r}") from None
     if replicas and not -(2**31) <= min(replicas) <= max(replicas) < 2**31:  # (other ordinals: the coordinator's to refuse)
         raise UsageError(f"replicas must be 32-bit ints, got {replicas!r}")
     return replicas
@@ -759,12 +782,13 @@ class Client:
             self._bindings[thread_index] = binding
             self._local = None
             self._told.setdefault(binding.ordinal, self._generation)  # (bound again: its sequence goes on)
-        _bound.binding = binding
+        _bound.binding, _bound.closed = binding, None
         return binding
 
     def unbind_thread(self) -> None:
         """Forgets the calling thread's binding (its ordinal stays registered)."""
         binding = current_binding()
+        _bound.closed = None
         if binding is None or binding.client is not self:
             return
         with self._lock:
@@ -830,7 +854,14 @@ class Client:
             return [payload]
         group = ALL
         if replicas:
-            members = sorted(set(replicas))
+            # The round counts on the group of its ordinals in range, as the coordinator's
+            # does (it refuses the others, and fails that group's round for every member).
+            members = sorted({r for r in replicas if 0 <= r < world})
+            if not members:
+                raise InvalidArgumentError(
+                    f"replicas {sorted(set(replicas))} are out of range [0, {world}) for job "
+                    f"{self.settings.job!r} (called by ordinal {binding.ordinal} with tag {tag!r})"
+                )
             if members != list(range(world)):
                 group = tuple(members)
         main = _get_ident() == self._main_thread

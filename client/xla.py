@@ -102,7 +102,7 @@ from itertools import chain
 from typing import Any, Callable, Sequence
 
 from . import _api
-from ._client import Binding, Client, current_binding
+from ._client import Binding, Client, current_binding, xm_binding
 from ._config import check_timeout
 from ._errors import RendezvousError, TopologyError, UsageError
 
@@ -270,7 +270,7 @@ def _wait_device_ops(xlac: Any, devices: list[str]) -> None:
 
 def _get_ordinal(defval: int = 0) -> int:
     """The calling thread's global ordinal (pjrt_rendezvous; restored after torch_xla 2.7 removed it)."""
-    binding = current_binding()
+    binding = xm_binding("xm.get_ordinal()")
     if binding is not None:
         return binding.ordinal
     if "get_ordinal" in _originals:
@@ -281,7 +281,7 @@ def _get_ordinal(defval: int = 0) -> int:
 
 def _xrt_world_size(defval: int = 1) -> int:
     """The job's world size (pjrt_rendezvous; restored after torch_xla 2.7 removed it)."""
-    binding = current_binding()
+    binding = xm_binding("xm.xrt_world_size()")
     if binding is not None:
         return binding.world_size
     if "xrt_world_size" in _originals:
@@ -292,7 +292,7 @@ def _xrt_world_size(defval: int = 1) -> int:
 
 def _get_local_ordinal() -> int:
     """The calling thread's ordinal among this host's devices (pjrt_rendezvous)."""
-    binding = current_binding()
+    binding = xm_binding("xm.get_local_ordinal()")
     if binding is not None:
         return binding.local_ordinal
     return _originals["get_local_ordinal"]()
@@ -300,7 +300,7 @@ def _get_local_ordinal() -> int:
 
 def _is_master_ordinal(local: bool = True) -> bool:
     """True for local ordinal 0 (``local=True``) or global ordinal 0 (pjrt_rendezvous)."""
-    binding = current_binding()
+    binding = xm_binding("xm.is_master_ordinal()")
     if binding is not None:
         return (binding.local_ordinal if local else binding.ordinal) == 0
     return _originals["is_master_ordinal"](local)
@@ -308,8 +308,8 @@ def _is_master_ordinal(local: bool = True) -> bool:
 
 def _xla_device(n: int | None = None, devkind: str | None = None):
     """Without ``n``, the calling thread's own device (pjrt_rendezvous); else torch_xla's."""
-    binding = current_binding()
-    if binding is None or n is not None:
+    binding = None if n is not None else xm_binding("xm.xla_device()")
+    if binding is None:
         return _originals["xla_device"](n, devkind)
     import torch
     import torch_xla
@@ -327,9 +327,9 @@ def _rendezvous(tag: str, payload: bytes = b"", replicas: Sequence[int] = ()) ->
 
     See :func:`pjrt_rendezvous.client.rendezvous` for the errors.
     """
-    binding = current_binding()
+    binding = xm_binding("xm.rendezvous()")
     if binding is None:
-        return _originals["rendezvous"](tag, payload, list(replicas))
+        return _originals["rendezvous"](tag, payload, list(replicas) if replicas else [])  # (None too, as torch_xla's)
     return binding.client.rendezvous(binding, tag, payload, replicas)
 
 
@@ -342,7 +342,7 @@ def _mesh_reduce(tag: str, data: Any, reduce_fn: Callable[[list], Any]) -> Any:
     (torch's default ``weights_only=True``: tensors, numbers, strings, lists, tuples and dicts;
     ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` lifts it, as for torch_xla).
     """
-    binding = current_binding()
+    binding = xm_binding("xm.mesh_reduce()")
     if binding is None:
         return _originals["mesh_reduce"](tag, data, reduce_fn)
     import torch
@@ -496,7 +496,6 @@ def spawn(
         raise UsageError(f"grace must be >= 0 seconds, got {grace!r}")
     device_type = _device_type()
     env: dict[str, str] = {}
-    drop: list[str] = []
     topology = None
     if device_type == "CPU":
         nprocs = 1 if nprocs is None else nprocs
@@ -514,8 +513,9 @@ def spawn(
             PJRT_RENDEZVOUS_CORES_PER_CHIP=str(devices_per_process),
             PJRT_RENDEZVOUS_LOCAL_WORLD_SIZE=str(nprocs),
         )
-        # A simulated chip has no TPU chip bounds: they would multiply the devices per process.
-        drop.append("TPU_CHIPS_PER_PROCESS_BOUNDS")
+        # One simulated chip per process, whatever chip bounds the environment (or, on a TPU
+        # VM, the metadata server) gives the host: they would multiply the devices per process.
+        env["TPU_CHIPS_PER_PROCESS_BOUNDS"] = "1,1,1"
         threaded = devices_per_process > 1
     else:  # TPU
         if nprocs is not None or devices_per_process is not None:
@@ -543,24 +543,23 @@ def spawn(
                 stacklevel=2,
             )
 
-    coordinator = None
-    address = address or os.environ.get("PJRT_RENDEZVOUS_ADDRESS") or None
-    if address is None and (device_type == "CPU" or len(topology.worker_hostnames) <= 1):
-        from pjrt_rendezvous.coordinator import Coordinator
-
-        coordinator = Coordinator(port=0).start()
-        address = coordinator.address
-    if address is not None:
-        env["PJRT_RENDEZVOUS_ADDRESS"] = address
-    # else a multi-host TPU slice: every process finds the coordinator at worker 0's default port
     if job is not None:
         env["PJRT_RENDEZVOUS_JOB"] = job
-
-    payload = pickle.dumps((fn, tuple(args)))
+    payload = pickle.dumps((fn, tuple(args)))  # refused here, before anything is started
     context = multiprocessing.get_context(start_method)
     reports = context.Queue()
+    coordinator = None
+    address = address or os.environ.get("PJRT_RENDEZVOUS_ADDRESS") or None
     processes = []
     try:
+        if address is None and (device_type == "CPU" or len(topology.worker_hostnames) <= 1):
+            from pjrt_rendezvous.coordinator import Coordinator
+
+            coordinator = Coordinator(port=0).start()
+            address = coordinator.address
+        if address is not None:
+            env["PJRT_RENDEZVOUS_ADDRESS"] = address
+        # else a multi-host TPU slice: every process finds the coordinator at worker 0's default port
         for task in range(nprocs):
             child_env = dict(env)
             if device_type == "CPU":
@@ -569,7 +568,7 @@ def spawn(
                 )
             process = context.Process(
                 target=_child_main,
-                args=(task, nprocs, child_env, drop, payload, reports),
+                args=(task, nprocs, child_env, payload, reports),
                 name=f"pjrt-rendezvous-task-{task}",
                 daemon=False,
             )
@@ -763,11 +762,9 @@ def _who(ordinal: int) -> str:
     return f"ordinal {ordinal}" if ordinal >= 0 else f"the process of task {-ordinal - 1}"
 
 
-def _child_main(task: int, nprocs: int, env: dict, drop: list, payload: bytes, reports) -> None:
+def _child_main(task: int, nprocs: int, env: dict, payload: bytes, reports) -> None:
     """One process: set the environment before torch_xla starts, then a thread per device."""
     os.environ.update(env)
-    for name in drop:
-        os.environ.pop(name, None)
     put = _reporter(task, reports)
     try:
         import torch_xla

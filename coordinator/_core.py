@@ -980,7 +980,7 @@ class Core:
             over = None
         group: GroupKey = ALL
         if replicas:
-            group = self._replicas_group(state, replicas, ordinals, tags[0], now)
+            group = self._replicas_group(state, replicas, ordinals, tags[0], round_number, now)
         rnd = self._round(state, group, round_number, now)
         if over is not None:
             # The members would otherwise wait for an arrival that was refused, and time out
@@ -1095,10 +1095,16 @@ class Core:
                 )
         return over
 
-    def _replicas_group(self, state: Job, replicas: Sequence[int], ordinals: Sequence[int], tag: str, now: float) -> GroupKey:
-        """The group a replicas list names; a malformed list fails the round the callers'
-        peers are on (or are about to start), so they learn of the mistake at once instead
-        of waiting for a caller that will never come."""
+    def _replicas_group(
+        self, state: Job, replicas: Sequence[int], ordinals: Sequence[int], tag: str, round_number: int, now: float
+    ) -> GroupKey:
+        """The group a replicas list names. A malformed list fails the round its members are
+        in, so they learn of the mistake at once instead of waiting for a caller that will
+        never come: for callers among the members (a repeated ordinal, one out of range),
+        the round the call counts as, ``round_number`` of the group its ordinals in range
+        make (as the client counts it); for callers outside them, whose round counter is not
+        the group's, the round its members wait in, if any (none: nobody to tell, and no
+        later round to spoil)."""
         world = state.world_size
         members = sorted(set(replicas))
         out_of_range = None
@@ -1133,8 +1139,15 @@ class Core:
                 f"{describe_group(group)} but {'is' if len(outsiders) == 1 else 'are'} not "
                 "among them",
             )
-        target = self._current_round(state, group, now)
-        if not target.finished:
+        if set(ordinals).issubset(members):
+            try:
+                target: Round | None = self._round(state, group, round_number, now)
+            except CoreError:  # the round is gone or out of reach: only the caller to tell
+                target = None
+        else:
+            pending = [r for k, r in state.pending.items() if k[:2] == (state.generation, group)]
+            target = min(pending, key=lambda r: r.number) if pending else None
+        if target is not None and not target.finished:
             self._fail(state, target, problem)
         raise problem
 
@@ -1146,12 +1159,6 @@ class Core:
             return None
         state = job.groups.get((generation, group))
         return None if state is None else state.finished.get(number)
-
-    def _current_round(self, job: Job, group: GroupKey, now: float) -> Round:
-        pending = [r for k, r in job.pending.items() if k[:2] == (job.generation, group)]
-        if pending:
-            return min(pending, key=lambda r: r.number)
-        return self._round(job, group, job.groups.get((job.generation, group), _Group()).next_round, now)
 
     def _round(self, job: Job, group: GroupKey, number: int, now: float) -> Round:
         state = job.groups.get((job.generation, group))

@@ -59,14 +59,21 @@ def tag_mismatch(b: pr.Binding) -> dict:
 
 
 def not_in_replicas(b: pr.Binding) -> dict:
-    # Ordinal 3 wrongly calls on replicas [0, 1] first; ordinals 0 and 1 then fail at once.
+    # Ordinal 0 waits in round 'sub' of replicas [0, 1]; ordinal 3 wrongly calls it too, which
+    # fails that round at once for its members: 0, and 1, which comes after.
     client = pr.get_client()
-    if b.ordinal == 3:
+    if b.ordinal == 0:
+        pr.rendezvous("sub", b"", replicas=[0, 1], timeout=30)
+    elif b.ordinal == 3:
+        deadline = time.monotonic() + 30
+        while not any(job.pending_rounds for job in client.status().jobs):
+            assert time.monotonic() < deadline, "ordinal 0 never waited in round 'sub'"
+            time.sleep(0.02)
         try:
             pr.rendezvous("sub", b"", replicas=[0, 1], timeout=30)
         finally:
             client.set("bad-call-made", b"")
-    elif b.ordinal in (0, 1):
+    elif b.ordinal == 1:
         client.wait(["bad-call-made"], timeout=30)
         pr.rendezvous("sub", b"", replicas=[0, 1], timeout=30)
     return {}

@@ -219,7 +219,9 @@ def test_init_is_idempotent_and_refuses_different_arguments(coordinator):
 def test_a_closed_process_client_is_replaced_by_init_and_its_threads_may_bind_again(coordinator):
     """init() after the process client was closed by hand makes a new one (it returned the
     closed one, whose error said to call init() again); a thread bound to the closed client
-    counts as unbound and binds to the new one; an address given beside a topology is used."""
+    counts as unbound and binds to the new one, but its xm-style calls are refused until it
+    does (as an unbound thread's, they answered for a world of one: ordinal 0, its process's
+    master); an address given beside a topology is used."""
     pr.shutdown()
     try:
         first = pr.init(coordinator.address, env={})
@@ -227,11 +229,14 @@ def test_a_closed_process_client_is_replaced_by_init_and_its_threads_may_bind_ag
         assert pr.current_binding() is binding
         first.close()
         assert pr.current_binding() is None
+        with pytest.raises(pr.UsageError, match="bound as ordinal 0 through a client that was closed since"):
+            pr.get_ordinal()
         second = pr.init(coordinator.address, env={})
         assert second is not first and not second._closed
         assert pr.bind_thread(0).client is second and pr.get_ordinal() == 0
         second.unbind_thread()
         pr.shutdown()
+        assert pr.get_ordinal() == 0  # unbound by hand: a world of one's answer
         topology = pr.detect_topology({}, address="127.0.0.1:1")
         third = pr.init(coordinator.address, topology=topology, env={})
         assert third.settings.address == coordinator.address
@@ -363,6 +368,32 @@ def test_a_refused_caller_releases_waiting_peers_at_once(coordinator):
     assert outcome["after"] < 10
     peer.close()
     outsider.close()
+
+
+def test_replicas_out_of_range_count_as_a_round_of_the_ordinals_in_range(coordinator):
+    """A replicas list naming ordinals outside the world is refused by the coordinator, which
+    fails the round of the ordinals in range; each client counts the call on that same group,
+    so its members' next round meets (counted on a group of its own, the next call met a
+    round already failed). A list with no ordinal in range is refused without counting."""
+    clients = [make_client(coordinator.address, tasks=2, task=t, timeout=30) for t in range(2)]
+
+    def calls(t):
+        def run():
+            c = clients[t]
+            b = c.bind_thread(0)
+            with pytest.raises(pr.InvalidArgumentError, match=r"replicas \[2\] are out of range \[0, 2\)"):
+                c.rendezvous(b, "bad", b"", replicas=[0, 1, 2])
+            with pytest.raises(pr.InvalidArgumentError, match=r"replicas \[5, 7\] are out of range"):
+                c.rendezvous(b, "none-in-range", b"", replicas=[7, 5])
+            return c.rendezvous(b, "good", b"%d" % t)
+
+        return run
+
+    try:
+        assert _threads({t: calls(t) for t in range(2)}) == {0: [b"0", b"1"], 1: [b"0", b"1"]}
+    finally:
+        for c in clients:
+            c.close()
 
 
 def test_a_second_run_of_a_job_starts_afresh(coordinator):

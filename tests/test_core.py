@@ -793,6 +793,44 @@ def test_replicas_all_out_of_range_fail_no_round():
     assert pod.core.status(0.0, JOB)[0].pending_rounds[0].arrived == [1]
 
 
+def test_a_caller_outside_its_replicas_spoils_no_later_round_of_theirs():
+    """An outsider's round counter is not its replicas' group's: once that group's round is
+    over (nobody waits in it), the outsider's call fails no round, so the members' next
+    rounds complete (a call once failed the group's next round, which its members had not
+    reached yet, with the outsider's stale error)."""
+    pod = make_pod(4)
+    # Every ordinal calls the pair's rendezvous, as if the guard around it was forgotten.
+    pod.arrive(0, replicas=[0, 1], round_number=0)
+    assert pod.result(pod.arrive(1, replicas=[0, 1], round_number=0)) == [b"p0", b"p1"]
+    for outsider in (2, 3):
+        with raises(Code.INVALID_ARGUMENT, f"ordinal {outsider} called", "not among them"):
+            pod.arrive(outsider, replicas=[0, 1], round_number=0)
+    for number in (1, 2):
+        pod.arrive(0, replicas=[0, 1], round_number=number)
+        assert pod.result(pod.arrive(1, replicas=[0, 1], round_number=number)) == [b"p0", b"p1"]
+
+
+@pytest.mark.parametrize("replicas", [[0, 1, 2, 3, 4], [0, 0, 1, 2, 3], [3, 2, 1, 0, -1]])
+def test_members_calling_with_one_malformed_list_fail_that_round_once(replicas):
+    """Every member calling with the same malformed list (out of range, a repeated ordinal):
+    their calls count as the round they carry, of the group their ordinals in range make, as
+    the client counts them; the round fails once, for all of them, and the next round
+    completes (each bad call once failed a round ahead of the members instead, so their next
+    correct calls failed with the stale errors, or as fallen behind)."""
+    pod = make_pod(4)
+    for ordinal in range(4):
+        pod.arrive(ordinal, round_number=0)
+    errors = []
+    for ordinal in range(4):
+        with raises(Code.INVALID_ARGUMENT) as caught:
+            pod.arrive(ordinal, replicas=replicas, round_number=1)
+        errors.append(caught.error)
+    assert pod.error(pod.key(ALL, 1)) is errors[0]
+    for ordinal in range(4):
+        key = pod.arrive(ordinal, round_number=2)
+    assert pod.result(key) == [payload_of(o) for o in range(4)]
+
+
 def test_members_that_disagree_on_replicas_fail_promptly_as_a_wait_cycle():
     """Ordinal 0 in [0,1] and ordinal 1 in [0,1,2] wait on each other: both rounds fail naming both calls."""
     pod = make_pod(4)

@@ -122,7 +122,8 @@ def test_tag_mismatch_fails_every_member_promptly(coordinator):
 
 
 def test_caller_outside_replicas_fails_the_round_for_its_members(coordinator):
-    """Ordinal 3 calling on replicas [0, 1] gets INVALID_ARGUMENT and releases 0 and 1 with the same error."""
+    """Ordinal 3 calling on replicas [0, 1] while ordinal 0 waits there gets INVALID_ARGUMENT
+    and releases 0 at once, and 1 when it comes, with the same error."""
     records = run_pod(coordinator.address, "not_in_replicas", processes=2, threads=2)
     errors = [r for r in records if "error" in r]
     assert len(errors) == 3, records  # ordinals 0, 1 and 3; ordinal 2 took no part
@@ -176,6 +177,7 @@ def test_world_of_one_needs_no_coordinator():
             (("\\udcff",), pr.UsageError, "not valid text"),
             (("t", "text"), TypeError, "payload must be bytes"),
             (("t", b"", [0, "1"]), TypeError, "replicas must be ints"),
+            (("t", b"", [True]), TypeError, "replicas must be ints"),
             (("t", b"", [0, 0]), pr.UsageError, "more than once"),
             (("t", b"", [1]), pr.UsageError, "out of range for a world of one"),
         ]
@@ -186,6 +188,10 @@ def test_world_of_one_needs_no_coordinator():
                 assert words in str(exc), (args, exc)
             else:
                 raise AssertionError(f"rendezvous{args!r} was not refused")
+        class Index:  # an int as numpy's are: replicas=list(np.arange(n)) is taken
+            def __index__(self):
+                return 0
+        assert pr.rendezvous("t", b"i", [Index()]) == [b"i"]
         print(pr.rendezvous("t", b"solo"))
         """
     )

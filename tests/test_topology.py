@@ -487,6 +487,23 @@ def test_unreachable_or_missing_metadata_means_no_tpu(metadata_server):
     assert _requested_keys(server) == ["tpu-env"]
 
 
+def test_the_process_asks_the_metadata_server_each_key_once(metadata_server):
+    """What the server says (a value, or HTTP 404) is kept for the process: an unbound
+    thread's xm calls detect the topology at each call, and asked the server each time."""
+    from pjrt_rendezvous.client import _api
+
+    server = metadata_server({"worker-network-endpoints": V4_32_ENDPOINTS})  # no tpu-env: 404
+    port = server.server_address[1]
+    env = {"PJRT_RENDEZVOUS_METADATA_URL": f"http://127.0.0.1:{port}{ATTRIBUTES.rstrip('/')}", "TPU_ACCELERATOR_TYPE": "v4-32"}
+    for _ in range(3):
+        topo = _api._detect(env, None)
+        assert topo.worker_hostnames == V4_32_IPS
+    env.pop("TPU_ACCELERATOR_TYPE")
+    for _ in range(3):
+        assert _api._detect(env, None).accelerator_type is None
+    assert sorted(_requested_keys(server)) == ["tpu-env", "worker-network-endpoints"]
+
+
 def test_malformed_worker_endpoints_raise(metadata_server):
     """A worker-network-endpoints entry without three fields raises, pointing at TPU_WORKER_HOSTNAMES."""
     server = metadata_server({"tpu-env": V4_32_TPU_ENV, "worker-network-endpoints": "host-only,x:y"})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import subprocess
 import sys
 import tempfile
@@ -417,6 +418,8 @@ def test_unbound_thread_falls_back(xm, monkeypatch, no_process_client):
         xm.get_ordinal()
     with pytest.raises(pr.UsageError, match="bind"):
         xm.xrt_world_size()
+    # torch_xla's own rendezvous (it starts the runtime: last here) takes replicas=None too.
+    assert xm.rendezvous("unbound", b"x", None) == [b"x"]
 
 
 # --- spawn: 2 processes x 2 threads --------------------------------------------------------------
@@ -426,6 +429,9 @@ def test_unbound_thread_falls_back(xm, monkeypatch, no_process_client):
 def xm_run(torch_xla):
     mp = pytest.MonkeyPatch()
     mp.setenv("CPU_NUM_DEVICES", "2")  # the shape of a TPU v3 chip: two devices in one process
+    # A shell on a TPU VM carries its host's chip bounds: a simulated chip is one per process
+    # whatever they say (they once made the topology expect 4 devices per process here).
+    mp.setenv("TPU_CHIPS_PER_HOST_BOUNDS", "2,2,1")
     started = time.monotonic()
     try:
         results = xla.spawn(xm_user_code_and_registrations, nprocs=2, timeout=150)
@@ -622,6 +628,22 @@ def test_spawn_rejects_bad_arguments():
         xla.spawn(xm_user_code, timeout=0)
     with pytest.raises(pr.UsageError, match="grace"):
         xla.spawn(xm_user_code, grace=-1)
+    assert not multiprocessing.active_children()
+
+
+def test_spawn_refusing_its_function_or_start_method_leaves_no_coordinator_behind(monkeypatch):
+    """A function that cannot be pickled, bad args or an unknown start method are refused
+    before spawn starts its coordinator (it was left serving, its ports open)."""
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.delenv("PJRT_RENDEZVOUS_ADDRESS", raising=False)
+    before = {t for t in threading.enumerate() if t.name.startswith("pjrt-rendezvous")}
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        xla.spawn(lambda i: i)
+    with pytest.raises(TypeError):
+        xla.spawn(xm_user_code, args=5)
+    with pytest.raises(ValueError, match="nope"):
+        xla.spawn(xm_user_code, start_method="nope")
+    assert {t for t in threading.enumerate() if t.name.startswith("pjrt-rendezvous")} == before
     assert not multiprocessing.active_children()
 
 
