@@ -47,6 +47,35 @@ FAN_IN_AUTO_HOSTS = 16
 TRANSPORTS = ("auto", "grpc")
 
 
+def check_token(token: str, source: str) -> str:
+    """``token`` if gRPC metadata can carry it (printable ASCII), else a UsageError naming
+    ``source`` (serve and the clients alike: a token with a line break inside, as a wrapped
+    ``openssl rand -base64 64`` gives, was taken, then every call failed as "Invalid metadata")."""
+    for position, char in enumerate(token):
+        if not " " <= char <= "~":
+            raise UsageError(
+                f"the token from {source} holds character {ord(char):#x} at position {position}: a "
+                "token must be printable ASCII on one line (gRPC metadata), e.g. from `openssl rand -hex 32`"
+            )
+    return token
+
+
+def read_token_file(path: str, source: str) -> str:
+    """The token in the file ``path`` (``source`` names where the path came from), stripped."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise UsageError(f"cannot read the token file {path} ({source}): {exc.strerror}") from exc
+    try:
+        return data.decode("ascii").strip()
+    except UnicodeDecodeError as exc:
+        raise UsageError(
+            f"the token file {path} ({source}) is not ASCII text (byte {data[exc.start]:#x} at "
+            f"{exc.start}): a token must be printable ASCII on one line"
+        ) from None
+
+
 def token_conflict(variable: str, file_variable: str) -> str:
     """The refusal when a token and a token file disagree (serve and the clients alike)."""
     return (
@@ -55,6 +84,7 @@ def token_conflict(variable: str, file_variable: str) -> str:
     )
 
 
+_PEM_CERTIFICATE = b"-----BEGIN CERTIFICATE-----"
 # The longest wait every path can measure (poll() counts int32 milliseconds: 24.8 days);
 # a longer timeout waits without a limit.
 LONGEST_TIMEOUT = 21 * 86400.0
@@ -166,8 +196,11 @@ class Settings:
                 f"got {self.heartbeat_interval!r}"
             )
         object.__setattr__(self, "progress_interval", check_timeout(self.progress_interval, "progress_interval"))
-        if self.token is not None and not self.token.strip():
-            raise UsageError("the token is empty (PJRT_RENDEZVOUS_TOKEN, the file PJRT_RENDEZVOUS_TOKEN_FILE names, or init(token=))")
+        if self.token is not None:
+            source = "PJRT_RENDEZVOUS_TOKEN, the file PJRT_RENDEZVOUS_TOKEN_FILE names, or init(token=)"
+            if not self.token.strip():
+                raise UsageError(f"the token is empty ({source})")
+            check_token(self.token, source)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise UsageError("mutual TLS needs both tls_cert and tls_key (PJRT_RENDEZVOUS_TLS_CERT / _TLS_KEY)")
         if self.tls_cert is not None and self.tls_ca is None:
@@ -179,17 +212,26 @@ class Settings:
             return None
         import grpc
 
-        def read(path: str | None) -> bytes | None:
+        def read(path: str | None, name: str, marker: bytes) -> bytes | None:
+            # Checked here: gRPC takes any bytes and fails each connection's handshake later,
+            # which a client retries as an unreachable coordinator.
             if path is None:
                 return None
+            variable = _VARIABLES[name]
             try:
                 with open(path, "rb") as f:
-                    return f.read()
+                    data = f.read()
             except OSError as exc:
-                raise UsageError(f"cannot read TLS file {path}: {exc.strerror}") from exc
+                raise UsageError(f"cannot read the TLS file {path} ({name}, {variable}): {exc.strerror}") from exc
+            if b"-----BEGIN " not in data or marker not in data:
+                what = "certificate" if marker == _PEM_CERTIFICATE else "private key"
+                raise UsageError(f"the TLS file {path} ({name}, {variable}) holds no PEM {what}")
+            return data
 
         return grpc.ssl_channel_credentials(
-            root_certificates=read(self.tls_ca), private_key=read(self.tls_key), certificate_chain=read(self.tls_cert)
+            root_certificates=read(self.tls_ca, "tls_ca", _PEM_CERTIFICATE),
+            private_key=read(self.tls_key, "tls_key", b"PRIVATE KEY-----"),
+            certificate_chain=read(self.tls_cert, "tls_cert", _PEM_CERTIFICATE),
         )
     @classmethod
     def resolve(cls, env: Mapping[str, str], *, address: str, **given: Any) -> "Settings":
@@ -216,11 +258,7 @@ class Settings:
         token_file = values.pop("token_file", None)
         token_given, file_given = (given.get(n, DEFAULT) not in (DEFAULT, None) for n in ("token", "token_file"))
         if token_file is not None and (file_given or not token_given):  # an argument wins over a variable
-            try:
-                with open(token_file) as f:
-                    from_file = f.read().strip()
-            except OSError as exc:
-                raise UsageError(f"cannot read the token file {token_file}: {exc.strerror}") from exc
+            from_file = read_token_file(token_file, "init(token_file=)" if file_given else _VARIABLES["token_file"])
             if "token" in values and token_given == file_given and values["token"].strip() != from_file:
                 names = ("init(token=)", "init(token_file=)") if file_given else (_VARIABLES["token"], _VARIABLES["token_file"])
                 raise UsageError(token_conflict(*names))

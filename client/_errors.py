@@ -109,8 +109,16 @@ def from_rpc_error(exc: grpc.RpcError, *, address: str, method: str) -> RemoteEr
     details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
     cls = _BY_CODE.get(code, RemoteError)
     if cls is CoordinatorUnavailableError:
+        hint = ""
+        if any(word in details.lower() for word in ("handshake", "socket closed", "ssl", "tls")):
+            # A TLS mismatch looks like a connection cut: a plaintext client against a TLS
+            # coordinator, or mutual TLS without a client certificate from its CA.
+            hint = (
+                " If it serves TLS, this client needs PJRT_RENDEZVOUS_TLS_CA (and, for mutual TLS, "
+                "PJRT_RENDEZVOUS_TLS_CERT and _TLS_KEY from the CA it trusts); if not, none of them."
+            )
         details = (
             f"coordinator at {address} unavailable for {method}: {details}. Is "
-            "`pjrt-rendezvous serve` running there, and does PJRT_RENDEZVOUS_ADDRESS point at it?"
+            f"`pjrt-rendezvous serve` running there, and does PJRT_RENDEZVOUS_ADDRESS point at it?{hint}"
         )
     return cls(details, code=code.name)

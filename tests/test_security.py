@@ -130,12 +130,48 @@ def test_a_token_and_a_token_file_that_disagree_are_refused_by_serve_and_clients
     assert out.returncode == 1 and "PJRT_RENDEZVOUS_TOKEN and the token file (--token-file) are both set" in out.stderr
 
 
+def test_a_token_grpc_cannot_carry_is_refused_where_it_is_read(tmp_path):
+    """A token with a line break inside (a wrapped `openssl rand -base64 64` in a file), a tab
+    or a non-ASCII character was taken, then every call failed as "Invalid metadata"; a token
+    file that is not text raised a bare UnicodeDecodeError. Each is a UsageError naming
+    where the token came from, never the token."""
+    wrapped = tmp_path / "wrapped"
+    wrapped.write_text("abcdefgh\nijklmnop\n")
+    binary = tmp_path / "binary"
+    binary.write_bytes(b"ab\x88\x00cd")
+    with pytest.raises(pr.UsageError, match=r"PJRT_RENDEZVOUS_TOKEN_FILE.*character 0xa at position 8") as caught:
+        pr.Settings.resolve({"PJRT_RENDEZVOUS_TOKEN_FILE": str(wrapped)}, address="127.0.0.1:1")
+    assert "ijkl" not in str(caught.value)
+    with pytest.raises(pr.UsageError, match=r"character 0x9 at position 3"):
+        pr.Settings.resolve({"PJRT_RENDEZVOUS_TOKEN": "abc\tdef"}, address="127.0.0.1:1")
+    with pytest.raises(pr.UsageError, match=r"character 0xe9"):
+        pr.Settings(address="127.0.0.1:1", token="caf\u00e9")
+    with pytest.raises(pr.UsageError, match=rf"token file {binary} \(PJRT_RENDEZVOUS_TOKEN_FILE\) is not ASCII text"):
+        pr.Settings.resolve({"PJRT_RENDEZVOUS_TOKEN_FILE": str(binary)}, address="127.0.0.1:1")
+    assert pr.Settings(address="127.0.0.1:1", token="with inner space").token == "with inner space"
+
+
+def test_tls_files_without_pem_are_refused_when_the_client_is_made(pki, tmp_path):
+    """A TLS file that holds no PEM certificate or key is refused naming it and its variable,
+    when the client is made (gRPC took it, then every handshake failed and the client retried
+    an 'unavailable' coordinator for its connect timeout)."""
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    with pytest.raises(pr.UsageError, match=rf"TLS file {junk} \(tls_ca, PJRT_RENDEZVOUS_TLS_CA\) holds no PEM certificate"):
+        client_for("127.0.0.1:1", tls_ca=str(junk))
+    with pytest.raises(pr.UsageError, match=r"\(tls_key, PJRT_RENDEZVOUS_TLS_KEY\) holds no PEM private key"):
+        client_for("127.0.0.1:1", tls_ca=str(pki / "ca.pem"), tls_cert=str(pki / "client.pem"), tls_key=str(pki / "client.pem"))
+
+
 def test_tls_server_refuses_plaintext_and_accepts_its_ca(pki):
     """Against a TLS server a plaintext client fails; a client trusting the CA works."""
     cert, key = (pki / "server.pem").read_bytes(), (pki / "server.key").read_bytes()
     with Coordinator(port=0, tls_cert=cert, tls_key=key) as c:
         assert c.session_port is None  # plain TCP: not next to TLS
-        assert outcome(client_for(c.address)) == "CoordinatorUnavailableError"
+        plaintext = client_for(c.address)
+        with pytest.raises(pr.CoordinatorUnavailableError, match="If it serves TLS, this client needs PJRT_RENDEZVOUS_TLS_CA"):
+            plaintext.count()
+        plaintext.close()
         assert outcome(client_for(c.address, tls_ca=str(pki / "ca.pem"))) == "ok"
         assert outcome(client_for(c.address, tls_ca=str(pki / "rogue-ca.pem"))) == "CoordinatorUnavailableError"
 
