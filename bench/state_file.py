@@ -47,7 +47,7 @@ def _core(processes: int, threads: int) -> Core:
 async def _measure(processes: int, threads: int, rounds: int, reps: int, whole: bool, workload: str) -> tuple[float, float]:
     core = _core(processes, threads)
     folder = pathlib.Path(tempfile.mkdtemp(prefix="bench-state-"))
-    writer = _server._StateWriter(core, folder / "coordinator.state")
+    writer = _server._StateWriter(core, _state.Files(folder / "coordinator.state"))
     await writer.flush()
     rows = [[Contribution(p * threads + t, "barrier", b"", "") for t in range(threads)] for p in range(processes)]
     number = 0

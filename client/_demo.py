@@ -18,24 +18,25 @@ import threading
 import time
 from typing import TextIO
 
-_SCRUBBED = (
-    "PJRT_RENDEZVOUS_TASK_ID",
-    "PJRT_RENDEZVOUS_NUM_TASKS",
-    "PJRT_RENDEZVOUS_LOCAL_RANK",
-    "PJRT_RENDEZVOUS_LOCAL_WORLD_SIZE",
-    "PJRT_RENDEZVOUS_CORES_PER_CHIP",
-    "CLOUD_TPU_TASK_ID",
-    "TPU_PROCESS_BOUNDS",
-    "TPU_CHIPS_PER_PROCESS_BOUNDS",
-)
+# Taken out of the caller's environment: what would place a simulated process elsewhere
+# than its task, and every client setting (PJRT_RENDEZVOUS_*) but those kept: the caller's
+# token, TLS files or timeouts are not the demo coordinator's, whose processes would then
+# fail or wait for nothing. The native module's switch stays (it changes no outcome).
+_SCRUBBED = ("CLOUD_TPU_TASK_ID", "TPU_PROCESS_BOUNDS", "TPU_CHIPS_PER_PROCESS_BOUNDS")
+_SCRUBBED_PREFIX = "PJRT_RENDEZVOUS_"
+_KEPT = ("PJRT_RENDEZVOUS_NATIVE",)
 
 
 def simulated_env(
     *, address: str, accelerator: str, task: int, processes: int, hosts: int, threads: int | None
 ) -> dict[str, str]:
-    """The environment of simulated task ``task``: what a TPU VM and torch_xla would set."""
+    """The environment of simulated task ``task``: what a TPU VM and torch_xla would set, and
+    of the caller's only what concerns no client setting."""
     per_host = processes // hosts
-    env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED}
+    env = {
+        k: v for k, v in os.environ.items()
+        if k not in _SCRUBBED and (not k.startswith(_SCRUBBED_PREFIX) or k in _KEPT)
+    }
     env.update(
         PJRT_RENDEZVOUS_ADDRESS=address,
         TPU_SKIP_MDS_QUERY="1",

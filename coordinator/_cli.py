@@ -19,13 +19,13 @@ import sys
 import time
 from typing import Any, Callable, Mapping
 
-from pjrt_rendezvous.client._config import parse_seconds, token_conflict
+from pjrt_rendezvous.client._config import check_token, parse_seconds, read_token_file, token_conflict
 from pjrt_rendezvous.client._topology import host_port
 from pjrt_rendezvous.client._errors import UsageError
 
 from ._core import Limits
 from ._monitor import DEFAULT_LATE_AFTER
-from ._server import DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_SESSION_PORT
+from ._server import DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_SESSION_PORT, listen_host
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_HEALTH_TIMEOUT = 5.0
@@ -59,6 +59,11 @@ TOKEN_VARIABLE = "PJRT_RENDEZVOUS_TOKEN"
 # Read by health only: the name the coordinator's TLS certificate is issued for, when
 # health connects to it by another name (127.0.0.1 in a container).
 TLS_SERVER_NAME_VARIABLE = "PJRT_RENDEZVOUS_TLS_SERVER_NAME"
+# The client settings (client/_config.py) status and health use: TLS, and the token (status
+# only: health checks are exempt from it). The others (timeouts, job, fan-in...) they do not
+# use, so a malformed one must not fail them.
+CLIENT_TLS_VARIABLES = ("PJRT_RENDEZVOUS_TLS_CA", "PJRT_RENDEZVOUS_TLS_CERT", "PJRT_RENDEZVOUS_TLS_KEY")
+CLIENT_TOKEN_VARIABLES = (TOKEN_VARIABLE, SERVE_VARIABLES["token_file"])
 
 
 def _port(text: str) -> int:
@@ -125,8 +130,53 @@ def _log_format(text: str) -> str:
     return text.lower()
 
 
-def _text(text: str) -> str:
+def _host(text: str) -> str:
+    try:
+        return listen_host(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _job(text: str) -> str:
+    """A job name as clients accept it (client/_config.py's Settings): a name with a space at
+    an end would be a job of its own, which no client could join."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    if text != text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} has spaces at an end, which clients refuse in a job name")
     return text
+
+
+def _variable(env: Mapping[str, str], dest: str, convert: Callable[[str], Any], default: Any) -> Any:
+    """Serve option ``dest`` as its variable in ``env`` sets it (``default`` when unset or
+    empty).
+
+    Raises:
+        ValueError: the variable cannot be read, named with its value.
+    """
+    variable = SERVE_VARIABLES[dest]
+    text = env.get(variable, "")
+    if text == "":
+        return default
+    try:
+        return convert(text)
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise ValueError(f"{variable}={text!r}: {exc}") from None
+
+
+class _Flag(argparse.Action):
+    """Stores a serve option given on the command line, which wins over its variable: that
+    variable is then neither used, nor refused when malformed, nor named in errors."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.bad_variables.pop(self.dest, None)
+        namespace.sources[self.dest] = option_string
+
+
+def _source(args, dest: str) -> str:
+    """What set serve option ``dest``, for errors: its flag, or the variable it came from."""
+    return args.sources.get(dest, "--" + dest.replace("_", "-"))
 
 
 def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -146,20 +196,22 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "in brackets; a flag on the command line wins.",
     )
 
-    # A bad serve variable is reported by `serve` only: `health` (the container's probe),
-    # `status` and `demo` must keep working in the same environment.
-    bad_variables: list[str] = []
-    serve.set_defaults(bad_variables=bad_variables)
+    # A bad serve variable is reported by `serve` only (unless its flag is given, see _Flag):
+    # `health` (the container's probe), `status` and `demo` must keep working in the same
+    # environment. dest -> why its variable cannot be read; dest -> the variable it came from.
+    bad_variables: dict[str, str] = {}
+    sources: dict[str, str] = {}
+    serve.set_defaults(bad_variables=bad_variables, sources=sources)
 
     def option(name: str, convert: Callable[[str], Any], default: Any, help: str, **kwargs) -> None:
         dest = name.lstrip("-").replace("-", "_")
         variable = SERVE_VARIABLES[dest]
-        text = env.get(variable, "")
-        if text != "":
-            try:
-                default = convert(text)
-            except (ValueError, argparse.ArgumentTypeError) as exc:
-                bad_variables.append(f"{variable}={text!r}: {exc}")
+        if env.get(variable, "") != "":
+            sources[dest] = variable
+        try:
+            default = _variable(env, dest, convert, default)
+        except ValueError as exc:
+            bad_variables[dest] = str(exc)
         metavar = {
             _port: "PORT",
             _session_port: "{PORT,auto,off}",
@@ -171,12 +223,12 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
             _log_format: "{text,json}",
         }.get(convert)
         serve.add_argument(
-            name, type=convert, default=default, metavar=metavar, help=f"{help} [{variable}]", **kwargs
+            name, action=_Flag, type=convert, default=default, metavar=metavar, help=f"{help} [{variable}]", **kwargs
         )
 
     option(
         "--host",
-        _text,
+        _host,
         DEFAULT_HOST,
         f"address to listen on (default {DEFAULT_HOST}; 0.0.0.0 so other TPU hosts can connect)",
     )
@@ -187,7 +239,7 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         None,
         "fix the world size of --job up front (default: the first registration fixes it)",
     )
-    option("--job", _text, "default", "the job --world-size applies to (default 'default')")
+    option("--job", _job, "default", "the job --world-size applies to (default 'default')")
     option(
         "--heartbeat-timeout",
         _seconds,
@@ -220,7 +272,7 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         None,
         "serve Prometheus metrics over HTTP at /metrics on this port (default: none; 0 picks a free one)",
     )
-    option("--metrics-host", _text, None, "address the metrics endpoint listens on (default: the same as --host)")
+    option("--metrics-host", _host, None, "address the metrics endpoint listens on (default: the same as --host)")
     option(
         "--late-after",
         _seconds,
@@ -260,9 +312,9 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "health",
         help="check the coordinator's gRPC health service; exit code 0 when serving, else 1",
         description="Ask the standard gRPC health service (grpc.health.v1.Health) of a coordinator. "
-        "Exit code 0 when it is SERVING, 1 otherwise (unreachable, NOT_SERVING, timeout). Token and "
-        "TLS come from the client variables (PJRT_RENDEZVOUS_TOKEN, PJRT_RENDEZVOUS_TLS_CA, ...); "
-        "health checks need no token.",
+        "Exit code 0 when it is SERVING, 1 otherwise (unreachable, NOT_SERVING, timeout). TLS comes "
+        "from the client variables (PJRT_RENDEZVOUS_TLS_CA, ...); health checks need no token, and it "
+        "sends none.",
     )
     health.add_argument(
         "--address",
@@ -312,20 +364,64 @@ def session_port(args) -> int | None:
     return args.session_port
 
 
+def _json_line(level: int, message: str, **fields) -> str:
+    """A line ``serve`` prints itself (not through the log) as a JSON line shaped like the
+    log's: ``time``, ``level``, ``logger``, ``message`` and ``fields``."""
+    from ._logging import JsonFormatter
+
+    record = logging.makeLogRecord(
+        {"name": "pjrt_rendezvous.coordinator", "levelno": level, "levelname": logging.getLevelName(level), "msg": message}
+    )
+    record.__dict__.update(fields)
+    return JsonFormatter().format(record)
+
+
 def announce(log_format: str, message: str, service: str, address: str, port: int, **fields) -> None:
     """Prints one of the lines ``serve`` starts with on stdout: ``message``, or under
-    ``--log-format json`` a JSON line shaped like the log's (``time``, ``level``, ``logger``,
-    ``message``) with ``event`` ``"address"``, ``service`` (``grpc``, ``session`` or
-    ``metrics``), ``address``, ``port`` and ``fields``, so that all its output is JSON."""
+    ``--log-format json`` a JSON line shaped like the log's with ``event`` ``"address"``,
+    ``service`` (``grpc``, ``session`` or ``metrics``), ``address``, ``port`` and ``fields``,
+    so that all its output is JSON."""
     if log_format == "json":
-        from ._logging import JsonFormatter
-
-        record = logging.makeLogRecord(
-            {"name": "pjrt_rendezvous.coordinator", "levelno": logging.INFO, "levelname": "INFO", "msg": message}
-        )
-        record.__dict__.update(event="address", service=service, address=address, port=port, **fields)
-        message = JsonFormatter().format(record)
+        message = _json_line(logging.INFO, message, event="address", service=service, address=address, port=port, **fields)
     print(message, flush=True)
+
+
+def _failed(log_format: str, message: str) -> None:
+    """Says on stderr why ``serve`` does not run: under ``--log-format json`` one more JSON
+    line (``event`` ``"failed"``) for the log collector, else ``message``."""
+    print(_json_line(logging.ERROR, message, event="failed") if log_format == "json" else message, file=sys.stderr)
+
+
+def _token(args, env: Mapping[str, str]) -> str | None:
+    """The shared secret ``serve`` requires: ``PJRT_RENDEZVOUS_TOKEN``, or the file
+    ``--token-file`` names (both given, they must agree); None without either. Read and
+    checked as the clients read and check theirs: gRPC sends it in a header, which takes
+    printable ASCII alone, so anything else would fail every call as "Invalid metadata".
+
+    Raises:
+        UsageError: the file cannot be read, or a token is not printable ASCII; naming
+            where it came from.
+        ValueError: the two disagree.
+    """
+    token = check_token(env[TOKEN_VARIABLE].strip(), TOKEN_VARIABLE) if env.get(TOKEN_VARIABLE) else None
+    if args.token_file is not None:
+        where = _source(args, "token_file")
+        from_file = check_token(read_token_file(str(args.token_file), where), f"the file {args.token_file} ({where})")
+        if token is not None and token != from_file:
+            raise ValueError(token_conflict(TOKEN_VARIABLE, "the token file (--token-file)"))
+        token = from_file
+    return token
+
+
+def _read(args, dest: str) -> bytes | None:
+    """The contents of the file serve option ``dest`` names (None without one)."""
+    path = getattr(args, dest)
+    if path is None:
+        return None
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path} ({_source(args, dest)}): {exc.strerror or exc}") from None
 
 
 def _serve(args, env: Mapping[str, str]) -> int:
@@ -351,12 +447,6 @@ def _serve(args, env: Mapping[str, str]) -> int:
             )
 
     try:
-        token = env[TOKEN_VARIABLE].strip() if env.get(TOKEN_VARIABLE) else None
-        if args.token_file is not None:
-            from_file = args.token_file.read_text().strip()
-            if token is not None and token != from_file:
-                raise ValueError(token_conflict(TOKEN_VARIABLE, "the token file (--token-file)"))
-            token = from_file
         options = ServerOptions(
             host=args.host,
             port=args.port,
@@ -365,10 +455,10 @@ def _serve(args, env: Mapping[str, str]) -> int:
             limits=Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)}),
             heartbeat_timeout=args.heartbeat_timeout,
             state_file=args.state_file,
-            token=token,
-            tls_cert=args.tls_cert.read_bytes() if args.tls_cert else None,
-            tls_key=args.tls_key.read_bytes() if args.tls_key else None,
-            tls_ca=args.tls_ca.read_bytes() if args.tls_ca else None,
+            token=_token(args, env),
+            tls_cert=_read(args, "tls_cert"),
+            tls_key=_read(args, "tls_key"),
+            tls_ca=_read(args, "tls_ca"),
             grace=args.grace,
             session_port=session_port(args),
             metrics_port=args.metrics_port,
@@ -377,10 +467,7 @@ def _serve(args, env: Mapping[str, str]) -> int:
         )
         serve_forever(options, on_ready=ready)
     except (CoreError, StateFileError, RuntimeError, OSError, ValueError) as exc:
-        if args.log_format == "json":  # one more JSON line for the log collector
-            logging.getLogger("pjrt_rendezvous.coordinator").error("pjrt-rendezvous serve: %s", exc, extra={"event": "failed"})
-        else:
-            print(f"pjrt-rendezvous serve: {exc}", file=sys.stderr)
+        _failed(args.log_format, f"pjrt-rendezvous serve: {exc}")
         return 1
     return 0
 
@@ -389,19 +476,28 @@ def _serve(args, env: Mapping[str, str]) -> int:
 
 
 def local_address(env: Mapping[str, str]) -> str:
-    """Where ``serve`` run with ``env`` can be reached from this machine."""
+    """Where ``serve`` run with ``env`` can be reached from this machine: its
+    ``PJRT_RENDEZVOUS_HOST`` and ``_PORT`` read as ``serve`` reads them.
+
+    Raises:
+        ValueError: a variable ``serve`` would refuse, or port 0 (a free port: which one,
+            only ``serve`` knows); naming the variable.
+    """
     from pjrt_rendezvous.client._topology import DEFAULT_PORT
 
-    host = env.get(SERVE_VARIABLES["host"], "").strip()
-    if host in ("", "0.0.0.0", "::", "[::]"):
-        host = "127.0.0.1"
-    return host_port(host, env.get(SERVE_VARIABLES["port"], "").strip() or DEFAULT_PORT)
+    host = _variable(env, "host", _host, "")
+    port = _variable(env, "port", _port, DEFAULT_PORT)
+    if port == 0:
+        raise ValueError(f"{SERVE_VARIABLES['port']}=0 makes serve pick a free port; name it with --address")
+    return host_port("127.0.0.1" if host in ("", "0.0.0.0", "::") else host, port)
 
 
-def _dial(command: str, address: str, env: Mapping[str, str], tls_server_name: str | None):
-    """A channel to ``address`` (normalized like the clients' addresses: default port,
-    IPv6 brackets) with the client variables' TLS, and the token's metadata; or prints why
-    not and returns None."""
+def _dial(
+    command: str, address: str, address_source: str, env: Mapping[str, str], tls_server_name: str | None, *, token: bool
+):
+    """A channel to ``address`` (normalized like the clients' addresses: default port, IPv6
+    brackets; ``address_source`` names what gave it, for errors) with the client variables'
+    TLS, and with ``token`` the token's metadata; or prints why not and returns None."""
     import grpc
 
     from pjrt_rendezvous.client._config import Settings
@@ -409,8 +505,9 @@ def _dial(command: str, address: str, env: Mapping[str, str], tls_server_name: s
     from pjrt_rendezvous.client._topology import normalize_address
 
     try:
-        address = normalize_address(address, "--address")
-        settings = Settings.resolve(env, address=address)
+        address = normalize_address(address, address_source)
+        used = CLIENT_TLS_VARIABLES + (CLIENT_TOKEN_VARIABLES if token else ())
+        settings = Settings.resolve({k: env[k] for k in used if k in env}, address=address)
         credentials = settings.credentials()
     except RendezvousError as exc:
         print(f"pjrt-rendezvous {command}: {exc}", file=sys.stderr)
@@ -424,38 +521,61 @@ def _dial(command: str, address: str, env: Mapping[str, str], tls_server_name: s
     return address, channel, metadata
 
 
+RETRY_EVERY = 0.2  # seconds between a status or health call and the next while it waits
+
+
+def _ask(call: Callable[[float], Any], timeout: float, again: Callable[[Any], bool]) -> Any:
+    """``call(seconds left)``, again every RETRY_EVERY s while ``again(its answer or
+    grpc.RpcError)`` and ``timeout`` allows; returns the last answer or error. The calls fail
+    fast instead of waiting for the connection (``wait_for_ready``), which would end in
+    DEADLINE_EXCEEDED and hide why it fails (refused, an unknown host, plaintext against
+    TLS); a failed call names that."""
+    import grpc
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            outcome = call(max(0.001, deadline - time.monotonic()))
+        except grpc.RpcError as exc:
+            outcome = exc
+        if not again(outcome) or time.monotonic() + RETRY_EVERY >= deadline:
+            return outcome
+        time.sleep(RETRY_EVERY)
+
+
 def _health(args, env: Mapping[str, str]) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    dialed = _dial("health", args.address or local_address(env), env, args.tls_server_name)
+    address, address_source = args.address, "--address"
+    if address is None:
+        try:
+            address, address_source = local_address(env), SERVE_VARIABLES["host"]
+        except ValueError as exc:
+            print(f"pjrt-rendezvous health: {exc}", file=sys.stderr)
+            return 1
+    # No token: health checks are exempt from it, so a probe does not depend on it.
+    dialed = _dial("health", address, address_source, env, args.tls_server_name, token=False)
     if dialed is None:
         return 1
-    address, channel, metadata = dialed  # (health checks are exempt from the token; it does no harm)
-    deadline = time.monotonic() + args.timeout
+    address, channel, _ = dialed
     request = health_pb2.HealthCheckRequest(service=args.service)
+    serving = health_pb2.HealthCheckResponse.SERVING
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            try:
-                reply = stub.Check(
-                    request,
-                    timeout=max(0.001, deadline - time.monotonic()),
-                    wait_for_ready=args.wait,
-                    metadata=metadata,
-                )
-                serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-                outcome = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-            except grpc.RpcError as exc:
-                serving = False
-                outcome = f"{exc.code().name}: {exc.details()}"
-            if serving or not args.wait or time.monotonic() + 0.2 >= deadline:
-                break
-            time.sleep(0.2)
+        reply = _ask(
+            lambda timeout: stub.Check(request, timeout=timeout),
+            args.timeout,
+            lambda reply: args.wait and (isinstance(reply, grpc.RpcError) or reply.status != serving),
+        )
     service = f" service {args.service!r}" if args.service else ""
-    if serving:
+    if not isinstance(reply, grpc.RpcError) and reply.status == serving:
         print(f"{address}{service}: SERVING")
         return 0
+    outcome = (
+        f"{reply.code().name}: {reply.details()}" if isinstance(reply, grpc.RpcError)
+        else health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    )
     print(f"pjrt-rendezvous health: {address}{service}: {outcome}", file=sys.stderr)
     return 1
 
@@ -690,27 +810,35 @@ def _status(args, env: Mapping[str, str]) -> int:
     from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
     from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
-    address = args.address or env.get("PJRT_RENDEZVOUS_ADDRESS", "").strip() or None
-    if address is None and env.get(SERVE_VARIABLES["port"]):
-        address = local_address(env)  # next to a serve configuration (the image, a unit's file)
-    if address is None:
-        try:  # as a client finds it: TPU worker 0, else localhost
-            address = client_address(env)
-        except RendezvousError as exc:
-            print(f"pjrt-rendezvous status: {exc} (or name the coordinator: --address)", file=sys.stderr)
-            return 1
-    dialed = _dial("status", address, env, args.tls_server_name)
+    try:
+        if args.address:
+            address, address_source = args.address, "--address"
+        elif env.get("PJRT_RENDEZVOUS_ADDRESS", "").strip():
+            address, address_source = env["PJRT_RENDEZVOUS_ADDRESS"], "PJRT_RENDEZVOUS_ADDRESS"
+        elif env.get(SERVE_VARIABLES["port"]):  # next to a serve configuration (the image, a unit's file)
+            address, address_source = local_address(env), SERVE_VARIABLES["host"]
+        else:  # as a client finds it: TPU worker 0, else localhost (checked there)
+            address, address_source = client_address(env), "the coordinator's address"
+    except RendezvousError as exc:  # (from client_address)
+        print(f"pjrt-rendezvous status: {exc} (or name the coordinator: --address)", file=sys.stderr)
+        return 1
+    except ValueError as exc:  # (from local_address)
+        print(f"pjrt-rendezvous status: {exc}", file=sys.stderr)
+        return 1
+    dialed = _dial("status", address, address_source, env, args.tls_server_name, token=True)
     if dialed is None:
         return 1
     address, channel, metadata = dialed
-    with channel:
-        try:
-            response = pb_grpc.CoordinatorStub(channel).Status(
-                pb.StatusRequest(job=args.job), timeout=args.timeout, metadata=metadata, wait_for_ready=True
-            )
-        except grpc.RpcError as exc:
-            print(f"pjrt-rendezvous status: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 1
+    with channel:  # waits up to --timeout for a coordinator that is starting
+        stub = pb_grpc.CoordinatorStub(channel)
+        response = _ask(
+            lambda timeout: stub.Status(pb.StatusRequest(job=args.job), timeout=timeout, metadata=metadata),
+            args.timeout,
+            lambda reply: isinstance(reply, grpc.RpcError) and reply.code() == grpc.StatusCode.UNAVAILABLE,
+        )
+    if isinstance(response, grpc.RpcError):
+        print(f"pjrt-rendezvous status: {address}: {response.code().name}: {response.details()}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(status_json(response, address), indent=2))
     else:
@@ -722,8 +850,8 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
     env = os.environ if env is None else env
     args = _parser(env).parse_args(argv)
     if args.command == "serve":
-        if args.bad_variables:
-            print(f"pjrt-rendezvous: {'; '.join(args.bad_variables)}", file=sys.stderr)
+        if args.bad_variables:  # (json when PJRT_RENDEZVOUS_LOG_FORMAT or the flag could say so)
+            _failed(args.log_format, f"pjrt-rendezvous: {'; '.join(args.bad_variables.values())}")
             return 2
         return _serve(args, env)
     if args.command == "status":

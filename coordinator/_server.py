@@ -16,6 +16,7 @@ import errno
 import functools
 import gc
 import hmac
+import ipaddress
 import logging
 import pathlib
 import queue
@@ -77,6 +78,26 @@ MAX_MESSAGE_RULE = (
 )
 
 
+def listen_host(text: str) -> str:
+    """``text`` as the listening sockets take a host: without spaces at its ends (a stray one
+    in a variable) and an IPv6 literal without the brackets of an address (``[::1]``: gRPC's
+    port reads those, the session port's and the metrics port's sockets do not).
+
+    Raises:
+        ValueError: brackets around something other than an IPv6 address.
+    """
+    host = text.strip()
+    if host.startswith("[") or host.endswith("]"):
+        try:
+            if not (host.startswith("[") and host.endswith("]")):
+                raise ValueError
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise ValueError(f"brackets are for an IPv6 address, as in [::1], got {text!r}") from None
+        host = host[1:-1]
+    return host
+
+
 def max_message_bytes(limits: Limits) -> int:
     """The largest request the coordinator receives, on gRPC or its session port: a host
     relay's rendezvous call carrying a payload of the largest size (and a tag of the longest)
@@ -136,6 +157,9 @@ class ServerOptions:
     late_after: float | None = DEFAULT_LATE_AFTER
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "host", listen_host(self.host))
+        if self.metrics_host is not None:
+            object.__setattr__(self, "metrics_host", listen_host(self.metrics_host))
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics port must be in [0, 65535], got {self.metrics_port}")
         if self.late_after is not None and not self.late_after > 0:
@@ -378,9 +402,9 @@ class _StateWriter:
     the GIL anyway); the writing and fsyncs run in the writer's own thread, one hop away
     (``asyncio.to_thread`` costs twice the CPU, a cost every round pays)."""
 
-    def __init__(self, core: Core, path: pathlib.Path) -> None:
+    def __init__(self, core: Core, files: _state.Files) -> None:
         self._core = core
-        self._files = _state.Files(path)  # used by the writer's thread alone
+        self._files = files  # used by the writer's thread alone (once it started)
         self._written = -1  # core.version on disk
         self._state_written = -1  # core.state_version in the state file
         self._journal_size = 0
@@ -466,9 +490,17 @@ class _StateWriter:
         if not done.cancelled():  # cannot be (see flush), but a loop callback must not raise
             done.set_result(None) if error is None else done.set_exception(error)
 
-    def close(self) -> None:
-        """Ends the writer's thread once the writes asked for are done."""
-        self._requests.put(None)
+    def close(self, wait: bool = True) -> None:
+        """Ends the writer's thread once the writes asked for are done; with ``wait``, lets
+        go of the state file before returning: a coordinator started on it next (in this
+        process or another) finds its lock free. (Without, after a write that does not end,
+        its thread lets go once it does.)"""
+        if self._thread is None:
+            self._files.close()
+        else:
+            self._requests.put(None)
+            if wait:
+                self._thread.join()
 
 
 class RunningServer:
@@ -530,12 +562,12 @@ class RunningServer:
             self._metrics_server.close()
             await self._metrics_server.wait_closed()
         if self.writer is not None:
-            await self._last_write()
-            self.writer.close()
+            self.writer.close(wait=await self._last_write())
 
-    async def _last_write(self) -> None:
+    async def _last_write(self) -> bool:
         """What changed without a call (deaths the liveness watch found) goes to disk, within
-        FINAL_WRITE_TIMEOUT or until :meth:`hurry` (a stuck volume must not hold the exit)."""
+        FINAL_WRITE_TIMEOUT or until :meth:`hurry` (a stuck volume must not hold the exit);
+        False when the write did not end."""
         flush = asyncio.ensure_future(self.writer.flush())
         hurried = asyncio.ensure_future(self._hurried.wait())
         await asyncio.wait((flush, hurried), timeout=FINAL_WRITE_TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
@@ -543,10 +575,12 @@ class RunningServer:
         if not flush.done():
             flush.cancel()
             log.error("the last write of the state file did not finish; the state file may miss the last changes")
-        elif isinstance(flush.exception(), CoreError):  # (the writer logged why)
+            return False
+        if isinstance(flush.exception(), CoreError):  # (the writer logged why)
             log.error("%s", flush.exception().message)
         elif flush.exception() is not None:
             log.error("the last write of the state file failed", exc_info=flush.exception())
+        return True
 
     def hurry(self) -> None:
         """Ends a :meth:`stop` under way now: in-flight calls are cancelled."""
@@ -559,12 +593,30 @@ async def start_server(options: ServerOptions = ServerOptions(), *, core: Core |
 
     Raises:
         StateFileError: the state file exists but is torn, edited or foreign.
-        RuntimeError: the port could not be bound.
-        OSError: the metrics port could not be bound.
+        RuntimeError: the port could not be bound, or the TLS files are not valid (the
+            message says which).
+        OSError: the session port or the metrics port could not be bound.
     """
-    if core is None and options.state_file is not None:
+    # Locked first: no other coordinator writes the state file once it is read.
+    files = _state.Files(options.state_file) if options.state_file is not None else None
+    writer = None
+    try:
+        core = _core_to_serve(options, core, files)
+        writer = _StateWriter(core, files) if files is not None else None
+        return await _serving(options, core, writer)
+    except BaseException:  # the state file's lock goes, for a start again in this process
+        if writer is not None:
+            writer.close()
+        elif files is not None:
+            files.close()
+        raise
+
+
+def _core_to_serve(options: ServerOptions, core: Core | None, files: "_state.Files | None") -> Core:
+    """``core``, else the one the state file holds, else a new one; with ``--world-size``'s job declared."""
+    if core is None and files is not None:
         core = _state.load(
-            options.state_file,
+            files.path,
             now=time.monotonic(),
             limits=options.limits,
             heartbeat_timeout=options.heartbeat_timeout,
@@ -587,7 +639,11 @@ async def start_server(options: ServerOptions = ServerOptions(), *, core: Core |
                 extra={"event": "world_size_changed", "job": options.job},
             )
         core.declare_job(options.job, options.world_size)
-    writer = _StateWriter(core, options.state_file) if options.state_file else None
+    return core
+
+
+async def _serving(options: ServerOptions, core: Core, writer: "_StateWriter | None") -> "RunningServer":
+    """The rest of :func:`start_server`, once the core and its state writer are there."""
     metrics = Metrics() if options.metrics_port is not None else None
     monitor = Monitor(core, metrics, clock=time.monotonic, late_after=options.late_after)
     # The RPC counter goes first so that it also counts the token check's refusals.
@@ -618,10 +674,7 @@ async def start_server(options: ServerOptions = ServerOptions(), *, core: Core |
     try:
         port = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     except RuntimeError:  # gRPC says only "Failed to bind to address ...; set GRPC_VERBOSITY=debug"
-        tls = "" if credentials is None else "; or the TLS certificate and key (--tls-cert, --tls-key) are not valid PEM"
-        raise RuntimeError(
-            f"cannot listen on {address} (--host, --port): the port is in use, or the host is not an address of this machine{tls}"
-        ) from None
+        raise RuntimeError(await _why_not_bound(address, options)) from None
     await server.start()
     metrics_server = None
     sessions = session_port = None
@@ -632,11 +685,16 @@ async def start_server(options: ServerOptions = ServerOptions(), *, core: Core |
         if writer is not None:
             await writer.flush()  # a new state file exists from the start
         if metrics is not None:
-            metrics_server = await start_http_server(
-                lambda: metrics.render(core, time.monotonic()),
-                options.host if options.metrics_host is None else options.metrics_host,
-                options.metrics_port,
-            )
+            metrics_host = options.host if options.metrics_host is None else options.metrics_host
+            try:
+                metrics_server = await start_http_server(
+                    lambda: metrics.render(core, time.monotonic()), metrics_host, options.metrics_port
+                )
+            except OSError as exc:
+                raise OSError(
+                    f"cannot listen on the metrics port {host_port(metrics_host, options.metrics_port)} "
+                    f"(--metrics-host, --metrics-port): {exc.strerror or exc}"
+                ) from None
     except BaseException:
         if sessions is not None:
             sessions.close()
@@ -659,6 +717,31 @@ async def start_server(options: ServerOptions = ServerOptions(), *, core: Core |
         session_port=session_port,
         writer=writer,
     )
+
+
+async def _why_not_bound(address: str, options: ServerOptions) -> str:
+    """Why gRPC could not listen on ``address``, which it does not say: the port, or (with
+    TLS) the certificate and key, or the client CA. Found by trying each part alone on a
+    throwaway server: the address without TLS, then the certificate and key on any port."""
+
+    async def takes(where: str, credentials=None) -> bool:
+        probe = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        try:
+            probe.add_insecure_port(where) if credentials is None else probe.add_secure_port(where, credentials)
+            return True
+        except RuntimeError:
+            return False
+        finally:
+            await probe.stop(None)
+
+    port_taken = f"cannot listen on {address} (--host, --port): the port is in use, or the host is not an address of this machine"
+    if options.tls_cert is None or not await takes(address):
+        return port_taken
+    if not await takes(host_port(options.host, 0), grpc.ssl_server_credentials([(options.tls_key, options.tls_cert)])):
+        return "the TLS certificate and key (--tls-cert, --tls-key) are not valid PEM, or the key is not the certificate's"
+    if options.tls_ca is not None:
+        return "the client CA (--tls-ca) holds no valid PEM certificate"
+    return port_taken  # (taken meanwhile, or free again)
 
 
 class Coordinator:

@@ -19,17 +19,30 @@ events) rewrites the state file and empties the journal, as does a journal grown
 ``JOURNAL_LIMIT``. Loading replays the lines newer than the state file (each carries the
 core's version); a last line cut short by a crash was never acknowledged and is ignored, a
 damaged line before it is reported.
+
+Also beside it, ``PATH.lock``: a coordinator holds an ``flock`` on it from startup to exit,
+so a second one started on the same file refuses to start instead of interleaving its
+writes with the first's (both would journal under the same versions, and either's rewrite
+drops the other's keys). The lock is on a file of its own because every rewrite replaces
+the state file (a new inode). The kernel lets go of it when its holder dies, however it
+dies: a lock left by a dead process never blocks. It is never deleted (a process could
+lock a deleted inode while another locks its replacement). A link given as the state file
+is followed once, at startup: the journal, the lock and each rewrite's temporary file are
+beside the file it points at, and the rename replaces that file, not the link.
 """
 
 from __future__ import annotations
 
 import base64
 import collections
+import errno
+import fcntl
 import hashlib
 import json
 import math
 import os
 import pathlib
+import socket
 import tempfile
 
 from ._core import ALL, Code, Core, CoreError, Event, EventLog, Job, Limits, Member, Process, Round, _Group
@@ -253,35 +266,146 @@ def _replay_kv(core: Core, changes: list) -> None:
             raise ValueError(f"unknown key-value change {kind!r}")
 
 
-class Files:
-    """The state file and its journal, as the state writer's thread writes them. The journal
-    stays open between appends: opening and closing it cost as much CPU again as a round's
-    line and its fsync."""
+def lock_path(path: pathlib.Path) -> pathlib.Path:
+    return path.with_name(path.name + ".lock")
 
-    def __init__(self, path: pathlib.Path) -> None:
-        self.path = path
+
+def resolve(path: os.PathLike | str) -> pathlib.Path:
+    """Where the state file ``path`` is: a link (to a volume, say) followed, once, at startup.
+    (``os.replace`` onto the link would replace the link by a file, and the volume would
+    keep the old state.)"""
+    real = pathlib.Path(os.path.realpath(path))
+    if real.is_dir():
+        raise StateFileError(
+            f"the state file {_named(path, real)} (--state-file) is a folder; give the path of a file, "
+            f"such as {pathlib.Path(path) / 'coordinator.state'}"
+        )
+    return real
+
+
+def _named(given: os.PathLike | str, real: pathlib.Path) -> str:
+    """``given`` as it was given, and where it leads when that is elsewhere (a link)."""
+    return str(given) if pathlib.Path(os.path.abspath(given)) == real else f"{given} (leading to {real})"
+
+
+def _what_to_do(exc: OSError, folder: pathlib.Path) -> str:
+    """What the user can do about ``exc``, raised writing in ``folder``."""
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return (
+            f"; the coordinator's user must be able to create and replace files in {folder}: change its owner "
+            "or mode, or give another --state-file"
+        )
+    if exc.errno == errno.EROFS:
+        return f"; {folder} is on a read-only filesystem: give a --state-file on a writable volume"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"; free space on the volume of {folder}"
+    return ""
+
+
+def _lock(real: pathlib.Path, given: os.PathLike | str) -> int:
+    """Locks state file ``real`` for this coordinator: the descriptor of its lock file,
+    holding an ``flock`` and naming this process; StateFileError when another coordinator
+    (of this process too: each open file holds its own flock) holds it."""
+    lock = lock_path(real)
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise StateFileError(
+            f"cannot create {lock}, the lock of the state file {_named(given, real)} (--state-file): "
+            f"{exc.strerror}{_what_to_do(exc, real.parent)}"
+        ) from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        raise StateFileError(_in_use(given, real, holder)) from None
+    except OSError as exc:  # (ENOLCK: an NFS mount whose lock service does not answer)
+        os.close(fd)
+        raise StateFileError(
+            f"cannot lock {lock}, the lock of the state file {_named(given, real)} (--state-file): {exc.strerror}; "
+            "keep the state file on a filesystem with file locks (a local disk, a block volume, NFS with locking)"
+        ) from exc
+    try:  # who holds it, for the message of a coordinator refused (the lock is what counts)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+    except OSError:
+        pass
+    return fd
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock on ``fd``, as its holder wrote it ("pid N on HOST"), or ""."""
+    try:
+        text = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+    return text if text.startswith("pid ") else ""
+
+
+def _in_use(given: os.PathLike | str, real: pathlib.Path, holder: str) -> str:
+    by = f" ({holder})" if holder else ""
+    return (
+        f"the state file {_named(given, real)} (--state-file) is in use by another coordinator{by}: it holds "
+        f"{lock_path(real)}; two coordinators on one state file would lose each other's writes. Stop it first, "
+        "or give this one another --state-file"
+    )
+
+
+class Files:
+    """The state file and its journal, as the state writer's thread writes them, locked
+    against other coordinators (``PATH.lock``) from construction to :meth:`close`. The
+    journal stays open between appends: opening and closing it cost as much CPU again as a
+    round's line and its fsync."""
+
+    def __init__(self, path: os.PathLike | str) -> None:
+        self.given = path
+        self.path = resolve(path)
+        self._lock: int | None = _lock(self.path, path)
         self._journal: int | None = None  # the journal's descriptor, open for appends
 
     def append(self, data: bytes) -> None:
         """Appends ``data`` to the journal, on disk when this returns."""
-        if self._journal is None:
-            self._journal = os.open(journal_path(self.path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._journal, view):]
-        os.fsync(self._journal)
+        try:
+            if self._journal is None:
+                self._journal = os.open(journal_path(self.path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._journal, view):]
+            os.fsync(self._journal)
+        except OSError as exc:
+            raise self._cannot_write(exc) from exc
 
     def rewrite(self, data: bytes) -> None:
         """Replaces the state file with ``data`` (from :func:`encode`) and empties its journal
         (also the way back after a failed append: a partial line goes with the old journal)."""
-        self.close()
-        write_atomic(self.path, data)
-        write_atomic(journal_path(self.path), b"")  # a crash between the two: the lines are older, skipped
+        self._close_journal()
+        try:
+            write_atomic(self.path, data)
+            write_atomic(journal_path(self.path), b"")  # a crash between the two: the lines are older, skipped
+        except OSError as exc:
+            raise self._cannot_write(exc) from exc
 
-    def close(self) -> None:
+    def _cannot_write(self, exc: OSError) -> OSError:
+        """``exc`` naming the state file (not the temporary file or the journal it was
+        about) and what to do; still an OSError, which the writer's callers are told of."""
+        if exc.errno is None:
+            return exc
+        folder = self.path.parent
+        named = _named(self.given, self.path)
+        return OSError(exc.errno, f"cannot write the state file {named} (--state-file): {exc.strerror}{_what_to_do(exc, folder)}")
+
+    def _close_journal(self) -> None:
         if self._journal is not None:
             os.close(self._journal)
             self._journal = None
+
+    def close(self) -> None:
+        """Closes the journal and lets go of the lock: another coordinator may start on it."""
+        self._close_journal()
+        if self._lock is not None:
+            os.close(self._lock)  # (lets go of the flock)
+            self._lock = None
 
 
 def replay_journal(core: Core, path: pathlib.Path) -> None:
@@ -290,6 +414,8 @@ def replay_journal(core: Core, path: pathlib.Path) -> None:
         data = journal_path(path).read_bytes()
     except FileNotFoundError:
         return
+    except OSError as exc:
+        raise _cannot_read(f"{journal_path(path)}, the journal of the state file {path} (--state-file)", exc) from exc
     hint = f"; move {path} and {journal_path(path).name} away to start with an empty coordinator"
     lines = data.split(b"\n")
     lines.pop()  # b"" after the last newline, or a line cut short (never acknowledged)
@@ -359,16 +485,27 @@ def write_atomic(path: pathlib.Path, data: bytes) -> None:
         os.close(dir_fd)
 
 
-def load(path: pathlib.Path, *, now: float, limits: Limits | None, heartbeat_timeout: float | None) -> Core | None:
-    """The core saved at ``path``, or None when there is no file yet."""
+def _cannot_read(what: str, exc: OSError) -> StateFileError:
+    return StateFileError(
+        f"cannot read {what}: {exc.strerror}; make it readable by the coordinator's user (its owner "
+        "or mode), or move it away to start with an empty coordinator"
+    )
+
+
+def load(path: os.PathLike | str, *, now: float, limits: Limits | None, heartbeat_timeout: float | None) -> Core | None:
+    """The core saved at ``path``, or None when there is no file yet; StateFileError when it
+    cannot be used. A coordinator loads it once it holds its lock (:class:`Files`)."""
+    real = resolve(path)
     try:
-        data = path.read_bytes()
+        data = real.read_bytes()
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        raise _cannot_read(f"the state file {_named(path, real)} (--state-file)", exc) from exc
     body = decode(data, path=str(path))
     try:
         core = restore(body, now=now, limits=limits, heartbeat_timeout=heartbeat_timeout)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise StateFileError(f"{path} does not hold a valid coordinator state ({type(exc).__name__}: {exc})") from exc
-    replay_journal(core, path)
+    replay_journal(core, real)
     return core

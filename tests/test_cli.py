@@ -180,6 +180,13 @@ def bound_thread(client: pr.Client, index: int, body=None) -> tuple[threading.Th
     return thread, errors
 
 
+def free_port() -> int:
+    """A loopback port nothing listens on (just now)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def wait_until(predicate, timeout: float = 20, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -388,9 +395,7 @@ def test_health_needs_no_token():
 
 def test_health_wait_returns_once_the_coordinator_listens():
     """`health --wait` started before the coordinator exits 0 as soon as it serves."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     waiting = subprocess.Popen(
         [*CLI, "health", "--wait", "--timeout", "60", "--address", f"127.0.0.1:{port}"],
         env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -409,13 +414,19 @@ def test_health_wait_returns_once_the_coordinator_listens():
 
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory):
-    """A self-signed certificate issued only for the name coordinator.test (not 127.0.0.1)."""
+    """A self-signed certificate issued only for the name coordinator.test (not 127.0.0.1);
+    also a key of no certificate (other.key) and a file that is no PEM (junk.pem)."""
     d = tmp_path_factory.mktemp("tls")
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=coordinator.test",
          "-addext", "subjectAltName=DNS:coordinator.test", "-keyout", "server.key", "-out", "server.pem"],
         cwd=d, check=True, capture_output=True, timeout=60,
     )
+    subprocess.run(
+        ["openssl", "genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", "other.key"],
+        cwd=d, check=True, capture_output=True, timeout=60,
+    )
+    (d / "junk.pem").write_text("not a certificate\n")
     return d
 
 
@@ -430,6 +441,9 @@ def test_health_with_tls_uses_the_client_variables(tls_files):
         ca = {"PJRT_RENDEZVOUS_TLS_CA": str(tls_files / "server.pem")}
         plaintext = run_cli("health", "--address", server.address, "--timeout", "3")
         assert plaintext.returncode == 1
+        for command in ("status", "health --wait"):  # they wait out --timeout, then say why
+            waited = run_cli(*command.split(), "--address", server.address, "--timeout", "2")
+            assert waited.returncode == 1 and ": UNAVAILABLE: " in waited.stderr, (command, waited.stderr)
         wrong_name = run_cli("health", "--address", server.address, "--timeout", "3", env=ca)
         assert wrong_name.returncode == 1  # the certificate does not name 127.0.0.1
         named = run_cli(
@@ -443,6 +457,56 @@ def test_health_with_tls_uses_the_client_variables(tls_files):
         )
         assert status.returncode == 0, status.stderr
         server.stop()
+
+
+def test_status_and_health_wait_say_why_they_cannot_connect():
+    """`status` and `health --wait` wait out --timeout for a coordinator that is starting,
+    then report why they could not connect (as `health` without --wait does), not
+    DEADLINE_EXCEEDED."""
+    address = f"127.0.0.1:{free_port()}"
+    for command in ("status", "health --wait", "health"):
+        started = time.monotonic()
+        out = run_cli(*command.split(), "--address", address, "--timeout", "2")
+        assert out.returncode == 1 and "Connection refused" in out.stderr, (command, out.stderr)
+        assert "DEADLINE_EXCEEDED" not in out.stderr, (command, out.stderr)
+        assert command == "health" or time.monotonic() - started > 2  # it did wait
+    unknown = run_cli("status", "--address", "nowhere.invalid", "--timeout", "2")
+    assert unknown.returncode == 1 and "DEADLINE_EXCEEDED" not in unknown.stderr, unknown.stderr
+    assert "nowhere.invalid:7481: UNAVAILABLE: " in unknown.stderr, unknown.stderr
+
+
+def test_health_and_status_ignore_client_settings_they_do_not_use():
+    """A container's probe runs in the coordinator's environment, which may hold client
+    settings too: malformed ones that `health` and `status` do not use (timeouts, job,
+    fan-in...) fail neither; `health` sends no token (health checks need none), so not even
+    a token gRPC cannot carry fails it."""
+    unused = {
+        "PJRT_RENDEZVOUS_TIMEOUT": "0", "PJRT_RENDEZVOUS_CONNECT_TIMEOUT": "soon", "PJRT_RENDEZVOUS_BATCH_WINDOW": "x",
+        "PJRT_RENDEZVOUS_FAN_IN": "on", "PJRT_RENDEZVOUS_TRANSPORT": "udp", "PJRT_RENDEZVOUS_HEARTBEAT_INTERVAL": "0",
+        "PJRT_RENDEZVOUS_PROGRESS_INTERVAL": "x", "PJRT_RENDEZVOUS_JOB": " train",
+    }
+    with Serve() as server:
+        for command in ("health", "status"):
+            out = run_cli(command, "--address", server.address, env=unused)
+            assert out.returncode == 0, (command, out.stderr)
+        wrapped = run_cli("health", "--address", server.address, env={"PJRT_RENDEZVOUS_TOKEN": "abc\ndef"})
+        assert wrapped.returncode == 0, wrapped.stderr
+        server.stop()
+
+
+def test_health_and_status_name_the_variable_that_gave_a_bad_address():
+    """Without --address, a malformed PJRT_RENDEZVOUS_PORT (a Kubernetes service link's
+    tcp://IP:PORT), port 0 (serve picks a free one) or a malformed PJRT_RENDEZVOUS_ADDRESS is
+    refused naming that variable, not --address, which nobody gave."""
+    link = {"PJRT_RENDEZVOUS_PORT": "tcp://10.0.0.1:7481"}
+    for command in ("health", "status"):
+        out = run_cli(command, env=link)
+        assert out.returncode == 1 and "PJRT_RENDEZVOUS_PORT='tcp://10.0.0.1:7481': port must be an integer" in out.stderr, out.stderr
+        assert "--address" not in out.stderr, out.stderr
+        free = run_cli(command, env={"PJRT_RENDEZVOUS_PORT": "0"})
+        assert free.returncode == 1 and "PJRT_RENDEZVOUS_PORT=0 makes serve pick a free port" in free.stderr, free.stderr
+    address = run_cli("status", env={"PJRT_RENDEZVOUS_ADDRESS": "127.0.0.1:99999"})
+    assert address.returncode == 1 and "PJRT_RENDEZVOUS_ADDRESS has an invalid port" in address.stderr, address.stderr
 
 
 # -- serve settings -------------------------------------------------------------------------
@@ -471,6 +535,125 @@ def test_serve_takes_its_settings_from_variables_and_flags_win(tmp_path):
         server.stop()
     bad = run_cli("serve", "--port", "0", env={"PJRT_RENDEZVOUS_HEARTBEAT_TIMEOUT": "soon"})
     assert bad.returncode == 2 and "PJRT_RENDEZVOUS_HEARTBEAT_TIMEOUT='soon'" in bad.stderr
+
+
+def test_a_flag_wins_over_its_malformed_variable():
+    """A flag on the command line wins: its variable is not read, so a malformed one (here a
+    Kubernetes service link's PJRT_RENDEZVOUS_PORT=tcp://IP:PORT) does not stop serve; without
+    the flag it is refused, naming the variable."""
+    link = {"PJRT_RENDEZVOUS_PORT": "tcp://10.0.0.1:7481"}
+    with Serve("--session-port", "0", env=link) as server:  # (Serve gives --port 0)
+        assert run_cli("health", "--address", server.address).returncode == 0
+        server.stop()
+    refused = run_cli("serve", env=link, timeout=30)
+    assert refused.returncode == 2 and "PJRT_RENDEZVOUS_PORT='tcp://10.0.0.1:7481'" in refused.stderr, refused.stderr
+
+
+def test_serve_refuses_a_token_grpc_cannot_send_naming_where_it_came_from(tmp_path):
+    """gRPC sends the token in a header, printable ASCII alone: a token file `base64` wrapped
+    onto two lines, a tab or a byte beyond ASCII would fail every call ("Invalid metadata").
+    `serve` refuses them as it starts, naming the flag, the variable or the file; a file's
+    last line break is no part of the token."""
+    wrapped = tmp_path / "wrapped"
+    wrapped.write_text("A" * 76 + "\n" + "B" * 12 + "\n")  # as `openssl rand -base64 64` writes it
+    binary = tmp_path / "binary"
+    binary.write_bytes(b"tok\x88en\n")
+    cases = [
+        ((("--token-file", str(wrapped)), {}), f"the file {wrapped} (--token-file)"),
+        (((), {"PJRT_RENDEZVOUS_TOKEN_FILE": str(wrapped)}), f"the file {wrapped} (PJRT_RENDEZVOUS_TOKEN_FILE)"),
+        (((), {"PJRT_RENDEZVOUS_TOKEN": "abc\tdef"}), "PJRT_RENDEZVOUS_TOKEN "),
+        (((), {"PJRT_RENDEZVOUS_TOKEN": "pässwörd"}), "PJRT_RENDEZVOUS_TOKEN "),
+        ((("--token-file", str(binary)), {}), f"the token file {binary} (--token-file)"),
+    ]
+    for (args, env), named in cases:
+        out = run_cli("serve", "--port", "0", *args, env=env, timeout=30)
+        assert out.returncode == 1 and named in out.stderr and "printable ASCII" in out.stderr, (args, env, out.stderr)
+    one_line = tmp_path / "token"
+    one_line.write_text("sekrit-123\n")
+    with Serve("--token-file", str(one_line)) as server:
+        allowed = run_cli("status", "--address", server.address, env={"PJRT_RENDEZVOUS_TOKEN": "sekrit-123"})
+        assert allowed.returncode == 0, allowed.stderr
+        server.stop()
+
+
+@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6")
+def test_serve_listens_on_a_bracketed_ipv6_host():
+    """`--host [::1]` (an address's spelling) listens there on every port: gRPC, the session
+    port and metrics, as does an embedded coordinator; brackets around anything else are
+    refused up front."""
+    from pjrt_rendezvous.coordinator import Coordinator
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback")
+    with Coordinator(host="[::1]", session_port=0, metrics_port=0) as embedded:
+        assert embedded.address == f"[::1]:{embedded.port}" and embedded.session_port and embedded.metrics_port
+    with Serve("--host", "[::1]", "--metrics-port", "0") as server:
+        assert [line.split()[-1] for line in server.stdout_lines] == [
+            f"[::1]:{server.port}", f"[::1]:{server.session_port}", f"http://[::1]:{server.metrics_port}/metrics",
+        ]
+        local = run_cli("health", env={"PJRT_RENDEZVOUS_HOST": "[::1]", "PJRT_RENDEZVOUS_PORT": str(server.port)})
+        assert local.returncode == 0 and f"[::1]:{server.port}: SERVING" in local.stdout, local.stderr
+        with socket.create_connection(("::1", server.metrics_port), timeout=10):
+            pass
+        assert server.stop() == 0
+    unclosed = run_cli("serve", "--port", "0", "--host", "[::1", timeout=30)
+    assert unclosed.returncode == 2 and "brackets are for an IPv6 address" in unclosed.stderr, unclosed.stderr
+
+
+def test_serve_startup_errors_name_their_option(tmp_path, tls_files):
+    """Each startup error names the option (or the variable) it is about: a metrics port in
+    use, a TLS or token file that cannot be read, a key of another certificate, a client CA
+    that is no PEM (not blamed on the port); a stray space in PJRT_RENDEZVOUS_HOST is none."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = run_cli("serve", "--port", "0", "--metrics-port", str(port), timeout=30)
+    assert busy.returncode == 1, busy.stderr
+    assert f"cannot listen on the metrics port 127.0.0.1:{port} (--metrics-host, --metrics-port)" in busy.stderr
+    cert, key = str(tls_files / "server.pem"), str(tls_files / "server.key")
+    missing = str(tmp_path / "nope.pem")
+    cases = [
+        (("--tls-cert", missing, "--tls-key", key), {}, f"cannot read {missing} (--tls-cert): No such file"),
+        (("--tls-key", key), {"PJRT_RENDEZVOUS_SERVER_TLS_CERT": missing}, f"cannot read {missing} (PJRT_RENDEZVOUS_SERVER_TLS_CERT)"),
+        (("--token-file", missing), {}, f"cannot read the token file {missing} (--token-file)"),
+        (("--tls-cert", cert, "--tls-key", str(tls_files / "other.key")), {}, "(--tls-cert, --tls-key) are not valid PEM, or the key"),
+        (("--tls-cert", cert, "--tls-key", key, "--tls-ca", str(tls_files / "junk.pem")), {}, "the client CA (--tls-ca) holds no valid PEM"),
+    ]
+    for args, env, named in cases:
+        out = run_cli("serve", "--port", "0", *args, env=env, timeout=30)
+        assert out.returncode == 1 and named in out.stderr and "port is in use" not in out.stderr, (args, out.stderr)
+    with Serve(env={"PJRT_RENDEZVOUS_HOST": "127.0.0.1 "}) as server:
+        assert server.stdout_lines[0] == f"pjrt-rendezvous coordinator listening on 127.0.0.1:{server.port}"
+        server.stop()
+
+
+def test_serve_refuses_a_job_name_clients_refuse():
+    """PJRT_RENDEZVOUS_JOB is shared with the clients, which refuse ' train': serve must not
+    create a job no client can join."""
+    spaced = run_cli("serve", "--port", "0", "--world-size", "2", env={"PJRT_RENDEZVOUS_JOB": " train"}, timeout=30)
+    assert spaced.returncode == 2 and "PJRT_RENDEZVOUS_JOB=' train'" in spaced.stderr, spaced.stderr
+    assert "spaces at an end" in spaced.stderr
+    for job in ("train ", ""):
+        flag = run_cli("serve", "--port", "0", "--job", job, timeout=30)
+        assert flag.returncode == 2 and "argument --job" in flag.stderr, flag.stderr
+
+
+@pytest.mark.parametrize("json_by", ["flag", "variable"])
+def test_a_bad_variable_under_json_logs_is_refused_in_a_json_line(json_by):
+    """With the log format json (by flag or variable), the refusal of a malformed variable is
+    one more JSON line like the log's, for the log collector; with an unknown format, text."""
+    args, env = (("--log-format", "json"), {}) if json_by == "flag" else ((), {"PJRT_RENDEZVOUS_LOG_FORMAT": "json"})
+    out = run_cli("serve", "--port", "0", *args, env={**env, "PJRT_RENDEZVOUS_GRACE": "x"}, timeout=30)
+    assert out.returncode == 2, out.stderr
+    (line,) = out.stderr.splitlines()
+    record = json.loads(line)
+    assert (record["level"], record["event"]) == ("ERROR", "failed") and "PJRT_RENDEZVOUS_GRACE='x'" in record["message"]
+    unknown = run_cli("serve", "--port", "0", env={"PJRT_RENDEZVOUS_LOG_FORMAT": "xml", "PJRT_RENDEZVOUS_GRACE": "x"}, timeout=30)
+    assert unknown.returncode == 2 and unknown.stderr.startswith("pjrt-rendezvous: PJRT_RENDEZVOUS_GRACE='x'"), unknown.stderr
 
 
 def test_every_serve_option_has_a_variable():
@@ -775,6 +958,22 @@ def test_bad_demo_serve_and_health_arguments_get_a_message_not_a_traceback(tmp_p
     lines = json_log.stderr.splitlines()
     assert lines and all(json.loads(line)["level"] for line in lines), json_log.stderr
     assert "corrupt or truncated" in json_log.stderr
+
+
+def test_demo_leaves_out_the_callers_client_settings(tls_files, monkeypatch):
+    """The demo's processes talk to the demo's own coordinator (no token, no TLS): the
+    caller's client settings (exported for a real pod, as the README's TLS recipe does) are
+    not theirs, and would make them fail or wait for nothing. The native module's switch stays."""
+    caller = {
+        "PJRT_RENDEZVOUS_TLS_CA": str(tls_files / "server.pem"), "PJRT_RENDEZVOUS_TOKEN": "sekrit-123",
+        "PJRT_RENDEZVOUS_TIMEOUT": "0", "PJRT_RENDEZVOUS_JOB": "train", "PJRT_RENDEZVOUS_NATIVE": "0",
+    }
+    demo = run_cli("demo", "--processes", "2", "--timeout", "30", env=caller, timeout=90)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    for name, value in caller.items():
+        monkeypatch.setenv(name, value)
+    env = simulated_env(address="127.0.0.1:1", accelerator="v3-8", task=0, processes=2, hosts=1, threads=None)
+    assert {k for k in env if k.startswith("PJRT_RENDEZVOUS_")} == {"PJRT_RENDEZVOUS_ADDRESS", "PJRT_RENDEZVOUS_NATIVE"}
 
 
 def test_a_state_file_that_cannot_be_written_stops_serve_instead_of_answering_from_memory(tmp_path):

@@ -6,7 +6,9 @@ import asyncio
 import dataclasses
 import json
 import pathlib
+import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -128,6 +130,148 @@ def start_coordinator(port, state_file):
     return server, int(match.group(1))
 
 
+# -- one coordinator per state file; a link followed; errors naming --state-file ---------------
+
+
+def serve_once(state_file, *prefix: str) -> subprocess.CompletedProcess:
+    """``serve --state-file state_file``, expected to refuse to start: its output once it exits
+    (TimeoutExpired if it serves instead)."""
+    return subprocess.run(
+        [*prefix, sys.executable, "-m", "pjrt_rendezvous.coordinator", "serve", "--port", "0",
+         "--session-port", "off", "--state-file", str(state_file)],
+        capture_output=True, text=True, timeout=20, check=False,
+    )
+
+
+def test_a_second_coordinator_on_a_state_file_in_use_refuses_to_start(tmp_path):
+    """A second `serve` on the state file of a running one exits 1 naming the file and the
+    pid holding it (both started, and the keys one acknowledged were lost to the other's
+    rewrite); so does taking its files in this process. Once the first is killed, its lock
+    is gone with it: a new coordinator starts and finds the first one's key."""
+    state_file = tmp_path / "state.json"
+    server, port = start_coordinator(0, state_file)
+    address = f"127.0.0.1:{port}"
+    client = pr.Client(pr.Settings(address=address, connect_timeout=30), pr.detect_topology({}, address=address))
+    try:
+        client.set("first", b"1")
+        second = serve_once(state_file)
+        assert second.returncode == 1, second
+        assert f"the state file {state_file} (--state-file) is in use by another coordinator (pid {server.pid} on" in second.stderr
+        assert "listening" not in second.stdout
+        with pytest.raises(StateFileError, match=f"in use by another coordinator \\(pid {server.pid} on"):
+            _state.Files(state_file)
+        client.close()
+        server.send_signal(signal.SIGKILL)  # no stop, no unlock: the kernel lets go
+        server.wait(10)
+        server, port = start_coordinator(0, state_file)
+        address = f"127.0.0.1:{port}"
+        client = pr.Client(pr.Settings(address=address, connect_timeout=30), pr.detect_topology({}, address=address))
+        assert client.get("first", wait=False) == b"1"
+    finally:
+        client.close()
+        server.terminate()
+        server.wait(10)
+
+
+def test_an_embedded_coordinator_gets_the_same_lock(tmp_path, monkeypatch):
+    """Coordinator(state_file=) refuses a state file a `serve` holds, and one another
+    Coordinator of this process holds; a stop lets go of it before it returns (its writer's
+    thread, slow here, is waited for), so a restart at once is not refused; nor is a start
+    again after one that failed (its port taken)."""
+    from pjrt_rendezvous.coordinator import Coordinator
+
+    state_file = tmp_path / "state.json"
+    server, _ = start_coordinator(0, state_file)
+    try:
+        with pytest.raises(StateFileError, match=f"in use by another coordinator \\(pid {server.pid} on"):
+            Coordinator(port=0, state_file=state_file).start()
+    finally:
+        server.terminate()
+        server.wait(10)
+    with Coordinator(port=0, state_file=state_file) as first:
+        with pytest.raises(StateFileError, match=f"in use by another coordinator \\(pid {os.getpid()} on"):
+            Coordinator(port=0, state_file=state_file).start()
+        with pytest.raises(RuntimeError, match="cannot listen"):
+            Coordinator(port=first.port, state_file=tmp_path / "other.json").start()
+    with Coordinator(port=0, state_file=tmp_path / "other.json"):  # its lock went with the failed start
+        pass
+    real_close = _state.Files.close
+    monkeypatch.setattr(_state.Files, "close", lambda files: (time.sleep(0.3), real_close(files)))  # a slow writer thread
+    for _ in range(2):
+        with Coordinator(port=0, state_file=state_file) as coordinator:
+            assert coordinator.core is not None
+
+
+def test_a_state_file_given_as_a_link_is_written_through_to_its_target(tmp_path):
+    """A --state-file that is a link to a volume's file stays a link: the rewrites replace
+    the file it points at (they replaced the link by a regular file, and the volume kept
+    the old state); journal and lock are beside the target."""
+    from pjrt_rendezvous.coordinator import Coordinator
+
+    volume, folder = tmp_path / "volume", tmp_path / "etc"
+    volume.mkdir()
+    folder.mkdir()
+    target, link = volume / "state.json", folder / "state.json"
+    link.symlink_to(target)
+    for value in (b"1", b"2"):  # each start rewrites the state file; the first creates the target
+        with Coordinator(port=0, state_file=link) as coordinator:
+            client = pr.Client(pr.Settings(address=coordinator.address), pr.detect_topology({}, address=coordinator.address))
+            client.set("k", value)
+            client.close()
+        assert link.is_symlink() and os.readlink(link) == str(target)
+        loaded = _state.load(target, now=0.0, limits=None, heartbeat_timeout=None)
+        assert loaded.jobs["default"].kv["k"] == value
+    assert sorted(p.name for p in folder.iterdir()) == ["state.json"]
+    assert sorted(p.name for p in volume.iterdir()) == ["state.json", "state.json.journal", "state.json.lock"]
+
+
+def unprivileged() -> tuple[str, ...]:
+    """A command prefix under which permissions apply (root's bypass them)."""
+    if os.geteuid() != 0:
+        return ()
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: file permissions cannot be tested")
+    return ("setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", "--")
+
+
+def test_state_file_errors_name_the_option_the_path_and_what_to_do(tmp_path):
+    """A folder given as the state file, an unreadable state file or journal, and a folder
+    the coordinator cannot write in (with or without a lock file in it already): serve exits
+    1 with a message naming --state-file and the state file, and what to do (they said
+    "[Errno 21] Is a directory: 'x'", or named the temporary file of a rewrite)."""
+    cases = []
+    (tmp_path / "folder").mkdir()
+    cases.append((tmp_path / "folder", "is a folder; give the path of a file, such as"))
+    path = tmp_path / "unreadable" / "state.json"
+    path.parent.mkdir()
+    path.write_bytes(_state.encode(_state.snapshot(populated_core()[0])))
+    path.chmod(0o200)
+    cases.append((path, f"cannot read the state file {path} (--state-file): Permission denied; make it readable"))
+    other = tmp_path / "journal" / "state.json"
+    other.parent.mkdir()
+    shutil.copyfile(path, other)
+    journal = _state.journal_path(other)
+    journal.write_bytes(b"")
+    journal.chmod(0o200)
+    cases.append((other, f"cannot read {journal}, the journal of the state file {other} (--state-file): Permission denied"))
+    for name, lock in (("read-only", False), ("read-only-but-the-lock", True)):
+        folder = tmp_path / name
+        folder.mkdir()
+        if lock:  # the lock file is there already: the first write fails, on the temporary file
+            (folder / "state.json.lock").write_bytes(b"")
+        folder.chmod(0o555)
+        message = f"state file {folder / 'state.json'} (--state-file): Permission denied; the coordinator's user must"
+        cases.append((folder / "state.json", f"{message} be able to create and replace files in {folder}"))
+    try:
+        for state_file, message in cases:
+            out = serve_once(state_file, *unprivileged())
+            assert out.returncode == 1 and message in out.stderr, (state_file, out.stderr)
+            assert ".state.json." not in out.stderr and "Traceback" not in out.stderr
+    finally:
+        for name in ("read-only", "read-only-but-the-lock"):
+            (tmp_path / name).chmod(0o755)
+
+
 def test_coordinator_killed_mid_job_restarts_from_its_state_file(tmp_path):
     """SIGKILL the coordinator mid-job, restart it on the same port from its state file: the job
     finishes with the same ordinals, every round right, none lost or doubled, every add counted once."""
@@ -234,7 +378,7 @@ def journaled_core(path: pathlib.Path):
     from pjrt_rendezvous.coordinator._server import _StateWriter
 
     core, _ = populated_core()
-    writer = _StateWriter(core, path)
+    writer = _StateWriter(core, _state.Files(path))
     return core, writer
 
 
