@@ -258,7 +258,8 @@ class Settings:
         token_file = values.pop("token_file", None)
         token_given, file_given = (given.get(n, DEFAULT) not in (DEFAULT, None) for n in ("token", "token_file"))
         if token_file is not None and (file_given or not token_given):  # an argument wins over a variable
-            from_file = read_token_file(token_file, "init(token_file=)" if file_given else _VARIABLES["token_file"])
+            source = "init(token_file=)" if file_given else _VARIABLES["token_file"]
+            from_file = check_token(read_token_file(token_file, source), f"the file {token_file} ({source})")
             if "token" in values and token_given == file_given and values["token"].strip() != from_file:
                 names = ("init(token=)", "init(token_file=)") if file_given else (_VARIABLES["token"], _VARIABLES["token_file"])
                 raise UsageError(token_conflict(*names))
