@@ -118,7 +118,7 @@ def init(
         UsageError: called again with different arguments, or bad settings.
         TopologyError: the environment does not describe a valid topology.
     """
-    global _client, _init_args, _atexit_registered
+    global _client, _init_args, _atexit_registered, _inherited
     args = dict(address=address, job=job, timeout=timeout, topology=topology, env=env, **settings)
     explicit = sorted(k for k, v in args.items() if v is not _DEFAULTS.get(k, DEFAULT))
     with _lock:
@@ -130,6 +130,9 @@ def init(
                     f"init() was already called in this process with other arguments (now "
                     f"{explicit}); call shutdown() first to change them"
                 )
+            return _client
+        if _inherited is not None and not explicit:  # a forked child: as its parent's
+            _client, _inherited = Client(*_inherited), None
             return _client
         env = os.environ if env is None else env
         topology = topology or _detect(env, address)
@@ -152,6 +155,23 @@ def shutdown() -> None:
         client, _client, _init_args = _client, None, None
     if client is not None:
         client.close()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child cannot use its parent's client: its gRPC channel, session socket and
+    threads are the parent's (calls hung for their retry budget). The child makes its own on
+    first use, with the parent's settings and place; the parent's is never closed here (that
+    would tell the coordinator its threads left)."""
+    global _client, _inherited, _lock
+    _lock = threading.Lock()  # (held by a parent's thread at the fork, it would stay held)
+    if _client is not None and not _client._closed:
+        _inherited = (_client.settings, _client.topology)
+    _client = None
+
+
+# A forked child's: its parent's process client's settings and topology, for its own.
+_inherited: tuple[Settings, Topology] | None = None
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def get_client() -> Client:

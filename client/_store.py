@@ -174,6 +174,7 @@ class Store(dist.Store):
         if not isinstance(prefix, str):
             raise UsageError(f"prefix must be a str, got {prefix!r}")
         self._client = client
+        self._pid = os.getpid()  # where _client was made (a forked child makes its own)
         self.prefix = prefix
         self._root = prefix.rstrip("/") + "/" if prefix else ""
         seconds = _seconds(timeout)
@@ -187,11 +188,19 @@ class Store(dist.Store):
 
     @property
     def client(self) -> Client:
-        return self._client or _api.get_client()
+        if self._client is None:
+            return _api.get_client()
+        if self._pid != os.getpid():  # a forked child: its parent's client does not work here
+            settings = self._client.settings
+            self._client, self._pid = _client_for(settings.address, settings.job), os.getpid()
+        return self._client
 
     def _key(self, key: str | bytes) -> str:
         if isinstance(key, (bytes, bytearray)):  # as torch's own stores take them
-            key = bytes(key).decode()
+            try:
+                key = bytes(key).decode()
+            except UnicodeDecodeError:
+                raise ValueError(f"Store keys must be UTF-8 text here (the coordinator's keys are text), got {key!r}") from None
         if not isinstance(key, str):
             raise TypeError(f"Store keys must be str, got {type(key).__name__}")
         return self._root + key
@@ -311,6 +320,7 @@ def _client_for(address: str, job: str | None, timeout: timedelta | None = None)
 
 
 def _int_arg(query: dict, name: str, env_name: str, url: str) -> int:
+    source = f"{name}= (init_process_group's argument or the URL)" if name in query else env_name
     text = query.get(name, os.environ.get(env_name))
     if text is None:
         raise UsageError(
@@ -320,7 +330,7 @@ def _int_arg(query: dict, name: str, env_name: str, url: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise UsageError(f"{SCHEME}:// rendezvous: {name}={text!r} is not an int") from None
+        raise UsageError(f"{SCHEME}:// rendezvous: {name} {text!r} (from {source}) is not an int") from None
 
 
 def rendezvous_handler(url: str, timeout: timedelta = DEFAULT_TIMEOUT, **kwargs):
@@ -340,6 +350,8 @@ def rendezvous_handler(url: str, timeout: timedelta = DEFAULT_TIMEOUT, **kwargs)
     address = _address(parsed, url)
     rank = _int_arg(query, "rank", "RANK", url)
     world_size = _int_arg(query, "world_size", "WORLD_SIZE", url)
+    if world_size < 1:
+        raise UsageError(f"{SCHEME}:// rendezvous: world size must be at least 1, got {world_size}")
     if not 0 <= rank < world_size:
         raise UsageError(f"{SCHEME}:// rendezvous: rank {rank} is out of range for world size {world_size}")
     job = query.get("job") or None
@@ -350,6 +362,16 @@ def rendezvous_handler(url: str, timeout: timedelta = DEFAULT_TIMEOUT, **kwargs)
     store = Store(_client_for(address, job, timeout), prefix=f"{prefix}/{generation}", timeout=timeout)
     yield store, rank, world_size
     raise RuntimeError(f"Unable to perform re-rendezvous using {SCHEME}:// method")
+
+
+def _after_fork_in_child() -> None:
+    """The parent's clients do not work in a forked child (see _api): it makes its own."""
+    global _clients_lock
+    _clients_lock = threading.Lock()
+    _clients.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _register() -> None:

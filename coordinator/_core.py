@@ -1539,6 +1539,8 @@ class Core:
         def apply() -> int:
             current = job.kv.get(key, b"0")
             try:
+                if b"_" in current:  # Python's int() takes "1_000"; no other store does
+                    raise ValueError
                 value = int(current) + delta
             except ValueError:
                 raise CoreError(

@@ -4,10 +4,14 @@ every Store method against a real coordinator, then gloo process groups in real 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import gc
 import multiprocessing
 import os
 import queue
+import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -118,6 +122,8 @@ def test_refusals_and_bad_arguments_are_torch_s_kinds_too(client, store, coordin
     assert info.value.code == "INVALID_ARGUMENT"
     store.set(b"bytes-key", b"v")
     assert store.get("bytes-key") == b"v" and store.check([b"bytes-key"])
+    with pytest.raises(ValueError, match="UTF-8"):  # (not a bare UnicodeDecodeError)
+        store.set(b"\xff\xfe", b"v")
     with pytest.raises(TypeError):
         store.add("n", 1.5)
     with pytest.raises(pr.UsageError, match="must not be negative"):
@@ -168,6 +174,50 @@ def test_url_handler_yields_a_store_per_group(coordinator):
         next(dist.rendezvous(url, rank=3, world_size=3))
 
 
+def _in_forked_child(results, store, url) -> None:
+    faulthandler.dump_traceback_later(50, exit=True)  # stuck: where, in the test's output
+    try:
+        store.set("from-child", b"c")  # the parent's Store
+        again, _, _ = next(dist.rendezvous(url, rank=0, world_size=1))  # an address and job the parent used
+        again.set("k", b"child")
+        results.put(("ok", store.get("from-parent"), pr.get_client().get("api-key", wait=False)))
+    except BaseException as exc:
+        results.put(("error", repr(exc)))
+
+
+def test_a_forked_child_makes_its_own_clients():
+    """A forked child cannot use its parent's clients (their channel, session socket and
+    threads are the parent's: its calls hung for their retry budget, then timed out): the
+    parent's Stores, the URL handler and the process client make their own there, and the
+    parent's go on working. (The coordinator runs in a process of its own: gRPC survives a
+    fork only while no thread of the process is inside it, which a server's always are.)"""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "pjrt_rendezvous.coordinator", "serve", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    pr.shutdown()
+    try:
+        address = re.search(r"listening on (127\.0\.0\.1:\d+)", server.stdout.readline()).group(1)
+        pr.init(address, env={}).set("api-key", b"a")
+        url = f"{SCHEME}://{address}?job=fork-test&prefix=fork"
+        store, _, _ = next(dist.rendezvous(url, rank=0, world_size=1))
+        store.set("from-parent", b"p")
+        context = multiprocessing.get_context("fork")
+        results = context.Queue()
+        child = context.Process(target=_in_forked_child, args=(results, store, url))
+        child.start()
+        try:
+            outcome = results.get(timeout=60)
+        finally:
+            child.join(30)
+        assert outcome == ("ok", b"p", b"a"), outcome
+        assert store.get("from-child") == b"c" and pr.get_client().get("api-key", wait=False) == b"a"
+    finally:
+        pr.shutdown()
+        server.terminate()
+        server.wait(30)
+
+
 def test_under_torchrun_the_default_prefix_is_the_run_s_own(client, coordinator, monkeypatch):
     """Under torchrun (TORCHELASTIC_RUN_ID) a Store and the URL handler put their keys under
     the run id and restart count by default, so a later run or restart on a long-lived
@@ -192,6 +242,13 @@ def test_url_handler_needs_rank_and_world_size(coordinator, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(pr.UsageError, match="rank is missing"):
+        next(dist.rendezvous(f"{SCHEME}://{coordinator.address}"))
+    monkeypatch.setenv("RANK", "abc")
+    monkeypatch.setenv("WORLD_SIZE", "0")
+    with pytest.raises(pr.UsageError, match=r"rank 'abc' \(from RANK\) is not an int"):
+        next(dist.rendezvous(f"{SCHEME}://{coordinator.address}"))
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(pr.UsageError, match="world size must be at least 1, got 0"):
         next(dist.rendezvous(f"{SCHEME}://{coordinator.address}"))
 
 
