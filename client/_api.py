@@ -14,7 +14,7 @@ import threading
 import urllib.error
 from typing import Mapping, Sequence
 
-from ._client import Binding, Client, _check_call, _payload_bytes, xm_binding
+from ._client import Binding, Client, _check_call, _payload_bytes, current_binding, xm_binding
 from ._config import DEFAULT, Settings, check_timeout
 from ._errors import UsageError
 from ._topology import Topology, detect_topology, metadata_fetcher, normalize_address
@@ -118,7 +118,7 @@ def init(
         UsageError: called again with different arguments, or bad settings.
         TopologyError: the environment does not describe a valid topology.
     """
-    global _client, _init_args, _atexit_registered, _inherited
+    global _client, _init_args, _atexit_registered
     args = dict(address=address, job=job, timeout=timeout, topology=topology, env=env, **settings)
     explicit = sorted(k for k, v in args.items() if v is not _DEFAULTS.get(k, DEFAULT))
     with _lock:
@@ -130,9 +130,6 @@ def init(
                     f"init() was already called in this process with other arguments (now "
                     f"{explicit}); call shutdown() first to change them"
                 )
-            return _client
-        if _inherited is not None and not explicit:  # a forked child: as its parent's
-            _client, _inherited = Client(*_inherited), None
             return _client
         env = os.environ if env is None else env
         topology = topology or _detect(env, address)
@@ -159,18 +156,15 @@ def shutdown() -> None:
 
 def _after_fork_in_child() -> None:
     """A forked child cannot use its parent's client: its gRPC channel, session socket and
-    threads are the parent's (calls hung for their retry budget). The child makes its own on
-    first use, with the parent's settings and place; the parent's is never closed here (that
-    would tell the coordinator its threads left)."""
-    global _client, _inherited, _lock
+    threads are the parent's (calls hung for their retry budget). The child's first use
+    makes its own, as after :func:`shutdown`: from the child's environment (a child of
+    ``xla.spawn(start_method="fork")`` is another task) and its own ``init`` arguments. The
+    parent's is never closed here (that would tell the coordinator its threads left)."""
+    global _client, _init_args, _lock
     _lock = threading.Lock()  # (held by a parent's thread at the fork, it would stay held)
-    if _client is not None and not _client._closed:
-        _inherited = (_client.settings, _client.topology)
-    _client = None
+    _client = _init_args = None
 
 
-# A forked child's: its parent's process client's settings and topology, for its own.
-_inherited: tuple[Settings, Topology] | None = None
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
@@ -198,7 +192,9 @@ def _world_of_one() -> bool:
 
 
 def _binding(what: str) -> Binding | None:
-    binding = xm_binding(f"{what}()")
+    binding = current_binding()
+    if binding is None:
+        xm_binding(f"{what}()")  # (refuses a thread bound through a client closed since)
     if binding is None and not _world_of_one():
         raise UsageError(
             f"{what}() needs a bound thread: call pjrt_rendezvous.client.bind_thread(index) in "

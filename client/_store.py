@@ -191,8 +191,8 @@ class Store(dist.Store):
         if self._client is None:
             return _api.get_client()
         if self._pid != os.getpid():  # a forked child: its parent's client does not work here
-            settings = self._client.settings
-            self._client, self._pid = _client_for(settings.address, settings.job), os.getpid()
+            # The same settings (token, TLS) and place: a Store's client only reads and writes keys.
+            self._client, self._pid = Client(self._client.settings, self._client.topology), os.getpid()
         return self._client
 
     def _key(self, key: str | bytes) -> str:

@@ -442,17 +442,19 @@ class Core:
             state.finished.popitem(last=False)
         while state.next_round in state.finished:
             state.next_round += 1
-        if len(groups) > _GROUPS_KEPT:
+        if len(groups) - len(job.pending) > _GROUPS_KEPT:  # (more than that many have none pending)
             Core._forget_groups(job)
 
     @staticmethod
     def _forget_groups(job: Job) -> None:
         """Forgets the groups that finished a round longest ago and have none pending, down
-        to seven eighths of ``_GROUPS_KEPT`` (so the scan runs once per many rounds)."""
+        to seven eighths of ``_GROUPS_KEPT`` of those: the scan runs once per eighth of it
+        of rounds at most, however many groups have a round pending."""
         busy = {key[:2] for key in job.pending}
-        excess = len(job.groups) - _GROUPS_KEPT * 7 // 8
-        for key in [k for k in itertools.islice(job.groups, len(job.groups) - 1) if k not in busy][:excess]:
-            del job.groups[key]  # (the last is the group that just finished a round)
+        # The last is the group that just finished a round: kept, and counted.
+        idle = [k for k in itertools.islice(job.groups, len(job.groups) - 1) if k not in busy]
+        for key in idle[: len(idle) + 1 - _GROUPS_KEPT * 7 // 8]:
+            del job.groups[key]
 
     @staticmethod
     def record_request(job: Job, request_id: str, result) -> None:

@@ -302,6 +302,20 @@ def _what_to_do(exc: OSError, folder: pathlib.Path) -> str:
     return ""
 
 
+# The descriptors of the locks this process holds. A forked child closes its copies: an
+# flock belongs to the open file, and a child outliving its parent would keep it locked.
+_held: set[int] = set()
+
+
+def _let_go_in_child() -> None:
+    for fd in _held:
+        os.close(fd)
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_let_go_in_child)
+
+
 def _lock(real: pathlib.Path, given: os.PathLike | str) -> int:
     """Locks state file ``real`` for this coordinator: the descriptor of its lock file,
     holding an ``flock`` and naming this process; StateFileError when another coordinator
@@ -326,6 +340,7 @@ def _lock(real: pathlib.Path, given: os.PathLike | str) -> int:
             f"cannot lock {lock}, the lock of the state file {_named(given, real)} (--state-file): {exc.strerror}; "
             "keep the state file on a filesystem with file locks (a local disk, a block volume, NFS with locking)"
         ) from exc
+    _held.add(fd)
     try:  # who holds it, for the message of a coordinator refused (the lock is what counts)
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
@@ -404,6 +419,7 @@ class Files:
         """Closes the journal and lets go of the lock: another coordinator may start on it."""
         self._close_journal()
         if self._lock is not None:
+            _held.discard(self._lock)
             os.close(self._lock)  # (lets go of the flock)
             self._lock = None
 

@@ -1746,10 +1746,11 @@ def test_old_generations_rounds_are_forgotten_and_their_late_calls_are_void():
 
 
 def test_a_job_keeps_the_groups_that_finished_a_round_last_and_those_with_a_pending_round(monkeypatch):
-    """Every replica subset is a group with its last finished rounds: past _GROUPS_KEPT, the
-    groups that finished a round longest ago are forgotten (down to 7/8 of it), never one
-    with a pending round. A forgotten group starts again from nothing: its members' next
-    round completes as before; only a retry of a round it finished misses its result."""
+    """Every replica subset is a group with its last finished rounds: past _GROUPS_KEPT
+    groups without a pending round, those that finished a round longest ago are forgotten
+    (down to 7/8 of it), never one with a pending round. A forgotten group starts again from
+    nothing: its members' next round completes as before; only a retry of a round it
+    finished misses its result."""
     from pjrt_rendezvous.coordinator import _core
 
     monkeypatch.setattr(_core, "_GROUPS_KEPT", 8)
@@ -1765,10 +1766,10 @@ def test_a_job_keeps_the_groups_that_finished_a_round_last_and_those_with_a_pend
         pair(a, a + 1)
     pair(0, 1, 1)  # (0, 1) finished a round last: kept over (1, 2)
     assert len(groups) == 6
-    for a in range(5, 8):
-        pair(a, a + 1)  # the 9th group: down to 7
+    for a in range(5, 9):
+        pair(a, a + 1)  # the 9th group without a pending round: down to 7 of those
     kept = [key[1] for key in groups]
-    assert kept == [(10, 11), (3, 4), (4, 5), (0, 1), (5, 6), (6, 7), (7, 8)]
+    assert kept == [(10, 11), (3, 4), (4, 5), (0, 1), (5, 6), (6, 7), (7, 8), (8, 9)]
     assert pod.result(pod.key((0, 1), 1)) == [b"p0", b"p1"]
     assert pod.outcome(pod.key((1, 2), 0)) is None  # forgotten
     assert pod.result(pair(1, 2, 1)) == [b"p1", b"p2"]  # its next round, as a new group's

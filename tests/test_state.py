@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import pathlib
+import multiprocessing
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -200,6 +201,25 @@ def test_an_embedded_coordinator_gets_the_same_lock(tmp_path, monkeypatch):
     for _ in range(2):
         with Coordinator(port=0, state_file=state_file) as coordinator:
             assert coordinator.core is not None
+
+
+def test_a_forked_child_does_not_keep_the_state_file_locked(tmp_path):
+    """An flock belongs to the open file, which a forked child shares: a child outliving its
+    parent's coordinator kept its state file locked (a restart was refused as "in use").
+    The child closes its copy at the fork."""
+    from pjrt_rendezvous.coordinator import Coordinator
+
+    state_file = tmp_path / "state.json"
+    child = None
+    with Coordinator(port=0, state_file=state_file):
+        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))
+        child.start()
+    try:
+        with Coordinator(port=0, state_file=state_file) as again:
+            assert again.core is not None
+    finally:
+        child.kill()
+        child.join(10)
 
 
 def test_a_state_file_given_as_a_link_is_written_through_to_its_target(tmp_path):

@@ -174,13 +174,16 @@ def test_url_handler_yields_a_store_per_group(coordinator):
         next(dist.rendezvous(url, rank=3, world_size=3))
 
 
-def _in_forked_child(results, store, url) -> None:
+def _in_forked_child(results, store, url, address) -> None:
     faulthandler.dump_traceback_later(50, exit=True)  # stuck: where, in the test's output
     try:
         store.set("from-child", b"c")  # the parent's Store
         again, _, _ = next(dist.rendezvous(url, rank=0, world_size=1))  # an address and job the parent used
         again.set("k", b"child")
-        results.put(("ok", store.get("from-parent"), pr.get_client().get("api-key", wait=False)))
+        # The child's process client: from its environment (another task, as xla.spawn's children are).
+        os.environ.update(PJRT_RENDEZVOUS_ADDRESS=address, PJRT_RENDEZVOUS_NUM_TASKS="2", PJRT_RENDEZVOUS_TASK_ID="1")
+        client = pr.get_client()
+        results.put(("ok", store.get("from-parent"), client.get("api-key", wait=False), client.topology.task_id))
     except BaseException as exc:
         results.put(("error", repr(exc)))
 
@@ -188,9 +191,10 @@ def _in_forked_child(results, store, url) -> None:
 def test_a_forked_child_makes_its_own_clients():
     """A forked child cannot use its parent's clients (their channel, session socket and
     threads are the parent's: its calls hung for their retry budget, then timed out): the
-    parent's Stores, the URL handler and the process client make their own there, and the
-    parent's go on working. (The coordinator runs in a process of its own: gRPC survives a
-    fork only while no thread of the process is inside it, which a server's always are.)"""
+    parent's Stores (with their settings), the URL handler and the process client (from the
+    child's environment, as after shutdown()) make their own there, and the parent's go on
+    working. (The coordinator runs in a process of its own: gRPC survives a fork only while no
+    thread of the process is inside it, which a server's always are.)"""
     server = subprocess.Popen(
         [sys.executable, "-m", "pjrt_rendezvous.coordinator", "serve", "--port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -204,13 +208,13 @@ def test_a_forked_child_makes_its_own_clients():
         store.set("from-parent", b"p")
         context = multiprocessing.get_context("fork")
         results = context.Queue()
-        child = context.Process(target=_in_forked_child, args=(results, store, url))
+        child = context.Process(target=_in_forked_child, args=(results, store, url, address))
         child.start()
         try:
             outcome = results.get(timeout=60)
         finally:
             child.join(30)
-        assert outcome == ("ok", b"p", b"a"), outcome
+        assert outcome == ("ok", b"p", b"a", 1), outcome
         assert store.get("from-child") == b"c" and pr.get_client().get("api-key", wait=False) == b"a"
     finally:
         pr.shutdown()
