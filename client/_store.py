@@ -48,6 +48,7 @@ SCHEME = "pjrt-rendezvous"
 DEFAULT_PREFIX = "torch.distributed"
 # torch's default store timeout (c10d Store::kDefaultTimeout).
 DEFAULT_TIMEOUT = timedelta(seconds=300)
+_AT_ONCE = 0.001  # seconds: a wait that expires at once (ours take no 0, which means none)
 
 
 class StoreTimeout(RendezvousTimeout, dist.DistStoreError):
@@ -206,7 +207,12 @@ class Store(dist.Store):
         return self._root + key
 
     def _wait_seconds(self, timeout=None) -> float | None:
-        return _seconds(self.timeout if timeout is None else timeout)
+        timeout = self.timeout if timeout is None else timeout
+        if self.timeout < timedelta(0) and timeout == self.timeout:
+            # Set from C++ (PrefixStore.set_timeout), past our set_timeout's check: it expires
+            # at once, as in torch's stores (it refused every wait, for keys present too).
+            return _AT_ONCE
+        return _seconds(timeout)
 
     # -- the c10d Store interface ---------------------------------------------------------
 

@@ -128,6 +128,15 @@ def test_refusals_and_bad_arguments_are_torch_s_kinds_too(client, store, coordin
         store.add("n", 1.5)
     with pytest.raises(pr.UsageError, match="must not be negative"):
         store.set_timeout(datetime.timedelta(seconds=-1))
+    # C++ sets it past our check (PrefixStore's set_timeout): it expires at once, as in
+    # torch's stores; it refused every wait, for keys present too.
+    prefixed = dist.PrefixStore("neg", store)
+    prefixed.set_timeout(datetime.timedelta(seconds=-1))
+    prefixed.set("k", b"v")
+    assert prefixed.get("k") == b"v"
+    with pytest.raises(StoreTimeout):
+        prefixed.get("missing")
+    store.set_timeout(datetime.timedelta(seconds=10))
     away = pr.Client(pr.Settings(address="127.0.0.1:1", connect_timeout=0.5), client.topology)
     with pytest.raises(StoreUnavailable) as info:
         Store(away, prefix="x").set("k", b"v")
