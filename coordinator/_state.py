@@ -20,8 +20,9 @@ events) rewrites the state file and empties the journal, as does a journal grown
 core's version); a last line cut short by a crash was never acknowledged and is ignored, a
 damaged line before it is reported.
 
-Also beside it, ``PATH.lock``: a coordinator holds an ``flock`` on it from startup to exit,
-so a second one started on the same file refuses to start instead of interleaving its
+Also beside it, ``PATH.lock``: a coordinator holds an ``flock`` on it from before it reads
+the state file until it stops (or its start fails; a forked child closes its copy), so a
+second one started on the same file refuses to start instead of interleaving its
 writes with the first's (both would journal under the same versions, and either's rewrite
 drops the other's keys). The lock is on a file of its own because every rewrite replaces
 the state file (a new inode). The kernel lets go of it when its holder dies, however it
