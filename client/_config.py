@@ -123,6 +123,18 @@ def parse_seconds(text: str, what: str = "") -> float | None:
     return None if math.isinf(value) else value
 
 
+def job_problem(job) -> str | None:
+    """Why ``job`` cannot name a job (None: it can). The coordinator's ``serve --job`` asks
+    too: a job no client could join must not be served."""
+    if not isinstance(job, str):
+        return "is not a string"
+    if not job:
+        return "is empty"
+    if job != job.strip():  # one host's stray space would make it a job of its own
+        return "has spaces at an end"
+    return None
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Settings:
     """Everything a :class:`Client` is configured with.
@@ -174,10 +186,9 @@ class Settings:
     def __post_init__(self) -> None:
         if not self.address or not isinstance(self.address, str):
             raise UsageError(f"address must be 'host:port', got {self.address!r}")
-        if not self.job or not isinstance(self.job, str):
-            raise UsageError(f"job must be a non-empty string, got {self.job!r}")
-        if self.job != self.job.strip():  # one host's stray space would make it a job of its own
-            raise UsageError(f"job {self.job!r} has spaces at an end (PJRT_RENDEZVOUS_JOB, init(job=))")
+        problem = job_problem(self.job)
+        if problem is not None:
+            raise UsageError(f"job {self.job!r} {problem} (PJRT_RENDEZVOUS_JOB, init(job=))")
         object.__setattr__(self, "timeout", check_timeout(self.timeout))
         if check_timeout(self.connect_timeout, "connect_timeout") is None:
             raise UsageError(

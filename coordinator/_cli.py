@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any, Callable, Mapping
 
-from pjrt_rendezvous.client._config import check_token, parse_seconds, read_token_file, token_conflict
+from pjrt_rendezvous.client._config import check_token, job_problem, parse_seconds, read_token_file, token_conflict
 from pjrt_rendezvous.client._topology import host_port
 from pjrt_rendezvous.client._errors import UsageError
 
@@ -138,12 +138,10 @@ def _host(text: str) -> str:
 
 
 def _job(text: str) -> str:
-    """A job name as clients accept it (client/_config.py's Settings): a name with a space at
-    an end would be a job of its own, which no client could join."""
-    if not text:
-        raise argparse.ArgumentTypeError("must not be empty")
-    if text != text.strip():
-        raise argparse.ArgumentTypeError(f"{text!r} has spaces at an end, which clients refuse in a job name")
+    """A job name as clients accept it (client/_config.py's Settings)."""
+    problem = job_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text!r} {problem}, which clients refuse in a job name")
     return text
 
 
