@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from _thread import LockType, allocate_lock as _allocate_lock, get_ident as _get_ident
 from typing import Callable, Sequence, TypeVar
 
@@ -82,6 +83,29 @@ _SESSION_PORT_PROBE = 60.0
 _SESSION_PORT_PROBE_MAX = 3600.0
 
 _bound = threading.local()
+
+# Every live client, and in a forked child those of its parent, with the parent's pid: a
+# child cannot use them (their connection and threads, and the ordinals they registered,
+# are the parent's), so each refuses at once instead of hanging on the parent's locks and
+# threads, or reading the parent's answers off the shared connection.
+_clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
+_inherited: "weakref.WeakKeyDictionary[Client, int]" = weakref.WeakKeyDictionary()
+_forked = False  # whether _inherited may hold any (a bool: cheap to test at every call)
+
+
+def _after_fork_in_child() -> None:
+    global _forked
+    _forked = True
+    parent = os.getppid()
+    for client in list(_clients):
+        _inherited.setdefault(client, parent)
+        # Held by a parent's thread at the fork, they would stay held: what the child may
+        # still do (unbind a thread, close) must not wait for them.
+        client._lock, client._session_lock = threading.Lock(), threading.Lock()
+    _clients.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _fan_in(settings: Settings, topology: Topology) -> bool:
@@ -291,6 +315,7 @@ class Client:
         self._session_port = (0, 0.0, 0.0)  # (port, retry at, probe backoff: > 0 after a timeout)
         # Whether the coordinator reads a relay's processes named once (Register, Heartbeat).
         self.reads_process_indexes = False
+        _clients.add(self)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -303,6 +328,17 @@ class Client:
     def _deadline(self, timeout) -> float | None:
         timeout = self.settings.timeout if timeout is DEFAULT else check_timeout(timeout)
         return None if timeout is None else time.monotonic() + timeout
+
+    def _refuse_if_inherited(self, what: str) -> None:
+        parent = _inherited.get(self)
+        if parent is not None:
+            raise UsageError(
+                f"{what}: this client was made in process {parent}, the parent of this forked "
+                f"process ({os.getpid()}); its connection, threads and ordinals are the parent's. "
+                "Make the call in the parent, or here through a client of this process's own "
+                "(pjrt_rendezvous.client.get_client() makes one; a thread bound through the "
+                "parent's client unbinds with Client.unbind_thread)"
+            )
 
     def _call(
         self,
@@ -329,6 +365,8 @@ class Client:
         """
         if self._closed:
             raise UsageError(_CLOSED)
+        if _forked:
+            self._refuse_if_inherited(method)
         attempt = (method, request, deadline, waits, progress, relay, raw)
         try:
             return self._attempt(*attempt)  # the common case, without building a Retrying
@@ -545,6 +583,11 @@ class Client:
         """
         if self._closed:
             return
+        if _forked and _inherited.get(self) is not None:
+            # The parent's: its Leave would end the parent's registration, and closing its
+            # sessions would shut the connection the parent shares with this process.
+            self._closed = True
+            return
         self._stopped.set()
         if leave and self._background_started:  # registered: say goodbye
             try:
@@ -723,6 +766,8 @@ class Client:
         """
         if not isinstance(thread_index, int) or isinstance(thread_index, bool):
             raise UsageError(f"thread_index must be an int, got {thread_index!r}")
+        if _forked:
+            self._refuse_if_inherited("bind_thread")
         self.topology.ordinal(thread_index)  # validates the range with a clear message
         existing = current_binding()
         if existing is not None:
@@ -842,6 +887,8 @@ class Client:
     ) -> list[bytes]:
         """One rendezvous round for the ordinal of ``binding``; see the module-level
         :func:`pjrt_rendezvous.client.rendezvous` for the contract."""
+        if _forked:
+            self._refuse_if_inherited(f"rendezvous({tag!r})")
         if type(payload) is not bytes:
             payload = _payload_bytes(payload)
         if type(tag) is str and tag.isascii() and not replicas:  # the common case, checked inline

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import concurrent.futures
+import faulthandler
 import gc
 import logging
+import multiprocessing
+import re
+import subprocess
 import signal
 import socket
 import sys
@@ -685,6 +689,71 @@ def test_the_stand_in_keeps_nothing_of_a_done_round(coordinator):
     assert sys.getrefcount(payload) == held
     client.unbind_thread()
     client.close()
+
+
+def _in_forked_child(results, client) -> None:
+    faulthandler.dump_traceback_later(50, exit=True)  # stuck: where, in the test's output
+    outcome = []
+    try:
+        binding = pr.current_binding()
+        outcome.append(binding.ordinal)  # what the thread knows of itself still answers here
+        for call in (
+            lambda: client.rendezvous(binding, "in-child", b"c", timeout=30),
+            lambda: client.get("k", wait=False),
+        ):
+            started = time.monotonic()
+            try:
+                call()
+                outcome.append("answered")
+            except pr.UsageError as exc:
+                outcome.append((round(time.monotonic() - started), "forked process" in str(exc)))
+        client.unbind_thread()
+        outcome.append(pr.current_binding())
+        client.close()  # the parent's registration and connection are not this process's to end
+        outcome.append("closed")
+    except BaseException as exc:
+        outcome.append(repr(exc))
+    results.put(outcome)
+
+
+def test_a_forked_child_refuses_its_parent_s_client():
+    """A forked child (a fork DataLoader worker, say) inherits its parent's client and its
+    threads' bindings, but the client's connection, threads and ordinals are the parent's.
+    Its rendezvous went to the main thread's stand-in, which does not exist in the child,
+    and hung for its timeout with a wrong reason; other calls shared the parent's session
+    socket; close() told the coordinator the parent had left. Now each call refuses at once,
+    naming the fork, and close() leaves the parent alone. (The coordinator runs in a process
+    of its own: gRPC survives a fork only while no thread of the process is inside it.)"""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "pjrt_rendezvous.coordinator", "serve", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        address = re.search(r"listening on (127\.0\.0\.1:\d+)", server.stdout.readline()).group(1)
+        client = make_client(address, devices=2, job="fork")
+        binding = client.bind_thread(0)
+        sibling = concurrent.futures.ThreadPoolExecutor(1)  # one thread: bound as ordinal 1
+        bound_sibling = sibling.submit(client.bind_thread, 1).result()
+        assert bound_sibling.ordinal == 1
+        first = sibling.submit(client.rendezvous, bound_sibling, "before", b"1", timeout=30)
+        assert client.rendezvous(binding, "before", b"0", timeout=30) == [b"0", b"1"] == first.result()
+        context = multiprocessing.get_context("fork")
+        results = context.Queue()
+        child = context.Process(target=_in_forked_child, args=(results, client))
+        child.start()
+        try:
+            outcome = results.get(timeout=60)
+        finally:
+            child.join(30)
+        assert outcome == [0, (0, True), (0, True), None, "closed"], outcome
+        for tag in ("after", "again"):  # the parent's rounds go on, on its own connection
+            later = sibling.submit(client.rendezvous, bound_sibling, tag, b"1", timeout=30)
+            assert client.rendezvous(binding, tag, b"0", timeout=30) == [b"0", b"1"] == later.result()
+        sibling.shutdown()
+        client.close()
+    finally:
+        server.terminate()
+        server.wait(30)
 
 
 def test_a_client_has_fewer_than_30_attributes(client):
