@@ -81,6 +81,8 @@ _SESSION_PORT_CONNECT = 2.0
 _SESSION_PORT_RETRY = 10.0
 _SESSION_PORT_PROBE = 60.0
 _SESSION_PORT_PROBE_MAX = 3600.0
+# A "still waiting" warning asks the coordinator what the round waits for this long at most.
+_DESCRIBE_TIMEOUT = 2.0
 
 _bound = threading.local()
 
@@ -378,16 +380,25 @@ class Client:
             log.debug("%s to %s failed (%s); retrying", method, self.settings.address, exc)
         # The retry budget counts from the start of the current outage, not of the call: a
         # round that waited ten minutes and then lost its coordinator still gets the full
-        # connect_timeout to find it again. An attempt that lasted longer than the backoff
-        # cap got through, so the outage restarts after it.
-        outage = {"since": None, "attempt": time.monotonic()}
+        # connect_timeout to find it again. An attempt that got through restarts the outage
+        # after it: on a socket session, one during which the peer answered anything (it
+        # pings a silent peer, so a frozen or unreachable coordinator answers nothing, and
+        # each attempt there fails only after its ping times out); on gRPC's stream, whose
+        # keepalive we do not see, one that lasted longer than the backoff cap.
+        now = time.monotonic()
+        outage = {"since": now, "attempt": now, "session": None, "heard": 0.0}  # (since: the first failure)
 
         def before(state) -> None:
-            outage["attempt"] = time.monotonic()
+            outage["attempt"], outage["session"] = time.monotonic(), None
 
         def stop(state) -> bool:
             now = time.monotonic()
-            if outage["since"] is None or now - outage["attempt"] > _BACKOFF_CAP:
+            session = outage["session"]
+            if isinstance(session, SocketSession):
+                got_through = session.heard != outage["heard"]
+            else:
+                got_through = now - outage["attempt"] > _BACKOFF_CAP
+            if got_through:
                 outage["since"] = now
             if deadline is not None and now >= deadline:
                 return True
@@ -406,14 +417,18 @@ class Client:
             ),
         )
         try:
-            return retrying(self._attempt, *attempt)
+            return retrying(self._attempt, *attempt, outage)
         except grpc.RpcError as exc:
             if self._closed:
                 raise UsageError(_CLOSED) from exc
             raise from_rpc_error(exc, address=self.settings.address, method=method) from exc
 
-    def _attempt(self, method: str, request, deadline: float | None, waits: bool, progress, relay: bool, raw: bool):
-        """One try of :meth:`_call`: the parsed response, or the call's ``grpc.RpcError``."""
+    def _attempt(
+        self, method: str, request, deadline: float | None, waits: bool, progress, relay: bool, raw: bool,
+        outage: dict | None = None,
+    ):
+        """One try of :meth:`_call`: the parsed response, or the call's ``grpc.RpcError``.
+        A retry notes in ``outage`` the session it used, and when that last heard its peer."""
         # A resend (after a coordinator restart) asks only for what is left of the deadline.
         if callable(request):  # a function of the seconds left (None: no deadline) encoding it
             body = request(None if deadline is None else max(1e-3, deadline - time.monotonic()))
@@ -422,12 +437,14 @@ class Client:
                 request.timeout = max(1e-3, deadline - time.monotonic())
             body = request.SerializeToString()
         transport = None
-        if deadline is not None:
-            transport = max(0.0, deadline - time.monotonic()) + (_TRANSPORT_GRACE if waits else 0)
+        if deadline is not None:  # (a resend gets only what is left of the grace too)
+            transport = max(0.0, deadline + (_TRANSPORT_GRACE if waits else 0) - time.monotonic())
         elif not waits:
             transport = max(self.settings.connect_timeout, 30.0)
         interval = self.settings.progress_interval
         session = self._session(relay=relay)
+        if outage is not None:
+            outage["session"], outage["heard"] = session, session.heard
         try:
             answer = session.call(method, body, transport, progress if interval is not None else None, interval)
         except grpc.RpcError as exc:
@@ -1094,15 +1111,22 @@ class Client:
             log.warning(
                 "still waiting after %.0f s in round %d of %s (ordinals %s here): %s",
                 waited, round_number, f"replicas {list(group)}" if group else "all ordinals",
-                sorted(batch.contributions), self._describe_wait((group, round_number)),
+                sorted(batch.contributions), self._describe_wait((group, round_number), batch.deadline),
             )
 
         return self._call("Rendezvous", request, batch.deadline, waits=True, progress=progress, relay=True)
 
-    def _describe_wait(self, key: tuple) -> str:
-        """What the coordinator says a pending round waits for (best effort)."""
+    def _describe_wait(self, key: tuple, deadline: float | None) -> str:
+        """What the coordinator says a pending round waits for (best effort: asked in the
+        waiting thread, so for at most _DESCRIBE_TIMEOUT and never past the round's deadline;
+        with the coordinator unreachable, the retries of a status call would hold the
+        round's wait long after its timeout)."""
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            return "its timeout passed; waiting for the coordinator's answer, which names who is missing"
+        bound = now + _DESCRIBE_TIMEOUT if deadline is None else min(now + _DESCRIBE_TIMEOUT, deadline)
         try:
-            (job,) = self.status().jobs
+            (job,) = self._call("Status", pb.StatusRequest(job=self.settings.job), bound).jobs
         except RendezvousError as exc:
             return f"(status unavailable: {exc})"
         for r in job.pending_rounds:

@@ -375,7 +375,9 @@ class SocketSession(Session):
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     log.warning("%s did not answer a ping within %g s; closing the connection", self._peer, timeout)
-                    self.close()  # the calls waiting on it fail with UNAVAILABLE and are resent
+                    # The calls waiting on it fail with UNAVAILABLE, saying why, and are resent.
+                    self._break(StatusError(grpc.StatusCode.UNAVAILABLE, f"{self._peer} did not answer a ping within {timeout:g} s"))
+                    self._close_unless_read()
                 return
 
     @classmethod
@@ -416,7 +418,7 @@ class SocketSession(Session):
             ) from exc
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        session = cls(sock, f"the coordinator's session port {host_port(host, port)}")
+        session = cls(sock, f"the coordinator's session port {host_port(host, port)}", (PING_EVERY, PING_TIMEOUT))
         session._write(pb.SessionHello(authorization=authorization))
         return session
 

@@ -1081,7 +1081,8 @@ class Core:
                     Code.FAILED_PRECONDITION,
                     f"ordinal {ordinal} is {owner}, not by the "
                     f"{'calling process' if claimed is process else 'process a host relay named'} "
-                    f"({claimed.label()}); bind the thread first",
+                    f"({claimed.label()}); bind the thread first"
+                    + (" (after a coordinator restart without a state file, every thread binds again)" if member is None else ""),
                 )
             if over is not None:
                 continue

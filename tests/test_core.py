@@ -992,7 +992,7 @@ def test_a_process_cannot_contribute_for_another_process_or_an_unregistered_ordi
     pod.register(1, threads=[0])
     with raises(Code.FAILED_PRECONDITION, "ordinal 2 is registered by host-0 pid 1001", "host-0 pid 1000"):
         pod.arrive([0, 2], incarnation=incarnation_of(0))
-    with raises(Code.FAILED_PRECONDITION, "ordinal 3 is not registered"):
+    with raises(Code.FAILED_PRECONDITION, "ordinal 3 is not registered", "after a coordinator restart without a state file"):
         pod.arrive(3, incarnation=incarnation_of(1))
     assert pod.core.jobs[JOB].pending == {}
 

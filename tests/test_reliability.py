@@ -242,6 +242,53 @@ def test_a_coordinator_stopped_and_continued_past_the_heartbeat_timeout_declares
         server.stop()
 
 
+def _timed(call) -> tuple[str, float]:
+    """The name of the error ``call()`` raised ("answered" if none), and how long it took."""
+    started = time.monotonic()
+    try:
+        call()
+    except pr.RendezvousError as exc:
+        return type(exc).__name__, time.monotonic() - started
+    return "answered", time.monotonic() - started
+
+
+def test_a_frozen_coordinator_fails_calls_within_their_budgets(monkeypatch):
+    """``serve`` stopped for good (SIGSTOP; a frozen VM or a dropped network likewise): its
+    connections stay open and nothing answers, so each session fails only once its ping goes
+    unanswered. A call without a deadline gives up after connect_timeout from the first
+    failure (an attempt that lasted longer than 2 s counted as one that got through, so the
+    outage began again at each ping timeout, for ever), and a round with a timeout ends
+    near it (its "still waiting" warning asked the coordinator's status in the waiting
+    thread, through the same endless retries, long past the round's timeout)."""
+    from test_cli import Serve
+
+    from pjrt_rendezvous.client import _session
+
+    monkeypatch.setattr(_session, "PING_EVERY", 2.0)  # (10 s and 5 s: the same, slower)
+    monkeypatch.setattr(_session, "PING_TIMEOUT", 1.0)
+    with Serve() as server:
+        # Task 0 waits in a round that task 1 never comes to; task 1 makes a key-value call.
+        clients = [
+            pr.Client(
+                pr.Settings(address=server.address, timeout=30, **settings),
+                pr.detect_topology({"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": str(task)}, address=server.address),
+            )
+            for task, settings in enumerate(({"connect_timeout": 60, "progress_interval": 1}, {"connect_timeout": 3}))
+        ]
+        with bound(clients) as pools:
+            server.proc.send_signal(signal.SIGSTOP)
+            try:
+                waited = pools[0].submit(_timed, lambda: clients[0].rendezvous(pr.current_binding(), "r", timeout=2))
+                put = pools[1].submit(_timed, lambda: clients[1].set("k", b"v"))
+                name, took = put.result(timeout=90)
+                assert name == "CoordinatorUnavailableError" and took < 12, (name, took)
+                name, took = waited.result(timeout=90)
+                assert name in ("CoordinatorUnavailableError", "RendezvousTimeout") and took < 15, (name, took)
+            finally:
+                server.proc.send_signal(signal.SIGCONT)
+        server.stop()
+
+
 def test_a_coordinator_restarted_with_a_shorter_heartbeat_timeout_keeps_its_processes(tmp_path):
     """Restarted from its state file with a heartbeat timeout of 2 s instead of 60: the
     restored processes, heartbeating every 5 s until an answer gives them the new timeout,
