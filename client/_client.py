@@ -181,7 +181,10 @@ def _check_call(tag, replicas) -> list[int]:
         tag.encode()
     except UnicodeEncodeError as exc:
         raise UsageError(f"tag {tag!r} is not valid text (UTF-8): {exc.reason}") from None
-    replicas = list(replicas) if replicas else []
+    try:
+        replicas = [] if replicas is None else list(replicas)  # (a numpy array has no truth value)
+    except TypeError:
+        raise TypeError(f"replicas must be a sequence of ints, got {replicas!r}") from None
     if replicas and any(type(r) is not int for r in replicas):  # numpy's ints too, not bools
         try:
             if any(isinstance(r, bool) for r in replicas):
@@ -908,7 +911,7 @@ class Client:
             self._refuse_if_inherited(f"rendezvous({tag!r})")
         if type(payload) is not bytes:
             payload = _payload_bytes(payload)
-        if type(tag) is str and tag.isascii() and not replicas:  # the common case, checked inline
+        if type(tag) is str and tag.isascii() and type(replicas) in (tuple, list) and not replicas:  # the common case, checked inline
             replicas = []
         else:
             replicas = _check_call(tag, replicas)

@@ -329,7 +329,7 @@ def _rendezvous(tag: str, payload: bytes = b"", replicas: Sequence[int] = ()) ->
     """
     binding = xm_binding("xm.rendezvous()")
     if binding is None:
-        return _originals["rendezvous"](tag, payload, list(replicas) if replicas else [])  # (None too, as torch_xla's)
+        return _originals["rendezvous"](tag, payload, [] if replicas is None else list(replicas))  # (None too, as torch_xla's)
     return binding.client.rendezvous(binding, tag, payload, replicas)
 
 

@@ -744,6 +744,9 @@ async def _why_not_bound(address: str, options: ServerOptions) -> str:
     return port_taken  # (taken meanwhile, or free again)
 
 
+_MADE_WITH = object()  # Coordinator.stop's grace when not given: the one it was made with
+
+
 class Coordinator:
     """A coordinator serving from a background thread of this process.
 
@@ -752,16 +755,18 @@ class Coordinator:
 
     Keyword arguments are :class:`ServerOptions` fields, with its defaults: as under
     ``serve``, a process silent for ``heartbeat_timeout`` (60 s) is declared dead, and
-    ``heartbeat_timeout=None`` turns the watch off.
+    ``heartbeat_timeout=None`` turns the watch off. Except ``grace``: calls still running at
+    :meth:`stop` get 1 s by default here (5 s under ``serve``).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, **options) -> None:
+        options.setdefault("grace", 1.0)
         self._options = ServerOptions(host=host, port=port, **options)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._running: RunningServer | None = None
         self._stopping: asyncio.Event | None = None
-        self._grace: float | None = 1.0
+        self._grace: float | None = self._options.grace
 
     @property
     def port(self) -> int | None:
@@ -824,11 +829,12 @@ class Coordinator:
             raise failure[0]
         return self
 
-    def stop(self, grace: float | None = 1.0) -> None:
-        """Stops serving; calls still running get ``grace`` seconds, then are cancelled."""
+    def stop(self, grace: float | None | object = _MADE_WITH) -> None:
+        """Stops serving; calls still running get ``grace`` seconds (default: the ``grace``
+        it was made with; None: none), then are cancelled."""
         if self._running is None or self._loop is None or self._thread is None:
             return
-        self._grace = grace
+        self._grace = self._options.grace if grace is _MADE_WITH else grace
         self._loop.call_soon_threadsafe(self._stopping.set)
         self._thread.join()
         self._running = None

@@ -996,6 +996,26 @@ def test_a_state_file_that_cannot_be_written_stops_serve_instead_of_answering_fr
         assert "cannot write the state file" in stderr and f"the state file {state} could not be written" in stderr, stderr
 
 
+def test_an_embedded_coordinator_stops_with_the_grace_it_was_made_with():
+    """Coordinator(grace=...) is the grace its stop() (and a with block's end) gives calls in
+    flight, as --grace is serve's (it gave 1 s whatever it was made with)."""
+    from pjrt_rendezvous.coordinator import Coordinator
+
+    coordinator = Coordinator(port=0, grace=3.0).start()
+    client = simulated_process(coordinator.address, 0, processes=2, threads=1)
+    try:
+        thread, errors = bound_thread(client, 0, lambda binding: client.rendezvous(binding, "never", b"", timeout=None))
+        wait_until(lambda: client.status().jobs[0].pending_rounds, what="the pending round")
+        started = time.monotonic()
+        coordinator.stop()
+        assert 2.5 < time.monotonic() - started < 15
+    finally:
+        client.close()
+        coordinator.stop()
+    thread.join(30)
+    assert not thread.is_alive()
+
+
 def test_an_embedded_stop_without_grace_cancels_a_waiting_call_at_once():
     """Coordinator.stop(grace=None) cancels calls in flight at once, as gRPC's stop(None) does
     (a waiting rendezvous must not hold it for ever)."""

@@ -441,6 +441,25 @@ def _threads(bodies: dict) -> dict:
     return results
 
 
+def test_replicas_may_be_a_numpy_array(coordinator):
+    """``replicas`` may be any sequence of ints, a numpy array too (its truth value raised
+    numpy's own ValueError before the round)."""
+    np = pytest.importorskip("numpy")
+    client = make_client(coordinator.address, devices=2)
+
+    def member(index: int):
+        binding = client.bind_thread(index)
+        return [client.rendezvous(binding, "np", b"%d" % index, replicas) for replicas in (np.arange(2), np.array([0, 1], np.int32))]
+
+    try:
+        results = _threads({0: lambda: member(0), 1: lambda: member(1)})
+        assert results == {0: [[b"0", b"1"]] * 2, 1: [[b"0", b"1"]] * 2}, results
+        with pytest.raises(TypeError, match="replicas must be a sequence of ints"):
+            client.rendezvous(None, "t", b"", 5)
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize("watch", [True, False], ids=["watch-heard-it", "watch-silent"])
 def test_a_restart_fails_each_surviving_thread_once_then_all_meet_in_the_new_generation(coordinator, watch):
     """Task 1 restarts while the survivor's thread 0 waits in a round (its batch window)

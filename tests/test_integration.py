@@ -192,6 +192,12 @@ def test_world_of_one_needs_no_coordinator():
             def __index__(self):
                 return 0
         assert pr.rendezvous("t", b"i", [Index()]) == [b"i"]
+        try:
+            import numpy
+        except ImportError:
+            pass
+        else:
+            assert pr.rendezvous("t", b"n", numpy.arange(1)) == [b"n"]
         print(pr.rendezvous("t", b"solo"))
         """
     )
