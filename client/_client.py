@@ -171,16 +171,22 @@ def _payload_bytes(payload) -> bytes:
     raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
 
 
+def _text(value, what: str) -> str:
+    """``value``, a str the wire can carry (UTF-8), or a TypeError / UsageError naming ``what``."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be str, got {type(value).__name__}")
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise UsageError(f"{what} {value!r} is not valid text (UTF-8): {exc.reason}") from None
+    return value
+
+
 def _check_call(tag, replicas) -> list[int]:
     """A rendezvous call's tag and replicas as the coordinator takes them, checked before
     the round counts (its peers must not wait for a call refused here); the replicas as a
     list. :meth:`Client.rendezvous` checks the common case inline."""
-    if not isinstance(tag, str):
-        raise TypeError(f"tag must be str, got {type(tag).__name__}")
-    try:
-        tag.encode()
-    except UnicodeEncodeError as exc:
-        raise UsageError(f"tag {tag!r} is not valid text (UTF-8): {exc.reason}") from None
+    _text(tag, "tag")
     try:
         replicas = [] if replicas is None else list(replicas)  # (a numpy array has no truth value)
     except TypeError:
@@ -1145,7 +1151,7 @@ class Client:
         self.multi_set([key], [value])
 
     def multi_set(self, keys: Sequence[str], values: Sequence[bytes]) -> None:
-        keys = _key_list(keys)
+        keys = [_text(key, "key") for key in _key_list(keys)]
         if len(keys) != len(values):
             raise UsageError(f"multi_set got {len(keys)} keys but {len(values)} values")
         entries = [pb.KvEntry(key=k, value=_payload_bytes(v)) for k, v in zip(keys, values)]
@@ -1158,7 +1164,7 @@ class Client:
 
     def multi_get(self, keys: Sequence[str], *, wait: bool = True, timeout=DEFAULT) -> list[bytes | None]:
         deadline = self._deadline(timeout) if wait else None
-        request = pb.KvGetRequest(job=self.settings.job, keys=_key_list(keys), wait=wait)
+        request = pb.KvGetRequest(job=self.settings.job, keys=[_text(key, "key") for key in _key_list(keys)], wait=wait)
         if deadline is not None:
             request.timeout = max(1e-3, deadline - time.monotonic())
         response = self._call("KvGet", request, deadline, waits=wait)
@@ -1175,7 +1181,13 @@ class Client:
     def add(self, key: str, delta: int = 1) -> int:
         """Adds ``delta`` to the integer at ``key`` (missing counts as 0); returns the sum.
         Applied once even when the call is retried."""
-        request = pb.KvAddRequest(job=self.settings.job, key=key, delta=delta, request_id=uuid.uuid4().hex)
+        try:
+            delta = operator.index(delta)
+        except TypeError:
+            raise TypeError(f"delta must be an int, got {type(delta).__name__}") from None
+        if not -(2**63) <= delta < 2**63:
+            raise UsageError(f"delta {delta} is outside the 64-bit integers the store holds")
+        request = pb.KvAddRequest(job=self.settings.job, key=_text(key, "key"), delta=delta, request_id=uuid.uuid4().hex)
         return self._call("KvAdd", request).value
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
@@ -1183,7 +1195,7 @@ class Client:
         returns the value after the call (torch.distributed.Store semantics)."""
         request = pb.KvCompareSetRequest(
             job=self.settings.job,
-            key=key,
+            key=_text(key, "key"),
             expected=_payload_bytes(expected),
             desired=_payload_bytes(desired),
             request_id=uuid.uuid4().hex,
@@ -1193,30 +1205,30 @@ class Client:
     def append(self, key: str, value: bytes) -> None:
         """Appends ``value`` to ``key`` (creating it). Applied once even when retried."""
         request = pb.KvAppendRequest(
-            job=self.settings.job, key=key, value=_payload_bytes(value), request_id=uuid.uuid4().hex
+            job=self.settings.job, key=_text(key, "key"), value=_payload_bytes(value), request_id=uuid.uuid4().hex
         )
         self._call("KvAppend", request)
 
     def delete(self, key: str) -> bool:
         """Deletes ``key``; True if it existed."""
-        request = pb.KvDeleteRequest(job=self.settings.job, key=key, request_id=uuid.uuid4().hex)
+        request = pb.KvDeleteRequest(job=self.settings.job, key=_text(key, "key"), request_id=uuid.uuid4().hex)
         return self._call("KvDelete", request).deleted
 
     def list(self, prefix: str = "") -> dict[str, bytes]:
         """Every key starting with ``prefix`` and its value."""
-        response = self._call("KvList", pb.KvListRequest(job=self.settings.job, prefix=prefix))
+        response = self._call("KvList", pb.KvListRequest(job=self.settings.job, prefix=_text(prefix, "prefix")))
         return {e.key: e.value for e in response.entries}
 
     def count(self, prefix: str = "") -> int:
         """How many keys start with ``prefix``."""
-        request = pb.KvListRequest(job=self.settings.job, prefix=prefix, count_only=True)
+        request = pb.KvListRequest(job=self.settings.job, prefix=_text(prefix, "prefix"), count_only=True)
         return self._call("KvList", request).count
 
     # -- status ---------------------------------------------------------------------------
 
     def status(self, job: str | None = None) -> pb.StatusResponse:
         """The coordinator's view of ``job`` (default: this client's job; '' for all jobs)."""
-        return self._call("Status", pb.StatusRequest(job=self.settings.job if job is None else job))
+        return self._call("Status", pb.StatusRequest(job=self.settings.job if job is None else _text(job, "job")))
 
 
 def _key_list(keys: Sequence[str]) -> list[str]:

@@ -69,6 +69,29 @@ def test_key_value_operations(client):
     assert client.delete("a") is True and client.delete("a") is False
 
 
+def test_key_value_calls_refuse_what_the_wire_cannot_carry_by_name(client):
+    """A key, prefix or job that is not text, a key that is not UTF-8, a delta outside 64
+    bits: refused before the call, naming what is wrong (they raised protobuf's bare
+    TypeError, a UnicodeEncodeError or ValueError('Value out of range'))."""
+    refused = [
+        (lambda: client.set(1, b"x"), TypeError, "key must be str, got int"),
+        (lambda: client.get(b"k", wait=False), TypeError, "key must be str, got bytes"),
+        (lambda: client.delete(5), TypeError, "key must be str"),
+        (lambda: client.add("n", "1"), TypeError, "delta must be an int"),
+        (lambda: client.add("n", 2**70), pr.UsageError, "outside the 64-bit integers"),
+        (lambda: client.set("\udcff", b"x"), pr.UsageError, "is not valid text"),
+        (lambda: client.compare_set("\udcff", b"", b"x"), pr.UsageError, "is not valid text"),
+        (lambda: client.append("\udcff", b"x"), pr.UsageError, "is not valid text"),
+        (lambda: client.list("\udcff"), pr.UsageError, "prefix '\\udcff' is not valid text"),
+        (lambda: client.count(3), TypeError, "prefix must be str"),
+        (lambda: client.status(job=5), TypeError, "job must be str"),
+    ]
+    for call, error, words in refused:
+        with pytest.raises(error, match=re.escape(words)):
+            call()
+    assert client.add("n", 2**63 - 1) == 2**63 - 1 and client.count() == 1
+
+
 def test_blocking_get_is_released_by_a_later_set(client, coordinator):
     """A waiting get returns the value set afterwards by another client."""
     other = make_client(coordinator.address)

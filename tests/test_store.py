@@ -4,7 +4,6 @@ every Store method against a real coordinator, then gloo process groups in real 
 from __future__ import annotations
 
 import datetime
-import faulthandler
 import gc
 import multiprocessing
 import os
@@ -183,7 +182,13 @@ def test_url_handler_yields_a_store_per_group(coordinator):
         next(dist.rendezvous(url, rank=3, world_size=3))
 
 
-def _in_forked_child(results, store, url, address) -> None:
+_FORK_SCENARIO = """
+import faulthandler, multiprocessing, os, sys
+import torch.distributed as dist
+import pjrt_rendezvous.client as pr
+from pjrt_rendezvous.client.torch_store import SCHEME
+
+def in_child(results, store, url, address):
     faulthandler.dump_traceback_later(50, exit=True)  # stuck: where, in the test's output
     try:
         store.set("from-child", b"c")  # the parent's Store
@@ -196,37 +201,42 @@ def _in_forked_child(results, store, url, address) -> None:
     except BaseException as exc:
         results.put(("error", repr(exc)))
 
+address = sys.argv[1]
+pr.init(address, env={}).set("api-key", b"a")
+url = f"{SCHEME}://{address}?job=fork-test&prefix=fork"
+store, _, _ = next(dist.rendezvous(url, rank=0, world_size=1))
+store.set("from-parent", b"p")
+context = multiprocessing.get_context("fork")
+results = context.Queue()
+child = context.Process(target=in_child, args=(results, store, url, address))
+child.start()
+outcome = results.get(timeout=60)
+child.join(30)
+assert outcome == ("ok", b"p", b"a", 1), outcome
+assert store.get("from-child") == b"c" and pr.get_client().get("api-key", wait=False) == b"a"
+pr.shutdown()
+print("ok")
+"""
+
 
 def test_a_forked_child_makes_its_own_clients():
     """A forked child cannot use its parent's clients (their channel, session socket and
     threads are the parent's: its calls hung for their retry budget, then timed out): the
     parent's Stores (with their settings), the URL handler and the process client (from the
     child's environment, as after shutdown()) make their own there, and the parent's go on
-    working. (The coordinator runs in a process of its own: gRPC survives a fork only while no
-    thread of the process is inside it, which a server's always are.)"""
+    working. (The coordinator and the forking process run in processes of their own: gRPC
+    survives a fork only while no thread of the process is inside it, which a server's
+    always are, and the earlier tests' clients may be, in this one.)"""
     server = subprocess.Popen(
         [sys.executable, "-m", "pjrt_rendezvous.coordinator", "serve", "--port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
-    pr.shutdown()
     try:
         address = re.search(r"listening on (127\.0\.0\.1:\d+)", server.stdout.readline()).group(1)
-        pr.init(address, env={}).set("api-key", b"a")
-        url = f"{SCHEME}://{address}?job=fork-test&prefix=fork"
-        store, _, _ = next(dist.rendezvous(url, rank=0, world_size=1))
-        store.set("from-parent", b"p")
-        context = multiprocessing.get_context("fork")
-        results = context.Queue()
-        child = context.Process(target=_in_forked_child, args=(results, store, url, address))
-        child.start()
-        try:
-            outcome = results.get(timeout=60)
-        finally:
-            child.join(30)
-        assert outcome == ("ok", b"p", b"a", 1), outcome
-        assert store.get("from-child") == b"c" and pr.get_client().get("api-key", wait=False) == b"a"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "TPU_", "CLOUD_TPU"))}
+        run = subprocess.run([sys.executable, "-c", _FORK_SCENARIO, address], env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
     finally:
-        pr.shutdown()
         server.terminate()
         server.wait(30)
 
