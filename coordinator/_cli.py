@@ -23,7 +23,7 @@ from pjrt_rendezvous.client._config import check_token, job_problem, parse_secon
 from pjrt_rendezvous.client._topology import host_port
 from pjrt_rendezvous.client._errors import UsageError
 
-from ._core import Limits
+from ._core import MIN_NAME_LENGTH, Limits
 from ._monitor import DEFAULT_LATE_AFTER
 from ._server import DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_SESSION_PORT, listen_host
 
@@ -279,7 +279,8 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         f"{DEFAULT_LATE_AFTER:g}; 'none' never)",
     )
     for field in dataclasses.fields(Limits):
-        option(f"--{field.name.replace('_', '-')}", _positive, field.default, f"limit (default {field.default})")
+        floor = f"; at least {MIN_NAME_LENGTH}, as it bounds client ids too" if field.name == "max_name_length" else ""
+        option(f"--{field.name.replace('_', '-')}", _positive, field.default, f"limit (default {field.default}{floor})")
     option("--log-level", _log_level, "INFO", f"one of {', '.join(LOG_LEVELS)} (default INFO)")
     option("--log-format", _log_format, "text", "text lines or JSON lines on stderr (default text)")
 

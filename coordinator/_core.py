@@ -85,6 +85,9 @@ class CoreError(Exception):
         return f"CoreError({self.code.name}, {self.message!r})"
 
 
+MIN_NAME_LENGTH = 32  # a client's incarnation id: uuid4().hex
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Limits:
     """Size and count limits; breaching one is RESOURCE_EXHAUSTED, naming the limit and the value."""
@@ -93,7 +96,7 @@ class Limits:
     max_tag_length: int = 1024
     max_key_length: int = 4096
     max_value_bytes: int = 64 * 1024 * 1024
-    max_name_length: int = 256  # job names, hosts, incarnations
+    max_name_length: int = 256  # job names, hosts, incarnations (a client's is 32 characters)
     max_world_size: int = 65_536
     max_jobs: int = 1024
     max_pending_rounds: int = 65_536
@@ -104,6 +107,11 @@ class Limits:
             value = getattr(self, field.name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"limit {field.name} must be a positive integer, got {value!r}")
+        if self.max_name_length < MIN_NAME_LENGTH:
+            raise ValueError(
+                f"limit max_name_length must be at least {MIN_NAME_LENGTH} (it also bounds the "
+                f"incarnation ids clients register with), got {self.max_name_length}"
+            )
 
 
 def format_ranges(ordinals: Iterable[int]) -> str:

@@ -437,11 +437,31 @@ def test_reads_of_unknown_jobs_create_none_and_empty_jobs_make_room():
     assert core.kv_get("store", ["k"]) == [b"v"]
 
 
-@pytest.mark.parametrize("name, code", [("", Code.INVALID_ARGUMENT), ("x" * 9, Code.RESOURCE_EXHAUSTED)])
+@pytest.mark.parametrize("name, code", [("", Code.INVALID_ARGUMENT), ("x" * 33, Code.RESOURCE_EXHAUSTED)])
 def test_job_names_must_be_non_empty_and_short(name, code):
     """An empty job name is INVALID_ARGUMENT, one over max_name_length RESOURCE_EXHAUSTED."""
     with raises(code, "job name"):
-        Core(Limits(max_name_length=8)).register(0.0, registration(0, 1, 1, job=name))
+        Core(Limits(max_name_length=32)).register(0.0, registration(0, 1, 1, job=name))
+
+
+def test_the_name_limit_leaves_room_for_the_clients_incarnation_ids():
+    """max_name_length bounds incarnation ids too, which clients make 32 characters long: a
+    lower limit refused every registration, so it is refused at start instead."""
+    with pytest.raises(ValueError, match="at least 32"):
+        Limits(max_name_length=31)
+    assert len(pr_incarnation()) == 32
+
+
+def pr_incarnation() -> str:
+    from pjrt_rendezvous.client._client import Client
+    from pjrt_rendezvous.client._config import Settings
+    from pjrt_rendezvous.client._topology import detect_topology
+
+    client = Client(Settings(address="127.0.0.1:1"), detect_topology({}, address="127.0.0.1:1"))
+    try:
+        return client.incarnation
+    finally:
+        client.close()
 
 
 def test_runtime_ordinal_equal_to_the_ordinal_passes_and_is_recorded():
