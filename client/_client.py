@@ -31,7 +31,7 @@ from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 from ._config import DEFAULT, FAN_IN_AUTO_HOSTS, Settings, check_timeout
 from ._errors import InvalidArgumentError, ParticipantFailedError, RendezvousError, RendezvousTimeout, UsageError, from_rpc_error
 from ._relay import Relay, relay_path
-from ._session import Session, SocketSession
+from ._session import PING_EVERY, PING_TIMEOUT, Session, SocketSession
 from ._topology import Topology
 from ._wire import Row, decode_payloads, encode_rendezvous
 
@@ -83,6 +83,10 @@ _SESSION_PORT_PROBE = 60.0
 _SESSION_PORT_PROBE_MAX = 3600.0
 # A "still waiting" warning asks the coordinator what the round waits for this long at most.
 _DESCRIBE_TIMEOUT = 2.0
+# A call through the host's relay that failed after this long beyond connect_timeout got
+# through to the coordinator: a relay that cannot reach it says so after its own retries,
+# each failing within a ping's wait and timeout.
+_RELAY_GIVES_UP = 2 * (PING_EVERY + PING_TIMEOUT)
 
 _bound = threading.local()
 
@@ -97,9 +101,12 @@ _forked = False  # whether _inherited may hold any (a bool: cheap to test at eve
 
 def _after_fork_in_child() -> None:
     global _forked
+    clients = list(_clients)
+    if not clients:
+        return  # (no check for this process's own clients to pay at each call)
     _forked = True
     parent = os.getppid()
-    for client in list(_clients):
+    for client in clients:
         _inherited.setdefault(client, parent)
         # Held by a parent's thread at the fork, they would stay held: what the child may
         # still do (unbind a thread, close) must not wait for them.
@@ -340,15 +347,15 @@ class Client:
         timeout = self.settings.timeout if timeout is DEFAULT else check_timeout(timeout)
         return None if timeout is None else time.monotonic() + timeout
 
-    def _refuse_if_inherited(self, what: str) -> None:
+    def _refuse_if_inherited(self, what: str, tag: str | None = None) -> None:
         parent = _inherited.get(self)
         if parent is not None:
             raise UsageError(
-                f"{what}: this client was made in process {parent}, the parent of this forked "
-                f"process ({os.getpid()}); its connection, threads and ordinals are the parent's. "
-                "Make the call in the parent, or here through a client of this process's own "
-                "(pjrt_rendezvous.client.get_client() makes one; a thread bound through the "
-                "parent's client unbinds with Client.unbind_thread)"
+                f"{what if tag is None else f'{what}({tag!r})'}: this client was made in process "
+                f"{parent}, the parent of this forked process ({os.getpid()}); its connection, "
+                "threads and ordinals are the parent's: make the call in the parent (this process "
+                "may use the key-value store through a client of its own, "
+                "pjrt_rendezvous.client.get_client())"
             )
 
     def _call(
@@ -390,12 +397,14 @@ class Client:
         # The retry budget counts from the start of the current outage, not of the call: a
         # round that waited ten minutes and then lost its coordinator still gets the full
         # connect_timeout to find it again. An attempt that got through restarts the outage
-        # after it: on a socket session, one during which the peer answered anything (it
-        # pings a silent peer, so a frozen or unreachable coordinator answers nothing, and
-        # each attempt there fails only after its ping times out); on gRPC's stream, whose
-        # keepalive we do not see, one that lasted longer than the backoff cap.
+        # after it: on a socket session to the coordinator, one during which it answered
+        # anything (it pings a silent peer, so a frozen or unreachable coordinator answers
+        # nothing, and each attempt there fails only after its ping times out); through the
+        # host's relay, which answers its pings itself, one longer than the relay takes to
+        # give up on a silent coordinator; on gRPC's stream, whose keepalive we do not see,
+        # one that lasted longer than the backoff cap.
         now = time.monotonic()
-        outage = {"since": now, "attempt": now, "session": None, "heard": 0.0}  # (since: the first failure)
+        outage = {"since": now, "attempt": now, "session": None, "heard": 0.0, "relayed": False}  # (since: the first failure)
 
         def before(state) -> None:
             outage["attempt"], outage["session"] = time.monotonic(), None
@@ -403,7 +412,9 @@ class Client:
         def stop(state) -> bool:
             now = time.monotonic()
             session = outage["session"]
-            if isinstance(session, SocketSession):
+            if session is not None and outage["relayed"]:
+                got_through = now - outage["attempt"] > self.settings.connect_timeout + _RELAY_GIVES_UP
+            elif isinstance(session, SocketSession):
                 got_through = session.heard != outage["heard"]
             else:
                 got_through = now - outage["attempt"] > _BACKOFF_CAP
@@ -453,7 +464,7 @@ class Client:
         interval = self.settings.progress_interval
         session = self._session(relay=relay)
         if outage is not None:
-            outage["session"], outage["heard"] = session, session.heard
+            outage.update(session=session, heard=session.heard, relayed=session is self._relay_session)
         try:
             answer = session.call(method, body, transport, progress if interval is not None else None, interval)
         except grpc.RpcError as exc:
@@ -914,10 +925,10 @@ class Client:
         """One rendezvous round for the ordinal of ``binding``; see the module-level
         :func:`pjrt_rendezvous.client.rendezvous` for the contract."""
         if _forked:
-            self._refuse_if_inherited(f"rendezvous({tag!r})")
+            self._refuse_if_inherited("rendezvous", tag)
         if type(payload) is not bytes:
             payload = _payload_bytes(payload)
-        if type(tag) is str and tag.isascii() and type(replicas) in (tuple, list) and not replicas:  # the common case, checked inline
+        if type(tag) is str and tag.isascii() and (type(replicas) is tuple or type(replicas) is list) and not replicas:  # the common case, checked inline
             replicas = []
         else:
             replicas = _check_call(tag, replicas)

@@ -41,7 +41,7 @@ import grpc
 
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
-from ._errors import RemoteError
+from ._errors import CoordinatorUnavailableError, RemoteError
 from ._session import Call, FramedSession, Malformed, parser, session_answer
 from ._wire import Row, contribution_rows, set_contribution_rows
 
@@ -252,7 +252,10 @@ class Relay:
         )
         set_contribution_rows(combined, host_round.rows, index_processes=self._client.reads_process_indexes)
         outcome = self._send_one(combined, deadline)
-        if isinstance(outcome, bytes) or (len(requests) == 1 and first.incarnation == combined.incarnation):
+        if (
+            isinstance(outcome, (bytes, CoordinatorUnavailableError))  # (as unreachable for each of them)
+            or (len(requests) == 1 and first.incarnation == combined.incarnation)
+        ):
             return [outcome] * len(requests)
         # Each process gets the answer it would have had alone: a failed round's error again
         # (the coordinator keeps it), a refusal of one process's call for that one only (as

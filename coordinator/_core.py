@@ -518,10 +518,8 @@ class Core:
         Store), or declared (``serve --world-size``), stay."""
         finished = [
             job for job in self.jobs.values()
-            if not job.pending and (
-                not any(p.alive for p in job.processes.values())
-                if job.processes
-                else not job.kv and job.world_fixed_by != _DECLARED
+            if not job.pending and job.world_fixed_by != _DECLARED and (
+                not any(p.alive for p in job.processes.values()) if job.processes else not job.kv
             )
         ]
         return min(finished, key=lambda job: job.used, default=None)

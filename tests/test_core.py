@@ -414,6 +414,20 @@ def test_at_max_jobs_the_finished_job_used_longest_ago_makes_room(caplog):
         core.register(0.0, registration(0, 1, 1, job="run-5"))  # run-3 lives, run-4 and store-only never had a process
 
 
+def test_the_declared_job_is_never_dropped_at_max_jobs():
+    """The job fixed with serve --world-size stays at max_jobs after its processes leave (it
+    was dropped like any finished job, and its next run took its size from whoever came
+    first)."""
+    core = Core(Limits(max_jobs=2))
+    core.declare_job("fixed", 1)
+    core.register(0.0, registration(0, 1, 1, job="fixed"))
+    core.leave("fixed", incarnation_of(0))
+    core.register(0.0, registration(0, 1, 1, job="a"))
+    with raises(Code.RESOURCE_EXHAUSTED, "max_jobs=2", "declared with --world-size"):
+        core.register(0.0, registration(0, 1, 1, job="b"))
+    assert sorted(core.jobs) == ["a", "fixed"] and core.jobs["fixed"].world_size == 1
+
+
 def test_reads_of_unknown_jobs_create_none_and_empty_jobs_make_room():
     """Key-value reads of a job nobody made answer as an empty store and create no job, so
     they cannot fill max_jobs; a job a change made without writing anything (a delete of a

@@ -289,6 +289,38 @@ def test_a_frozen_coordinator_fails_calls_within_their_budgets(monkeypatch):
         server.stop()
 
 
+def test_a_frozen_coordinator_fails_rounds_through_a_host_relay_within_the_budget(monkeypatch):
+    """As above, with host fan-in: the relay answers its pings itself, so a try through it
+    that ended when the relay gave up on the coordinator counted as one that got through,
+    and a round without a timeout waited for ever. (The relay also spent its retry budget
+    twice, sending each process's call again after the combined one found the coordinator
+    unreachable.)"""
+    from test_cli import Serve
+
+    from pjrt_rendezvous.client import _session
+
+    monkeypatch.setattr(_session, "PING_EVERY", 2.0)
+    monkeypatch.setattr(_session, "PING_TIMEOUT", 1.0)
+    with Serve() as server:
+        clients = []
+        for task in range(2):  # two processes of one host: the first one's relay carries both
+            env = {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": str(task),
+                   "PJRT_RENDEZVOUS_LOCAL_RANK": str(task), "PJRT_RENDEZVOUS_LOCAL_WORLD_SIZE": "2"}
+            # (a budget longer than the 5 s a failed relay is avoided: it is tried again within it)
+            settings = pr.Settings(address=server.address, timeout=None, connect_timeout=10, fan_in="host")
+            clients.append(pr.Client(settings, pr.detect_topology(env, address=server.address)))
+        with bound(clients) as pools:
+            assert meet(pools, clients, "through the relay") == [[b"x", b"x"]] * 2
+            assert clients[1]._relay_session is not None
+            server.proc.send_signal(signal.SIGSTOP)
+            try:  # (task 0 never comes to this round)
+                name, took = pools[1].submit(_timed, lambda: clients[1].rendezvous(pr.current_binding(), "r", b"x")).result(timeout=120)
+                assert name == "CoordinatorUnavailableError" and took < 75, (name, took)
+            finally:
+                server.proc.send_signal(signal.SIGCONT)
+        server.stop()
+
+
 def test_a_coordinator_restarted_with_a_shorter_heartbeat_timeout_keeps_its_processes(tmp_path):
     """Restarted from its state file with a heartbeat timeout of 2 s instead of 60: the
     restored processes, heartbeating every 5 s until an answer gives them the new timeout,
