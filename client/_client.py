@@ -448,7 +448,8 @@ class Client:
         outage: dict | None = None,
     ):
         """One try of :meth:`_call`: the parsed response, or the call's ``grpc.RpcError``.
-        A retry notes in ``outage`` the session it used, and when that last heard its peer."""
+        A retry notes in ``outage`` the session it used, when that last heard its peer, and
+        whether it is the host relay's (see ``_call``)."""
         # A resend (after a coordinator restart) asks only for what is left of the deadline.
         if callable(request):  # a function of the seconds left (None: no deadline) encoding it
             body = request(None if deadline is None else max(1e-3, deadline - time.monotonic()))
