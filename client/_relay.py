@@ -255,6 +255,7 @@ class Relay:
         if (
             isinstance(outcome, (bytes, CoordinatorUnavailableError))  # (as unreachable for each of them)
             or (len(requests) == 1 and first.incarnation == combined.incarnation)
+            or (deadline is not None and time.monotonic() >= deadline)  # (a resend would have no time)
         ):
             return [outcome] * len(requests)
         # Each process gets the answer it would have had alone: a failed round's error again

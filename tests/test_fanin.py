@@ -410,6 +410,30 @@ def test_a_round_a_relay_holds_fails_at_once_when_the_job_moves(coordinator):
         c.close()
 
 
+def test_a_relay_resends_no_process_s_call_once_the_round_s_deadline_passed(coordinator, monkeypatch):
+    """A combined call that failed at or after its deadline (the coordinator silent on gRPC's
+    transport: the call's own cut-off) is each process's outcome as it is: resent one by one
+    with no time left, each failed as 'no answer within 0 s'."""
+    from pjrt_rendezvous.client._relay import _HostRound
+    from pjrt_rendezvous.client._session import StatusError
+
+    clients = make_clients(coordinator.address)
+    run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
+    relay = clients[0]._relay
+    sent = []
+    failure = StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer to Rendezvous within 15 s")
+    monkeypatch.setattr(relay, "_send_one", lambda request, deadline: sent.append(request.incarnation) or failure)
+    host_round = _HostRound(deadline=time.monotonic() - 1.0)
+    for task, c in enumerate(clients[:2]):
+        host_round.requests.append(pb.RendezvousRequest(job="default", incarnation=c.incarnation, round=7))
+        host_round.rows.append((task * THREADS, "r", b"", c.incarnation))
+    assert relay._send(host_round) == [failure, failure]
+    assert sent == [clients[0].incarnation]  # the combined call (the relay's own process speaks)
+    monkeypatch.undo()
+    for c in clients:
+        c.close()
+
+
 def test_a_relay_removes_only_its_own_socket_and_siblings_use_only_their_users_relay(coordinator, monkeypatch):
     """A process restarted on its host starts a relay at the same path while the old one lives
     on: the old one's close leaves the new socket. A relay socket served by another user (it
