@@ -1163,7 +1163,7 @@ class Client:
         self.multi_set([key], [value])
 
     def multi_set(self, keys: Sequence[str], values: Sequence[bytes]) -> None:
-        keys = [_text(key, "key") for key in _key_list(keys)]
+        keys = _key_list(keys, text=True)
         if len(keys) != len(values):
             raise UsageError(f"multi_set got {len(keys)} keys but {len(values)} values")
         entries = [pb.KvEntry(key=k, value=_payload_bytes(v)) for k, v in zip(keys, values)]
@@ -1176,7 +1176,7 @@ class Client:
 
     def multi_get(self, keys: Sequence[str], *, wait: bool = True, timeout=DEFAULT) -> list[bytes | None]:
         deadline = self._deadline(timeout) if wait else None
-        request = pb.KvGetRequest(job=self.settings.job, keys=[_text(key, "key") for key in _key_list(keys)], wait=wait)
+        request = pb.KvGetRequest(job=self.settings.job, keys=_key_list(keys, text=True), wait=wait)
         if deadline is not None:
             request.timeout = max(1e-3, deadline - time.monotonic())
         response = self._call("KvGet", request, deadline, waits=wait)
@@ -1243,11 +1243,12 @@ class Client:
         return self._call("Status", pb.StatusRequest(job=self.settings.job if job is None else _text(job, "job")))
 
 
-def _key_list(keys: Sequence[str]) -> list[str]:
-    """``keys`` as a list, refusing one key given alone (a str would be its letters)."""
+def _key_list(keys: Sequence[str], *, text: bool = False) -> list[str]:
+    """``keys`` as a list, refusing one key given alone (a str would be its letters); with
+    ``text``, each checked as the wire takes it (a Store converts its bytes keys first)."""
     if isinstance(keys, (str, bytes)):
         raise TypeError(f"keys must be a list of keys, got the single key {keys!r} (write [{keys!r}])")
-    return list(keys)
+    return [_text(key, "key") for key in keys] if text else list(keys)
 
 
 def _copy_error(error: RendezvousError) -> RendezvousError:

@@ -376,8 +376,7 @@ class SocketSession(Session):
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     log.warning("%s did not answer a ping within %g s; closing the connection", self._peer, timeout)
                     # The calls waiting on it fail with UNAVAILABLE, saying why, and are resent.
-                    self._break(StatusError(grpc.StatusCode.UNAVAILABLE, f"{self._peer} did not answer a ping within {timeout:g} s"))
-                    self._close_unless_read()
+                    self.close(f"{self._peer} did not answer a ping within {timeout:g} s")
                 return
 
     @classmethod
@@ -562,9 +561,9 @@ class SocketSession(Session):
         except OSError:
             pass
 
-    def close(self) -> None:
-        """Ends the session: the calls waiting on it fail with UNAVAILABLE."""
-        self._break(StatusError(grpc.StatusCode.UNAVAILABLE, f"the session with {self._peer} was closed"))
+    def close(self, why: str | None = None) -> None:
+        """Ends the session: the calls waiting on it fail with UNAVAILABLE, saying ``why``."""
+        self._break(StatusError(grpc.StatusCode.UNAVAILABLE, why or f"the session with {self._peer} was closed"))
         self._close_unless_read()
 
     def retire(self) -> None:
