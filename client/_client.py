@@ -31,7 +31,7 @@ from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 from ._config import DEFAULT, FAN_IN_AUTO_HOSTS, Settings, check_timeout
 from ._errors import InvalidArgumentError, ParticipantFailedError, RendezvousError, RendezvousTimeout, UsageError, from_rpc_error
 from ._relay import Relay, relay_path
-from ._session import PING_EVERY, PING_TIMEOUT, Session, SocketSession
+from ._session import PING_EVERY, PING_TIMEOUT, Session, SocketSession, StatusError
 from ._topology import Topology
 from ._wire import Row, decode_payloads, encode_rendezvous
 
@@ -45,6 +45,21 @@ ALL: tuple[int, ...] = ()
 _TRANSPORT_GRACE = 10.0
 _BACKOFF_CAP = 2.0  # seconds: the longest pause between two retries
 _CLOSED = "this client was closed; call init() again"
+
+
+class _NoAnswer(StatusError):
+    """A call's transport cut-off passed without an answer: its deadline and the grace after
+    it (or, without a deadline, the longest a call that does not wait may take). The
+    coordinator answers a round that timed out at its deadline, naming who is missing, so
+    silence until the cut-off is the coordinator's (frozen, overloaded, or the network to it
+    gone): reported as unavailable, and not retried (there is no time left to)."""
+
+    def __init__(self, details: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, details)
+
+
+def _retried(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE and not isinstance(exc, _NoAnswer)
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", -1),
     ("grpc.max_send_message_length", -1),
@@ -391,7 +406,7 @@ class Client:
         except grpc.RpcError as exc:
             if self._closed:  # cancelled by close(), not refused by the coordinator
                 raise UsageError(_CLOSED) from exc
-            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+            if not _retried(exc) or (deadline is not None and time.monotonic() >= deadline):
                 raise from_rpc_error(exc, address=self.settings.address, method=method) from exc
             log.debug("%s to %s failed (%s); retrying", method, self.settings.address, exc)
         # The retry budget counts from the start of the current outage, not of the call: a
@@ -425,9 +440,7 @@ class Client:
             return now - outage["since"] >= self.settings.connect_timeout
 
         retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception(
-                lambda e: isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNAVAILABLE
-            ),
+            retry=tenacity.retry_if_exception(_retried),
             wait=tenacity.wait_random_exponential(multiplier=0.05, max=_BACKOFF_CAP),
             stop=stop,
             before=before,
@@ -466,11 +479,22 @@ class Client:
         session = self._session(relay=relay)
         if outage is not None:
             outage.update(session=session, heard=session.heard, relayed=session is self._relay_session)
+        started = time.monotonic()
         try:
             answer = session.call(method, body, transport, progress if interval is not None else None, interval)
         except grpc.RpcError as exc:
             if session is self._relay_session and exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self._relay_failed(exc)
+            if (
+                exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                and (waits or deadline is None)  # (else the cut-off is the caller's own timeout)
+                and transport is not None
+                and time.monotonic() - started >= transport - 0.05  # (gRPC's clock started later)
+            ):
+                within = f"{_TRANSPORT_GRACE:.3g} s past its deadline" if deadline is not None else f"within {transport:.3g} s"
+                raise _NoAnswer(
+                    f"no answer to {method} {within}: the coordinator, or the network to it, is frozen or overloaded"
+                ) from exc
             raise
         return answer if raw else _RESPONSES[method](answer)
 

@@ -340,5 +340,10 @@ def _answer(call_id: int, outcome: bytes | Exception) -> tuple[bytes, bytes]:
     ):
         return session_answer(call_id, grpc.StatusCode[outcome.code], str(outcome))
     # The relay could not send it (its process closing, the coordinator unreachable): the
-    # caller retries on the coordinator directly.
-    return session_answer(call_id, grpc.StatusCode.UNAVAILABLE, f"the host relay could not send the call: {outcome}")
+    # caller retries on the coordinator directly. (An unreachable coordinator's error says
+    # where it is and what to check: the caller says so again, with the cause.)
+    if isinstance(outcome, CoordinatorUnavailableError) and isinstance(outcome.__cause__, grpc.RpcError):
+        why = f"the host relay could not reach the coordinator: {outcome.__cause__.details()}"
+    else:
+        why = f"the host relay could not send the call: {outcome}"
+    return session_answer(call_id, grpc.StatusCode.UNAVAILABLE, why)

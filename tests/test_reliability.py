@@ -242,14 +242,15 @@ def test_a_coordinator_stopped_and_continued_past_the_heartbeat_timeout_declares
         server.stop()
 
 
-def _timed(call) -> tuple[str, float]:
-    """The name of the error ``call()`` raised ("answered" if none), and how long it took."""
+def _timed(call) -> tuple[str, float, str]:
+    """The name of the error ``call()`` raised ("answered" if none), how long it took, and
+    the error's message."""
     started = time.monotonic()
     try:
         call()
     except pr.RendezvousError as exc:
-        return type(exc).__name__, time.monotonic() - started
-    return "answered", time.monotonic() - started
+        return type(exc).__name__, time.monotonic() - started, str(exc)
+    return "answered", time.monotonic() - started, ""
 
 
 def test_a_frozen_coordinator_fails_calls_within_their_budgets(monkeypatch):
@@ -280,10 +281,10 @@ def test_a_frozen_coordinator_fails_calls_within_their_budgets(monkeypatch):
             try:
                 waited = pools[0].submit(_timed, lambda: clients[0].rendezvous(pr.current_binding(), "r", timeout=2))
                 put = pools[1].submit(_timed, lambda: clients[1].set("k", b"v"))
-                name, took = put.result(timeout=90)
+                name, took, _ = put.result(timeout=90)
                 assert name == "CoordinatorUnavailableError" and took < 12, (name, took)
-                name, took = waited.result(timeout=90)
-                assert name in ("CoordinatorUnavailableError", "RendezvousTimeout") and took < 15, (name, took)
+                name, took, _ = waited.result(timeout=90)
+                assert name == "CoordinatorUnavailableError" and took < 15, (name, took)
             finally:
                 server.proc.send_signal(signal.SIGCONT)
         server.stop()
@@ -314,8 +315,37 @@ def test_a_frozen_coordinator_fails_rounds_through_a_host_relay_within_the_budge
             assert clients[1]._relay_session is not None
             server.proc.send_signal(signal.SIGSTOP)
             try:  # (task 0 never comes to this round)
-                name, took = pools[1].submit(_timed, lambda: clients[1].rendezvous(pr.current_binding(), "r", b"x")).result(timeout=120)
+                name, took, message = pools[1].submit(_timed, lambda: clients[1].rendezvous(pr.current_binding(), "r", b"x")).result(timeout=120)
                 assert name == "CoordinatorUnavailableError" and took < 75, (name, took)
+                assert message.count("Is `pjrt-rendezvous serve` running") == 1, message  # (said once)
+            finally:
+                server.proc.send_signal(signal.SIGCONT)
+        server.stop()
+
+
+@pytest.mark.parametrize("transport", ["auto", "grpc"])
+def test_a_round_through_a_host_relay_to_a_frozen_coordinator_ends_as_unavailable(transport):
+    """A round with a timeout through the host relay while ``serve`` is stopped for good:
+    unanswered 10 s past its deadline (the coordinator answers a timed-out round at the
+    deadline, naming who is missing), it ends as the coordinator being unavailable. (It
+    ended as a RendezvousTimeout: on gRPC 'no answer to Rendezvous within 15 s', on the
+    session port 'within 0 s', from a resend made after the deadline.)"""
+    from test_cli import Serve
+
+    with Serve() as server:
+        clients = []
+        for task in range(2):  # two processes of one host: the first one's relay carries both
+            env = {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": str(task),
+                   "PJRT_RENDEZVOUS_LOCAL_RANK": str(task), "PJRT_RENDEZVOUS_LOCAL_WORLD_SIZE": "2"}
+            settings = pr.Settings(address=server.address, timeout=2, connect_timeout=10, fan_in="host", transport=transport)
+            clients.append(pr.Client(settings, pr.detect_topology(env, address=server.address)))
+        with bound(clients) as pools:
+            assert meet(pools, clients, "through the relay") == [[b"x", b"x"]] * 2
+            server.proc.send_signal(signal.SIGSTOP)
+            try:  # (task 0 never comes to this round)
+                name, took, message = pools[1].submit(_timed, lambda: clients[1].rendezvous(pr.current_binding(), "r", b"x")).result(timeout=120)
+                assert name == "CoordinatorUnavailableError" and took < 20, (name, took, message)
+                assert "Rendezvous" in message and message.count("Is `pjrt-rendezvous serve` running") == 1, message
             finally:
                 server.proc.send_signal(signal.SIGCONT)
         server.stop()
