@@ -1697,6 +1697,12 @@ def test_a_silent_process_is_declared_dead_and_every_round_needing_it_fails_nami
     assert pod.error(later).code == Code.ABORTED
     with raises(Code.ABORTED, "was declared dead", "start a new process"):
         pod.core.touch(JOB, incarnation_of(1), now=19.0)
+    with raises(Code.ABORTED, "was declared dead"):  # nor does it take part in any round
+        pod.arrive(1, round_number=2, now=19.0)
+    # The key-value store does not know who writes (README, Reliability): the job's keys stay
+    # open to every client, a dead process's too.
+    pod.core.kv_set(JOB, [("after", b"death")])
+    assert pod.core.kv_get(JOB, ["after"]) == [b"death"]
 
 
 def test_without_a_heartbeat_timeout_nobody_is_declared_dead():
