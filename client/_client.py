@@ -132,6 +132,11 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def inherited(client: "Client") -> bool:
+    """Whether ``client`` is a parent's, in this forked child (the one test of it)."""
+    return _forked and client in _inherited
+
+
 def _fan_in(settings: Settings, topology: Topology) -> bool:
     """Whether this process's rounds go through its host's relay (``Settings.fan_in``)."""
     if settings.fan_in != "auto":
@@ -645,7 +650,7 @@ class Client:
         """
         if self._closed:
             return
-        if _forked and _inherited.get(self) is not None:
+        if inherited(self):
             # The parent's: its Leave would end the parent's registration, and closing its
             # sessions would shut the connection the parent shares with this process.
             self._closed = True

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed.rendezvous import register_rendezvous_handler
 
 from . import _api
-from ._client import Client, _key_list
+from ._client import Client, _key_list, inherited
 from ._config import Settings, check_timeout
 from ._errors import CoordinatorUnavailableError, RemoteError, RendezvousTimeout, UsageError
 from ._topology import DEFAULT_PORT, Topology, host_port
@@ -175,7 +175,6 @@ class Store(dist.Store):
         if not isinstance(prefix, str):
             raise UsageError(f"prefix must be a str, got {prefix!r}")
         self._client = client
-        self._pid = os.getpid()  # where _client was made (a forked child makes its own)
         self.prefix = prefix
         self._root = prefix.rstrip("/") + "/" if prefix else ""
         seconds = _seconds(timeout)
@@ -191,9 +190,9 @@ class Store(dist.Store):
     def client(self) -> Client:
         if self._client is None:
             return _api.get_client()
-        if self._pid != os.getpid():  # a forked child: its parent's client does not work here
+        if inherited(self._client):  # a forked child: its parent's client does not work here
             # The same settings (token, TLS) and place: a Store's client only reads and writes keys.
-            self._client, self._pid = Client(self._client.settings, self._client.topology), os.getpid()
+            self._client = Client(self._client.settings, self._client.topology)
         return self._client
 
     def _key(self, key: str | bytes) -> str:
