@@ -329,8 +329,23 @@ def _rendezvous(tag: str, payload: bytes = b"", replicas: Sequence[int] = ()) ->
     """
     binding = xm_binding("xm.rendezvous()")
     if binding is None:
+        _refuse_unbound("xm.rendezvous()")
         return _originals["rendezvous"](tag, payload, [] if replicas is None else list(replicas))  # (None too, as torch_xla's)
     return binding.client.rendezvous(binding, tag, payload, replicas)
+
+
+def _refuse_unbound(what: str) -> None:
+    """In a process of several device threads (``spawn``), torch_xla's own rendezvous is an
+    XLA all-gather over every device of the process: from a thread bound to none (a helper
+    thread) it waits for the device threads' part, which never comes, until XLA aborts the
+    process."""
+    if _device_threads > 1:
+        raise UsageError(
+            f"{what} in thread {threading.current_thread().name!r}, bound to no device, in a process "
+            f"of {_device_threads} device threads: torch_xla's own would wait for every device's "
+            "thread and never complete; make the call in a replica's thread (the one spawn() runs "
+            "fn in)"
+        )
 
 
 def _mesh_reduce(tag: str, data: Any, reduce_fn: Callable[[list], Any]) -> Any:
@@ -344,6 +359,7 @@ def _mesh_reduce(tag: str, data: Any, reduce_fn: Callable[[list], Any]) -> Any:
     """
     binding = xm_binding("xm.mesh_reduce()")
     if binding is None:
+        _refuse_unbound("xm.mesh_reduce()")
         return _originals["mesh_reduce"](tag, data, reduce_fn)
     import torch
     import torch_xla.core.xla_model as xm
@@ -545,6 +561,15 @@ def spawn(
 
     if job is not None:
         env["PJRT_RENDEZVOUS_JOB"] = job
+    if start_method == "fork" and "torch_xla" in sys.modules:
+        import torch_xla
+
+        if torch_xla._XLAC._xla_runtime_is_initialized():  # (as xmp.spawn refuses it)
+            raise UsageError(
+                "spawn(start_method='fork'): this process has started its XLA runtime (it used an "
+                "XLA device), which a forked child would inherit: spawn before using a device, or "
+                "use start_method='spawn' or 'forkserver'"
+            )
     payload = pickle.dumps((fn, tuple(args)))  # refused here, before anything is started
     context = multiprocessing.get_context(start_method)
     reports = context.Queue()
@@ -709,15 +734,23 @@ def _supervise(
     for task in sorted(stopped):
         terminated += unreported(task) if task in ordinals_of else [-(task + 1)]
     for task, process in enumerate(processes):
-        if task in finished or task in stopped:
+        if task in stopped:
             continue
-        # Exited on its own without reporting every thread: it crashed (XLA aborts with
-        # SIGABRT when a collective waits 10 s for a sibling that never arrives).
         code = process.exitcode
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-        error = RuntimeError(f"the process of task {task} (pid {process.pid}) {how} before reporting")
-        for ordinal in unreported(task) or [-(task + 1)]:
-            record(ordinal, error, "")
+        if task not in finished:
+            # Exited on its own without reporting every thread: it crashed (XLA aborts with
+            # SIGABRT when a collective waits 10 s for a sibling that never arrives).
+            error = RuntimeError(f"the process of task {task} (pid {process.pid}) {how} before reporting")
+            for ordinal in unreported(task) or [-(task + 1)]:
+                record(ordinal, error, "")
+        elif code != 0 and not any(o in failures for o in [*ordinals_of.get(task, []), -(task + 1)]):
+            # Every thread reported, then the process died: what its replicas left behind
+            # (a collective of their last step that never completed, say) failed.
+            record(-(task + 1), RuntimeError(
+                f"the process of task {task} (pid {process.pid}) {how} after its replicas returned "
+                "(in what they left running: a last step's collectives, threads, atexit handlers)"
+            ), "")
 
     if not failures and not timed_out:
         return dict(sorted(results.items()))

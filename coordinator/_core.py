@@ -803,7 +803,9 @@ class Core:
                 f"the XLA runtime of task {r.task_id} ({r.host} pid {r.pid}) has a world of 1 device "
                 f"while this process drives {r.devices_per_task} of a job of {world_size}: its "
                 "replication was not set before the device was bound, and every XLA all_reduce "
-                "would be a silent no-op; call xm.set_replication first, or run under xla.spawn",
+                "would be a silent no-op; run under xla.spawn, or call xm.set_replication before "
+                "anything reads the runtime's world size (torch_xla keeps the first answer: in a "
+                "new process)",
             )
         if r.runtime_world_size not in (0, world_size, r.devices_per_task):  # 0: not said
             raise CoreError(

@@ -100,6 +100,35 @@ def failing_replica(index):
     xm.rendezvous("after-the-failure")  # waits for ordinal 2, which never comes
 
 
+def dying_replica(index):
+    """Returns, leaving a thread that kills its process (as XLA aborts one whose last step's
+    collective never completes) once the process is done."""
+    import signal
+
+    if index == 0:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    return "returned"
+
+
+def helper_thread_replica(index):
+    """A thread bound to no device, started by a replica, calls the xm collectives."""
+    import torch_xla.core.xla_model as xm
+
+    errors = []
+
+    def helper():
+        for call in (lambda: xm.rendezvous("h", b"x"), lambda: xm.mesh_reduce("m", 1, sum)):
+            try:
+                call()
+            except Exception as exc:  # noqa: BLE001 -- returned to the test
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+    thread = threading.Thread(target=helper, name="helper")
+    thread.start()
+    thread.join(60)
+    return errors
+
+
 def _bits(tensor) -> bytes:
     import torch
 
@@ -516,6 +545,48 @@ def test_spawn_reports_a_failing_replica_with_its_ordinal(torch_xla):
     assert "failing_replica" in error.tracebacks[2]
     assert error.terminated == [0, 1, 3]
     assert elapsed < 90
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.xla
+def test_spawn_reports_a_process_that_dies_after_its_replicas_returned(torch_xla):
+    """Every replica of a process returned, then the process was killed (XLA aborts one whose
+    replicas left a collective behind): a failure, with the results that came. (spawn
+    returned the results as a success.)"""
+    with pytest.raises(xla.SpawnError, match=r"the process of task 0 \(pid \d+\) was killed by signal 9 after its replicas returned") as info:
+        xla.spawn(dying_replica, nprocs=2, devices_per_process=1, timeout=150)
+    assert list(info.value.failures) == [-1]
+    assert info.value.results == {0: "returned", 1: "returned"}
+
+
+@pytest.mark.xla
+def test_an_unbound_thread_of_a_threaded_replica_is_refused_the_xm_collectives(torch_xla):
+    """A helper thread of a process of two device threads: torch_xla's own rendezvous (an XLA
+    all-gather over the process's devices) would wait for the device threads for ever, until
+    XLA aborted the process; refused at once, naming the thread."""
+    results = xla.spawn(helper_thread_replica, nprocs=1, devices_per_process=2, timeout=150)
+    for errors in results.values():
+        assert len(errors) == 2, errors
+        for error, what in zip(errors, ("xm.rendezvous()", "xm.mesh_reduce()")):
+            assert error.startswith(f"UsageError: {what} in thread 'helper', bound to no device, in a process of 2 device threads"), error
+
+
+@pytest.mark.xla
+def test_spawn_with_fork_after_this_process_used_a_device_is_refused(torch_xla):
+    """As xmp.spawn refuses it: the forked children would inherit a started runtime (they
+    failed, each blaming a module that used a device at import)."""
+    script = (
+        "import torch, torch_xla\n"
+        "from pjrt_rendezvous.client import UsageError, xla\n"
+        "torch.ones(1, device=torch_xla.device())\n"
+        "try:\n"
+        "    xla.spawn(print, start_method='fork')\n"
+        "except UsageError as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PJRT_DEVICE": "CPU"})
+    assert "this process has started its XLA runtime" in out.stdout, (out.stdout, out.stderr[-2000:])
     assert not multiprocessing.active_children()
 
 
