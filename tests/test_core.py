@@ -512,7 +512,8 @@ def test_a_runtime_world_neither_ours_nor_the_process_own_fails_naming_both_size
     with raises(Code.FAILED_PRECONDITION, "has 8 devices in its world", "the job has 4 ordinals (2 tasks x 2 devices)",
                 "PJRT_RENDEZVOUS_NUM_TASKS"):
         pod.register(0, runtime={0: 0, 1: 1}, runtime_world_size=8)
-    with raises(Code.FAILED_PRECONDITION, "has a world of 1 device while this process drives 2", "xm.set_replication"):
+    with raises(Code.FAILED_PRECONDITION, "has a world of 1 device while this process drives 2", "xla.spawn",
+                "call xm.set_replication before anything reads the runtime's world size"):
         pod.register(0, runtime={0: 0, 1: 0}, runtime_world_size=1)  # replication not set yet
     pod.register(0, runtime={0: 0, 1: 1}, runtime_world_size=4)  # ours
     pod.register(1, runtime={0: 0, 1: 1}, runtime_world_size=2)  # the process's own (PJRT on CPU)
