@@ -114,6 +114,11 @@ class Limits:
             )
 
 
+def _duration(seconds: float) -> str:
+    """Seconds for a message: tenths from 1 s, else three figures (a wait of 50 ms is not "0.0 s")."""
+    return f"{seconds:.1f}" if seconds >= 1 else f"{seconds:.3g}"
+
+
 def format_ranges(ordinals: Iterable[int]) -> str:
     """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"`` (sorted, duplicates dropped)."""
     parts = []
@@ -916,7 +921,7 @@ class Core:
         for where, group in sorted(by_where.items(), key=lambda item: min(item[1])):
             text = f"{format_ranges(group)} {where}"
             if where in ages:
-                text += f" (last seen {ages[where]:.1f} s ago)"
+                text += f" (last seen {_duration(ages[where])} s ago)"
             parts.append(text)
         return "; ".join(parts)
 
@@ -925,12 +930,12 @@ class Core:
         if job.world_size is None:
             return CoreError(
                 Code.DEADLINE_EXCEEDED,
-                f"job {job_name!r} was still empty after {waited:.1f} s: no process registered",
+                f"job {job_name!r} was still empty after {_duration(waited)} s: no process registered",
             )
         missing = [o for o in range(job.world_size) if o not in job.members]
         return CoreError(
             Code.DEADLINE_EXCEEDED,
-            f"job {job_name!r} world incomplete after {waited:.1f} s: "
+            f"job {job_name!r} world incomplete after {_duration(waited)} s: "
             f"{len(job.members)} of {job.world_size} ordinals registered; missing "
             f"{_ordinals_word(missing)} ({self.describe_missing(job, missing, now)})",
         )
@@ -1316,7 +1321,7 @@ class Core:
                     rnd,
                     CoreError(
                         Code.DEADLINE_EXCEEDED,
-                        f"{rnd.describe()} timed out after {now - rnd.started:.1f} s with "
+                        f"{rnd.describe()} timed out after {_duration(now - rnd.started)} s with "
                         f"{len(rnd.arrivals)} of {rnd.size} arrived; missing "
                         f"{_ordinals_word(missing)} ({self.describe_missing(job, missing, now)})",
                     ),
@@ -1650,7 +1655,7 @@ class Core:
         return CoreError(
             Code.DEADLINE_EXCEEDED,
             f"{_plural(len(missing), 'key')} of job {job_name!r} still not set after "
-            f"{waited:.1f} s: {shown}",
+            f"{_duration(waited)} s: {shown}",
         )
 
     # -- status ---------------------------------------------------------------------------

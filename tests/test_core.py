@@ -1355,6 +1355,7 @@ def test_kv_timeout_names_the_keys_still_missing():
         "'a', 'b'",
     )
     assert "'here'" not in core.kv_timeout(JOB, ["here", "a"], waited=3.0).message
+    assert "still not set after 0.05 s" in core.kv_timeout(JOB, ["a"], waited=0.05).message  # (was "0.0 s")
 
 
 # --- status --------------------------------------------------------------------------------------
