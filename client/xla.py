@@ -276,7 +276,10 @@ def _get_ordinal(defval: int = 0) -> int:
     if "get_ordinal" in _originals:
         return _originals["get_ordinal"](defval)
     runtime = _api.started_xla_runtime()  # torch_xla < 2.7 answered with its numbers
-    return _api.get_ordinal() if runtime is None else runtime.global_ordinal()
+    if runtime is not None:
+        return runtime.global_ordinal()
+    _api._binding("xm.get_ordinal")  # unbound: refused outside a world of one
+    return 0
 
 
 def _xrt_world_size(defval: int = 1) -> int:
@@ -287,7 +290,10 @@ def _xrt_world_size(defval: int = 1) -> int:
     if "xrt_world_size" in _originals:
         return _originals["xrt_world_size"](defval)
     runtime = _api.started_xla_runtime()
-    return _api.get_world_size() if runtime is None else runtime.world_size()
+    if runtime is not None:
+        return runtime.world_size()
+    _api._binding("xm.xrt_world_size")
+    return 1
 
 
 def _get_local_ordinal() -> int:
@@ -838,7 +844,12 @@ def _child_main(task: int, nprocs: int, env: dict, payload: bytes, reports) -> N
         ordinal = ordinals[index]
         try:
             with bind_device(index, client=client) as binding:  # devices[index] is xla:<index>
-                result = fn(binding.ordinal, *args)
+                try:
+                    result = fn(binding.ordinal, *args)
+                except SystemExit as exc:
+                    if exc.code not in (None, 0):
+                        raise
+                    result = None  # a clean exit, as a process per device's sys.exit(0) was
                 try:
                     blob = _pickled_result(result, torch_xla._XLAC)
                 except Exception as exc:  # noqa: BLE001

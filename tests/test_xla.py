@@ -110,6 +110,12 @@ def dying_replica(index):
     return "returned"
 
 
+def exiting_replica(index):
+    import sys
+
+    sys.exit(0 if index == 0 else "ordinal 1 stops")
+
+
 def helper_thread_replica(index):
     """A thread bound to no device, started by a replica, calls the xm collectives."""
     import torch_xla.core.xla_model as xm
@@ -443,9 +449,9 @@ def test_unbound_thread_falls_back(xm, monkeypatch, no_process_client):
     xla.install()
     assert (xm.get_ordinal(), xm.xrt_world_size()) == (0, 1)
     monkeypatch.setenv("PJRT_RENDEZVOUS_NUM_TASKS", "2")
-    with pytest.raises(pr.UsageError, match="bind"):
+    with pytest.raises(pr.UsageError, match=r"^xm\.get_ordinal\(\) needs a bound thread"):
         xm.get_ordinal()
-    with pytest.raises(pr.UsageError, match="bind"):
+    with pytest.raises(pr.UsageError, match=r"^xm\.xrt_world_size\(\) needs a bound thread"):
         xm.xrt_world_size()
     # torch_xla's own rendezvous (it starts the runtime: last here) takes replicas=None too.
     assert xm.rendezvous("unbound", b"x", None) == [b"x"]
@@ -557,6 +563,16 @@ def test_spawn_reports_a_process_that_dies_after_its_replicas_returned(torch_xla
         xla.spawn(dying_replica, nprocs=2, devices_per_process=1, timeout=150)
     assert list(info.value.failures) == [-1]
     assert info.value.results == {0: "returned", 1: "returned"}
+
+
+@pytest.mark.xla
+def test_a_replica_that_exits_cleanly_returns_none(torch_xla):
+    """sys.exit(0) in a replica ends it as a process per device ended: cleanly, with no
+    result (it was reported as a failure); any other exit status is a failure."""
+    with pytest.raises(xla.SpawnError, match="ordinal 1 raised SystemExit: ordinal 1 stops") as info:
+        xla.spawn(exiting_replica, nprocs=1, devices_per_process=2, timeout=150)
+    assert list(info.value.failures) == [1]
+    assert info.value.results == {0: None}
 
 
 @pytest.mark.xla
