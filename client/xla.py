@@ -567,14 +567,18 @@ def spawn(
 
     if job is not None:
         env["PJRT_RENDEZVOUS_JOB"] = job
-    if start_method == "fork" and "torch_xla" in sys.modules:
+    if (start_method == "fork" or device_type != "CPU") and "torch_xla" in sys.modules:
         import torch_xla
 
-        if torch_xla._XLAC._xla_runtime_is_initialized():  # (as xmp.spawn refuses it)
+        if torch_xla._XLAC._xla_runtime_is_initialized():
+            # A forked child inherits the started runtime; on TPU this process holds the
+            # chips the children need (xmp.spawn refuses a started runtime for every method;
+            # on CPU a fresh process may still start its own).
             raise UsageError(
-                "spawn(start_method='fork'): this process has started its XLA runtime (it used an "
-                "XLA device), which a forked child would inherit: spawn before using a device, or "
-                "use start_method='spawn' or 'forkserver'"
+                f"spawn(start_method={start_method!r}): this process has started its XLA runtime "
+                "(it used an XLA device), "
+                + ("which a forked child would inherit: " if start_method == "fork" else "and holds the TPU its processes need: ")
+                + "call spawn before using a device"
             )
     payload = pickle.dumps((fn, tuple(args)))  # refused here, before anything is started
     context = multiprocessing.get_context(start_method)

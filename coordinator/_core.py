@@ -115,8 +115,9 @@ class Limits:
 
 
 def _duration(seconds: float) -> str:
-    """Seconds for a message: tenths from 1 s, else three figures (a wait of 50 ms is not "0.0 s")."""
-    return f"{seconds:.1f}" if seconds >= 1 else f"{seconds:.3g}"
+    """Seconds for a message: tenths from about 1 s, else two figures, at least a millisecond
+    (a wait of 50 ms is not "0.0 s")."""
+    return f"{seconds:.1f}" if seconds >= 0.95 else f"{max(seconds, 0.001):.2g}"
 
 
 def format_ranges(ordinals: Iterable[int]) -> str:

@@ -1356,6 +1356,8 @@ def test_kv_timeout_names_the_keys_still_missing():
     )
     assert "'here'" not in core.kv_timeout(JOB, ["here", "a"], waited=3.0).message
     assert "still not set after 0.05 s" in core.kv_timeout(JOB, ["a"], waited=0.05).message  # (was "0.0 s")
+    assert "after 1.0 s" in core.kv_timeout(JOB, ["a"], waited=0.9996).message
+    assert "after 0.001 s" in core.kv_timeout(JOB, ["a"], waited=1e-5).message
 
 
 # --- status --------------------------------------------------------------------------------------
