@@ -103,20 +103,25 @@ _BY_CODE: dict[grpc.StatusCode, type[RemoteError]] = {
 }
 
 
+def tls_hint(details: str) -> str:
+    """For an UNAVAILABLE error's details: a TLS mismatch looks like a connection cut (a
+    plaintext client against a TLS coordinator, or mutual TLS without a client certificate
+    from its CA); "" when the details do not look like one."""
+    if not any(word in details.lower() for word in ("handshake", "socket closed", "ssl", "tls")):
+        return ""
+    return (
+        " If it serves TLS, this client needs PJRT_RENDEZVOUS_TLS_CA (and, for mutual TLS, "
+        "PJRT_RENDEZVOUS_TLS_CERT and _TLS_KEY from the CA it trusts); if not, none of them."
+    )
+
+
 def from_rpc_error(exc: grpc.RpcError, *, address: str, method: str) -> RemoteError:
     """The one place a gRPC error becomes ours; callers ``raise ... from exc``."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
     cls = _BY_CODE.get(code, RemoteError)
     if cls is CoordinatorUnavailableError:
-        hint = ""
-        if any(word in details.lower() for word in ("handshake", "socket closed", "ssl", "tls")):
-            # A TLS mismatch looks like a connection cut: a plaintext client against a TLS
-            # coordinator, or mutual TLS without a client certificate from its CA.
-            hint = (
-                " If it serves TLS, this client needs PJRT_RENDEZVOUS_TLS_CA (and, for mutual TLS, "
-                "PJRT_RENDEZVOUS_TLS_CERT and _TLS_KEY from the CA it trusts); if not, none of them."
-            )
+        hint = tls_hint(details)
         details = (
             f"coordinator at {address} unavailable for {method}: {details}. Is "
             f"`pjrt-rendezvous serve` running there, and does PJRT_RENDEZVOUS_ADDRESS point at it?{hint}"

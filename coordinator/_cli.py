@@ -466,7 +466,13 @@ def _serve(args, env: Mapping[str, str]) -> int:
         )
         serve_forever(options, on_ready=ready)
     except (CoreError, StateFileError, RuntimeError, OSError, ValueError) as exc:
-        _failed(args.log_format, f"pjrt-rendezvous serve: {exc}")
+        why = str(exc)
+        if isinstance(exc, OSError) and "the session port" in why and args.session_port == "auto":
+            why += (
+                f" (by default, 'auto', the session port is {DEFAULT_SESSION_PORT} whatever --port is: "
+                "name another with --session-port PORT, 0 for a free one, or off)"
+            )
+        _failed(args.log_format, f"pjrt-rendezvous serve: {why}")
         return 1
     return 0
 
@@ -542,6 +548,17 @@ def _ask(call: Callable[[float], Any], timeout: float, again: Callable[[Any], bo
         time.sleep(RETRY_EVERY)
 
 
+def _rpc_failure(exc) -> str:
+    """A failed call's status for ``health`` and ``status``, with the clients' TLS hint."""
+    import grpc
+
+    from pjrt_rendezvous.client._errors import tls_hint
+
+    details = exc.details() or "(no details)"
+    hint = tls_hint(details) if exc.code() == grpc.StatusCode.UNAVAILABLE else ""
+    return f"{exc.code().name}: {details}{hint}"
+
+
 def _health(args, env: Mapping[str, str]) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -572,7 +589,8 @@ def _health(args, env: Mapping[str, str]) -> int:
         print(f"{address}{service}: SERVING")
         return 0
     outcome = (
-        f"{reply.code().name}: {reply.details()}" if isinstance(reply, grpc.RpcError)
+        "NOT_FOUND: the coordinator has no such service" if isinstance(reply, grpc.RpcError) and reply.code() == grpc.StatusCode.NOT_FOUND
+        else _rpc_failure(reply) if isinstance(reply, grpc.RpcError)
         else health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     )
     print(f"pjrt-rendezvous health: {address}{service}: {outcome}", file=sys.stderr)
@@ -836,7 +854,7 @@ def _status(args, env: Mapping[str, str]) -> int:
             lambda reply: isinstance(reply, grpc.RpcError) and reply.code() == grpc.StatusCode.UNAVAILABLE,
         )
     if isinstance(response, grpc.RpcError):
-        print(f"pjrt-rendezvous status: {address}: {response.code().name}: {response.details()}", file=sys.stderr)
+        print(f"pjrt-rendezvous status: {address}: {_rpc_failure(response)}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(status_json(response, address), indent=2))

@@ -4,7 +4,7 @@ an optional Prometheus endpoint.
 
 :class:`Coordinator` runs one in a background thread of the calling process (task 0
 embedding it, the demo, tests); :func:`serve_forever` runs one in the foreground
-(``pjrt-rendezvous serve``) until SIGINT or SIGTERM, telling systemd when it is ready and
+(``pjrt-rendezvous serve``) until SIGINT, SIGTERM or SIGHUP, telling systemd when it is ready and
 when it stops (``_notify``).
 """
 
@@ -899,8 +899,13 @@ def raise_open_files_limit() -> None:
         )
 
 
+# SIGHUP too: the terminal of a `serve` in the foreground closed (an ssh session ended);
+# there is nothing to reload, and dying at once would skip the drain and the last state write.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def serve_forever(options: ServerOptions, *, on_ready=None) -> None:
-    """Serves until SIGINT/SIGTERM, then drains for ``options.grace`` seconds. Meant to own
+    """Serves until SIGINT/SIGTERM/SIGHUP, then drains for ``options.grace`` seconds. Meant to own
     its process (``pjrt-rendezvous serve``): it raises the process's open files limit
     (:func:`raise_open_files_limit`) and tunes its garbage collector once it listens
     (:func:`tune_collector`).
@@ -921,7 +926,7 @@ def serve_forever(options: ServerOptions, *, on_ready=None) -> None:
         tune_collector()
         stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in _STOP_SIGNALS:
             loop.add_signal_handler(sig, stopping.set)
         if on_ready is not None:  # after the handlers: a stop signal from here on drains
             on_ready(running)
@@ -949,7 +954,7 @@ def serve_forever(options: ServerOptions, *, on_ready=None) -> None:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for wait in waits:
             wait.cancel()
-        for sig in (signal.SIGINT, signal.SIGTERM):  # a second one ends the drain
+        for sig in _STOP_SIGNALS:  # a second one ends the drain
             loop.add_signal_handler(sig, running.hurry)
         _notify.notify(f"STOPPING=1\nSTATUS=stopping: in-flight calls get {options.grace:g} s")
         log.info("stopping: in-flight calls get %.1f s", options.grace, extra={"event": "stopping"})

@@ -374,7 +374,7 @@ def test_health_exit_codes():
         coordinator = run_cli("health", "--address", server.address, "--service", "pjrt_rendezvous.v1.Coordinator")
         assert coordinator.returncode == 0, coordinator.stderr
         unknown = run_cli("health", "--address", server.address, "--service", "no.such.Service")
-        assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr
+        assert unknown.returncode == 1 and "NOT_FOUND: the coordinator has no such service" in unknown.stderr
         assert server.stop() == 0
     started = time.monotonic()
     down = run_cli("health", "--address", server.address, "--timeout", "2")
@@ -441,6 +441,7 @@ def test_health_with_tls_uses_the_client_variables(tls_files):
         ca = {"PJRT_RENDEZVOUS_TLS_CA": str(tls_files / "server.pem")}
         plaintext = run_cli("health", "--address", server.address, "--timeout", "3")
         assert plaintext.returncode == 1
+        assert "If it serves TLS, this client needs PJRT_RENDEZVOUS_TLS_CA" in plaintext.stderr, plaintext.stderr
         for command in ("status", "health --wait"):  # they wait out --timeout, then say why
             waited = run_cli(*command.split(), "--address", server.address, "--timeout", "2")
             assert waited.returncode == 1 and ": UNAVAILABLE: " in waited.stderr, (command, waited.stderr)
@@ -890,6 +891,32 @@ def test_stop_ends_idle_streams_at_once_and_a_second_signal_ends_the_drain():
         assert time.monotonic() - started < 20
         client.close()
         thread.join(10)
+
+
+def test_sighup_stops_serve_as_sigterm_does():
+    """The terminal of a `serve` in the foreground closes (an ssh session ends): it drains and
+    exits 0, as for SIGTERM (it died at once, exit 129, no drain nor last state write)."""
+    with Serve() as server:
+        server.proc.send_signal(signal.SIGHUP)
+        assert server.proc.wait(15) == 0, server.stderr()
+        server.wait_for_line("stopped after")
+
+
+def test_a_busy_default_session_port_is_named_with_what_to_do():
+    """--port N without --session-port opens the session port at 7482 ('auto'): when that is
+    taken, the refusal says it is the default and how to name another."""
+    with socket.socket() as taken:
+        try:
+            taken.bind(("127.0.0.1", 7482))
+        except OSError:
+            pytest.skip("port 7482 is in use here")
+        taken.listen()
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        busy = run_cli("serve", "--port", str(port))
+    assert busy.returncode == 1, busy.stderr
+    assert "the session port is 7482 whatever --port is" in busy.stderr and "--session-port PORT" in busy.stderr, busy.stderr
 
 
 def test_serve_refuses_a_busy_session_port_and_an_endless_grace_with_a_message():
