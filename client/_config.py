@@ -51,6 +51,8 @@ def check_token(token: str, source: str) -> str:
     """``token`` if gRPC metadata can carry it (printable ASCII), else a UsageError naming
     ``source`` (serve and the clients alike: a token with a line break inside, as a wrapped
     ``openssl rand -base64 64`` gives, was taken, then every call failed as "Invalid metadata")."""
+    if not token.strip():
+        raise UsageError(f"the token from {source} is empty")
     for position, char in enumerate(token):
         if not " " <= char <= "~":
             raise UsageError(
@@ -209,8 +211,6 @@ class Settings:
         object.__setattr__(self, "progress_interval", check_timeout(self.progress_interval, "progress_interval"))
         if self.token is not None:
             source = "PJRT_RENDEZVOUS_TOKEN, the file PJRT_RENDEZVOUS_TOKEN_FILE names, or init(token=)"
-            if not self.token.strip():
-                raise UsageError(f"the token is empty ({source})")
             check_token(self.token, source)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise UsageError("mutual TLS needs both tls_cert and tls_key (PJRT_RENDEZVOUS_TLS_CERT / _TLS_KEY)")

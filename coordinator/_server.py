@@ -626,7 +626,11 @@ def _core_to_serve(options: ServerOptions, core: Core | None, files: "_state.Fil
                 "restored %d job(s) from %s: %s",
                 len(core.jobs),
                 options.state_file,
-                ", ".join(f"{j.name} ({len(j.members)}/{j.world_size} ordinals, generation {j.generation})" for j in core.jobs.values()),
+                ", ".join(
+                    f"{j.name} ({len(j.members)}/{j.world_size} ordinals, generation {j.generation})"
+                    if j.world_size is not None else f"{j.name} ({len(j.kv)} keys, no world yet)"
+                    for j in core.jobs.values()
+                ),
                 extra={"event": "restored", "jobs": len(core.jobs)},
             )
     core = core or Core(options.limits, heartbeat_timeout=options.heartbeat_timeout)

@@ -466,6 +466,8 @@ def encode(body: dict) -> bytes:
 def decode(data: bytes, *, path: str = "state file") -> dict:
     """The body of an encoded state; StateFileError for anything torn, edited or foreign."""
     hint = f"; move {path} away to start with an empty coordinator"
+    if not data.strip():  # (a coordinator replaces it whole: one made empty beforehand)
+        raise StateFileError(f"{path} is empty, not written by a coordinator{hint}")
     try:
         outer = json.loads(data)
         if outer.get("format") != FORMAT:

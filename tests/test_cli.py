@@ -569,6 +569,16 @@ def test_serve_refuses_a_token_grpc_cannot_send_naming_where_it_came_from(tmp_pa
     for (args, env), named in cases:
         out = run_cli("serve", "--port", "0", *args, env=env, timeout=30)
         assert out.returncode == 1 and named in out.stderr and "printable ASCII" in out.stderr, (args, env, out.stderr)
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    for args, env, named in [
+        ((), {"PJRT_RENDEZVOUS_TOKEN": " "}, "the token from PJRT_RENDEZVOUS_TOKEN is empty"),
+        (("--token-file", str(empty)), {}, f"the token from the file {empty} (--token-file) is empty"),
+    ]:  # (the variable's said only "the token is empty")
+        out = run_cli("serve", "--port", "0", *args, env=env, timeout=30)
+        assert out.returncode == 1 and named in out.stderr, (args, env, out.stderr)
+    with pytest.raises(pr.UsageError, match="the token from PJRT_RENDEZVOUS_TOKEN, .* is empty"):
+        pr.Settings(address="127.0.0.1:1", token=" ")
     one_line = tmp_path / "token"
     one_line.write_text("sekrit-123\n")
     with Serve("--token-file", str(one_line)) as server:

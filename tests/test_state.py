@@ -84,7 +84,7 @@ def test_a_replaced_incarnation_stays_refused_after_a_restart():
         (lambda d: d[: len(d) // 2], "corrupt or truncated"),
         (lambda d: d.replace(b'\\"n\\"', b'\\"m\\"', 1), "checksum does not match"),
         (lambda d: b'{"hello": 1}', "not a pjrt-rendezvous state file"),
-        (lambda d: b"", "corrupt or truncated"),
+        (lambda d: b"", "is empty, not written by a coordinator"),
     ],
 )
 def test_damaged_state_is_detected_never_half_loaded(damage, message):
