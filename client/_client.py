@@ -45,21 +45,6 @@ ALL: tuple[int, ...] = ()
 _TRANSPORT_GRACE = 10.0
 _BACKOFF_CAP = 2.0  # seconds: the longest pause between two retries
 _CLOSED = "this client was closed; call init() again"
-
-
-class _NoAnswer(StatusError):
-    """A call's transport cut-off passed without an answer: its deadline and the grace after
-    it (or, without a deadline, the longest a call that does not wait may take). The
-    coordinator answers a round that timed out at its deadline, naming who is missing, so
-    silence until the cut-off is the coordinator's (frozen, overloaded, or the network to it
-    gone): reported as unavailable, and not retried (there is no time left to)."""
-
-    def __init__(self, details: str) -> None:
-        super().__init__(grpc.StatusCode.UNAVAILABLE, details)
-
-
-def _retried(exc: BaseException) -> bool:
-    return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE and not isinstance(exc, _NoAnswer)
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", -1),
     ("grpc.max_send_message_length", -1),
@@ -102,6 +87,22 @@ _DESCRIBE_TIMEOUT = 2.0
 # through to the coordinator: a relay that cannot reach it says so after its own retries,
 # each failing within a ping's wait and timeout.
 _RELAY_GIVES_UP = 2 * (PING_EVERY + PING_TIMEOUT)
+
+
+class _NoAnswer(StatusError):
+    """A call's transport cut-off passed without an answer: its deadline and the grace after
+    it (or, without a deadline, the longest a call that does not wait may take). The
+    coordinator answers a round that timed out at its deadline, naming who is missing, so
+    silence until the cut-off is the coordinator's (frozen, overloaded, or the network to it
+    gone): reported as unavailable, and not retried (there is no time left to)."""
+
+    def __init__(self, details: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, details)
+
+
+def _retried(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE and not isinstance(exc, _NoAnswer)
+
 
 _bound = threading.local()
 

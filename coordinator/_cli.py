@@ -588,11 +588,12 @@ def _health(args, env: Mapping[str, str]) -> int:
     if not isinstance(reply, grpc.RpcError) and reply.status == serving:
         print(f"{address}{service}: SERVING")
         return 0
-    outcome = (
-        "NOT_FOUND: the coordinator has no such service" if isinstance(reply, grpc.RpcError) and reply.code() == grpc.StatusCode.NOT_FOUND
-        else _rpc_failure(reply) if isinstance(reply, grpc.RpcError)
-        else health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    )
+    if not isinstance(reply, grpc.RpcError):
+        outcome = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    elif reply.code() == grpc.StatusCode.NOT_FOUND:  # (gRPC's health service says no more)
+        outcome = "NOT_FOUND: the coordinator has no such service"
+    else:
+        outcome = _rpc_failure(reply)
     print(f"pjrt-rendezvous health: {address}{service}: {outcome}", file=sys.stderr)
     return 1
 
