@@ -7,7 +7,10 @@ and is refused.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import os
+import stat
 from typing import Any, Mapping
 
 from ._errors import UsageError
@@ -63,12 +66,20 @@ def check_token(token: str, source: str) -> str:
 
 
 def read_token_file(path: str, source: str) -> str:
-    """The token in the file ``path`` (``source`` names where the path came from), stripped."""
+    """The token in the file ``path`` (``source`` names where the path came from), stripped.
+    A regular file that other users may read or write is taken, with a warning (as ssh and
+    libpq warn of, or refuse, such secrets)."""
     try:
         with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
             data = f.read()
     except OSError as exc:
         raise UsageError(f"cannot read the token file {path} ({source}): {exc.strerror}") from exc
+    if stat.S_ISREG(mode) and mode & 0o077:
+        logging.getLogger("pjrt_rendezvous.client").warning(
+            "the token file %s (%s) is open to other users (mode %03o): `chmod 600 %s`",
+            path, source, stat.S_IMODE(mode), path,
+        )
     try:
         return data.decode("ascii").strip()
     except UnicodeDecodeError as exc:

@@ -104,6 +104,27 @@ def test_token_from_file_and_environment(tmp_path):
         assert outcome(pr.Client(settings, pr.detect_topology({}, address=c.address))) == "ok"
 
 
+def test_a_token_file_open_to_other_users_is_taken_with_a_warning(tmp_path, caplog):
+    """As ssh and libpq warn of such secrets: mode 0644 is named with the chmod to run; 0600
+    says nothing. serve logs the same warning."""
+    token_file = tmp_path / "token"
+    token_file.write_text(SECRET + "\n")
+    token_file.chmod(0o644)
+    caplog.set_level(logging.WARNING, logger="pjrt_rendezvous.client")
+    assert pr.Settings.resolve({"PJRT_RENDEZVOUS_TOKEN_FILE": str(token_file)}, address="127.0.0.1:1").token == SECRET
+    (warning,) = [r.getMessage() for r in caplog.records if "token file" in r.getMessage()]
+    assert "is open to other users (mode 644)" in warning and f"chmod 600 {token_file}" in warning
+    from test_cli import Serve
+
+    with Serve("--token-file", str(token_file)) as server:
+        server.wait_for_line(r"the token file \S+ \(--token-file\) is open to other users \(mode 644\)")
+        assert server.stop() == 0
+    token_file.chmod(0o600)
+    caplog.clear()
+    assert pr.Settings.resolve({"PJRT_RENDEZVOUS_TOKEN_FILE": str(token_file)}, address="127.0.0.1:1").token == SECRET
+    assert not [r for r in caplog.records if "token file" in r.getMessage()]
+
+
 def test_a_token_and_a_token_file_that_disagree_are_refused_by_serve_and_clients(tmp_path):
     """Both variables set with different tokens (an old PJRT_RENDEZVOUS_TOKEN left beside a
     new token file): serve and the clients refuse alike, instead of each picking another one;
