@@ -21,7 +21,8 @@
         │   └── StoreUnavailable (DistNetworkError)  the same for a torch Store call
         └── StoreError (DistStoreError)    any other refusal of a torch Store call (``code``)
 
-``payload`` that is not bytes raises ``TypeError``, as torch_xla's ``xm.rendezvous`` does.
+An argument of the wrong type raises ``TypeError`` (a ``payload`` that is not bytes, as torch_xla's
+``xm.rendezvous`` does; a tag that is not a str, replicas or a thread index that are not ints).
 No ``grpc.RpcError`` escapes the public API: :func:`from_rpc_error` is the one translation.
 """
 
@@ -31,7 +32,7 @@ import grpc
 
 
 class RendezvousError(Exception):
-    """Root of every error this library raises (apart from TypeError for non-bytes payloads)."""
+    """Root of every error this library raises (apart from TypeError for arguments of the wrong type)."""
 
 
 class UsageError(RendezvousError, ValueError):

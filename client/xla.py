@@ -27,12 +27,12 @@ function                       bound thread                                    u
                                ``xla:<device index>`` (under PJRT threads the
                                original returns the process default device)
 ``rendezvous(tag, payload,     through the coordinator: tags enforced,         the original
-replicas)``                    subsets allowed, a deadline, and errors naming  (an XLA all-gather)
-                               the missing ordinals; no device sync, no
-                               compile. The original is an XLA all-gather that
-                               ignores the tag, refuses subsets, has no
-                               timeout and hangs on a skipped call.
-``mesh_reduce(tag, data,       ``torch.save`` to bytes, :func:`rendezvous`,    the original
+replicas)``                    subsets allowed, a deadline, and errors naming  (an XLA all-gather);
+                               the missing ordinals; no device sync, no        ``UsageError`` in a
+                               compile. The original is an XLA all-gather that helper thread of a
+                               ignores the tag, refuses subsets, has no        process of several
+                               timeout and hangs on a skipped call.            device threads
+``mesh_reduce(tag, data,       ``torch.save`` to bytes, :func:`rendezvous`,    as ``rendezvous``
 reduce_fn)``                   ``torch.load`` (as torch_xla),
                                ``reduce_fn`` -- torch_xla's contract
 =============================  ==============================================  ==========================
@@ -158,7 +158,7 @@ def install() -> bool:
             raise  # torch_xla is there but broken: say so, do not hide it behind a warning
         warnings.warn(
             "pjrt_rendezvous.client.xla.install() does nothing: torch_xla is not installed "
-            "(pip install 'pjrt-rendezvous[xla]')",
+            "(pip install '.[xla]' in a pjrt-rendezvous checkout)",
             RuntimeWarning,
             stacklevel=2,
         )

@@ -245,7 +245,7 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         f"declare a process dead after this many seconds without a heartbeat (default "
         f"{DEFAULT_HEARTBEAT_TIMEOUT:g}; 'none' disables)",
     )
-    option("--state-file", pathlib.Path, None, "keep ranks, job config and keys here across restarts")
+    option("--state-file", pathlib.Path, None, "keep ranks, job config, finished rounds and keys here across restarts")
     option(
         "--token-file",
         pathlib.Path,
