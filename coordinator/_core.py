@@ -56,6 +56,7 @@ _REQUEST_IDS_KEPT = 100_000
 # in memory and in the state file; longer ones are refused, not kept.
 MAX_REQUEST_ID_LENGTH = 256
 _REPLACED_KEPT = 1024  # replaced incarnations remembered per job, for their late calls' errors
+_OUTSIDER_CALLS_KEPT = 64  # calls from outside their replicas remembered per job (Core._replicas_group)
 _EVENTS_KEPT = 1000  # the latest events of a job (EventLog)
 _DECLARED = "the coordinator's --world-size"
 
@@ -379,6 +380,11 @@ class Job:
     # register again (two live processes would take the task from each other). The latest
     # _REPLACED_KEPT.
     replaced: collections.OrderedDict[str, str] = dataclasses.field(default_factory=collections.OrderedDict)
+    # (generation, group, caller's ordinals, round number) of the latest calls from outside
+    # their replicas (_OUTSIDER_CALLS_KEPT): a resend of one fails no second round.
+    outsider_calls: collections.OrderedDict[tuple, None] = dataclasses.field(
+        default_factory=collections.OrderedDict, repr=False
+    )
     # Core._uses when a call last named the job: at max_jobs, the finished job used longest
     # ago makes room for a new one (Core._droppable).
     used: int = 0
@@ -602,7 +608,6 @@ class Core:
             # Restored from a state file: the operator changed the size, so the job is a new
             # run of that size (a coordinator that refused to start would restart in a loop).
             self._start_afresh(job, f"its world size changed from {job.world_size} to {world_size}")
-            job.devices_per_task = None
         job.world_size = world_size
         job.world_fixed_by = _DECLARED
         self._changed()
@@ -670,26 +675,30 @@ class Core:
         # A refused first registration must not leave an empty job behind.
         job = self.jobs.get(r.job) or self._new_job(r.job, insert=False)
         self._uses = job.used = self._uses + 1
-        if job.formed and not any(p.alive for p in job.processes.values()):
-            # A run formed and every process of it is gone: this is a new run. (A process that
-            # fails or leaves before the world ever formed does not end the run: late members
-            # still join it, and learn at once that a member is gone.)
-            self._start_afresh(job)
+        # A run formed and every process of it is gone: this is a new run, started only once
+        # the registration is taken. (A process that fails or leaves before the world ever
+        # formed does not end the run: late members still join it, and learn at once that a
+        # member is gone.)
+        afresh = job.formed and not any(p.alive for p in job.processes.values())
+        # (a new run may have another world size, unless declared, and another layout)
+        fixed_size = job.world_size if not afresh or job.world_fixed_by == _DECLARED else None
         declared = f"{r.num_tasks} tasks x {r.devices_per_task} devices = {world_size}"
-        if job.world_size is not None and job.world_size != world_size:
+        if fixed_size is not None and fixed_size != world_size:
             raise CoreError(
                 Code.FAILED_PRECONDITION,
                 f"job {job.name!r} has world size {job.world_size} (fixed by {job.world_fixed_by}), "
                 f"but task {r.task_id} on {r.host} pid {r.pid} declares {declared}; every process "
                 "of a job must agree on the number of tasks and devices per task",
             )
-        if job.devices_per_task is not None and job.devices_per_task != r.devices_per_task:
+        if not afresh and job.devices_per_task is not None and job.devices_per_task != r.devices_per_task:
             raise CoreError(
                 Code.FAILED_PRECONDITION,
                 f"job {job.name!r} has {job.devices_per_task} devices per task, but task "
                 f"{r.task_id} on {r.host} pid {r.pid} declares {r.devices_per_task}; check "
                 "PJRT_RENDEZVOUS_CORES_PER_CHIP and TPU_ACCELERATOR_TYPE on every host",
             )
+        if afresh:
+            self._start_afresh(job)
 
         owner = job.tasks.get(r.task_id)
         process = job.processes.get(r.incarnation)
@@ -965,11 +974,17 @@ class Core:
         state = self._job(job)
         process = self._process(state, incarnation, now)
         if generation and generation != state.generation:
-            raise CoreError(
-                Code.ABORTED,
-                f"job {job!r} moved from generation {generation} to {state.generation} "
-                f"({self._generation_reason(state)}); rounds of the old generation are void",
-            )
+            # A resent call of a round that finished before the move gets what its peers got
+            # (its answer was lost: a cut connection, a relay that died after the round).
+            old = self._finished_before(state, generation, replicas, round_number, contributions)
+            if old is None:
+                raise CoreError(
+                    Code.ABORTED,
+                    f"job {job!r} moved from generation {generation} to {state.generation} "
+                    f"({self._generation_reason(state)}); rounds of the old generation are void",
+                )
+            self._check_resent(old, contributions)
+            return old
         assert state.world_size is not None  # a registered process fixed it
         if round_number < 0:
             raise CoreError(Code.INVALID_ARGUMENT, f"round number must be >= 0, got {round_number}")
@@ -1008,24 +1023,8 @@ class Core:
             if not rnd.finished:
                 self._fail(state, rnd, error)
             raise error
-        if rnd.result is not None:
-            resent = contributions
-        elif rnd.arrivals and not rnd.arrivals.keys().isdisjoint(ordinals):
-            resent = [c for c in contributions if c[0] in rnd.arrivals]
-        else:
-            resent = ()  # the common case: nothing to compare, and no loop
-        for ordinal, tag, payload, _ in resent:
-            if rnd.result is not None:
-                previous = rnd.result[rnd.position(ordinal)]
-            else:
-                previous = rnd.arrivals[ordinal]
-            if tag != rnd.tag or payload != previous:
-                raise CoreError(
-                    Code.INVALID_ARGUMENT,
-                    f"ordinal {ordinal} resent {rnd.describe()} with a different tag or payload; "
-                    "a retried call must carry the same content (or this caller's round counter "
-                    "fell behind its peers)",
-                )
+        if rnd.result is not None or (rnd.arrivals and not rnd.arrivals.keys().isdisjoint(ordinals)):
+            self._check_resent(rnd, contributions)  # (the common case: nothing to compare)
         if rnd.finished:
             return rnd
         dead = self._dead_members(state, rnd)
@@ -1112,6 +1111,39 @@ class Core:
                 )
         return over
 
+    @staticmethod
+    def _check_resent(rnd: Round, contributions: Sequence[ContributionRow]) -> None:
+        """Refuses a call that brings a contribution ``rnd`` already has with other content."""
+        for ordinal, tag, payload, _ in contributions:
+            if rnd.result is not None:
+                previous = rnd.result[rnd.position(ordinal)]
+            elif ordinal in rnd.arrivals:
+                previous = rnd.arrivals[ordinal]
+            else:
+                continue
+            if tag != rnd.tag or payload != previous:
+                raise CoreError(
+                    Code.INVALID_ARGUMENT,
+                    f"ordinal {ordinal} resent {rnd.describe()} with a different tag or payload; "
+                    "a retried call must carry the same content (or this caller's round counter "
+                    "fell behind its peers)",
+                )
+
+    @staticmethod
+    def _finished_before(
+        job: Job, generation: int, replicas: Sequence[int], number: int, contributions: Sequence[ContributionRow]
+    ) -> Round | None:
+        """Round ``number`` of the group ``replicas`` names in an earlier ``generation`` of
+        ``job``, if it finished and is still kept (the generation before the job's own) and
+        every contribution is a member's."""
+        members = sorted(set(replicas))
+        group: GroupKey = ALL if not members or members == list(range(job.world_size or 0)) else tuple(members)
+        kept = job.groups.get((generation, group))
+        rnd = None if kept is None else kept.finished.get(number)
+        if rnd is None or not all(rnd.has_member(c[0]) for c in contributions):
+            return None
+        return rnd
+
     def _replicas_group(
         self, state: Job, replicas: Sequence[int], ordinals: Sequence[int], tag: str, round_number: int, now: float
     ) -> GroupKey:
@@ -1121,7 +1153,7 @@ class Core:
         the round the call counts as, ``round_number`` of the group its ordinals in range
         make (as the client counts it); for callers outside them, whose round counter is not
         the group's, the round its members wait in, if any (none: nobody to tell, and no
-        later round to spoil)."""
+        later round to spoil), once per call (not again for its resends)."""
         world = state.world_size
         members = sorted(set(replicas))
         out_of_range = None
@@ -1162,6 +1194,12 @@ class Core:
             except CoreError:  # the round is gone or out of reach: only the caller to tell
                 target = None
         else:
+            call = (state.generation, group, tuple(ordinals), round_number)
+            if call in state.outsider_calls:
+                raise problem  # a resend: its round failed already
+            state.outsider_calls[call] = None
+            if len(state.outsider_calls) > _OUTSIDER_CALLS_KEPT:
+                state.outsider_calls.popitem(last=False)
             pending = [r for k, r in state.pending.items() if k[:2] == (state.generation, group)]
             target = min(pending, key=lambda r: r.number) if pending else None
         if target is not None and not target.finished:
@@ -1389,7 +1427,7 @@ class Core:
         job.blocked.clear()
         if job.world_fixed_by != _DECLARED:
             job.world_size = None
-            job.devices_per_task = None
+        job.devices_per_task = None  # (a declared world size may be split anew)
         self._new_generation(job)
         job.formed = False
         self._changed()

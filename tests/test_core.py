@@ -845,6 +845,26 @@ def test_a_caller_outside_its_replicas_spoils_no_later_round_of_theirs():
         assert pod.result(pod.arrive(1, replicas=[0, 1], round_number=number)) == [b"p0", b"p1"]
 
 
+def test_a_resent_call_from_outside_its_replicas_fails_no_second_round():
+    """An outsider's call fails the round its replicas wait in once: its resend (an answer
+    lost, the same call again) raises the same error and leaves the members' next round
+    alone (it once failed that one too); the outsider's next call fails the round then."""
+    pod = make_pod(3)
+    first = pod.arrive(0, replicas=[0, 1], round_number=0)
+    with raises(Code.INVALID_ARGUMENT, "ordinal 2 called", "not among them"):
+        pod.arrive(2, replicas=[0, 1], round_number=0)
+    assert_message(pod.error(first), Code.INVALID_ARGUMENT, "ordinal 2 called")
+    second = pod.arrive(0, replicas=[0, 1], round_number=1)
+    with raises(Code.INVALID_ARGUMENT, "ordinal 2 called", "not among them"):
+        pod.arrive(2, replicas=[0, 1], round_number=0)  # the resend
+    assert pod.result(pod.arrive(1, replicas=[0, 1], round_number=1)) == [payload_of(0), payload_of(1)]
+    assert pod.outcome(second).result is not None
+    third = pod.arrive(0, replicas=[0, 1], round_number=2)
+    with raises(Code.INVALID_ARGUMENT, "ordinal 2 called"):
+        pod.arrive(2, replicas=[0, 1], round_number=1)  # its next call
+    assert_message(pod.error(third), Code.INVALID_ARGUMENT, "ordinal 2 called")
+
+
 @pytest.mark.parametrize("replicas", [[0, 1, 2, 3, 4], [0, 0, 1, 2, 3], [3, 2, 1, 0, -1]])
 def test_members_calling_with_one_malformed_list_fail_that_round_once(replicas):
     """Every member calling with the same malformed list (out of range, a repeated ordinal):
@@ -1758,6 +1778,59 @@ def test_a_process_restarted_on_its_host_with_its_local_rank_replaces_the_live_o
     key = pod.arrive(0, now=5.0)
     pod.arrive(1, now=5.0, incarnation="again-1")
     assert pod.result(key) == [payload_of(0), payload_of(1)]
+
+
+def test_a_resent_call_of_a_round_finished_before_a_restart_gets_its_result():
+    """A round that completed before a process restarted (its answer lost to one member: a cut
+    connection, a relay that died after the round) gives that member's resend the result its
+    peers got, not ABORTED: the member's next call learns of the move, as its peers' do, so
+    no member's round counter falls out of step with the others' (it once did: its peers
+    went on one round ahead of it). Another content is still refused, and calls of rounds
+    that did not finish before the move are void."""
+    pod = Pod(Core(heartbeat_timeout=60), 4, 1)
+    for task in range(4):
+        pod.register(task)
+
+    def call(ordinal, number, *, replicas=(), payload=None, tag="save"):
+        return pod.core.arrive(4.0, job=JOB, incarnation=incarnation_of(ordinal), replicas=list(replicas),
+                               round_number=number, generation=1, deadline=None,
+                               contributions=[Contribution(ordinal, tag, payload or payload_of(ordinal))])
+
+    for ordinal in range(4):
+        call(ordinal, 0)
+    for ordinal in (1, 0):
+        call(ordinal, 0, replicas=[1, 0])
+    pod.register(3, now=3.0, incarnation="again-3", pid=9)  # restarted in place: generation 2
+    assert call(0, 0).result == [payload_of(o) for o in range(4)]
+    assert call(0, 0, replicas=[0, 1]).result == [payload_of(0), payload_of(1)]
+    with raises(Code.INVALID_ARGUMENT, "ordinal 0 resent", "different tag or payload"):
+        call(0, 0, payload=b"other")
+    with raises(Code.INVALID_ARGUMENT, "ordinal 0 resent", "different tag or payload"):
+        call(0, 0, tag="step")
+    for number, replicas in ((1, ()), (0, (0, 2)), (0, (0, 1, 5))):  # no such round finished
+        with raises(Code.ABORTED, "moved from generation 1 to 2", "rounds of the old generation are void"):
+            call(0, number, replicas=replicas)
+    with raises(Code.ABORTED, "moved from generation 1 to 2"):  # an outsider of the pair's round
+        call(2, 0, replicas=[0, 1])
+
+
+def test_a_declared_job_run_again_may_split_its_world_anew():
+    """A job whose world size the operator declared, run again once every process of its last
+    run is gone, takes a new layout of the same size (4 x 2, then 8 x 1: it once kept the
+    old devices per task and refused the new run); a registration refused for its size does
+    not start the job afresh."""
+    core = Core()
+    core.declare_job(JOB, 8)
+    for task in range(4):
+        core.register(0.0, registration(task, 4, 2))
+    for task in range(4):
+        core.leave(JOB, incarnation_of(task))
+    with raises(Code.FAILED_PRECONDITION, "has world size 8 (fixed by"):
+        core.register(1.0, registration(0, 16, 1, incarnation="too-big"))
+    assert core.jobs[JOB].generation == 1 and core.jobs[JOB].devices_per_task == 2
+    registered = core.register(1.0, registration(0, 8, 1, incarnation="next-0"))
+    assert registered.world_size == 8 and registered.generation == 2
+    assert core.jobs[JOB].devices_per_task == 1 and set(core.jobs[JOB].members) == {0}
 
 
 def test_old_generations_rounds_are_forgotten_and_their_late_calls_are_void():
