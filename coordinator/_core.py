@@ -1360,7 +1360,8 @@ class Core:
                     rnd,
                     CoreError(
                         Code.DEADLINE_EXCEEDED,
-                        f"{rnd.describe()} timed out after {_duration(now - rnd.started)} s with "
+                        f"{rnd.describe()} timed out after {_duration(now - rnd.started)} s (counted from the "
+                        f"first call to reach the coordinator) with "
                         f"{len(rnd.arrivals)} of {rnd.size} arrived; missing "
                         f"{_ordinals_word(missing)} ({self.describe_missing(job, missing, now)})",
                     ),

@@ -956,7 +956,8 @@ def test_expire_fails_an_overdue_round_naming_missing_ordinals_hosts_and_ages():
     assert_message(
         pod.error(pod.key(ALL, 0)),
         Code.DEADLINE_EXCEEDED,
-        "rendezvous 't' on all ordinals (round 0) timed out after 6.0 s",
+        "rendezvous 't' on all ordinals (round 0) timed out after 6.0 s (counted from the first call to "
+        "reach the coordinator) with",
         "3 of 8 arrived",
         "missing ordinals 2-3, 5-7",
         "2-3 on host-0 (last seen 7.0 s ago)",
