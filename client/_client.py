@@ -351,7 +351,7 @@ class Client:
         self._relay_retry = (0.0, _RELAY_RETRY)  # (not before, then how long to stay away after a failure)
         # The coordinator's session port, once a Register or Heartbeat answer names it (0:
         # none), and the time (monotonic) before which it is not tried again after failing.
-        self._session_port = (0, 0.0, 0.0)  # (port, retry at, probe backoff: > 0 after a timeout)
+        self._session_port = (0, 0.0, 0.0)  # (port, retry at, probe backoff: > 0 after a failure)
         # Whether the coordinator reads a relay's processes named once (Register, Heartbeat).
         self.reads_process_indexes = False
         _clients.add(self)
@@ -550,29 +550,32 @@ class Client:
     def _open_session(self) -> Session:
         """On the coordinator's session port when it offers one and it has not failed
         lately, else on gRPC. Called with the session lock held."""
-        port, retry_at, backoff = self._session_port
-        if port and not backoff and time.monotonic() >= retry_at:
+        port, _, backoff = self._session_port
+        if port and not backoff:
             authorization = f"Bearer {self.settings.token}" if self.settings.token else ""
             try:
                 return SocketSession.tcp(self._coordinator_host(), port, authorization, _SESSION_PORT_CONNECT)
             except grpc.RpcError as exc:
-                if isinstance(exc.__cause__, TimeoutError):
-                    self._session_port = (port, time.monotonic() + _SESSION_PORT_PROBE, _SESSION_PORT_PROBE)
+                # The heartbeat thread tries the port again (_probe_session_port): a working
+                # gRPC stream is not given up for a port that may refuse again.
+                timed_out = isinstance(exc.__cause__, TimeoutError)
+                backoff = _SESSION_PORT_PROBE if timed_out else _SESSION_PORT_RETRY
+                self._session_port = (port, time.monotonic() + backoff, backoff)
+                if timed_out:
                     log.warning(
                         "%s; using gRPC, and trying the port again in the background from time to "
                         "time (open the port to the coordinator, or set PJRT_RENDEZVOUS_TRANSPORT=grpc)",
                         exc.details(),
                     )
                 else:
-                    self._session_port = (port, time.monotonic() + _SESSION_PORT_RETRY, 0.0)
-                    log.info("%s; using gRPC for %.0f s", exc.details(), _SESSION_PORT_RETRY)
+                    log.info("%s; using gRPC, and trying the port again in %.0f s", exc.details(), backoff)
         return Session(self._stub, self._metadata)
 
     def _coordinator_host(self) -> str:
         return self.settings.address.rpartition(":")[0].strip("[]")
 
     def _probe_session_port(self) -> None:
-        """In the heartbeat thread: a session port whose connection timed out is tried again
+        """In the heartbeat thread: a session port that refused or timed out is tried again
         when its backoff has passed; once it answers, the next session uses it."""
         port, retry_at, backoff = self._session_port
         if not backoff or time.monotonic() < retry_at:
@@ -601,8 +604,7 @@ class Client:
         with self._session_lock:
             if port != self._session_port[0]:
                 self._session_port = (port, 0.0, 0.0)
-            _, retry_at, backoff = self._session_port
-            if port and not backoff and type(self._current_session) is Session and time.monotonic() >= retry_at:
+            if port and not self._session_port[2] and type(self._current_session) is Session:
                 self._current_session.retire()
                 self._current_session = None
 

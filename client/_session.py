@@ -140,7 +140,12 @@ class Session:
     # -- transport: gRPC (SocketSession overrides these) --------------------------------------
 
     def _send(self, call_id: int, method: str = "", request: bytes = b"", cancel: bool = False) -> None:
-        self._outbox.put(pb.SessionCall(id=call_id, method=method, request=request, cancel=cancel))
+        with self._lock:  # never after retire()'s end of the stream, where nothing is sent
+            if self.broken is not None:
+                if cancel:
+                    return
+                raise self.broken
+            self._outbox.put(pb.SessionCall(id=call_id, method=method, request=request, cancel=cancel))
 
     def _wait(self, pending: _Pending, timeout: float) -> bool:
         """Until ``pending`` is answered or failed (True) or ``timeout`` seconds pass (False;
@@ -161,10 +166,10 @@ class Session:
     def retire(self) -> None:
         """Ends the stream once the calls on it are answered; a later call fails with
         UNAVAILABLE, so it is resent on the session that replaced this one."""
-        with self._lock:
+        with self._lock:  # (against a call between its check of ``broken`` and its _send)
             if self.broken is None:
                 self.broken = StatusError(grpc.StatusCode.UNAVAILABLE, "the session was replaced")
-        self._finished()
+            self._finished()
 
     def _requests(self):
         """What gRPC's sending thread sends: the calls queued while it sent the last, up to

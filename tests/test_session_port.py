@@ -37,6 +37,7 @@ from pjrt_rendezvous.client._session import (
 )
 from pjrt_rendezvous.coordinator import Coordinator, _server
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
+from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
 ALL = list(range(8))  # make_clients: 4 processes x 2 threads
 
@@ -126,19 +127,86 @@ def test_garbage_on_the_session_port_ends_only_that_connection():
             c.close()
 
 
+class BoundOnce:
+    """A thread per device of every client, bound once (a Register answer names the
+    coordinator's session port again, which the tests below set by hand)."""
+
+    def __init__(self, clients: list[pr.Client]) -> None:
+        self.clients = clients
+        self.threads = [(c, concurrent.futures.ThreadPoolExecutor(1)) for c in clients for _ in range(2)]
+        self.bindings = [pool.submit(c.bind_thread, i % 2).result() for i, (c, pool) in enumerate(self.threads)]
+
+    def round_on(self, tag: str, session_type: type) -> None:
+        calls = [pool.submit(c.rendezvous, b, tag, b"%d" % b.ordinal) for (c, pool), b in zip(self.threads, self.bindings)]
+        assert all(call.result(timeout=60) == expected() for call in calls)
+        assert all(type(c._current_session) is session_type for c in self.clients)
+
+    def close(self) -> None:
+        for c, pool in self.threads:
+            pool.submit(c.unbind_thread).result()
+            pool.shutdown()
+        for c in self.clients:
+            c.close()
+
+
 def test_an_unreachable_session_port_leaves_calls_on_grpc():
-    """A port nobody listens on (a container that does not publish it): calls go on gRPC."""
+    """A port nobody listens on (a container that does not publish it): calls go on gRPC, and
+    stay on the same gRPC stream while the heartbeat thread tries the port again, 10 s after
+    the refusal, then twice as long each time (each heartbeat naming the port once retired
+    the stream that worked for a new one, every 10 s for as long as the job ran)."""
     with socket.socket() as unused:
         unused.bind(("127.0.0.1", 0))
         closed = unused.getsockname()[1]
     with Coordinator(port=0, session_port=None) as coordinator:
         assert coordinator.session_port is None
-        clients = make_clients(coordinator.address, fan_in="off")
-        gather(clients, "first")
-        assert all(type(c._current_session) is Session for c in clients)
+        clients = make_clients(coordinator.address, fan_in="off", heartbeat_interval=3600)  # probes by hand
+        pod = BoundOnce(clients)
+        pod.round_on("first", Session)
         for c in clients:
             c._learn_session_port(closed)  # as if the coordinator had named it
-        assert_round_on(clients, "second", Session)
+        started = time.monotonic()
+        pod.round_on("second", Session)
+        streams = [c._current_session for c in clients]
+        for c in clients:
+            port, retry_at, backoff = c._session_port
+            assert (port, backoff) == (closed, 10.0) and started + 10 <= retry_at <= time.monotonic() + 10
+            c._session_port = (port, 0.0, backoff)  # due now
+            c._learn_session_port(closed)  # a heartbeat answer names it again
+            c._probe_session_port()  # refused again: twice the backoff
+            assert c._session_port[2] == 20.0
+        pod.round_on("third", Session)
+        assert [c._current_session for c in clients] == streams
+        pod.close()
+
+
+def test_a_call_racing_the_retirement_of_its_grpc_stream_is_sent_before_its_end():
+    """A call that found its gRPC stream open while it was being retired (the session port
+    named) is sent before the stream's end and answered there (it was once queued after the
+    end, never sent, and failed as unanswered once the stream's other calls were, or never
+    with one that waits for ever)."""
+    with Coordinator(port=0) as coordinator, grpc.insecure_channel(coordinator.address) as channel:
+        session = Session(pb_grpc.CoordinatorStub(channel), None)
+        outbox = session._outbox
+
+        class Racing:  # the retirement comes while the call is being queued
+            retiring: threading.Thread | None = None
+
+            def put(self, item) -> None:
+                if item is not None and self.retiring is None:
+                    self.retiring = threading.Thread(target=session.retire)
+                    self.retiring.start()
+                    self.retiring.join(0.5)  # at once, unless the call holds off the retirement
+                outbox.put(item)
+
+            def __getattr__(self, name):
+                return getattr(outbox, name)
+
+        session._outbox = racing = Racing()
+        answer = session.call("Status", pb.StatusRequest().SerializeToString(), timeout=10)
+        assert pb.StatusResponse.FromString(answer).jobs == []
+        racing.retiring.join(10)
+        with pytest.raises(grpc.RpcError, match="the session was replaced"):
+            session.call("Status", pb.StatusRequest().SerializeToString(), timeout=10)
 
 
 def test_a_session_port_whose_connect_timed_out_is_tried_again_in_the_background(monkeypatch):
@@ -156,15 +224,8 @@ def test_a_session_port_whose_connect_timed_out_is_tried_again_in_the_background
         sock.connect_ex(gate.getsockname())
     with Coordinator(port=0) as coordinator:
         clients = make_clients(coordinator.address, fan_in="off", heartbeat_interval=3600)  # probes by hand below
-        # Threads bound once for the whole test (a Register answer names the real port again).
-        threads = [(c, concurrent.futures.ThreadPoolExecutor(1)) for c in clients for _ in range(2)]
-        bindings = [pool.submit(c.bind_thread, i % 2).result() for i, (c, pool) in enumerate(threads)]
-
-        def round_on(tag: str, session_type: type) -> None:
-            calls = [pool.submit(c.rendezvous, b, tag, b"%d" % b.ordinal) for (c, pool), b in zip(threads, bindings)]
-            assert all(call.result(timeout=60) == expected() for call in calls)
-            assert all(type(c._current_session) is session_type for c in clients)
-
+        pod = BoundOnce(clients)
+        round_on = pod.round_on
         round_on("first", SocketSession)  # on the coordinator's own session port
         for c in clients:
             c._learn_session_port(gate.getsockname()[1])  # as if the coordinator had named the gate
@@ -191,11 +252,7 @@ def test_a_session_port_whose_connect_timed_out_is_tried_again_in_the_background
             c._probe_session_port()
             assert c._session_port[1:] == (0.0, 0.0)
         round_on("moved", SocketSession)
-        for (c, pool) in threads:
-            pool.submit(c.unbind_thread).result()
-            pool.shutdown()
-        for c in clients:
-            c.close()
+        pod.close()
     gate.close()
 
 
