@@ -72,11 +72,12 @@ _TIMED = {m.name for m in _METHODS if "timeout" in m.input_type.fields_by_name} 
 # long after each failure to connect to it in a row (a relay that never comes, or is frozen).
 _RELAY_RETRY = 5.0
 _RELAY_RETRY_MAX = 80.0
-# The coordinator's session port: how long to try connecting; how long to use gRPC's stream
-# after a refused connection (a coordinator restarting). After a connection that timed out
-# (a firewall, a container that does not publish the port, or SYNs lost in a start-up burst)
-# calls stay on gRPC, and the heartbeat thread, never a call, tries the port again after a
-# minute, then after twice as long each time it times out again, at most hourly.
+_REFRESH_TIMEOUT = 5.0  # seconds for the job's generation after a failed round (_refresh_generation)
+# The coordinator's session port: how long to try connecting. After a connection refused (a
+# coordinator restarting, a container that does not publish the port) or one that timed out
+# (a firewall, or SYNs lost in a start-up burst) calls stay on gRPC, and the heartbeat
+# thread, never a call, tries the port again after 10 s or a minute, then after twice as
+# long each time it fails again, at most hourly.
 _SESSION_PORT_CONNECT = 2.0
 _SESSION_PORT_RETRY = 10.0
 _SESSION_PORT_PROBE = 60.0
@@ -287,6 +288,7 @@ def _stand_in_round(client: "Client", calls: queue.SimpleQueue) -> bool:
     if item is None:
         return False
     call, done, outcome = item
+    outcome.append(True)  # started: the call's own cut-offs bound it from here on
     try:
         binding, tag, payload, replicas, deadline = call
         # The deadline the main thread's call set (if it passed while the call was queued
@@ -711,11 +713,13 @@ class Client:
     def _refresh_generation(self) -> None:
         """After a round failed (ABORTED): the job's generation now, so that a thread told
         of a move by the failure calls next in the new generation, whether or not our Watch
-        has heard of it yet."""
+        has heard of it yet. Its siblings wait for it, so it is bounded: a coordinator lost
+        just then makes them fail once more, in the old generation, rather than wait."""
+        request = pb.HeartbeatRequest(job=self.settings.job, incarnation=self.incarnation)
         try:
-            self._adopt_generation(self._call("Heartbeat", pb.HeartbeatRequest(job=self.settings.job, incarnation=self.incarnation)).generation)
+            self._adopt_generation(self._call("Heartbeat", request, time.monotonic() + _REFRESH_TIMEOUT).generation)
         except RendezvousError:
-            pass  # (this process replaced or declared dead: its calls say so)
+            pass  # (this process replaced or declared dead: its calls say so; or no answer in time)
 
     def _moved(self, ordinal: int) -> None:
         """With the lock held, at a call of a thread whose last call was in another generation
@@ -1019,19 +1023,22 @@ class Client:
                 if len(self._batches) > (not send):  # other open batches (ours is one unless sent)
                     self._signal_gathered(batch)
         if handed:  # from here on an interrupt stops only the wait
-            if not handed[0].acquire(True, -1 if deadline is None else max(0.0, deadline - time.monotonic() + _TRANSPORT_GRACE)):
-                # Queued behind an earlier call that was interrupted and still waits: the
-                # stand-in runs this one later, expired (its round fails for its peers too).
-                raise RendezvousTimeout(
-                    f"rendezvous({tag!r}) of ordinal {ordinal} timed out before it started: an earlier "
-                    "call of the main thread, interrupted, is still waiting for its round"
-                )
-            payloads, error = handed[1]
+            done, outcome = handed
+            if not done.acquire(True, -1 if deadline is None else max(0.0, deadline - time.monotonic() + _TRANSPORT_GRACE)):
+                if not outcome:
+                    # Queued behind an earlier call that was interrupted and still waits: the
+                    # stand-in runs this one later, expired (its round fails for its peers too).
+                    raise RendezvousTimeout(
+                        f"rendezvous({tag!r}) of ordinal {ordinal} timed out before it started: an earlier "
+                        "call of the main thread, interrupted, is still waiting for its round"
+                    )
+                done.acquire()  # under way, and bounded by its own cut-offs (_call)
+            _, payloads, error = outcome
             if error is not None:
                 try:
                     raise error
                 finally:
-                    del error, handed  # no cycle through this frame (it holds the payload)
+                    del error, handed, outcome  # no cycle through this frame (it holds the payload)
             return payloads
         if not send:
             if first:
@@ -1065,7 +1072,8 @@ class Client:
         """With the lock held (against close() and the bindings changing): hands a call of
         the main thread to the stand-in thread, started with the first call the main thread
         makes while other threads of the process are bound; returns a lock released once
-        the outcome, (payloads, None) or (None, the exception), is in the list. None: the
+        the outcome, (payloads, None) or (None, the exception), is in the list, after the
+        True the stand-in puts there when it starts the call. None: the
         main thread makes the call itself (it has never had siblings, or the client is
         closed).
 

@@ -297,13 +297,16 @@ def _address(parsed: urllib.parse.ParseResult, url: str) -> str:
 
 
 def _client_for(address: str, job: str | None, timeout: timedelta | None = None) -> Client:
-    """The process client when it talks to ``address`` (and ``job``), else a key-value-only
+    """The process client when it talks to ``address`` (and ``job``) and is not closed, else a key-value-only
     client of our own, one per (address, job), that looks for an unreachable coordinator as
     long as ``timeout`` (init_process_group's, as TCPStore's connect) unless
     PJRT_RENDEZVOUS_CONNECT_TIMEOUT says otherwise."""
     process_client = _api._client
-    if process_client is not None and process_client.settings.address == address and (
-        job is None or process_client.settings.job == job
+    if (
+        process_client is not None
+        and not process_client._closed
+        and process_client.settings.address == address
+        and (job is None or process_client.settings.job == job)
     ):
         return process_client
     with _clients_lock:

@@ -323,6 +323,42 @@ def test_a_frozen_coordinator_fails_rounds_through_a_host_relay_within_the_budge
         server.stop()
 
 
+def test_the_main_threads_round_on_its_stand_in_ends_as_unavailable_with_a_frozen_coordinator(monkeypatch):
+    """The main thread of a process with a bound sibling (its rounds run on the stand-in
+    thread) in a round while ``serve`` is stopped for good: it gets what its sibling gets,
+    the coordinator unavailable. (Its wait for the stand-in ran out just before the stand-in's
+    call was cut off, and it raised a RendezvousTimeout blaming an earlier call of the main
+    thread that was interrupted, when none was.)"""
+    from test_cli import Serve
+
+    from pjrt_rendezvous.client import _client
+
+    monkeypatch.setattr(_client, "_TRANSPORT_GRACE", 3.0)  # (10 s: the same, slower)
+    assert threading.current_thread() is threading.main_thread()
+    with Serve() as server:
+        topology = pr.detect_topology(
+            {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": "0", "PJRT_RENDEZVOUS_CORES_PER_CHIP": "2"},
+            address=server.address,
+        )
+        client = pr.Client(pr.Settings(address=server.address, timeout=2, connect_timeout=60), topology)
+        binding = client.bind_thread(0)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            sibling = pool.submit(client.bind_thread, 1).result()
+            server.proc.send_signal(signal.SIGSTOP)
+            try:  # (task 1 never comes to this round)
+                theirs = pool.submit(_timed, lambda: client.rendezvous(sibling, "r", b"1"))
+                name, took, message = _timed(lambda: client.rendezvous(binding, "r", b"0"))
+                assert name == "CoordinatorUnavailableError" and took < 10, (name, took, message)
+                assert "no answer to Rendezvous 3 s past its deadline" in message, message
+                assert theirs.result(timeout=30)[0] == "CoordinatorUnavailableError"
+            finally:
+                server.proc.send_signal(signal.SIGCONT)
+            pool.submit(client.unbind_thread).result()
+        client.unbind_thread()
+        client.close(leave=False)
+        server.stop()
+
+
 @pytest.mark.parametrize("transport", ["auto", "grpc"])
 def test_a_round_through_a_host_relay_to_a_frozen_coordinator_ends_as_unavailable(transport):
     """A round with a timeout through the host relay while ``serve`` is stopped for good:

@@ -182,6 +182,19 @@ def test_url_handler_yields_a_store_per_group(coordinator):
         next(dist.rendezvous(url, rank=3, world_size=3))
 
 
+def test_the_url_handler_does_not_take_a_closed_process_client(coordinator):
+    """A process client closed by hand (``init()`` would replace it) is not the one a new
+    group's Store uses: it makes its own (it took the closed one, and every call of the
+    group's Store failed as closed)."""
+    pr.init(coordinator.address, env={}).close()
+    try:
+        store, _, _ = next(dist.rendezvous(f"{SCHEME}://{coordinator.address}?prefix=closed", rank=0, world_size=1))
+        store.set("k", b"v")
+        assert store.get("k") == b"v" and store.client is not pr.get_client()
+    finally:
+        pr.shutdown()
+
+
 _FORK_SCENARIO = """
 import faulthandler, multiprocessing, os, sys
 import torch.distributed as dist
