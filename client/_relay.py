@@ -11,9 +11,12 @@ round for the whole host, each contribution naming its process, and hands the an
 to every caller. The coordinator still checks every contribution's owner and accounts per
 ordinal.
 
-- The relay waits for a round's contributions from the host's processes it has heard from,
-  at most ``batch_window``; a later process's contributions follow in a call of their own.
-  So the coordinator always knows exactly who is missing, and no round waits for the relay.
+- The relay waits for a round's contributions from the host's processes it has heard from
+  that it has not sent on yet, at most ``batch_window`` and at most half the time left
+  before the round's earliest deadline; a later process's contributions follow in a call of
+  their own, at once when nobody else of the host is awaited. So the coordinator knows who
+  is missing (but for a contribution that reaches the relay within ``batch_window`` of
+  another host's deadline), and no round waits for the relay.
 - A combined call that fails is resent per process, so each process gets the answer it
   would have had alone (one process's bad call does not fail its siblings').
 - A process that cannot reach the relay (not started yet, its process gone, or frozen: it
@@ -25,6 +28,7 @@ ordinal.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import hashlib
@@ -51,6 +55,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("pjrt_rendezvous.client")
 
 _parse_rendezvous = parser(pb.RendezvousRequest)
+_FORWARDED_KEPT = 256  # rounds whose ordinals sent on a relay remembers (Relay._forwarded)
 
 def relay_path(address: str, job: str, host: str) -> str:
     """The Unix socket of the relay for ``job`` of the coordinator at ``address`` on ``host``
@@ -77,9 +82,13 @@ class _HostRound:
     requests: list[pb.RendezvousRequest] = dataclasses.field(default_factory=list)
     rows: list[Row] = dataclasses.field(default_factory=list)  # their contributions, each naming its process
     answers: list[asyncio.Future] = dataclasses.field(default_factory=list)
+    deadlines: list[float | None] = dataclasses.field(default_factory=list)  # each request's own
+    # Their ordinals, and those of the round sent on already (a later process's call goes
+    # at once when nobody else of the host is awaited).
     arrived: set[int] = dataclasses.field(default_factory=set)
-    deadline: float | None = None
+    deadline: float | None = None  # the earliest of them
     timer: asyncio.TimerHandle | None = None
+    send_at: float = 0.0  # the timer's time (time.monotonic())
 
 
 class Relay:
@@ -92,6 +101,8 @@ class Relay:
         self._devices = client.topology.devices_per_process
         self._tasks: dict[str, int] = {}  # incarnation -> task id, of processes with an open connection
         self._rounds: dict[tuple, _HostRound] = {}
+        # The ordinals sent on for the latest rounds (_FORWARDED_KEPT), by round key.
+        self._forwarded: collections.OrderedDict[tuple, set[int]] = collections.OrderedDict()
         # Sending blocks a thread until the round ends; rounds of different groups can be
         # pending at once, so the pool must not be what bounds them.
         self._senders = _DaemonExecutor("pjrt-rendezvous-relay-send")
@@ -186,19 +197,31 @@ class Relay:
         key = (request.job, request.generation, tuple(request.replicas), request.round)
         host_round = self._rounds.get(key)
         if host_round is None:
-            host_round = self._rounds[key] = _HostRound()
+            host_round = self._rounds[key] = _HostRound(arrived=set(self._forwarded.get(key, ())))
         answer = self._loop.create_future()
+        now = time.monotonic()
+        deadline = now + request.timeout if request.HasField("timeout") else None
         host_round.requests.append(request)
+        host_round.deadlines.append(deadline)
         host_round.rows += ((o, tag, payload, incarnation or request.incarnation) for o, tag, payload, incarnation in rows)
         host_round.answers.append(answer)
         host_round.arrived.update(row[0] for row in rows)
-        if request.HasField("timeout"):
-            deadline = time.monotonic() + request.timeout
+        if deadline is not None:
             host_round.deadline = deadline if host_round.deadline is None else min(host_round.deadline, deadline)
         if self._expected(request.replicas) <= host_round.arrived or request.generation < self._client.generation:
             self._send_on(key)  # (a call of an older generation: no sibling joins it, see Client._moved)
-        elif host_round.timer is None:
-            host_round.timer = self._loop.call_later(self._window, self._send_on, key)
+        else:
+            # Held at most the window, and at most half the time left before its deadline
+            # (held past it, a round would name arrivals missing; past its callers' patience,
+            # its coordinator as frozen).
+            send_at = now + self._window if host_round.timer is None else host_round.send_at
+            if host_round.deadline is not None:
+                send_at = min(send_at, now + (host_round.deadline - now) / 2)
+            if host_round.timer is None or send_at < host_round.send_at:
+                if host_round.timer is not None:
+                    host_round.timer.cancel()
+                host_round.send_at = send_at
+                host_round.timer = self._loop.call_later(max(0.0, send_at - now), self._send_on, key)
         return _answer(call_id, await answer)
 
     def generation_moved(self, generation: int) -> None:
@@ -226,6 +249,10 @@ class Relay:
             return
         if host_round.timer is not None:
             host_round.timer.cancel()
+        self._forwarded[key] = host_round.arrived
+        self._forwarded.move_to_end(key)
+        if len(self._forwarded) > _FORWARDED_KEPT:
+            self._forwarded.popitem(last=False)
 
         def hand_out(outcomes: list) -> None:
             for answer, outcome in zip(host_round.answers, outcomes):
@@ -263,7 +290,7 @@ class Relay:
         # of the relay's own process, should a restart have replaced it while it lives on).
         log.debug("a call for %d processes failed (%s); sending each its own", len(requests), outcome)
         # At once: a round that needs two of them would wait for ever for the second.
-        sends = [self._senders.submit(self._send_one, r, deadline) for r in requests]
+        sends = [self._senders.submit(self._send_one, r, d) for r, d in zip(requests, host_round.deadlines)]
         return [send.result() for send in sends]
 
     def _send_one(self, request: pb.RendezvousRequest, deadline: float | None) -> bytes | Exception:

@@ -145,6 +145,54 @@ def test_a_timeout_through_the_relays_names_exactly_the_missing_ordinal(coordina
         c.close()
 
 
+@pytest.mark.parametrize("late", [0, 1], ids=["relay's own process late", "sibling late"])
+def test_a_process_later_than_the_window_is_sent_on_at_once(coordinator, late):
+    """The last process of a host to reach a round, after the relay sent its siblings' calls
+    on (later than the batch window), is sent on at once: nobody else of the host is
+    awaited. (It was held another whole window, and the round with it.)"""
+    clients = make_clients(coordinator.address, processes=2, hosts=1, batch_window=3.0)
+    run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
+
+    def body(client, binding):
+        if client is clients[late]:
+            time.sleep(3.5)
+        started = time.monotonic()
+        client.rendezvous(binding, "step")
+        return time.monotonic() - started
+
+    waited = run_threads(clients, body)
+    assert all(waited[o] < 1.5 for o in range(late * 2, late * 2 + 2)), waited
+    for c in clients:
+        c.close()
+
+
+def test_a_relay_holds_a_round_at_most_half_the_time_left_before_its_deadline(coordinator):
+    """A round with a timeout far shorter than the batch window, whose sibling process never
+    comes: the relay sends it on within half its time left, so it ends at its timeout,
+    naming the sibling alone. (Held for the whole window, it ended then, naming the
+    relay's own ordinals missing too, or, past its caller's grace, as the coordinator
+    frozen.)"""
+    clients = make_clients(coordinator.address, processes=2, hosts=1, batch_window=15.0)
+    run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
+
+    def body(client, binding):
+        if client is clients[1]:
+            return None
+        started = time.monotonic()
+        try:
+            client.rendezvous(binding, "step", timeout=1.0)
+        except pr.RendezvousError as exc:
+            return exc, time.monotonic() - started
+
+    results = run_threads(clients, body)
+    for ordinal in (0, 1):
+        error, took = results[ordinal]
+        assert isinstance(error, pr.RendezvousTimeout) and took < 5, (ordinal, error, took)
+        assert "missing ordinals 2-3 " in str(error), str(error)
+    for c in clients:
+        c.close()
+
+
 def test_a_tag_mismatch_reaches_every_member_through_the_relays(coordinator):
     clients = make_clients(coordinator.address)
     run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
