@@ -698,6 +698,8 @@ class Core:
                 "PJRT_RENDEZVOUS_CORES_PER_CHIP and TPU_ACCELERATOR_TYPE on every host",
             )
         if afresh:
+            if r.incarnation in job.replaced:
+                self._process(job, r.incarnation, now)  # refused, before it changes anything
             self._start_afresh(job)
 
         owner = job.tasks.get(r.task_id)

@@ -22,7 +22,7 @@ from pjrt_rendezvous.client._wire import RendezvousCall, decode_rendezvous, enco
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
-from ._core import ALL, Code, Core, CoreError, Registration, ThreadRequest, format_ranges
+from ._core import ALL, Code, Core, CoreError, Registered, Registration, ThreadRequest, format_ranges
 
 log = logging.getLogger("pjrt_rendezvous.coordinator")
 
@@ -245,27 +245,14 @@ class Servicer(pb_grpc.CoordinatorServicer):
 
     @_translated
     async def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
-        registered = self._core.register(
-            self._clock(),
-            Registration(
-                job=request.job,
-                incarnation=request.incarnation,
-                host=request.host,
-                pid=request.pid,
-                task_id=request.task_id,
-                num_tasks=request.num_tasks,
-                devices_per_task=request.devices_per_task,
-                local_rank=request.local_rank,
-                threads=tuple(
-                    ThreadRequest(
-                        thread_index=t.thread_index,
-                        runtime_ordinal=t.runtime_ordinal if t.HasField("runtime_ordinal") else None,
-                    )
-                    for t in request.threads
-                ),
-                runtime_world_size=request.runtime_world_size,
-            ),
-        )
+        version = self._core.version
+        try:
+            registered = self._register(request)
+        except Exception:
+            if self._core.version != version:  # refused after it started the job afresh
+                self._wake()
+                await self._persist()
+            raise
         ordinals = format_ranges(a.ordinal for a in registered.assignments)
         job = self._core.jobs[request.job]
         log.info(
@@ -304,6 +291,29 @@ class Servicer(pb_grpc.CoordinatorServicer):
             ],
         )
 
+    def _register(self, request: pb.RegisterRequest) -> Registered:
+        return self._core.register(
+            self._clock(),
+            Registration(
+                job=request.job,
+                incarnation=request.incarnation,
+                host=request.host,
+                pid=request.pid,
+                task_id=request.task_id,
+                num_tasks=request.num_tasks,
+                devices_per_task=request.devices_per_task,
+                local_rank=request.local_rank,
+                threads=tuple(
+                    ThreadRequest(
+                        thread_index=t.thread_index,
+                        runtime_ordinal=t.runtime_ordinal if t.HasField("runtime_ordinal") else None,
+                    )
+                    for t in request.threads
+                ),
+                runtime_world_size=request.runtime_world_size,
+            ),
+        )
+
     @_translated
     async def WaitWorld(self, request: pb.WaitWorldRequest, context) -> pb.WaitWorldResponse:
         timeout = _timeout(request)
@@ -314,6 +324,10 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 deadline is not None and self._clock() >= deadline
             ):
                 raise self._core.world_timeout(request.job, self._clock(), self._clock() - start)
+        # Woken by the Register that completed the world, before that call's write: what a
+        # client is told must be on disk (a restart would otherwise forget a process its
+        # peers were told of, and its relaunch would join the same generation unnoticed).
+        await self._persist()
         job = self._core.jobs[request.job]
         log.debug("world of job %s complete: %d ordinals", request.job, job.world_size)
         # Every process asks at the same moment for the same table: build and serialize it
@@ -394,6 +408,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
     @_translated
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
         generation = self._core.touch(request.job, request.incarnation, self._clock())
+        await self._persist()  # (the generation it tells, as WaitWorld)
         return pb.HeartbeatResponse(
             generation=generation,
             heartbeat_timeout=self._core.heartbeat_timeout or 0.0,
@@ -567,6 +582,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
 
     @_translated
     async def Status(self, request: pb.StatusRequest, context) -> pb.StatusResponse:
+        await self._persist()  # (what it tells, as WaitWorld)
         views = self._core.status(self._clock(), request.job)
         return pb.StatusResponse(
             jobs=[

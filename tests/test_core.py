@@ -1834,6 +1834,23 @@ def test_a_declared_job_run_again_may_split_its_world_anew():
     assert core.jobs[JOB].devices_per_task == 1 and set(core.jobs[JOB].members) == {0}
 
 
+def test_a_replaced_process_registering_after_the_run_ended_changes_nothing():
+    """A replaced incarnation's registration, once every process of the run is gone, is
+    refused before it starts the job afresh (it once moved the job to a new generation
+    and emptied its rank table, and was then refused)."""
+    pod = Pod(Core(heartbeat_timeout=60), 2, 1)
+    pod.register(0)
+    pod.register(1)
+    pod.register(1, now=1.0, incarnation="again-1", pid=9)  # restarted in place
+    for incarnation in (incarnation_of(0), "again-1"):
+        pod.core.leave(JOB, incarnation)
+    job = pod.core.jobs[JOB]
+    generation, version = job.generation, pod.core.version
+    with raises(Code.FAILED_PRECONDITION, "'inc-1'", "was replaced"):
+        pod.register(1, now=2.0)
+    assert (job.generation, pod.core.version, len(job.processes)) == (generation, version, 2)
+
+
 def test_old_generations_rounds_are_forgotten_and_their_late_calls_are_void():
     """A job name reused by run after run (or restarted again and again) keeps the finished
     rounds of its last two generations only; a late resend of a forgotten round still gets

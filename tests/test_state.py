@@ -421,6 +421,43 @@ def play(core: Core, first: int, last: int) -> None:
             )
 
 
+def test_the_world_is_told_only_once_its_last_registration_is_on_disk(tmp_path, monkeypatch):
+    """WaitWorld, woken by the Register that completes the world, answers only once that
+    registration is written (it answered before: killed just then, the coordinator came
+    back without the process its peers were told of, and the process's relaunch joined the
+    same generation unnoticed)."""
+    import concurrent.futures
+
+    from pjrt_rendezvous.coordinator import Coordinator
+
+    gate = threading.Event()
+    gate.set()
+    rewrite = _state.Files.rewrite
+    monkeypatch.setattr(_state.Files, "rewrite", lambda files, data: (gate.wait(30), rewrite(files, data)))
+    with Coordinator(port=0, state_file=tmp_path / "state") as coordinator:
+        clients = [
+            pr.Client(
+                pr.Settings(address=coordinator.address, timeout=30),
+                pr.detect_topology({"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": str(task)}, address=coordinator.address),
+            )
+            for task in range(2)
+        ]
+        pools = [concurrent.futures.ThreadPoolExecutor(1) for _ in clients]  # a thread per process
+        pools[0].submit(clients[0].bind_thread, 0).result()
+        gate.clear()  # the disk stalls
+        world = pools[0].submit(clients[0].wait_world)
+        registered = pools[1].submit(clients[1].bind_thread, 0)
+        with pytest.raises(concurrent.futures.TimeoutError):
+            world.result(timeout=1.0)
+        assert not registered.done()
+        gate.set()
+        assert len(world.result(timeout=30)) == 2 and registered.result(timeout=30).ordinal == 1
+        for pool, c in zip(pools, clients):
+            pool.submit(c.unbind_thread).result()
+            pool.shutdown()
+            c.close()
+
+
 def test_finished_rounds_go_to_the_journal_and_come_back_after_a_crash(tmp_path):
     """After the first write, a round only appends a line to the journal (the state file is
     not rewritten); loading replays the lines: the same rounds, counters and next round."""
