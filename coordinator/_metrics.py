@@ -22,9 +22,12 @@ import dataclasses
 import inspect
 import logging
 import math
+import socket
 from typing import Callable, Iterable, Sequence
 
 import grpc
+
+from ._listener import Listener
 
 log = logging.getLogger("pjrt_rendezvous.coordinator")
 
@@ -306,17 +309,40 @@ async def _respond(writer: asyncio.StreamWriter, status: str, body: bytes, conte
         ).encode("ascii")
         + (b"" if head_only else body)
     )
-    await writer.drain()
+    await asyncio.wait_for(writer.drain(), _READ_TIMEOUT)  # (a scraper that does not read)
 
 
-async def start_http_server(render: Callable[[], str], host: str, port: int) -> asyncio.AbstractServer:
+class HttpServer:
+    """What :func:`start_http_server` returns: its listening ``sockets``, and :meth:`close`."""
+
+    def __init__(self, listener: Listener, transports: set[asyncio.BaseTransport]) -> None:
+        self._listener = listener
+        self._transports = transports
+
+    @property
+    def sockets(self) -> list[socket.socket]:
+        return self._listener.sockets
+
+    def close(self) -> None:
+        """Stops listening and drops the connections still open: a scraper that does not
+        read its answer must not hold the coordinator's stop (as asyncio's ``wait_closed``
+        does from Python 3.12)."""
+        self._listener.close()
+        for transport in list(self._transports):
+            transport.abort()
+
+
+async def start_http_server(render: Callable[[], str], host: str, port: int) -> HttpServer:
     """Serves ``render()`` at ``GET /metrics`` on ``host:port`` (0 picks a free port).
 
     One request per connection (``Connection: close``); ``HEAD`` works, other methods get
-    405 and other paths 404. ``render`` runs on the event loop.
+    405 and other paths 404. ``render`` runs on the event loop. Raises OSError naming the
+    port and ``--metrics-host, --metrics-port`` when it cannot listen.
     """
+    transports: set[asyncio.BaseTransport] = set()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        transports.add(writer.transport)
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _READ_TIMEOUT)
             request_line = head.split(b"\r\n", 1)[0].decode("latin-1")
@@ -335,11 +361,19 @@ async def start_http_server(render: Callable[[], str], host: str, port: int) -> 
                 await _respond(writer, "200 OK", body, "text/plain; charset=utf-8", head_only)
             else:
                 await _respond(writer, "404 Not Found", b"not found; try /metrics\n", "text/plain", head_only)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ConnectionError):
+        except asyncio.TimeoutError:
+            writer.transport.abort()  # nothing asked, or the answer not read, in time
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass  # a client that went away or sent garbage gets nothing
         except Exception:  # pragma: no cover - a bug here must not take the coordinator down
             log.exception("metrics request failed")
         finally:
+            transports.discard(writer.transport)
             writer.close()
 
-    return await asyncio.start_server(handle, host, port, limit=_MAX_REQUEST_HEAD, reuse_address=True)
+    def connection() -> asyncio.StreamReaderProtocol:
+        return asyncio.StreamReaderProtocol(asyncio.StreamReader(limit=_MAX_REQUEST_HEAD), handle)
+
+    listener = Listener(connection, "the metrics port", lambda: len(transports))
+    await listener.start(host, port, "--metrics-host, --metrics-port")
+    return HttpServer(listener, transports)

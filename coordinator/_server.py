@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import errno
 import functools
 import gc
 import hmac
@@ -35,7 +34,8 @@ from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
 from . import _notify, _state
 from ._core import Code, Core, CoreError, Limits
-from ._metrics import Metrics, RpcInterceptor, start_http_server
+from ._listener import Listener
+from ._metrics import HttpServer, Metrics, RpcInterceptor, start_http_server
 from ._monitor import DEFAULT_LATE_AFTER, Monitor
 from ._servicer import Servicer, add_to_server
 
@@ -235,85 +235,12 @@ class _SessionPort:
         self._servicer = servicer
         self._expected = None if token is None else f"Bearer {token}".encode()
         self._max_message = max_message
-        self._listeners: list[socket.socket] = []
         self._connections: set[FramedSession] = set()
-        self._accepting: set[asyncio.Task] = set()  # connections being set up (the loop holds tasks weakly)
-        self._starved_warning = float("-inf")  # when accepting last ran out of files, warned of
-
-    # Connections the kernel completes and queues while the event loop is busy: a pod's
-    # processes connect at about the same time, as their Register answers name the port.
-    # asyncio's default of 100 drops the SYNs beyond it, and each of those connections then
-    # waits for a retransmission, a second later. gRPC's port asks for as many; the kernel
-    # caps it at net.core.somaxconn.
-    BACKLOG = 4096
-    # Out of open files (EMFILE), accepting pauses this long, with one warning a minute.
-    # asyncio's own accept loop (create_server) goes on after EMFILE for up to its backlog of
-    # tries, each logging a traceback and scheduling another retry: at 4,096 that flooded
-    # the log with hundreds of MB a minute and stalled the loop (CPython 3.11).
-    ACCEPT_RETRY_DELAY = 1.0
-    STARVED_WARNING_EVERY = 60.0
+        # (its idle connections close after HELLO_TIMEOUT, freeing files)
+        self._listener = Listener(self._connection, "the session port", lambda: len(self._connections))
 
     async def start(self, host: str, port: int) -> int:
-        # Like gRPC's port: "" or "0.0.0.0" listen everywhere (IPv4), "::" on both families.
-        # asyncio's create_server opens the sockets; its accept loop is ours (see above).
-        loop = asyncio.get_running_loop()
-        try:
-            server = await loop.create_server(
-                self._connection, host or None, port, reuse_address=True, backlog=self.BACKLOG, start_serving=False
-            )
-        except OSError as exc:
-            raise OSError(f"cannot listen on the session port {host_port(host, port)} (--session-port): {exc.strerror or exc}") from None
-        self._listeners = [sock.dup() for sock in server.sockets]
-        server.close()  # closes its copies; ours listen on
-        for sock in self._listeners:
-            sock.setblocking(False)
-            sock.listen(self.BACKLOG)
-            loop.add_reader(sock.fileno(), self._accept, sock)
-        return self._listeners[0].getsockname()[1]
-
-    def _accept(self, sock: socket.socket) -> None:
-        """Takes the connections waiting on ``sock``: up to BACKLOG per turn of the loop."""
-        loop = asyncio.get_running_loop()
-        for _ in range(self.BACKLOG):
-            try:
-                connection, _ = sock.accept()
-            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-                return  # none left
-            except OSError as exc:
-                # Out of files (EMFILE, ENFILE) or memory (ENOBUFS, ENOMEM), or anything else
-                # that may last: the listening socket stays readable, so pause rather than
-                # spin. The waiting connections stay queued in the kernel; idle ones of ours
-                # close after HELLO_TIMEOUT, freeing files.
-                loop.remove_reader(sock.fileno())
-                loop.call_later(self.ACCEPT_RETRY_DELAY, self._resume, sock)
-                now = time.monotonic()
-                if now - self._starved_warning >= self.STARVED_WARNING_EVERY:
-                    self._starved_warning = now
-                    hint = (
-                        " (raise the open files limit: ulimit -n, or LimitNOFILE=)"
-                        if exc.errno in (errno.EMFILE, errno.ENFILE) else ""
-                    )
-                    log.warning(
-                        "the session port cannot accept connections: %s (%d open); pausing %g s at a time%s",
-                        exc.strerror or exc, len(self._connections), self.ACCEPT_RETRY_DELAY, hint,
-                        extra={"event": "accept_starved"},
-                    )
-                return
-            connection.setblocking(False)
-            task = loop.create_task(self._set_up(connection))
-            self._accepting.add(task)
-            task.add_done_callback(self._accepting.discard)
-
-    def _resume(self, sock: socket.socket) -> None:
-        if sock.fileno() >= 0:  # (-1: closed meanwhile)
-            asyncio.get_running_loop().add_reader(sock.fileno(), self._accept, sock)
-
-    async def _set_up(self, connection: socket.socket) -> None:
-        try:
-            await asyncio.get_running_loop().connect_accepted_socket(self._connection, connection)
-        except OSError as exc:  # the peer went away meanwhile
-            log.debug("a session port connection ended as it began: %s", exc)
-            connection.close()
+        return await self._listener.start(host, port, "--session-port")
 
     def _hello(self, greeting: pb.SessionHello) -> tuple[grpc.StatusCode, str] | None:
         if self._expected is None:
@@ -340,17 +267,11 @@ class _SessionPort:
         return any(connection.busy() for connection in self._connections)
 
     def close_listener(self) -> None:
-        loop = asyncio.get_running_loop()
-        for sock in self._listeners:
-            if sock.fileno() >= 0:
-                loop.remove_reader(sock.fileno())
-                sock.close()
+        self._listener.close()
 
     def close(self) -> None:
         """Drops every connection (their clients resend, to a restarted coordinator)."""
-        self.close_listener()
-        for task in list(self._accepting):
-            task.cancel()
+        self._listener.close()
         for connection in list(self._connections):
             if connection.transport is not None:
                 connection.transport.abort()
@@ -516,7 +437,7 @@ class RunningServer:
         tasks,
         *,
         metrics: Metrics | None = None,
-        metrics_server: asyncio.AbstractServer | None = None,
+        metrics_server: HttpServer | None = None,
         sessions: _SessionPort | None = None,
         session_port: int | None = None,
         writer: _StateWriter | None = None,
@@ -560,7 +481,6 @@ class RunningServer:
             sessions.close()
         if self._metrics_server is not None:
             self._metrics_server.close()
-            await self._metrics_server.wait_closed()
         if self.writer is not None:
             self.writer.close(wait=await self._last_write())
 
@@ -690,15 +610,9 @@ async def _serving(options: ServerOptions, core: Core, writer: "_StateWriter | N
             await writer.flush()  # a new state file exists from the start
         if metrics is not None:
             metrics_host = options.host if options.metrics_host is None else options.metrics_host
-            try:
-                metrics_server = await start_http_server(
-                    lambda: metrics.render(core, time.monotonic()), metrics_host, options.metrics_port
-                )
-            except OSError as exc:
-                raise OSError(
-                    f"cannot listen on the metrics port {host_port(metrics_host, options.metrics_port)} "
-                    f"(--metrics-host, --metrics-port): {exc.strerror or exc}"
-                ) from None
+            metrics_server = await start_http_server(
+                lambda: metrics.render(core, time.monotonic()), metrics_host, options.metrics_port
+            )
     except BaseException:
         if sessions is not None:
             sessions.close()

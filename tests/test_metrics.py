@@ -127,13 +127,50 @@ def test_http_endpoint_answers_get_head_and_refuses_the_rest():
         results = [await asyncio.to_thread(request, m, p) for m, p in
                    [("GET", "/metrics"), ("HEAD", "/metrics"), ("GET", "/nope"), ("POST", "/metrics"), ("GET", "/")]]
         server.close()
-        await server.wait_closed()
         return results
 
     assert asyncio.run(main()) == [
         (200, b"# TYPE a gauge\na 1\n"), (200, b""), (404, b""), (405, b""),
         (200, b"pjrt-rendezvous coordinator: metrics at /metrics\n"),
     ]
+
+
+
+def test_a_scraper_that_does_not_read_is_dropped_and_close_drops_every_connection(monkeypatch):
+    """An answer not read within the read timeout ends its connection (its send waited for
+    ever, holding a task, a file and, from Python 3.12, the coordinator's stop); close()
+    drops the connections still open (one that never sent its request was served until its
+    own timeout)."""
+    from pjrt_rendezvous.coordinator import _metrics
+
+    monkeypatch.setattr(_metrics, "_READ_TIMEOUT", 0.5)
+
+    def read_all(sock: socket.socket) -> int:
+        total = 0
+        try:
+            while data := sock.recv(1 << 20):
+                total += len(data)
+        except OSError:
+            pass
+        return total
+
+    async def main():
+        server = await start_http_server(lambda: "x" * (16 << 20), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as unread:
+            unread.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+            await asyncio.sleep(2.0)  # not read: dropped after 0.5 s
+            assert await asyncio.to_thread(read_all, unread) < 16 << 20
+        monkeypatch.setattr(_metrics, "_READ_TIMEOUT", 30.0)
+        with socket.create_connection(("127.0.0.1", port)) as silent:
+            silent.settimeout(10)
+            silent.sendall(b"GET /metr")  # the rest never comes
+            await asyncio.sleep(0.2)
+            server.close()
+            started = time.monotonic()
+            assert await asyncio.to_thread(read_all, silent) == 0 and time.monotonic() - started < 5
+
+    asyncio.run(main())
 
 
 # -- a real coordinator ---------------------------------------------------------------------

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -745,18 +746,18 @@ import logging, resource, sys
 resource.setrlimit(resource.RLIMIT_NOFILE, (OPEN_FILES, OPEN_FILES))
 logging.basicConfig(level=logging.WARNING)
 from pjrt_rendezvous.coordinator import Coordinator
-with Coordinator(port=0) as coordinator:
-    print(coordinator.session_port, flush=True)
+with Coordinator(port=0, metrics_port=0) as coordinator:
+    print(coordinator.session_port, coordinator.metrics_port, flush=True)
     sys.stdin.read()
 """
 
 
 @pytest.mark.skipif(not hasattr(socket, "AF_UNIX"), reason="POSIX open files limit")
-def test_out_of_open_files_the_session_port_pauses_accepting_with_one_warning(tmp_path):
+def test_out_of_open_files_the_session_and_metrics_ports_pause_accepting_with_one_warning_each(tmp_path):
     """Connections beyond the coordinator's open files limit wait in the kernel's queue:
-    the session port warns once and pauses accepting, rather than logging a traceback per
-    try (asyncio's accept loop logged hundreds of MB a minute); once files are free again
-    a new client is served."""
+    the session port and the metrics port each warn once and pause accepting, rather than
+    logging a traceback per try (asyncio's accept loop logged hundreds of MB a minute, and
+    the metrics port's did until it got ours); once files are free again both serve."""
     limit = 128
     log_file = tmp_path / "server.log"
     with log_file.open("w") as log_out:
@@ -766,11 +767,14 @@ def test_out_of_open_files_the_session_port_pauses_accepting_with_one_warning(tm
         )
     idle: list[socket.socket] = []
     try:
-        port = int(server.stdout.readline())
+        port, metrics_port = map(int, server.stdout.readline().split())
         for _ in range(limit + 20):  # more than it may hold: the last ones wait in the kernel
             idle.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+        scrape = socket.create_connection(("127.0.0.1", metrics_port), timeout=10)  # waits too
+        idle.append(scrape)
+        scrape.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
         deadline = time.monotonic() + 30
-        while "cannot accept" not in log_file.read_text() and time.monotonic() < deadline:
+        while log_file.read_text().count("cannot accept") < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(1.5)  # past a retry: each would have been logged again
         for sock in idle:
@@ -781,11 +785,14 @@ def test_out_of_open_files_the_session_port_pauses_accepting_with_one_warning(tm
             assert session.call("", b"", 30.0) == b""  # a ping: the port serves again
         finally:
             session.close()
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30) as response:
+            assert response.status == 200
     finally:
         for sock in idle:
             sock.close()
         server.stdin.close()
         server.wait(30)
     text = log_file.read_text()
-    assert text.count("cannot accept") == 1, text[:2000]
+    assert text.count("the session port cannot accept") == 1, text[:2000]
+    assert text.count("the metrics port cannot accept") == 1, text[:2000]
     assert "out of system resource" not in text and "Traceback" not in text, text[:2000]
