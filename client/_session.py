@@ -722,31 +722,43 @@ async def serve_session(
     is answered when done, in any order (see the .proto).
     Answers that are ready while the stream is busy writing go out together in the next
     message; a cancel stops the call's task. While it serves, ``streams`` maps its task to
-    a test whether it is idle (no call running, every answer written)."""
+    a test whether it is idle (no call running, every answer written). A peer that does not
+    read its answers ends its stream once they hold more than ``FramedSession.MAX_UNSENT``
+    bytes, as on the session port."""
     calls: dict[int, asyncio.Task] = {}  # running, cancellable by the client
     ready: list[tuple[bytes, bytes]] = []  # answers waiting for the stream
     writer: asyncio.Task | None = None
+    unsent = 0  # bytes of the answers not written yet
+    overflowed = False
+    this = asyncio.current_task()
     if streams is not None:
-        this = asyncio.current_task()
         streams[this] = lambda: not calls and not ready and (writer is None or writer.done())
 
     async def write() -> None:
+        nonlocal unsent
         try:
             while ready:
+                size = sum(len(head) + len(body) for head, body in ready)
                 message = encode_answers(ready, False)
                 ready.clear()
                 await context.write(message)
+                unsent -= size
         except Exception as exc:  # the stream is gone; the client resends on a new one
             log.debug("session answers not sent: %s", exc)
 
     async def answer(call: Call) -> None:
-        nonlocal writer
+        nonlocal writer, unsent, overflowed
         try:
             reply = await run(call)
         finally:  # done: a late cancel must not stop the writer with others' answers
             calls.pop(call[0], None)
         ready.append(reply)
-        if writer is None or writer.done():  # else the running writer takes it along
+        unsent += len(reply[0]) + len(reply[1])
+        if unsent > FramedSession.MAX_UNSENT:
+            if not overflowed:
+                overflowed = True
+                this.cancel()  # (the stream's task waits for its next request)
+        elif writer is None or writer.done():  # else the running writer takes it along
             writer = asyncio.create_task(write())
 
     try:
@@ -766,6 +778,14 @@ async def serve_session(
             await asyncio.wait(list(calls.values()))
         while writer is not None and not writer.done():
             await writer
+    except asyncio.CancelledError:
+        if not overflowed:
+            raise
+        log.warning("a Session stream's peer does not read its answers; ending the stream")
+        await context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"more than {FramedSession.MAX_UNSENT} bytes of answers not read: the stream ends",
+        )
     finally:
         if streams is not None:
             streams.pop(this, None)

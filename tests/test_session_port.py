@@ -180,6 +180,35 @@ def test_an_unreachable_session_port_leaves_calls_on_grpc():
         pod.close()
 
 
+def test_a_grpc_session_peer_that_does_not_read_its_answers_loses_its_stream(monkeypatch):
+    """Answers a Session stream's peer does not read are held up to the session port's cap,
+    then the stream ends (the coordinator held them all: 2 GB for 2,000 reads of 1 MiB)."""
+    monkeypatch.setattr(FramedSession, "MAX_UNSENT", 1 << 20)
+    with Coordinator(port=0) as coordinator, grpc.insecure_channel(coordinator.address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        stub.KvSet(pb.KvSetRequest(job="j", entries=[pb.KvEntry(key="big", value=b"x" * (100 << 10))]))
+        get = pb.KvGetRequest(job="j", keys=["big"]).SerializeToString()
+        done = threading.Event()
+
+        def requests():
+            for call_id in range(1, 201):
+                yield pb.SessionRequest(calls=[pb.SessionCall(id=call_id, method="KvGet", request=get)])
+            done.wait(10)  # the stream stays open
+
+        call = stub.Session(requests(), timeout=30)
+        time.sleep(2.0)  # the answers pile up, unread
+        answered = 0
+        try:
+            with pytest.raises(grpc.RpcError) as ended:
+                for response in call:
+                    answered += len(response.answers)
+        finally:
+            done.set()
+        assert ended.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and answered < 200, (ended.value, answered)
+        assert "bytes of answers not read" in ended.value.details()
+        assert stub.Status(pb.StatusRequest(), timeout=10).jobs  # the coordinator serves on
+
+
 def test_a_call_racing_the_retirement_of_its_grpc_stream_is_sent_before_its_end():
     """A call that found its gRPC stream open while it was being retired (the session port
     named) is sent before the stream's end and answered there (it was once queued after the
