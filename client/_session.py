@@ -723,43 +723,43 @@ async def serve_session(
     Answers that are ready while the stream is busy writing go out together in the next
     message; a cancel stops the call's task. While it serves, ``streams`` maps its task to
     a test whether it is idle (no call running, every answer written). A peer that does not
-    read its answers ends its stream once they hold more than ``FramedSession.MAX_UNSENT``
-    bytes, as on the session port."""
+    read its answers ends its stream once those waiting behind a write hold more than
+    ``FramedSession.MAX_UNSENT`` bytes, as on the session port."""
     calls: dict[int, asyncio.Task] = {}  # running, cancellable by the client
     ready: list[tuple[bytes, bytes]] = []  # answers waiting for the stream
     writer: asyncio.Task | None = None
-    unsent = 0  # bytes of the answers not written yet
+    queued = 0  # bytes of the answers in ``ready`` (waiting behind a write)
     overflowed = False
     this = asyncio.current_task()
     if streams is not None:
         streams[this] = lambda: not calls and not ready and (writer is None or writer.done())
 
     async def write() -> None:
-        nonlocal unsent
+        nonlocal queued
         try:
             while ready:
-                size = sum(len(head) + len(body) for head, body in ready)
                 message = encode_answers(ready, False)
                 ready.clear()
+                queued = 0
                 await context.write(message)
-                unsent -= size
         except Exception as exc:  # the stream is gone; the client resends on a new one
             log.debug("session answers not sent: %s", exc)
 
     async def answer(call: Call) -> None:
-        nonlocal writer, unsent, overflowed
+        nonlocal writer, queued, overflowed
         try:
             reply = await run(call)
         finally:  # done: a late cancel must not stop the writer with others' answers
             calls.pop(call[0], None)
         ready.append(reply)
-        unsent += len(reply[0]) + len(reply[1])
-        if unsent > FramedSession.MAX_UNSENT:
-            if not overflowed:
-                overflowed = True
-                this.cancel()  # (the stream's task waits for its next request)
-        elif writer is None or writer.done():  # else the running writer takes it along
+        if writer is None or writer.done():
             writer = asyncio.create_task(write())
+            return
+        queued += len(reply[0]) + len(reply[1])  # the running writer takes it along
+        if queued > FramedSession.MAX_UNSENT and not overflowed:
+            overflowed = True
+            log.warning("a Session stream's peer does not read its answers; ending the stream")
+            this.cancel()  # (the stream's task waits for its next request)
 
     try:
         async for message in requests:
@@ -781,10 +781,9 @@ async def serve_session(
     except asyncio.CancelledError:
         if not overflowed:
             raise
-        log.warning("a Session stream's peer does not read its answers; ending the stream")
         await context.abort(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"more than {FramedSession.MAX_UNSENT} bytes of answers not read: the stream ends",
+            f"more than {FramedSession.MAX_UNSENT} bytes of answers wait behind one not read: the stream ends",
         )
     finally:
         if streams is not None:
@@ -894,7 +893,8 @@ class FramedSession(asyncio.Protocol):
     and dropped, so that its sender, still writing it, gets the answer.
     """
 
-    # A peer that stops reading its answers must not grow our memory without bound.
+    # A peer that stops reading its answers must not grow our memory without bound: past
+    # this many bytes of answers waiting behind one not read, its connection is closed.
     MAX_UNSENT = 256 << 20
 
     def __init__(
@@ -1024,8 +1024,9 @@ class FramedSession(asyncio.Protocol):
     def _send(self, answer: tuple[bytes, bytes]) -> None:
         if self.transport.is_closing():
             return  # the peer resends on a new connection
+        waiting = self.transport.get_write_buffer_size()  # (an answer of any size may go)
         self.transport.write(encode_answers([answer], True))
-        if self.transport.get_write_buffer_size() > self.MAX_UNSENT:
+        if waiting > self.MAX_UNSENT:
             log.warning("a session peer does not read its answers; closing its connection")
             self.transport.abort()
 

@@ -56,7 +56,7 @@ _REQUEST_IDS_KEPT = 100_000
 # in memory and in the state file; longer ones are refused, not kept.
 MAX_REQUEST_ID_LENGTH = 256
 _REPLACED_KEPT = 1024  # replaced incarnations remembered per job, for their late calls' errors
-_OUTSIDER_CALLS_KEPT = 64  # calls from outside their replicas remembered per job (Core._replicas_group)
+_OUTSIDER_CALLS_KEPT = 1024  # ordinals' calls from outside their replicas remembered per job (Core._replicas_group)
 _EVENTS_KEPT = 1000  # the latest events of a job (EventLog)
 _DECLARED = "the coordinator's --world-size"
 
@@ -380,8 +380,8 @@ class Job:
     # register again (two live processes would take the task from each other). The latest
     # _REPLACED_KEPT.
     replaced: collections.OrderedDict[str, str] = dataclasses.field(default_factory=collections.OrderedDict)
-    # (generation, group, caller's ordinals, round number) of the latest calls from outside
-    # their replicas (_OUTSIDER_CALLS_KEPT): a resend of one fails no second round.
+    # (generation, group, ordinal, round number) of the latest calls from outside their
+    # replicas, per ordinal (_OUTSIDER_CALLS_KEPT): a resend of one fails no second round.
     outsider_calls: collections.OrderedDict[tuple, None] = dataclasses.field(
         default_factory=collections.OrderedDict, repr=False
     )
@@ -697,9 +697,11 @@ class Core:
                 f"{r.task_id} on {r.host} pid {r.pid} declares {r.devices_per_task}; check "
                 "PJRT_RENDEZVOUS_CORES_PER_CHIP and TPU_ACCELERATOR_TYPE on every host",
             )
-        if afresh:
+        if afresh:  # refused before it changes anything, where the request alone decides
             if r.incarnation in job.replaced:
-                self._process(job, r.incarnation, now)  # refused, before it changes anything
+                self._process(job, r.incarnation, now)
+            for thread in r.threads:
+                self._check_runtime_ordinal(r, thread, r.task_id * r.devices_per_task + thread.thread_index, world_size)
             self._start_afresh(job)
 
         owner = job.tasks.get(r.task_id)
@@ -975,6 +977,10 @@ class Core:
         """
         state = self._job(job)
         process = self._process(state, incarnation, now)
+        if round_number < 0:
+            raise CoreError(Code.INVALID_ARGUMENT, f"round number must be >= 0, got {round_number}")
+        if not contributions:
+            raise CoreError(Code.INVALID_ARGUMENT, "a rendezvous call needs at least one contribution")
         if generation and generation != state.generation:
             # A resent call of a round that finished before the move gets what its peers got
             # (its answer was lost: a cut connection, a relay that died after the round).
@@ -988,10 +994,6 @@ class Core:
             self._check_resent(old, contributions)
             return old
         assert state.world_size is not None  # a registered process fixed it
-        if round_number < 0:
-            raise CoreError(Code.INVALID_ARGUMENT, f"round number must be >= 0, got {round_number}")
-        if not contributions:
-            raise CoreError(Code.INVALID_ARGUMENT, "a rendezvous call needs at least one contribution")
         ordinals, tags, payloads, named = zip(*contributions)  # columns, in C
         unique = set(ordinals)
         if len(unique) != len(ordinals):
@@ -1196,11 +1198,12 @@ class Core:
             except CoreError:  # the round is gone or out of reach: only the caller to tell
                 target = None
         else:
-            call = (state.generation, group, tuple(ordinals), round_number)
-            if call in state.outsider_calls:
+            # One entry per ordinal: a host relay resends a combined call per process.
+            calls = [(state.generation, group, ordinal, round_number) for ordinal in ordinals]
+            if all(call in state.outsider_calls for call in calls):
                 raise problem  # a resend: its round failed already
-            state.outsider_calls[call] = None
-            if len(state.outsider_calls) > _OUTSIDER_CALLS_KEPT:
+            state.outsider_calls.update(dict.fromkeys(calls))
+            while len(state.outsider_calls) > _OUTSIDER_CALLS_KEPT:
                 state.outsider_calls.popitem(last=False)
             pending = [r for k, r in state.pending.items() if k[:2] == (state.generation, group)]
             target = min(pending, key=lambda r: r.number) if pending else None

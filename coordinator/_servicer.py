@@ -125,8 +125,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
         # Sees every batch of wake keys: event log lines and metrics (``_monitor``).
         self._monitor = monitor
         self._clock = clock
-        # Called before answering any call that changed state, so nothing a client was
-        # told is lost if the coordinator dies right after (the state file).
+        # Called before answering any call that changed state or tells it, so nothing a
+        # client was told is lost if the coordinator dies right after (the state file).
         self._persist = persist or _nothing
         # Calls waiting on a wake key: asyncio Futures (gRPC's calls run as Tasks), or
         # Wakeups (a session's calls, resumed at once when set; client/_session.py).
@@ -324,10 +324,6 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 deadline is not None and self._clock() >= deadline
             ):
                 raise self._core.world_timeout(request.job, self._clock(), self._clock() - start)
-        # Woken by the Register that completed the world, before that call's write: what a
-        # client is told must be on disk (a restart would otherwise forget a process its
-        # peers were told of, and its relaunch would join the same generation unnoticed).
-        await self._persist()
         job = self._core.jobs[request.job]
         log.debug("world of job %s complete: %d ordinals", request.job, job.world_size)
         # Every process asks at the same moment for the same table: build and serialize it
@@ -339,6 +335,10 @@ class Servicer(pb_grpc.CoordinatorServicer):
             table = self._core.world(request.job)
             response = pb.WaitWorldResponse(world_size=job.world_size, processes=_world_processes(table))
             cached = self._world_tables[request.job] = (version, response.SerializeToString())
+        # Woken by the Register that completed the world, before that call's write: the
+        # table told must be on disk (a restart would otherwise forget a process its peers
+        # were told of, and its relaunch would join the same generation unnoticed).
+        await self._persist()
         return cached[1]
 
     # -- rendezvous -----------------------------------------------------------------------
@@ -582,9 +582,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
 
     @_translated
     async def Status(self, request: pb.StatusRequest, context) -> pb.StatusResponse:
-        await self._persist()  # (what it tells, as WaitWorld)
         views = self._core.status(self._clock(), request.job)
-        return pb.StatusResponse(
+        response = pb.StatusResponse(
             jobs=[
                 pb.JobStatus(
                     job=v.job,
@@ -610,6 +609,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 for v in views
             ]
         )
+        await self._persist()  # (what it tells, as WaitWorld)
+        return response
 
 
 def _world_processes(table) -> list[pb.WorldProcess]:

@@ -864,6 +864,23 @@ def test_a_resent_call_from_outside_its_replicas_fails_no_second_round():
         pod.arrive(2, replicas=[0, 1], round_number=1)  # its next call
     assert_message(pod.error(third), Code.INVALID_ARGUMENT, "ordinal 2 called")
 
+    # A host relay's call for two outsiders, then resent per process (the combined one failed).
+    pod = make_pod(4)
+    first = pod.arrive(0, replicas=[0, 1])
+
+    def outsiders(*ordinals):
+        return pod.core.arrive(1.0, job=JOB, incarnation=incarnation_of(2), replicas=[0, 1], round_number=0,
+                               deadline=None, contributions=[Contribution(o, "t", payload_of(o), incarnation_of(o)) for o in ordinals])
+
+    with raises(Code.INVALID_ARGUMENT, "ordinals 2-3 called"):
+        outsiders(2, 3)
+    assert_message(pod.error(first), Code.INVALID_ARGUMENT, "ordinals 2-3 called")
+    second = pod.arrive(0, replicas=[0, 1], round_number=1)
+    for ordinal in (2, 3):
+        with raises(Code.INVALID_ARGUMENT, f"ordinal {ordinal} called"):
+            outsiders(ordinal)
+    assert pod.outcome(second) is None
+
 
 @pytest.mark.parametrize("replicas", [[0, 1, 2, 3, 4], [0, 0, 1, 2, 3], [3, 2, 1, 0, -1]])
 def test_members_calling_with_one_malformed_list_fail_that_round_once(replicas):
@@ -1813,6 +1830,11 @@ def test_a_resent_call_of_a_round_finished_before_a_restart_gets_its_result():
             call(0, number, replicas=replicas)
     with raises(Code.ABORTED, "moved from generation 1 to 2"):  # an outsider of the pair's round
         call(2, 0, replicas=[0, 1])
+    with raises(Code.INVALID_ARGUMENT, "round number must be >= 0"):  # checked first, as in any generation
+        call(0, -1)
+    with raises(Code.INVALID_ARGUMENT, "needs at least one contribution"):
+        pod.core.arrive(4.0, job=JOB, incarnation=incarnation_of(0), replicas=[], round_number=0,
+                        generation=1, deadline=None, contributions=[])
 
 
 def test_a_declared_job_run_again_may_split_its_world_anew():
@@ -1835,9 +1857,9 @@ def test_a_declared_job_run_again_may_split_its_world_anew():
 
 
 def test_a_replaced_process_registering_after_the_run_ended_changes_nothing():
-    """A replaced incarnation's registration, once every process of the run is gone, is
-    refused before it starts the job afresh (it once moved the job to a new generation
-    and emptied its rank table, and was then refused)."""
+    """A replaced incarnation's registration (or one with a runtime ordinal out of range),
+    once every process of the run is gone, is refused before it starts the job afresh (it
+    once moved the job to a new generation and emptied its rank table, and was then refused)."""
     pod = Pod(Core(heartbeat_timeout=60), 2, 1)
     pod.register(0)
     pod.register(1)
@@ -1848,6 +1870,8 @@ def test_a_replaced_process_registering_after_the_run_ended_changes_nothing():
     generation, version = job.generation, pod.core.version
     with raises(Code.FAILED_PRECONDITION, "'inc-1'", "was replaced"):
         pod.register(1, now=2.0)
+    with raises(Code.INVALID_ARGUMENT, "as global ordinal 7", "out of range [0, 2)"):  # (nor one the request alone refuses)
+        pod.register(1, now=2.0, incarnation="next-1", runtime={0: 7})
     assert (job.generation, pod.core.version, len(job.processes)) == (generation, version, 2)
 
 

@@ -135,7 +135,6 @@ def test_http_endpoint_answers_get_head_and_refuses_the_rest():
     ]
 
 
-
 def test_a_scraper_that_does_not_read_is_dropped_and_close_drops_every_connection(monkeypatch):
     """An answer not read within the read timeout ends its connection (its send waited for
     ever, holding a task, a file and, from Python 3.12, the coordinator's stop); close()

@@ -205,8 +205,44 @@ def test_a_grpc_session_peer_that_does_not_read_its_answers_loses_its_stream(mon
         finally:
             done.set()
         assert ended.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and answered < 200, (ended.value, answered)
-        assert "bytes of answers not read" in ended.value.details()
+        assert "bytes of answers wait behind one not read" in ended.value.details()
         assert stub.Status(pb.StatusRequest(), timeout=10).jobs  # the coordinator serves on
+
+
+@pytest.mark.parametrize("transport", ["auto", "grpc"])
+def test_an_answer_larger_than_the_unread_cap_reaches_a_peer_that_reads(monkeypatch, caplog, transport):
+    """The cap on answers a peer has not read counts those waiting behind one: a single
+    answer of any size the limits allow goes through (a round of 8 payloads of 33 MiB is
+    over 256 MiB), on the session port as on gRPC."""
+    monkeypatch.setattr(FramedSession, "MAX_UNSENT", 1 << 20)
+    with Coordinator(port=0) as coordinator:
+        client = pr.Client(pr.Settings(address=coordinator.address, transport=transport, timeout=30), pr.detect_topology({}, address=coordinator.address))
+        client._learn_session_port(coordinator.session_port)  # (as a Register answer would name it)
+        client.set("big", b"x" * (16 << 20))  # (more than the kernel takes at once)
+        assert client.get("big") == b"x" * (16 << 20)
+        assert type(client._current_session) is (SocketSession if transport == "auto" else Session)
+        client.close()
+    assert "does not read its answers" not in caplog.text  # (nor did it close and resend)
+
+
+def test_a_session_port_peer_that_does_not_read_its_answers_loses_its_connection(monkeypatch):
+    """As on gRPC: past the cap of answers waiting behind one not read, the connection closes."""
+    monkeypatch.setattr(FramedSession, "MAX_UNSENT", 1 << 20)
+    with Coordinator(port=0) as coordinator, grpc.insecure_channel(coordinator.address) as channel:
+        pb_grpc.CoordinatorStub(channel).KvSet(pb.KvSetRequest(job="j", entries=[pb.KvEntry(key="big", value=b"x" * (100 << 10))]))
+        get = pb.KvGetRequest(job="j", keys=["big"]).SerializeToString()
+        with socket.create_connection(("127.0.0.1", coordinator.session_port), timeout=30) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+            sock.sendall(frame(pb.SessionHello().SerializeToString()))
+            sock.sendall(b"".join(session_request(i, "KvGet", get, framed=True) for i in range(1, 201)))
+            time.sleep(2.0)  # the answers pile up, unread
+            received = 0
+            try:
+                while data := sock.recv(1 << 20):
+                    received += len(data)
+            except ConnectionResetError:
+                pass
+        assert received < 200 * (100 << 10), received
 
 
 def test_a_call_racing_the_retirement_of_its_grpc_stream_is_sent_before_its_end():

@@ -447,6 +447,10 @@ def test_the_world_is_told_only_once_its_last_registration_is_on_disk(tmp_path, 
         gate.clear()  # the disk stalls
         world = pools[0].submit(clients[0].wait_world)
         registered = pools[1].submit(clients[1].bind_thread, 0)
+        deadline = time.monotonic() + 30
+        while len(coordinator.core.jobs["default"].members) < 2:  # the world is complete in memory
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         with pytest.raises(concurrent.futures.TimeoutError):
             world.result(timeout=1.0)
         assert not registered.done()
