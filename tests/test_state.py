@@ -462,6 +462,36 @@ def test_the_world_is_told_only_once_its_last_registration_is_on_disk(tmp_path, 
             c.close()
 
 
+def test_the_world_told_is_the_one_complete_before_the_wait_for_the_disk():
+    """A process restarted in place (its first thread bound, the world incomplete again)
+    while WaitWorld waits for the disk: it answers the table it built, complete (it built
+    it after the wait, and failed with TypeError on an incomplete world)."""
+    from pjrt_rendezvous.coordinator._servicer import Servicer
+    from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
+
+    def registration(task: int, incarnation: str, thread: int) -> Registration:
+        return Registration(job="j", incarnation=incarnation, host=f"h{task}", pid=1, task_id=task, num_tasks=2,
+                            devices_per_task=2, local_rank=task, threads=(ThreadRequest(thread_index=thread),))
+
+    async def main():
+        core = Core(heartbeat_timeout=60)
+        servicer = Servicer(core, persist=lambda: asyncio.sleep(0.05))  # a slow disk
+        for task, thread in ((0, 0), (0, 1), (1, 0)):
+            core.register(0.0, registration(task, f"inc{task}", thread))
+        world = asyncio.ensure_future(servicer.WaitWorld(pb.WaitWorldRequest(job="j"), None))
+        await asyncio.sleep(0.01)
+        core.register(0.0, registration(1, "inc1", 1))  # complete
+        servicer._wake()
+        await asyncio.sleep(0.01)  # WaitWorld waits for the disk
+        core.register(1.0, registration(0, "again0", 0))  # task 0 restarted in place
+        servicer._wake()
+        assert not core.world_complete("j")
+        told = pb.WaitWorldResponse.FromString(await world)
+        assert told.world_size == 4 and [p.incarnation for p in told.processes] == ["inc0", "inc1"]
+
+    asyncio.run(main())
+
+
 def test_finished_rounds_go_to_the_journal_and_come_back_after_a_crash(tmp_path):
     """After the first write, a round only appends a line to the journal (the state file is
     not rewritten); loading replays the lines: the same rounds, counters and next round."""
