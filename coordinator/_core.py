@@ -1232,7 +1232,8 @@ class Core:
                 Code.FAILED_PRECONDITION,
                 f"round {number} of {describe_group(group)} finished long ago and its result "
                 f"is gone (the group is at round {state.next_round}); this caller's round "
-                "counter fell behind its peers",
+                "counter fell behind its peers (or its answer was lost while its peers' next "
+                "rounds failed without it: only the last two finished rounds are kept)",
             )
         rnd = job.pending.get((job.generation, group, number))
         if rnd is None:
