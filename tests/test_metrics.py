@@ -135,6 +135,17 @@ def test_http_endpoint_answers_get_head_and_refuses_the_rest():
     ]
 
 
+def read_until_closed(sock: socket.socket) -> int:
+    """Reads ``sock`` until its peer closes or resets it; how many bytes came."""
+    total = 0
+    try:
+        while data := sock.recv(1 << 20):
+            total += len(data)
+    except OSError:
+        pass
+    return total
+
+
 def test_a_scraper_that_does_not_read_is_dropped_and_close_drops_every_connection(monkeypatch):
     """An answer not read within the read timeout ends its connection (its send waited for
     ever, holding a task, a file and, from Python 3.12, the coordinator's stop); close()
@@ -144,22 +155,13 @@ def test_a_scraper_that_does_not_read_is_dropped_and_close_drops_every_connectio
 
     monkeypatch.setattr(_metrics, "_READ_TIMEOUT", 0.5)
 
-    def read_all(sock: socket.socket) -> int:
-        total = 0
-        try:
-            while data := sock.recv(1 << 20):
-                total += len(data)
-        except OSError:
-            pass
-        return total
-
     async def main():
         server = await start_http_server(lambda: "x" * (16 << 20), "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         with socket.create_connection(("127.0.0.1", port)) as unread:
             unread.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
             await asyncio.sleep(2.0)  # not read: dropped after 0.5 s
-            assert await asyncio.to_thread(read_all, unread) < 16 << 20
+            assert await asyncio.to_thread(read_until_closed, unread) < 16 << 20
         monkeypatch.setattr(_metrics, "_READ_TIMEOUT", 30.0)
         with socket.create_connection(("127.0.0.1", port)) as silent:
             silent.settimeout(10)
@@ -167,7 +169,7 @@ def test_a_scraper_that_does_not_read_is_dropped_and_close_drops_every_connectio
             await asyncio.sleep(0.2)
             server.close()
             started = time.monotonic()
-            assert await asyncio.to_thread(read_all, silent) == 0 and time.monotonic() - started < 5
+            assert await asyncio.to_thread(read_until_closed, silent) == 0 and time.monotonic() - started < 5
 
     asyncio.run(main())
 

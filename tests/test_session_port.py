@@ -21,6 +21,7 @@ import grpc
 import pytest
 from test_cli import Serve
 from test_fanin import make_clients, run_threads
+from test_metrics import read_until_closed
 
 import pjrt_rendezvous.client as pr
 from pjrt_rendezvous.client import _client
@@ -236,12 +237,7 @@ def test_a_session_port_peer_that_does_not_read_its_answers_loses_its_connection
             sock.sendall(frame(pb.SessionHello().SerializeToString()))
             sock.sendall(b"".join(session_request(i, "KvGet", get, framed=True) for i in range(1, 201)))
             time.sleep(2.0)  # the answers pile up, unread
-            received = 0
-            try:
-                while data := sock.recv(1 << 20):
-                    received += len(data)
-            except ConnectionResetError:
-                pass
+            received = read_until_closed(sock)
         assert received < 200 * (100 << 10), received
 
 
