@@ -48,7 +48,7 @@ from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from ._topology import host_port
 
 _native = None  # the native path (_native.c): built when a C compiler was at hand
-if os.environ.get("PJRT_RENDEZVOUS_NATIVE") != "0":  # 0: the Python path alone
+if os.environ.get("PJRT_RENDEZVOUS_NATIVE", "").strip().lower() not in ("0", "false", "off", "no"):  # the Python path alone
     try:
         from . import _native
     except ImportError:

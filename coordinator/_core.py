@@ -494,7 +494,9 @@ class Core:
         raise CoreError(
             Code.NOT_FOUND,
             f"job {shown} is not known to this coordinator (known jobs: {known}); "
-            "processes create a job by registering, or start the coordinator with --world-size",
+            "processes create a job by registering, or start the coordinator with --world-size "
+            "(a coordinator restarted without --state-file has forgotten its jobs: start the job "
+            "again, and give serve a --state-file)",
         )
 
     def _check_job_name(self, name: str) -> None:
@@ -575,7 +577,7 @@ class Core:
                     f"process incarnation {incarnation!r} of job {job.name!r} was replaced: "
                     f"{job.replaced[incarnation]}; it takes no part any more (if this process "
                     "did not restart, two processes on one host share one task id and local "
-                    "rank: check CLOUD_TPU_TASK_ID, TPU_WORKER_ID and PJRT_LOCAL_PROCESS_RANK)",
+                    "rank: check PJRT_RENDEZVOUS_TASK_ID, CLOUD_TPU_TASK_ID, TPU_WORKER_ID and PJRT_LOCAL_PROCESS_RANK)",
                 )
             raise CoreError(
                 Code.FAILED_PRECONDITION,
@@ -678,8 +680,14 @@ class Core:
         # A run formed and every process of it is gone: this is a new run, started only once
         # the registration is taken. (A process that fails or leaves before the world ever
         # formed does not end the run: late members still join it, and learn at once that a
-        # member is gone.)
-        afresh = job.formed and not any(p.alive for p in job.processes.values())
+        # member is gone; unless every process is gone and the newcomer has another size or
+        # layout: a relaunch with the mistake mended.)
+        gone = bool(job.processes) and not any(p.alive for p in job.processes.values())
+        afresh = gone and (
+            job.formed
+            or (job.world_fixed_by != _DECLARED and job.world_size not in (None, world_size))
+            or job.devices_per_task not in (None, r.devices_per_task)
+        )
         # (a new run may have another world size, unless declared, and another layout)
         fixed_size = job.world_size if not afresh or job.world_fixed_by == _DECLARED else None
         declared = f"{r.num_tasks} tasks x {r.devices_per_task} devices = {world_size}"
@@ -729,7 +737,7 @@ class Core:
                     f"{_ordinals_word(range(first, first + r.devices_per_task))} (task {r.task_id}) are "
                     f"already registered by {holder.label()} (local rank {holder.local_rank}); "
                     f"{r.host} pid {r.pid} (local rank {r.local_rank}) claims the same task: two "
-                    "processes share one task id; check CLOUD_TPU_TASK_ID, TPU_WORKER_ID and "
+                    "processes share one task id; check PJRT_RENDEZVOUS_TASK_ID, CLOUD_TPU_TASK_ID, TPU_WORKER_ID and "
                     f"PJRT_LOCAL_PROCESS_RANK{hint}",
                 )
             replaced = holder

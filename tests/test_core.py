@@ -1717,6 +1717,21 @@ def test_a_finished_run_starts_afresh_but_an_unformed_one_does_not():
     assert core.jobs[JOB].generation == 2 and set(core.jobs[JOB].members) == {0}
 
 
+@pytest.mark.parametrize("tasks, devices", [(1, 2), (2, 2), (4, 1)])
+def test_an_unformed_run_all_gone_is_relaunched_with_another_size_or_layout(tasks, devices):
+    """A run that never formed, every process of it gone (killed: the wrong number of tasks),
+    is started afresh by a registration of another size or layout (it was refused for ever,
+    naming the dead process that fixed the size); while one of it lives, it is refused."""
+    core = Core(heartbeat_timeout=3)
+    core.register(0.0, registration(0, 2, 1))
+    with raises(Code.FAILED_PRECONDITION, "has world size 2" if tasks * devices != 2 else "has 1 devices per task"):
+        core.register(1.0, registration(0, tasks, devices, incarnation="early"))
+    core.check_liveness(10.0)  # the first process is declared dead
+    registered = core.register(10.0, registration(0, tasks, devices, incarnation="relaunched"))
+    assert registered.world_size == tasks * devices and registered.generation == 2
+    assert set(core.jobs[JOB].members) == set(range(devices))
+
+
 # -- liveness and restarts (time passed in, nothing sleeps) ------------------------------------
 
 

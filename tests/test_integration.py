@@ -68,8 +68,10 @@ def test_demo_simulates_a_v3_8():
 def test_demo_runs_on_the_python_path_alone():
     """Built without a C compiler (or with PJRT_RENDEZVOUS_NATIVE=0), the package decodes and
     encodes its messages in Python: the README's main job works on that path alone."""
-    env = dict(os.environ, PJRT_RENDEZVOUS_NATIVE="0")
     probe = "from pjrt_rendezvous.client import _session, _wire; assert _session._native is _wire._native is None"
+    for off in ("false", " Off"):  # (read as on once)
+        subprocess.run([sys.executable, "-c", probe], env=dict(os.environ, PJRT_RENDEZVOUS_NATIVE=off), check=True, timeout=60)
+    env = dict(os.environ, PJRT_RENDEZVOUS_NATIVE="0")
     subprocess.run([sys.executable, "-c", probe], env=env, check=True, timeout=60)
     demo = subprocess.run(
         [sys.executable, "-m", "pjrt_rendezvous.coordinator", "demo"], env=env, capture_output=True, text=True, timeout=120
