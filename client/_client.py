@@ -272,6 +272,27 @@ def _pass_on(batch: _Batch, waiter: LockType | None = None) -> None:
         waiters[following].release()
 
 
+_STILL_TRYING_AFTER = 5.0  # seconds of an outage before a call says that it keeps trying
+_still_trying_said = float("-inf")  # when it was said last (once in _STILL_TRYING_AFTER per process)
+
+
+def _retrying(method: str, address: str, exc: BaseException, since: float, budget: float) -> None:
+    """Before a call tries again: a debug line, and a warning once the outage has lasted
+    _STILL_TRYING_AFTER (then at most as often, per process), so that a coordinator that is
+    not there is not waited for in silence for the whole connect_timeout."""
+    global _still_trying_said
+    now = time.monotonic()
+    if now - since < _STILL_TRYING_AFTER or now - _still_trying_said < _STILL_TRYING_AFTER:
+        log.debug("%s to %s failed (%s); retrying", method, address, exc)
+        return
+    _still_trying_said = now
+    details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+    log.warning(
+        "the coordinator at %s has not answered for %.0f s (%s: %s); trying again for up to %.0f s in all "
+        "(connect_timeout)", address, now - since, method, details, budget,
+    )
+
+
 def _serve_stand_in(client: "Client", calls: queue.SimpleQueue) -> None:
     """The stand-in thread of a client (``Client._stand_in_calls``): runs the main thread's
     rounds, one after another, until a None."""
@@ -453,9 +474,7 @@ class Client:
             stop=stop,
             before=before,
             reraise=True,
-            before_sleep=lambda state: log.debug(
-                "%s to %s failed (%s); retrying", method, self.settings.address, state.outcome.exception()
-            ),
+            before_sleep=lambda state: _retrying(method, self.settings.address, state.outcome.exception(), outage["since"], self.settings.connect_timeout),
         )
         try:
             return retrying(self._attempt, *attempt, outage)

@@ -187,16 +187,23 @@ def test_conflicting_world_size_is_a_mismatch(coordinator):
     second.close()
 
 
-def test_unreachable_coordinator_is_retried_then_reported():
-    """With nothing listening, calls retry until connect_timeout and then name the address."""
+def test_unreachable_coordinator_is_retried_then_reported(monkeypatch, caplog):
+    """With nothing listening, calls retry until connect_timeout and then name the address;
+    meanwhile a warning says so once the outage has lasted a while (it was silent for the
+    whole connect_timeout, a minute by default)."""
+    from pjrt_rendezvous.client import _client
+
+    monkeypatch.setattr(_client, "_STILL_TRYING_AFTER", 0.5)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    client = make_client(f"127.0.0.1:{port}", connect_timeout=0.5)
+    client = make_client(f"127.0.0.1:{port}", connect_timeout=1.5)
     started = time.monotonic()
     with pytest.raises(pr.CoordinatorUnavailableError, match=f"127.0.0.1:{port} unavailable"):
         client.set("k", b"v")
-    assert time.monotonic() - started >= 0.4
+    assert time.monotonic() - started >= 1.4
+    warned = [r.getMessage() for r in caplog.records if "has not answered for" in r.getMessage()]
+    assert warned and all(f"127.0.0.1:{port}" in m and "KvSet" in m and "up to 2 s" in m for m in warned), warned
     client.close()
 
 
