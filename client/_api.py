@@ -257,7 +257,11 @@ def rendezvous(
         RendezvousTimeout: the deadline passed; the message names every missing
             ordinal with its host and when it was last seen.
     """
-    binding = _binding("rendezvous")
+    return _rendezvous("rendezvous", tag, payload, replicas, timeout)
+
+
+def _rendezvous(what: str, tag: str, payload: bytes, replicas: Sequence[int], timeout) -> list[bytes]:
+    binding = _binding(what)
     if binding is None:  # a world of one needs no coordinator; the same refusals as in more
         payload = _payload_bytes(payload)
         replicas = _check_call(tag, replicas)
@@ -273,4 +277,4 @@ def rendezvous(
 
 def barrier(tag: str, *, replicas: Sequence[int] = (), timeout=DEFAULT) -> None:
     """A rendezvous with an empty payload: returns once every member arrived."""
-    rendezvous(tag, b"", replicas, timeout=timeout)
+    _rendezvous("barrier", tag, b"", replicas, timeout)

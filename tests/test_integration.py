@@ -218,8 +218,10 @@ def test_unbound_thread_gets_a_clear_error(coordinator):
     try:
         with pytest.raises(pr.UsageError, match="bind_thread"):
             pr.get_ordinal()
-        with pytest.raises(pr.UsageError, match="needs a bound thread"):
+        with pytest.raises(pr.UsageError, match=r"^rendezvous\(\) needs a bound thread"):
             pr.rendezvous("t", b"")
+        with pytest.raises(pr.UsageError, match=r"^barrier\(\) needs a bound thread"):  # (named as called)
+            pr.barrier("t")
     finally:
         pr.shutdown()
 
