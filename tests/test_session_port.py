@@ -688,7 +688,7 @@ def test_deadlines_of_finished_rounds_lapse_without_piling_up():
 def test_connections_that_come_while_the_coordinator_is_busy_wait_in_the_kernels_queue():
     """A pod's processes connect to the session port at about the same time, while the
     coordinator is busy with their Registers: the kernel completes and queues them all (up
-    to ``_SessionPort.BACKLOG``) until the event loop accepts them. With asyncio's default
+    to ``Listener.BACKLOG``) until the event loop accepts them. With asyncio's default
     backlog of 100, 101 of these 200 connected; the SYNs of the rest were dropped, and each
     retried a second later, and again while the loop stayed busy."""
     somaxconn = pathlib.Path("/proc/sys/net/core/somaxconn")
