@@ -194,6 +194,9 @@ def test_unreachable_coordinator_is_retried_then_reported(monkeypatch, caplog):
     from pjrt_rendezvous.client import _client
 
     monkeypatch.setattr(_client, "_STILL_TRYING_AFTER", 0.5)
+    # Retries at most 0.2 s apart: with the default cap (2 s, random waits) the last retry
+    # before the 1.5 s budget may come before 0.5 s, and nothing is said (CI saw it once).
+    monkeypatch.setattr(_client, "_BACKOFF_CAP", 0.2)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
