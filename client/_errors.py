@@ -125,6 +125,7 @@ def from_rpc_error(exc: grpc.RpcError, *, address: str, method: str) -> RemoteEr
         hint = tls_hint(details)
         details = (
             f"coordinator at {address} unavailable for {method}: {details}. Is "
-            f"`pjrt-rendezvous serve` running there, and does PJRT_RENDEZVOUS_ADDRESS point at it?{hint}"
+            f"`pjrt-rendezvous serve` running there, and is that its address (from init(address=), a Store's "
+            f"URL, PJRT_RENDEZVOUS_ADDRESS, or worker 0 of TPU_WORKER_HOSTNAMES)?{hint}"
         )
     return cls(details, code=code.name)

@@ -529,6 +529,21 @@ def detect_topology(
             "PJRT_RENDEZVOUS_NUM_TASKS or TPU_PROCESS_BOUNDS",
         )
 
+    if task_raw is None and num.value > 1:
+        # A derived task id from defaults alone would make every process of the world task 0:
+        # the second to register would look like a restart of the first and replace it.
+        unknown = {}  # what is not known -> the variable that would say it
+        if worker.source == "default" and num.value > local_world.value:
+            unknown["worker id"] = "TPU_WORKER_ID"
+        if local_rank.source == "default" and local_world.value > 1:
+            unknown["local rank"] = "PJRT_LOCAL_PROCESS_RANK"
+        if unknown:
+            raise TopologyError(
+                f"the world has {num.value} tasks ({num.source}), but nothing says which one this "
+                f"process is: its {' and '.join(unknown)} is not set, so every process would be task 0; "
+                f"set PJRT_RENDEZVOUS_TASK_ID (or CLOUD_TPU_TASK_ID) to this process's task id, "
+                f"or {' and '.join(unknown.values())}"
+            )
     if local_rank.value >= local_world.value:
         raise TopologyError(
             f"local rank {local_rank.value} ({local_rank.source}) must be less than the local world "

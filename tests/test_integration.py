@@ -212,7 +212,9 @@ def test_world_of_one_needs_no_coordinator():
 
 def test_unbound_thread_gets_a_clear_error(coordinator):
     """Outside a bound thread, in a world larger than one, the xm-style calls say how to bind."""
-    topology = pr.detect_topology({"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_ADDRESS": coordinator.address})
+    topology = pr.detect_topology(
+        {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": "0", "PJRT_RENDEZVOUS_ADDRESS": coordinator.address}
+    )
     pr.shutdown()
     pr.init(topology=topology)
     try:
@@ -359,7 +361,8 @@ def test_serve_cli_health_reflection_and_status():
 def test_status_shows_a_stuck_round(coordinator):
     """While a round waits, status names its tag, who arrived and who is missing (with host)."""
     topology = pr.detect_topology(
-        {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "TPU_WORKER_HOSTNAMES": "h0,h1"}, address=coordinator.address
+        {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "TPU_WORKER_HOSTNAMES": "h0,h1", "TPU_WORKER_ID": "0"},
+        address=coordinator.address,
     )
     client = pr.Client(pr.Settings(address=coordinator.address, timeout=30), topology)
     done = threading.Event()

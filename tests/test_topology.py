@@ -357,10 +357,10 @@ def test_address_forms(given, expected, via):
 @pytest.mark.parametrize(
     ("env", "address", "expected"),
     [
-        ({"PJRT_RENDEZVOUS_ADDRESS": "env-host", "TPU_WORKER_HOSTNAMES": "w0,w1"}, "arg:1", "arg:1"),
-        ({"PJRT_RENDEZVOUS_ADDRESS": "env-host", "TPU_WORKER_HOSTNAMES": "w0,w1"}, None, "env-host:7481"),
-        ({"TPU_WORKER_HOSTNAMES": "w0,w1"}, None, "w0:7481"),
-        ({"TPU_WORKER_HOSTNAMES": "fd00::a,fd00::b"}, None, "[fd00::a]:7481"),
+        ({"PJRT_RENDEZVOUS_ADDRESS": "env-host", "TPU_WORKER_HOSTNAMES": "w0,w1", "TPU_WORKER_ID": "1"}, "arg:1", "arg:1"),
+        ({"PJRT_RENDEZVOUS_ADDRESS": "env-host", "TPU_WORKER_HOSTNAMES": "w0,w1", "TPU_WORKER_ID": "1"}, None, "env-host:7481"),
+        ({"TPU_WORKER_HOSTNAMES": "w0,w1", "TPU_WORKER_ID": "1"}, None, "w0:7481"),
+        ({"TPU_WORKER_HOSTNAMES": "fd00::a,fd00::b", "TPU_WORKER_ID": "1"}, None, "[fd00::a]:7481"),
         ({}, None, "localhost:7481"),
     ],
 )
@@ -494,7 +494,7 @@ def test_the_process_asks_the_metadata_server_each_key_once(metadata_server):
 
     server = metadata_server({"worker-network-endpoints": V4_32_ENDPOINTS})  # no tpu-env: 404
     port = server.server_address[1]
-    env = {"PJRT_RENDEZVOUS_METADATA_URL": f"http://127.0.0.1:{port}{ATTRIBUTES.rstrip('/')}", "TPU_ACCELERATOR_TYPE": "v4-32"}
+    env = {"PJRT_RENDEZVOUS_METADATA_URL": f"http://127.0.0.1:{port}{ATTRIBUTES.rstrip('/')}", "TPU_ACCELERATOR_TYPE": "v4-32", "TPU_WORKER_ID": "0"}
     for _ in range(3):
         topo = _api._detect(env, None)
         assert topo.worker_hostnames == V4_32_IPS
@@ -575,10 +575,10 @@ def test_bad_chips_per_host_bounds_in_the_environment_raise_naming_the_variable(
     ("env", "address", "expected"),
     [
         ({}, None, "localhost:7481"),
-        ({"TPU_WORKER_HOSTNAMES": "w0,w1"}, None, "w0:7481"),
-        ({"TPU_WORKER_HOSTNAMES": "w0,w1", "PJRT_RENDEZVOUS_ADDRESS": "coord:9000"}, None, "coord:9000"),
+        ({"TPU_WORKER_HOSTNAMES": "w0,w1", "TPU_WORKER_ID": "1"}, None, "w0:7481"),
+        ({"TPU_WORKER_HOSTNAMES": "w0,w1", "TPU_WORKER_ID": "1", "PJRT_RENDEZVOUS_ADDRESS": "coord:9000"}, None, "coord:9000"),
         ({"PJRT_RENDEZVOUS_ADDRESS": "coord:9000"}, "other", "other:7481"),
-        ({"TPU_WORKER_HOSTNAMES": "fd00::1,fd00::2"}, None, "[fd00::1]:7481"),
+        ({"TPU_WORKER_HOSTNAMES": "fd00::1,fd00::2", "TPU_WORKER_ID": "1"}, None, "[fd00::1]:7481"),
     ],
 )
 def test_detect_address_finds_the_coordinator_as_detect_topology_does(env, address, expected):
@@ -688,6 +688,13 @@ def test_metadata_fetcher_errors_are_oserror_and_count_as_absent(metadata_server
         ({"PJRT_RENDEZVOUS_TASK_ID": "8", "TPU_PROCESS_BOUNDS": "2,2,2"},
          ["task id 8", "number of tasks 8", "PJRT_RENDEZVOUS_TASK_ID", "TPU_PROCESS_BOUNDS"]),
         ({"TPU_WORKER_ID": "1"}, ["task id 1", "number of tasks 1", "worker id 1", "TPU_WORKER_ID"]),
+        # Several tasks, and nothing says which this process is (every one would be task 0).
+        ({"PJRT_RENDEZVOUS_NUM_TASKS": "4"},
+         ["4 tasks", "PJRT_RENDEZVOUS_NUM_TASKS", "worker id is not set", "PJRT_RENDEZVOUS_TASK_ID", "TPU_WORKER_ID"]),
+        ({"PJRT_LOCAL_PROCESS_COUNT": "4"}, ["4 tasks", "local rank is not set", "PJRT_LOCAL_PROCESS_RANK"]),
+        ({"TPU_WORKER_HOSTNAMES": "a,b", "PJRT_LOCAL_PROCESS_COUNT": "2"},
+         ["4 tasks", "worker id and local rank", "or TPU_WORKER_ID and PJRT_LOCAL_PROCESS_RANK"]),
+        ({"TPU_PROCESS_BOUNDS": "2,1,1"}, ["2 tasks", "TPU_PROCESS_BOUNDS", "worker id is not set"]),
         # local rank >= local world size.
         ({"PJRT_LOCAL_PROCESS_RANK": "4", "PJRT_LOCAL_PROCESS_COUNT": "4"},
          ["local rank 4", "local world size 4", "PJRT_LOCAL_PROCESS_RANK", "PJRT_LOCAL_PROCESS_COUNT"]),
@@ -723,6 +730,22 @@ def test_detect_topology_errors(env, fragments):
         detect_topology(env, hostname=lambda: "h")
     for fragment in fragments:
         assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("env", "task"),
+    [
+        ({"PJRT_RENDEZVOUS_NUM_TASKS": "4", "TPU_WORKER_ID": "2"}, 2),
+        ({"PJRT_LOCAL_PROCESS_COUNT": "4", "PJRT_LOCAL_PROCESS_RANK": "3"}, 3),
+        ({"TPU_WORKER_HOSTNAMES": "a,b", "TPU_WORKER_ID": "1", "PJRT_LOCAL_PROCESS_COUNT": "2",
+          "PJRT_RENDEZVOUS_LOCAL_RANK": "1"}, 3),
+        ({"TPU_PROCESS_BOUNDS": "2,1,1", "CLOUD_TPU_TASK_ID": "1"}, 1),
+        ({"PJRT_RENDEZVOUS_NUM_TASKS": "1"}, 0),  # a world of one needs no id
+    ],
+)
+def test_a_world_of_several_tasks_needs_to_know_which_this_is(env, task):
+    """Any one source of the task id, or of the parts it is derived from, will do."""
+    assert detect_topology(env, hostname=lambda: "h").task_id == task
 
 
 @pytest.mark.parametrize("address", ["", "   ", "coord:x"])

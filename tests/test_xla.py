@@ -450,6 +450,7 @@ def test_unbound_thread_falls_back(xm, monkeypatch, no_process_client):
     xla.install()
     assert (xm.get_ordinal(), xm.xrt_world_size()) == (0, 1)
     monkeypatch.setenv("PJRT_RENDEZVOUS_NUM_TASKS", "2")
+    monkeypatch.setenv("PJRT_RENDEZVOUS_TASK_ID", "0")
     with pytest.raises(pr.UsageError, match=r"^xm\.get_ordinal\(\) needs a bound thread"):
         xm.get_ordinal()
     with pytest.raises(pr.UsageError, match=r"^xm\.xrt_world_size\(\) needs a bound thread"):
