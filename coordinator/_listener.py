@@ -45,18 +45,23 @@ class Listener:
         self._starved_warning = float("-inf")  # when accepting last ran out of files, warned of
 
     async def start(self, host: str, port: int, option: str) -> int:
-        """Listens (like gRPC's port: "" or "0.0.0.0" everywhere on IPv4, "::" on both
-        families); returns the port. ``option`` names the setting in the error raised when
-        it cannot (OSError)."""
-        loop = asyncio.get_running_loop()
-        try:  # asyncio opens the sockets; the accept loop is ours
-            server = await loop.create_server(
-                self._factory, host or None, port, reuse_address=True, backlog=self.BACKLOG, start_serving=False
-            )
+        """Listens on ``host`` (a wildcard, "0.0.0.0" or "::", on both families where the
+        machine has IPv6, as gRPC's port does); returns the port. ``option`` names the
+        setting in the error raised when it cannot (OSError)."""
+        try:
+            if host in ("0.0.0.0", "::") and socket.has_dualstack_ipv6():
+                # (asyncio's IPv6 sockets take IPv6 alone: IPv4 clients, which reach gRPC's
+                # port, would find this one refused.)
+                self.sockets = [socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True)]
+            else:  # asyncio opens the sockets; the accept loop is ours
+                server = await asyncio.get_running_loop().create_server(
+                    self._factory, host, port, reuse_address=True, backlog=self.BACKLOG, start_serving=False
+                )
+                self.sockets = [sock.dup() for sock in server.sockets]
+                server.close()  # closes its copies; ours listen on
         except OSError as exc:
             raise OSError(f"cannot listen on {self._what} {host_port(host, port)} ({option}): {exc.strerror or exc}") from None
-        self.sockets = [sock.dup() for sock in server.sockets]
-        server.close()  # closes its copies; ours listen on
+        loop = asyncio.get_running_loop()
         for sock in self.sockets:
             sock.setblocking(False)
             sock.listen(self.BACKLOG)

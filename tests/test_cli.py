@@ -614,6 +614,47 @@ def test_serve_listens_on_a_bracketed_ipv6_host():
     assert unclosed.returncode == 2 and "brackets are for an IPv6 address" in unclosed.stderr, unclosed.stderr
 
 
+_DUAL_STACK_CHECK = """
+import fcntl, json, socket, struct
+# This is a network namespace of its own: its one interface, lo, is down until brought up.
+with socket.socket() as s:
+    flags = struct.unpack("16sH", fcntl.ioctl(s, 0x8913, struct.pack("16sH", b"lo", 0))[:18])[1]  # SIOCGIFFLAGS
+    fcntl.ioctl(s, 0x8914, struct.pack("16sH", b"lo", flags | 1))  # SIOCSIFFLAGS, IFF_UP
+from pjrt_rendezvous.coordinator import Coordinator
+reached = {}
+for host in ("::", "0.0.0.0"):
+    with Coordinator(host=host, session_port=0, metrics_port=0) as coordinator:
+        for what, port in (("grpc", coordinator.port), ("session", coordinator.session_port), ("metrics", coordinator.metrics_port)):
+            for peer in ("127.0.0.1", "::1"):
+                try:
+                    socket.create_connection((peer, port), timeout=5).close()
+                    reached[f"{host} {what} {peer}"] = True
+                except OSError:
+                    reached[f"{host} {what} {peer}"] = False
+print(json.dumps(reached))
+"""
+
+
+@pytest.mark.skipif(not socket.has_dualstack_ipv6(), reason="no dual-stack IPv6")
+def test_a_wildcard_host_listens_on_both_families_on_every_port():
+    """`--host ::` (and 0.0.0.0) take IPv4 and IPv6 on the session and metrics ports as
+    gRPC's port does (asyncio's IPv6 sockets took IPv6 alone: IPv4 clients fell back to
+    gRPC, and Prometheus could not scrape over IPv4). Run in a network namespace of its own
+    (`unshare -n`), where a wildcard is loopback alone."""
+    try:
+        out = subprocess.run(
+            ["unshare", "-n", sys.executable, "-c", _DUAL_STACK_CHECK],
+            env=clean_env(), capture_output=True, text=True, timeout=120,
+        )
+    except FileNotFoundError:
+        pytest.skip("no unshare")
+    if out.returncode != 0 and "unshare" in out.stderr:
+        pytest.skip(f"cannot make a network namespace here: {out.stderr.strip()}")
+    assert out.returncode == 0, out.stderr
+    reached = json.loads(out.stdout)
+    assert len(reached) == 12 and all(reached.values()), reached
+
+
 def test_serve_startup_errors_name_their_option(tmp_path, tls_files):
     """Each startup error names the option (or the variable) it is about: a metrics port in
     use, a TLS or token file that cannot be read, a key of another certificate, a client CA
