@@ -819,6 +819,8 @@ def raise_open_files_limit() -> None:
 
 # SIGHUP too: the terminal of a `serve` in the foreground closed (an ssh session ended);
 # there is nothing to reload, and dying at once would skip the drain and the last state write.
+# A signal the process was started ignoring (`nohup`, a shell's background job's SIGINT)
+# stays ignored.
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -845,7 +847,8 @@ def serve_forever(options: ServerOptions, *, on_ready=None) -> None:
         stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in _STOP_SIGNALS:
-            loop.add_signal_handler(sig, stopping.set)
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                loop.add_signal_handler(sig, stopping.set)
         if on_ready is not None:  # after the handlers: a stop signal from here on drains
             on_ready(running)
         where = host_port(options.host, running.port)

@@ -34,13 +34,27 @@ def clean_env(**extra) -> dict[str, str]:
     return env
 
 
+# Runs argv[2:] with the signals numbered in argv[1] ignored, and SIGHUP and SIGINT otherwise
+# at their default (as inherited across exec: whatever started the tests may ignore them).
+_WITH_SIGNALS = """
+import os, signal, sys
+ignored = {int(n) for n in sys.argv[1].split(",") if n}
+for sig in (signal.SIGHUP, signal.SIGINT):
+    signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
 class Serve:
     """A real ``pjrt-rendezvous serve`` process on a free loopback port; stderr is collected."""
 
     def __init__(
-        self, *args: str, env: dict[str, str] | None = None, port_flag: bool = True, program: list[str] = CLI
+        self, *args: str, env: dict[str, str] | None = None, port_flag: bool = True, program: list[str] = CLI,
+        ignoring: tuple[signal.Signals, ...] | None = None,
     ) -> None:
         command = [*program, "serve", *(["--port", "0"] if port_flag else []), *args]
+        if ignoring is not None:  # started with these ignored (SIGHUP and SIGINT otherwise at their default)
+            command = [sys.executable, "-c", _WITH_SIGNALS, ",".join(str(int(sig)) for sig in ignoring), *command]
         self.proc = subprocess.Popen(
             command, env=clean_env(**(env or {})), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
@@ -946,11 +960,18 @@ def test_stop_ends_idle_streams_at_once_and_a_second_signal_ends_the_drain():
 
 def test_sighup_stops_serve_as_sigterm_does():
     """The terminal of a `serve` in the foreground closes (an ssh session ends): it drains and
-    exits 0, as for SIGTERM (it died at once, exit 129, no drain nor last state write)."""
-    with Serve() as server:
+    exits 0, as for SIGTERM (it died at once, exit 129, no drain nor last state write).
+    Started with SIGHUP ignored (`nohup`), it serves on (it stopped)."""
+    with Serve(ignoring=()) as server:
         server.proc.send_signal(signal.SIGHUP)
         assert server.proc.wait(15) == 0, server.stderr()
         server.wait_for_line("stopped after")
+    with Serve(ignoring=(signal.SIGHUP,)) as server:
+        server.proc.send_signal(signal.SIGHUP)
+        time.sleep(1)
+        health = run_cli("health", "--address", server.address)
+        assert server.proc.poll() is None and health.returncode == 0, (health.stdout, server.stderr())
+        assert server.stop() == 0
 
 
 def test_a_busy_default_session_port_is_named_with_what_to_do():
