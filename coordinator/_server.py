@@ -84,9 +84,11 @@ def listen_host(text: str) -> str:
     port reads those, the session port's and the metrics port's sockets do not).
 
     Raises:
-        ValueError: brackets around something other than an IPv6 address.
+        ValueError: an empty host, or brackets around something other than an IPv6 address.
     """
     host = text.strip()
+    if not host:
+        raise ValueError(f"the host to listen on is empty ({text!r}); 0.0.0.0 or :: listen on every address, 127.0.0.1 on this machine's alone")
     if host.startswith("[") or host.endswith("]"):
         try:
             if not (host.startswith("[") and host.endswith("]")):

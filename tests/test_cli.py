@@ -697,6 +697,20 @@ def test_serve_startup_errors_name_their_option(tmp_path, tls_files):
         server.stop()
 
 
+def test_serve_refuses_an_empty_host():
+    """A blank host is refused as such (gRPC's "host must not be empty" was reported as a port
+    in use); an empty variable is unset, as for every variable."""
+    for args, env, named in [
+        (("--host", ""), {}, "argument --host: the host to listen on is empty"),
+        ((), {"PJRT_RENDEZVOUS_HOST": " "}, "PJRT_RENDEZVOUS_HOST=' ': the host to listen on is empty"),
+    ]:
+        out = run_cli("serve", "--port", "0", *args, env=env, timeout=30)
+        assert out.returncode == 2 and named in out.stderr and "in use" not in out.stderr, out.stderr
+    with Serve(env={"PJRT_RENDEZVOUS_HOST": ""}) as server:
+        assert server.stdout_lines[0] == f"pjrt-rendezvous coordinator listening on 127.0.0.1:{server.port}"
+        server.stop()
+
+
 def test_serve_refuses_a_job_name_clients_refuse():
     """PJRT_RENDEZVOUS_JOB is shared with the clients, which refuse ' train': serve must not
     create a job no client can join."""
