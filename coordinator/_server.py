@@ -180,21 +180,43 @@ class ServerOptions:
             raise ValueError(f"the folder of the state file {self.state_file} (--state-file) does not exist")
 
 
-def _token_refusal(expected: bytes, given: str | bytes, what: str) -> str | None:
-    """None when ``given`` (the ``authorization`` a caller sent) is the token, else the
-    message to refuse ``what`` with; logged without the secret."""
-    if hmac.compare_digest(given.encode() if isinstance(given, str) else given, expected):
-        return None
-    reason = "no token" if not given else "a wrong token"
-    log.warning("refused %s: the caller sent %s", what, reason, extra={"event": "refused", "what": what, "reason": reason})
-    return f"{what} refused: {reason}; set PJRT_RENDEZVOUS_TOKEN or PJRT_RENDEZVOUS_TOKEN_FILE"
+class _Token:
+    """The shared secret's check, for gRPC's port and the session port alike. A refusal is
+    logged without the secret, each reason (no token, a wrong token) at most once a minute
+    with a count of those not logged: anyone who reaches the port may call as often as they
+    like, and must not fill the log."""
+
+    LOGGED_EVERY = 60.0  # seconds
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+        self._logged: dict[str, tuple[float, int]] = {}  # reason -> (when last logged, refusals since)
+
+    def refusal(self, given: str | bytes, what: str) -> str | None:
+        """None when ``given`` (the ``authorization`` a caller sent) is the token, else the
+        message to refuse ``what`` with."""
+        if hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._expected):
+            return None
+        reason = "no token" if not given else "a wrong token"
+        now = time.monotonic()
+        logged, unlogged = self._logged.get(reason, (float("-inf"), 0))
+        if now - logged >= self.LOGGED_EVERY:
+            self._logged[reason] = (now, 0)
+            log.warning(
+                "refused %s: the caller sent %s%s", what, reason,
+                f" ({unlogged} more such refusals since the last line, not logged)" if unlogged else "",
+                extra={"event": "refused", "what": what, "reason": reason, "unlogged": unlogged},
+            )
+        else:
+            self._logged[reason] = (logged, unlogged + 1)
+        return f"{what} refused: {reason}; set PJRT_RENDEZVOUS_TOKEN or PJRT_RENDEZVOUS_TOKEN_FILE"
 
 
 class _TokenCheck(grpc.aio.ServerInterceptor):
     """Refuses calls without the shared secret: UNAUTHENTICATED, logged without the secret."""
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, token: _Token) -> None:
+        self._token = token
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -203,7 +225,7 @@ class _TokenCheck(grpc.aio.ServerInterceptor):
         if handler is None or details.method == "/grpc.health.v1.Health/Check":
             return handler
         given = dict(details.invocation_metadata or ()).get("authorization", "")
-        message = _token_refusal(self._expected, given, details.method)
+        message = self._token.refusal(given, details.method)
         if message is None:
             return handler
 
@@ -233,9 +255,9 @@ class _SessionPort:
     a sixth of the CPU per message it spends on gRPC's stream (bench/grpc_floor.py), and
     the client saves gRPC's thread hand-offs. The token check is the same as gRPC's."""
 
-    def __init__(self, servicer: Servicer, token: str | None, max_message: int) -> None:
+    def __init__(self, servicer: Servicer, token: _Token | None, max_message: int) -> None:
         self._servicer = servicer
-        self._expected = None if token is None else f"Bearer {token}".encode()
+        self._token = token
         self._max_message = max_message
         self._connections: set[FramedSession] = set()
         # (its idle connections close after HELLO_TIMEOUT, freeing files)
@@ -245,9 +267,9 @@ class _SessionPort:
         return await self._listener.start(host, port, "--session-port")
 
     def _hello(self, greeting: pb.SessionHello) -> tuple[grpc.StatusCode, str] | None:
-        if self._expected is None:
+        if self._token is None:
             return None
-        message = _token_refusal(self._expected, greeting.authorization, "a session on the session port")
+        message = self._token.refusal(greeting.authorization, "a session on the session port")
         if message is None:
             return None
         if self._servicer._on_call is not None:  # counted as a refused Session stream is
@@ -574,7 +596,8 @@ async def _serving(options: ServerOptions, core: Core, writer: "_StateWriter | N
     monitor = Monitor(core, metrics, clock=time.monotonic, late_after=options.late_after)
     # The RPC counter goes first so that it also counts the token check's refusals.
     interceptors = [RpcInterceptor(metrics)] if metrics is not None else []
-    interceptors += [_TokenCheck(options.token)] if options.token else []
+    token = _Token(options.token) if options.token else None
+    interceptors += [_TokenCheck(token)] if token is not None else []
     max_message = max_message_bytes(options.limits)
     server = grpc.aio.server(
         options=[*_OPTIONS, ("grpc.max_receive_message_length", max_message)], interceptors=interceptors
@@ -606,7 +629,7 @@ async def _serving(options: ServerOptions, core: Core, writer: "_StateWriter | N
     sessions = session_port = None
     try:
         if options.session_port is not None and options.tls_cert is None:
-            sessions = _SessionPort(servicer, options.token, max_message)
+            sessions = _SessionPort(servicer, token, max_message)
             session_port = servicer.session_port = await sessions.start(options.host, options.session_port)
         if writer is not None:
             await writer.flush()  # a new state file exists from the start
