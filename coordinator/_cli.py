@@ -78,7 +78,12 @@ def _port(text: str) -> int:
 
 def _session_port(text: str) -> int | str | None:
     word = text.strip().lower()
-    return None if word == "off" else word if word == "auto" else _port(text)
+    if word in ("off", "auto"):
+        return None if word == "off" else word
+    try:
+        return _port(text)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}, auto or off") from None
 
 
 def _seconds(text: str) -> float | None:
@@ -357,6 +362,11 @@ def session_port(args) -> int | None:
     """The session port ``serve`` opens: none with TLS; "auto" is 7482, or a free one
     when the gRPC port is a free one too (tests, benchmarks)."""
     if args.tls_cert:
+        if args.session_port not in ("auto", None):
+            logging.getLogger("pjrt_rendezvous.coordinator").warning(
+                "no session port with TLS (it is plain TCP): %s=%s is ignored; clients use gRPC's stream",
+                _source(args, "session_port"), args.session_port,
+            )
         return None
     if args.session_port == "auto":
         return 0 if args.port == 0 else DEFAULT_SESSION_PORT
@@ -467,6 +477,8 @@ def _serve(args, env: Mapping[str, str]) -> int:
         serve_forever(options, on_ready=ready)
     except (CoreError, StateFileError, RuntimeError, OSError, ValueError) as exc:
         why = str(exc)
+        if isinstance(exc, ValueError):  # ServerOptions names its flags: name the variables that set them
+            why = re.sub(r"--[a-z]+(?:-[a-z]+)*", lambda flag: _source(args, flag[0][2:].replace("-", "_")), why)
         if isinstance(exc, OSError) and "the session port" in why and args.session_port == "auto":
             why += (
                 f" (by default, 'auto', the session port is {DEFAULT_SESSION_PORT} whatever --port is: "
@@ -556,7 +568,7 @@ def _rpc_failure(exc) -> str:
 
     details = exc.details() or "(no details)"
     hint = tls_hint(details) if exc.code() == grpc.StatusCode.UNAVAILABLE else ""
-    return f"{exc.code().name}: {details}{hint}"
+    return f"{exc.code().name}: {details}{'.' if hint and not details.endswith('.') else ''}{hint}"
 
 
 def _health(args, env: Mapping[str, str]) -> int:

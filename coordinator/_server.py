@@ -160,6 +160,8 @@ class ServerOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "host", listen_host(self.host))
+        if self.metrics_host is not None and self.metrics_port is None:
+            raise ValueError("--metrics-host (where the metrics endpoint listens) needs --metrics-port: without it there is no endpoint")
         if self.metrics_host is not None:
             object.__setattr__(self, "metrics_host", listen_host(self.metrics_host))
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:

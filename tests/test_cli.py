@@ -455,7 +455,7 @@ def test_health_with_tls_uses_the_client_variables(tls_files):
         ca = {"PJRT_RENDEZVOUS_TLS_CA": str(tls_files / "server.pem")}
         plaintext = run_cli("health", "--address", server.address, "--timeout", "3")
         assert plaintext.returncode == 1
-        assert "If it serves TLS, this client needs PJRT_RENDEZVOUS_TLS_CA" in plaintext.stderr, plaintext.stderr
+        assert re.search(r"[.?] If it serves TLS, this client needs PJRT_RENDEZVOUS_TLS_CA", plaintext.stderr), plaintext.stderr
         for command in ("status", "health --wait"):  # they wait out --timeout, then say why
             waited = run_cli(*command.split(), "--address", server.address, "--timeout", "2")
             assert waited.returncode == 1 and ": UNAVAILABLE: " in waited.stderr, (command, waited.stderr)
@@ -695,6 +695,10 @@ def test_serve_startup_errors_name_their_option(tmp_path, tls_files):
     with Serve(env={"PJRT_RENDEZVOUS_HOST": "127.0.0.1 "}) as server:
         assert server.stdout_lines[0] == f"pjrt-rendezvous coordinator listening on 127.0.0.1:{server.port}"
         server.stop()
+    # Not an error, but not silent: a session port named with TLS is none.
+    with Serve("--tls-cert", cert, "--tls-key", key, "--session-port", "0") as server:
+        server.wait_for_line(r"no session port with TLS \(it is plain TCP\): --session-port=0 is ignored")
+        server.stop()
 
 
 def test_serve_refuses_an_empty_host():
@@ -709,6 +713,20 @@ def test_serve_refuses_an_empty_host():
     with Serve(env={"PJRT_RENDEZVOUS_HOST": ""}) as server:
         assert server.stdout_lines[0] == f"pjrt-rendezvous coordinator listening on 127.0.0.1:{server.port}"
         server.stop()
+
+
+def test_serve_setting_errors_name_what_set_them():
+    """A metrics host without a metrics port is refused (it was ignored: no endpoint, no word),
+    naming the variable when one set it; a bad session port names its words too."""
+    for args, env, named in [
+        (("--metrics-host", "127.0.0.1"), {}, "--metrics-host (where the metrics endpoint listens) needs --metrics-port"),
+        ((), {"PJRT_RENDEZVOUS_METRICS_HOST": "127.0.0.1"}, "PJRT_RENDEZVOUS_METRICS_HOST (where the metrics endpoint listens)"),
+        ((), {"PJRT_RENDEZVOUS_STATE_FILE": "/nonexistent/state"}, "/nonexistent/state (PJRT_RENDEZVOUS_STATE_FILE) does not exist"),
+    ]:
+        out = run_cli("serve", "--port", "0", *args, env=env, timeout=30)
+        assert out.returncode == 1 and named in out.stderr, out.stderr
+    bad = run_cli("serve", "--port", "0", env={"PJRT_RENDEZVOUS_SESSION_PORT": "foo"}, timeout=30)
+    assert bad.returncode == 2 and "PJRT_RENDEZVOUS_SESSION_PORT='foo': port must be an integer, got 'foo', auto or off" in bad.stderr
 
 
 def test_serve_refuses_a_job_name_clients_refuse():
