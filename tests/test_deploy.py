@@ -101,7 +101,7 @@ def test_unit_agrees_with_the_cli():
     variables serve knows, stops later than serve's grace, and is hardened."""
     entries = unit_entries(UNIT)
     service = dict(entries["Service"])
-    assert service["Type"] == "notify" and service["Restart"] == "on-failure"
+    assert service["Type"] == "notify" and service["Restart"] == "on-failure" and service["RestartPreventExitStatus"] == "2"
     program, *args = shlex.split(service["ExecStart"])
     assert pathlib.Path(program).name == SCRIPT_NAME
     environment = dict(v.split("=", 1) for k, v in entries["Service"] if k == "Environment")

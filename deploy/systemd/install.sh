@@ -45,7 +45,18 @@ fi
   exit 1
 }
 "$PREFIX/bin/pip" install --quiet --upgrade pip
-"$PREFIX/bin/pip" install --quiet --upgrade "$SOURCE"
+if [[ -d "$SOURCE" ]]; then
+  # Built from a copy: pip builds a folder in place, which would leave root-owned build/ and
+  # *.egg-info in the checkout (a later build there as its user then fails on them).
+  BUILD="$(mktemp -d)"
+  trap 'rm -rf "$BUILD"' EXIT
+  tar -C "$SOURCE" --exclude=./.git --exclude=./build --exclude='./*.egg-info' -cf - . | tar -C "$BUILD" -xf -
+  "$PREFIX/bin/pip" install --quiet --upgrade "$BUILD"
+else
+  "$PREFIX/bin/pip" install --quiet --upgrade "$SOURCE"
+  # A wheel of the version installed is skipped by pip: install the rebuilt one anyway.
+  "$PREFIX/bin/pip" install --quiet --force-reinstall --no-deps "$SOURCE"
+fi
 "$PREFIX/bin/pjrt-rendezvous" --version
 ln -sf "$PREFIX/bin/pjrt-rendezvous" /usr/local/bin/pjrt-rendezvous  # status and health on PATH
 
