@@ -29,7 +29,9 @@ from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
 from ._config import DEFAULT, FAN_IN_AUTO_HOSTS, Settings, check_timeout
-from ._errors import InvalidArgumentError, ParticipantFailedError, RendezvousError, RendezvousTimeout, UsageError, from_rpc_error
+from ._errors import (
+    InvalidArgumentError, MismatchError, ParticipantFailedError, RendezvousError, RendezvousTimeout, UsageError, from_rpc_error,
+)
 from ._relay import Relay, relay_path
 from ._session import PING_EVERY, PING_TIMEOUT, Session, SocketSession, StatusError
 from ._topology import Topology
@@ -112,6 +114,9 @@ _bound = threading.local()
 # are the parent's), so each refuses at once instead of hanging on the parent's locks and
 # threads, or reading the parent's answers off the shared connection.
 _clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
+# The job's key-value store each client saw last (a KvXResponse's store_id; Client._kv):
+# kept here, not as an attribute, because a 30th attribute slows every round (Client).
+_store_ids: "weakref.WeakKeyDictionary[Client, str]" = weakref.WeakKeyDictionary()
 _inherited: "weakref.WeakKeyDictionary[Client, int]" = weakref.WeakKeyDictionary()
 _forked = False  # whether _inherited may hold any (a bool: cheap to test at every call)
 
@@ -1217,6 +1222,22 @@ class Client:
 
     # -- key-value ------------------------------------------------------------------------
 
+    def _kv(self, method: str, request, deadline: float | None = None, *, waits: bool = False):
+        """A key-value call, naming the job's store this client saw: when the coordinator no
+        longer has it (restarted without its state file), the call is refused at once
+        (MismatchError; it found an empty store, and a get waited out its timeout). Each call
+        that saw the old store is refused; those made after one was use the new store."""
+        seen = request.store_id = _store_ids.get(self, "")
+        try:
+            response = self._call(method, request, deadline, waits=waits)
+        except MismatchError:  # (the one FAILED_PRECONDITION of key-value calls: Core.check_store)
+            if seen and _store_ids.get(self) == seen:
+                del _store_ids[self]
+            raise
+        if response.store_id:
+            _store_ids[self] = response.store_id
+        return response
+
     def set(self, key: str, value: bytes) -> None:
         """Sets ``key`` to ``value`` (bytes), waking every waiting get."""
         self.multi_set([key], [value])
@@ -1226,7 +1247,7 @@ class Client:
         if len(keys) != len(values):
             raise UsageError(f"multi_set got {len(keys)} keys but {len(values)} values")
         entries = [pb.KvEntry(key=k, value=_payload_bytes(v)) for k, v in zip(keys, values)]
-        self._call("KvSet", pb.KvSetRequest(job=self.settings.job, entries=entries))
+        self._kv("KvSet", pb.KvSetRequest(job=self.settings.job, entries=entries))
 
     def get(self, key: str, *, wait: bool = True, timeout=DEFAULT) -> bytes | None:
         """The value of ``key``. With ``wait`` (default) blocks until it is set, up to
@@ -1238,7 +1259,7 @@ class Client:
         request = pb.KvGetRequest(job=self.settings.job, keys=_key_list(keys, text=True), wait=wait)
         if deadline is not None:
             request.timeout = max(1e-3, deadline - time.monotonic())
-        response = self._call("KvGet", request, deadline, waits=wait)
+        response = self._kv("KvGet", request, deadline, waits=wait)
         return [v.value if v.found else None for v in response.values]
 
     def check(self, keys: Sequence[str]) -> bool:
@@ -1259,7 +1280,7 @@ class Client:
         if not -(2**63) <= delta < 2**63:
             raise UsageError(f"delta {delta} is outside the 64-bit integers the store holds")
         request = pb.KvAddRequest(job=self.settings.job, key=_text(key, "key"), delta=delta, request_id=uuid.uuid4().hex)
-        return self._call("KvAdd", request).value
+        return self._kv("KvAdd", request).value
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         """Sets ``key`` to ``desired`` if it holds ``expected`` (a missing key matches b'');
@@ -1271,29 +1292,29 @@ class Client:
             desired=_payload_bytes(desired),
             request_id=uuid.uuid4().hex,
         )
-        return self._call("KvCompareSet", request).value
+        return self._kv("KvCompareSet", request).value
 
     def append(self, key: str, value: bytes) -> None:
         """Appends ``value`` to ``key`` (creating it). Applied once even when retried."""
         request = pb.KvAppendRequest(
             job=self.settings.job, key=_text(key, "key"), value=_payload_bytes(value), request_id=uuid.uuid4().hex
         )
-        self._call("KvAppend", request)
+        self._kv("KvAppend", request)
 
     def delete(self, key: str) -> bool:
         """Deletes ``key``; True if it existed."""
         request = pb.KvDeleteRequest(job=self.settings.job, key=_text(key, "key"), request_id=uuid.uuid4().hex)
-        return self._call("KvDelete", request).deleted
+        return self._kv("KvDelete", request).deleted
 
     def list(self, prefix: str = "") -> dict[str, bytes]:
         """Every key starting with ``prefix`` and its value."""
-        response = self._call("KvList", pb.KvListRequest(job=self.settings.job, prefix=_text(prefix, "prefix")))
+        response = self._kv("KvList", pb.KvListRequest(job=self.settings.job, prefix=_text(prefix, "prefix")))
         return {e.key: e.value for e in response.entries}
 
     def count(self, prefix: str = "") -> int:
         """How many keys start with ``prefix``."""
         request = pb.KvListRequest(job=self.settings.job, prefix=_text(prefix, "prefix"), count_only=True)
-        return self._call("KvList", request).count
+        return self._kv("KvList", request).count
 
     # -- status ---------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ import collections
 import dataclasses
 import enum
 import itertools
+import secrets
 from typing import Iterable, Mapping, NamedTuple, Sequence
 
 ALL: tuple[int, ...] = ()
@@ -371,6 +372,9 @@ class Job:
     events: EventLog = dataclasses.field(default_factory=EventLog)
     dead: set[int] = dataclasses.field(default_factory=set)  # ordinals of dead processes
     kv: dict[str, bytes] = dataclasses.field(default_factory=dict)
+    # Names kv's life: a client that saw another (the coordinator restarted without its state
+    # file, or dropped the job) is refused, not handed an empty store (Core.check_store).
+    store_id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(8))
     # The bytes of kv's keys and values (Core._kv_room); None: not counted yet (restored).
     kv_bytes: int | None = dataclasses.field(default=None, repr=False)
     request_results: collections.OrderedDict[str, object] = dataclasses.field(
@@ -419,8 +423,8 @@ class Core:
         # Journaled changes since the state-file writer last took them (``take_journal``),
         # in order: ("round", job name, Round), ("set", job name, key, value), ("append",
         # job name, key, value appended), ("delete", job name, key), ("request", job name,
-        # request id, result). None: none kept (no
-        # state file).
+        # request id, result), ("job", job name, store id) for a job made. None: none kept
+        # (no state file).
         self.journal: list[tuple] | None = None
         # Restored from a state file: (when, for how long after that nobody is judged silent,
         # the longest timeout the processes may still heartbeat by: they may not have been
@@ -550,6 +554,7 @@ class Core:
             self._changed()
             self._wakeups.append(("dropped", dropped.name, job.name))
         self.jobs[job.name] = job
+        self._journaled(("job", job.name, job.store_id))  # (a job of keys alone is in the journal only)
 
     def _job_or_create(self, name: str) -> Job:
         job = self.jobs.get(name)
@@ -1585,6 +1590,23 @@ class Core:
         self.record_request(job, entry, result)
         self._journaled(("request", job.name, entry, result))
         return result
+
+    def check_store(self, job_name: str, seen: str) -> None:
+        """Refuses a key-value call whose client saw (``seen``, empty: nothing yet) another
+        store of the job than the one there is: the keys it saw are gone."""
+        job = self.jobs.get(job_name)
+        if seen and (job is None or job.store_id != seen):
+            raise CoreError(
+                Code.FAILED_PRECONDITION,
+                f"the keys of job {job_name!r} this client saw are gone: the coordinator restarted without "
+                "its state file (serve --state-file keeps them), or dropped the job; this call fails, and "
+                "the client's calls from now on use the job's new store",
+            )
+
+    def store_id(self, job_name: str) -> str:
+        """The job's key-value store, for key-value answers ("" while there is no job)."""
+        job = self.jobs.get(job_name)
+        return "" if job is None else job.store_id
 
     def kv_set(self, job_name: str, entries: Sequence[tuple[str, bytes]]) -> None:
         for key, value in entries:

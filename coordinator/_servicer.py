@@ -511,71 +511,85 @@ class Servicer(pb_grpc.CoordinatorServicer):
 
     @_translated
     async def KvSet(self, request: pb.KvSetRequest, context) -> pb.KvSetResponse:
-        self._core.kv_set(request.job, [(e.key, e.value) for e in request.entries])
+        core = self._core
+        core.check_store(request.job, request.store_id)
+        core.kv_set(request.job, [(e.key, e.value) for e in request.entries])
         self._wake()
         await self._persist()
-        return pb.KvSetResponse()
+        return pb.KvSetResponse(store_id=core.store_id(request.job))
 
     @_translated
     async def KvGet(self, request: pb.KvGetRequest, context) -> pb.KvGetResponse:
+        core = self._core
+        core.check_store(request.job, request.store_id)
         timeout = _timeout(request)
         start = self._clock()
         deadline = None if timeout is None else start + timeout
         while True:
-            values = self._core.kv_get(request.job, request.keys)
+            values = core.kv_get(request.job, request.keys)
             missing = [k for k, v in zip(request.keys, values) if v is None]
             if not request.wait or not missing:
                 break
             if not await self._wait(("kv", request.job, missing[0]), deadline) and (
                 deadline is not None and self._clock() >= deadline
             ):
-                raise self._core.kv_timeout(request.job, request.keys, self._clock() - start)
+                raise core.kv_timeout(request.job, request.keys, self._clock() - start)
         # Only what is on disk is answered: a change is seen only once its writer could be
         # answered too (else a crash could take back a value a reader acted on).
         await self._persist()
         return pb.KvGetResponse(
-            values=[pb.KvValue(found=v is not None, value=v or b"") for v in values]
+            values=[pb.KvValue(found=v is not None, value=v or b"") for v in values],
+            store_id=core.store_id(request.job),
         )
 
     @_translated
     async def KvAdd(self, request: pb.KvAddRequest, context) -> pb.KvAddResponse:
-        value = self._core.kv_add(request.job, request.key, request.delta, request.request_id)
+        core = self._core
+        core.check_store(request.job, request.store_id)
+        value = core.kv_add(request.job, request.key, request.delta, request.request_id)
         self._wake()
         await self._persist()
-        return pb.KvAddResponse(value=value)
+        return pb.KvAddResponse(value=value, store_id=core.store_id(request.job))
 
     @_translated
     async def KvCompareSet(self, request: pb.KvCompareSetRequest, context) -> pb.KvCompareSetResponse:
-        value = self._core.kv_compare_set(
-            request.job, request.key, request.expected, request.desired, request.request_id
-        )
+        core = self._core
+        core.check_store(request.job, request.store_id)
+        value = core.kv_compare_set(request.job, request.key, request.expected, request.desired, request.request_id)
         self._wake()
         await self._persist()
-        return pb.KvCompareSetResponse(value=value)
+        return pb.KvCompareSetResponse(value=value, store_id=core.store_id(request.job))
 
     @_translated
     async def KvAppend(self, request: pb.KvAppendRequest, context) -> pb.KvAppendResponse:
-        self._core.kv_append(request.job, request.key, request.value, request.request_id)
+        core = self._core
+        core.check_store(request.job, request.store_id)
+        core.kv_append(request.job, request.key, request.value, request.request_id)
         self._wake()
         await self._persist()
-        return pb.KvAppendResponse()
+        return pb.KvAppendResponse(store_id=core.store_id(request.job))
 
     @_translated
     async def KvDelete(self, request: pb.KvDeleteRequest, context) -> pb.KvDeleteResponse:
-        deleted = self._core.kv_delete(request.job, request.key, request.request_id)
+        core = self._core
+        core.check_store(request.job, request.store_id)
+        deleted = core.kv_delete(request.job, request.key, request.request_id)
         await self._persist()
-        return pb.KvDeleteResponse(deleted=deleted)
+        return pb.KvDeleteResponse(deleted=deleted, store_id=core.store_id(request.job))
 
     @_translated
     async def KvList(self, request: pb.KvListRequest, context) -> pb.KvListResponse:
+        core = self._core
+        core.check_store(request.job, request.store_id)
         if request.count_only:
-            count = self._core.kv_count(request.job, request.prefix)
+            count = core.kv_count(request.job, request.prefix)
             await self._persist()  # (as KvGet)
-            return pb.KvListResponse(count=count)
-        entries = self._core.kv_list(request.job, request.prefix)
+            return pb.KvListResponse(count=count, store_id=core.store_id(request.job))
+        entries = core.kv_list(request.job, request.prefix)
         await self._persist()  # (as KvGet)
         return pb.KvListResponse(
-            count=len(entries), entries=[pb.KvEntry(key=k, value=v) for k, v in entries]
+            count=len(entries), entries=[pb.KvEntry(key=k, value=v) for k, v in entries],
+            store_id=core.store_id(request.job),
         )
 
     # -- status ---------------------------------------------------------------------------

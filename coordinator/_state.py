@@ -148,6 +148,7 @@ def snapshot(core: Core) -> dict:
                 "dead": sorted(job.dead),
                 "replaced": list(job.replaced.items()),
                 "kv": {k: _b(v) for k, v in job.kv.items()},
+                "store_id": job.store_id,
                 "requests": [[k, _request_result(v)] for k, v in job.request_results.items()],
             }
         )
@@ -216,6 +217,7 @@ def restore(
         job.dead = set(d["dead"])
         job.replaced = collections.OrderedDict(d.get("replaced", ()))  # not in files before it was kept
         job.kv = {k: _unb(v) for k, v in d["kv"].items()}
+        job.store_id = d.get("store_id", job.store_id)  # (not in files before it was kept: a new one)
         job.request_results = collections.OrderedDict((k, _request_result_back(v)) for k, v in d["requests"])
         core.jobs[job.name] = job
     core.version = body.get("version", 0)
@@ -255,7 +257,9 @@ def _replay_kv(core: Core, changes: list) -> None:
         job = core.jobs.get(name)
         if job is None:  # created by a key-value call (which does not rewrite the state)
             job = core.jobs[name] = Job(name=name)
-        if kind == "set":
+        if kind == "job":  # (key: its store id)
+            job.store_id = key
+        elif kind == "set":
             job.kv[key] = _unb(value[0])
         elif kind == "append":  # (lines are replayed once each, on the state file they follow)
             job.kv[key] = job.kv.get(key, b"") + _unb(value[0])

@@ -122,7 +122,7 @@ def test_killed_process_aborts_the_round_and_its_replacement_starts_a_new_genera
 def test_watch_stream_reports_deaths_to_idle_processes():
     """A process that is not waiting still learns of a peer's death through the watch stream."""
     with Coordinator(port=0, heartbeat_timeout=HEARTBEAT_TIMEOUT) as coordinator:
-        topology = pr.detect_topology({"PJRT_RENDEZVOUS_NUM_TASKS": "2"}, address=coordinator.address)
+        topology = pr.detect_topology({"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": "0"}, address=coordinator.address)
         idle = pr.Client(pr.Settings(address=coordinator.address, timeout=30), topology)
         idle.bind_thread(0)
         victim = start(coordinator.address, "hang", 1, processes=2)
@@ -199,7 +199,7 @@ def test_a_replaced_process_is_told_so_and_warned_once(caplog):
     replaced, naming the duplicate-task mistake it may be; it cannot bind again to take the
     task back, and its refused heartbeats are warned of once, not at every interval."""
     with Coordinator(port=0) as coordinator:
-        env = {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_CORES_PER_CHIP": "2"}
+        env = {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": "0", "PJRT_RENDEZVOUS_CORES_PER_CHIP": "2"}
         topology = pr.detect_topology(env, address=coordinator.address)
         settings = pr.Settings(address=coordinator.address, timeout=10, heartbeat_interval=0.1)
         old, new = pr.Client(settings, topology), pr.Client(settings, topology)
@@ -506,6 +506,36 @@ def test_processes_registering_again_with_a_coordinator_that_lost_its_state_meet
             assert meet(pools, clients, "again") == [[b"x", b"x"]] * 2
         finally:
             second.stop(grace=0)
+
+
+def test_a_get_waiting_through_a_restart_that_lost_the_keys_is_refused_at_once():
+    """Restarted without its state file, the coordinator has none of the keys a waiting get
+    was waiting beside: its resend is refused at once, naming why (it waited out its
+    timeout, then said only that the key was still not set, as if nothing had happened);
+    the client's next calls use the new, empty store. With the state file, nothing changes."""
+    first = Coordinator(port=0).start()
+    port = first.port
+    client = observer(first.address)
+    client.set("before", b"1")
+    waiting = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        got = waiting.submit(client.get, "never", timeout=60)
+        time.sleep(0.5)  # (the get is waiting on the coordinator)
+        first.stop(grace=0)
+        second = Coordinator(port=port).start()
+        try:
+            started = time.monotonic()
+            with pytest.raises(pr.MismatchError, match="the keys of job 'default' this client saw are gone: the coordinator restarted without its state file"):
+                got.result(timeout=30)
+            assert time.monotonic() - started < 20
+            assert client.get("before", wait=False) is None  # the new store, at the next call
+            client.set("after", b"2")
+            assert client.get("after") == b"2"
+        finally:
+            second.stop(grace=0)
+    finally:
+        waiting.shutdown()
+        client.close()
 
 
 def test_an_embedded_coordinator_watches_liveness_as_serve_does():

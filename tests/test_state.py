@@ -550,6 +550,8 @@ def test_key_value_changes_go_to_the_journal_in_order_and_come_back(tmp_path):
     assert _state.snapshot(restored) == _state.snapshot(core)
     assert restored.jobs["j"].kv == {"k": b"\x00\x01", "n": b"8", "a": b"again", "log": b"x", "cas": b"v"}
     assert restored.jobs["created-by-a-set"].kv == {"k": b"\x00\xff"}
+    for name in ("j", "created-by-a-set"):  # the same stores: their clients are not refused
+        assert restored.store_id(name) == core.store_id(name) != ""
     assert restored.kv_add("j", "n", 5, request_id="add") == 8  # the retry is not applied again
     assert restored.kv_compare_set("j", "cas", b"", b"w", request_id="cas") == b"v"
 

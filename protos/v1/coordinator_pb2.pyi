@@ -264,34 +264,42 @@ class KvEntry(_message.Message):
     def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
 
 class KvSetRequest(_message.Message):
-    __slots__ = ("job", "entries")
+    __slots__ = ("job", "entries", "store_id")
     JOB_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
     job: str
     entries: _containers.RepeatedCompositeFieldContainer[KvEntry]
-    def __init__(self, job: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[KvEntry, _Mapping]]] = ...) -> None: ...
+    store_id: str
+    def __init__(self, job: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[KvEntry, _Mapping]]] = ..., store_id: _Optional[str] = ...) -> None: ...
 
 class KvSetResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("store_id",)
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
+    store_id: str
+    def __init__(self, store_id: _Optional[str] = ...) -> None: ...
 
 class KvGetRequest(_message.Message):
-    __slots__ = ("job", "keys", "wait", "timeout")
+    __slots__ = ("job", "keys", "wait", "timeout", "store_id")
     JOB_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     WAIT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
     job: str
     keys: _containers.RepeatedScalarFieldContainer[str]
     wait: bool
     timeout: float
-    def __init__(self, job: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., wait: _Optional[bool] = ..., timeout: _Optional[float] = ...) -> None: ...
+    store_id: str
+    def __init__(self, job: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., wait: _Optional[bool] = ..., timeout: _Optional[float] = ..., store_id: _Optional[str] = ...) -> None: ...
 
 class KvGetResponse(_message.Message):
-    __slots__ = ("values",)
+    __slots__ = ("values", "store_id")
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
     values: _containers.RepeatedCompositeFieldContainer[KvValue]
-    def __init__(self, values: _Optional[_Iterable[_Union[KvValue, _Mapping]]] = ...) -> None: ...
+    store_id: str
+    def __init__(self, values: _Optional[_Iterable[_Union[KvValue, _Mapping]]] = ..., store_id: _Optional[str] = ...) -> None: ...
 
 class KvValue(_message.Message):
     __slots__ = ("found", "value")
@@ -302,92 +310,112 @@ class KvValue(_message.Message):
     def __init__(self, found: _Optional[bool] = ..., value: _Optional[bytes] = ...) -> None: ...
 
 class KvAddRequest(_message.Message):
-    __slots__ = ("job", "key", "delta", "request_id")
+    __slots__ = ("job", "key", "delta", "request_id", "store_id")
     JOB_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
     job: str
     key: str
     delta: int
     request_id: str
-    def __init__(self, job: _Optional[str] = ..., key: _Optional[str] = ..., delta: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    store_id: str
+    def __init__(self, job: _Optional[str] = ..., key: _Optional[str] = ..., delta: _Optional[int] = ..., request_id: _Optional[str] = ..., store_id: _Optional[str] = ...) -> None: ...
 
 class KvAddResponse(_message.Message):
-    __slots__ = ("value",)
+    __slots__ = ("value", "store_id")
     VALUE_FIELD_NUMBER: _ClassVar[int]
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
     value: int
-    def __init__(self, value: _Optional[int] = ...) -> None: ...
+    store_id: str
+    def __init__(self, value: _Optional[int] = ..., store_id: _Optional[str] = ...) -> None: ...
 
 class KvCompareSetRequest(_message.Message):
-    __slots__ = ("job", "key", "expected", "desired", "request_id")
+    __slots__ = ("job", "key", "expected", "desired", "request_id", "store_id")
     JOB_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_FIELD_NUMBER: _ClassVar[int]
     DESIRED_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
     job: str
     key: str
     expected: bytes
     desired: bytes
     request_id: str
-    def __init__(self, job: _Optional[str] = ..., key: _Optional[str] = ..., expected: _Optional[bytes] = ..., desired: _Optional[bytes] = ..., request_id: _Optional[str] = ...) -> None: ...
+    store_id: str
+    def __init__(self, job: _Optional[str] = ..., key: _Optional[str] = ..., expected: _Optional[bytes] = ..., desired: _Optional[bytes] = ..., request_id: _Optional[str] = ..., store_id: _Optional[str] = ...) -> None: ...
 
 class KvCompareSetResponse(_message.Message):
-    __slots__ = ("value",)
+    __slots__ = ("value", "store_id")
     VALUE_FIELD_NUMBER: _ClassVar[int]
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
     value: bytes
-    def __init__(self, value: _Optional[bytes] = ...) -> None: ...
+    store_id: str
+    def __init__(self, value: _Optional[bytes] = ..., store_id: _Optional[str] = ...) -> None: ...
 
 class KvAppendRequest(_message.Message):
-    __slots__ = ("job", "key", "value", "request_id")
+    __slots__ = ("job", "key", "value", "request_id", "store_id")
     JOB_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
     job: str
     key: str
     value: bytes
     request_id: str
-    def __init__(self, job: _Optional[str] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ..., request_id: _Optional[str] = ...) -> None: ...
+    store_id: str
+    def __init__(self, job: _Optional[str] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ..., request_id: _Optional[str] = ..., store_id: _Optional[str] = ...) -> None: ...
 
 class KvAppendResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("store_id",)
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
+    store_id: str
+    def __init__(self, store_id: _Optional[str] = ...) -> None: ...
 
 class KvDeleteRequest(_message.Message):
-    __slots__ = ("job", "key", "request_id")
+    __slots__ = ("job", "key", "request_id", "store_id")
     JOB_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
     job: str
     key: str
     request_id: str
-    def __init__(self, job: _Optional[str] = ..., key: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    store_id: str
+    def __init__(self, job: _Optional[str] = ..., key: _Optional[str] = ..., request_id: _Optional[str] = ..., store_id: _Optional[str] = ...) -> None: ...
 
 class KvDeleteResponse(_message.Message):
-    __slots__ = ("deleted",)
+    __slots__ = ("deleted", "store_id")
     DELETED_FIELD_NUMBER: _ClassVar[int]
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
     deleted: bool
-    def __init__(self, deleted: _Optional[bool] = ...) -> None: ...
+    store_id: str
+    def __init__(self, deleted: _Optional[bool] = ..., store_id: _Optional[str] = ...) -> None: ...
 
 class KvListRequest(_message.Message):
-    __slots__ = ("job", "prefix", "count_only")
+    __slots__ = ("job", "prefix", "count_only", "store_id")
     JOB_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     COUNT_ONLY_FIELD_NUMBER: _ClassVar[int]
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
     job: str
     prefix: str
     count_only: bool
-    def __init__(self, job: _Optional[str] = ..., prefix: _Optional[str] = ..., count_only: _Optional[bool] = ...) -> None: ...
+    store_id: str
+    def __init__(self, job: _Optional[str] = ..., prefix: _Optional[str] = ..., count_only: _Optional[bool] = ..., store_id: _Optional[str] = ...) -> None: ...
 
 class KvListResponse(_message.Message):
-    __slots__ = ("entries", "count")
+    __slots__ = ("entries", "count", "store_id")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[KvEntry]
     count: int
-    def __init__(self, entries: _Optional[_Iterable[_Union[KvEntry, _Mapping]]] = ..., count: _Optional[int] = ...) -> None: ...
+    store_id: str
+    def __init__(self, entries: _Optional[_Iterable[_Union[KvEntry, _Mapping]]] = ..., count: _Optional[int] = ..., store_id: _Optional[str] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("calls",)
