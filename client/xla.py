@@ -504,7 +504,7 @@ def spawn(
 
     Returns:
         ``{ordinal: fn's return value}`` for every replica (values must be picklable; XLA
-        tensors in them come back as CPU tensors).
+        tensors in them come back as CPU tensors, parameters as parameters).
 
     Raises:
         SpawnError: a replica raised (the message names its ordinal and carries its
@@ -879,32 +879,57 @@ def _child_main(task: int, nprocs: int, env: dict, payload: bytes, reports) -> N
 def _pickled_result(result: Any, xlac: Any) -> bytes:
     """``result`` pickled with its XLA tensors as CPU tensors (the calling process has no XLA
     runtime), all synced at once under the step lock: a tensor with a pending collective,
-    pickled as it is, compiles in each thread apart. The rest is pickled as it is (tuples stay
-    tuples, unlike ``xm._maybe_convert_to_cpu``)."""
+    pickled as it is, compiles in each thread apart. The rest is pickled as it is, once
+    (tuples stay tuples, unlike ``xm._maybe_convert_to_cpu``; a tensor an object's
+    ``__reduce__`` makes is met like any other); an ``nn.Parameter`` stays one."""
     import torch
 
-    found: dict[int, Any] = {}  # id -> XLA tensor, in the first pass
-    cpu: dict[int, Any] = {}  # id -> its CPU copy, in the second
+    tensors: list[Any] = []  # the XLA tensors met, kept alive: their ids stay theirs
+    indexes: dict[int, int] = {}  # id -> index in tensors
 
     class Pickler(pickle.Pickler):
-        def reducer_override(self, obj):
+        def persistent_id(self, obj):
             if not (isinstance(obj, torch.Tensor) and obj.device.type == "xla"):
-                return NotImplemented
-            if id(obj) not in cpu:
-                found[id(obj)] = obj
-                return int, (0,)  # a stand-in: this pass only finds them
-            return cpu[id(obj)].__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+                return None
+            if id(obj) not in indexes:
+                indexes[id(obj)] = len(tensors)
+                tensors.append(obj)
+            return indexes[id(obj)]
 
     buffer = io.BytesIO()
-    Pickler(buffer).dump(result)
-    if not found:
+    Pickler(buffer, pickle.DEFAULT_PROTOCOL).dump(result)
+    if not tensors:
         return buffer.getvalue()
-    tensors = list(found.values())
     xlac._xla_sync_multi(tensors, [], wait=True, sync_xla_data=False)  # the locked one (install)
-    cpu.update(zip(found, xlac._xla_get_cpu_tensors(tensors)))
-    buffer = io.BytesIO()
-    Pickler(buffer).dump(result)
-    return buffer.getvalue()
+    copies = [
+        torch.nn.Parameter(copy, requires_grad=tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else copy
+        for tensor, copy in zip(tensors, xlac._xla_get_cpu_tensors(tensors))
+    ]
+    return pickle.dumps(_WithTensors(buffer.getvalue(), copies))
+
+
+class _WithTensors:
+    """A pickle whose XLA tensors are persistent ids, with their CPU copies: unpickled (by
+    ``pickle.loads``, in the calling process) as the result itself."""
+
+    def __init__(self, stream: bytes, tensors: list) -> None:
+        self.stream, self.tensors = stream, tensors
+
+    def __reduce__(self):
+        return _unpickled_with_tensors, (self.stream, self.tensors)
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    def __init__(self, stream: bytes, tensors: list) -> None:
+        super().__init__(io.BytesIO(stream))
+        self._tensors = tensors
+
+    def persistent_load(self, index):
+        return self._tensors[index]
+
+
+def _unpickled_with_tensors(stream: bytes, tensors: list) -> Any:
+    return _TensorUnpickler(stream, tensors).load()
 
 
 _IN_PARENT = "(in the calling process)\n"  # marks a traceback of the parent's, not the replica's

@@ -189,6 +189,16 @@ def _runtime_cross_check() -> str | None:
     return outcome.get("error", "bind_device hung")
 
 
+class FreshOnPickle:
+    """Pickled as a tensor its __reduce__ makes afresh (on the tensor's device)."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def __reduce__(self):
+        return FreshOnPickle, (self.tensor * 1,)
+
+
 def train_replicas(index, runs, steps):
     """Per run: models built from different seeds, broadcast_master_params, then data-parallel
     SGD with xm.optimizer_step on different data per replica. Returns what the test checks."""
@@ -260,6 +270,8 @@ def train_replicas(index, runs, steps):
     report["cheap_steps"] = w.cpu().tolist()
     # Returned to spawn() as an XLA tensor whose all_reduce is still pending.
     report["pending_return"] = xm.all_reduce(xm.REDUCE_SUM, torch.tensor([float(ordinal), 1.0]).to(device))
+    report["module"] = torch.nn.Linear(2, 1).to(device)  # (its parameters stay nn.Parameters)
+    report["fresh_on_pickle"] = FreshOnPickle(torch.tensor([ordinal + 0.5]).to(device))
 
     # seed(): the XLA device RNG is per replica and reproducible.
     draws = []
@@ -661,13 +673,21 @@ def test_cheap_steps_with_a_late_replica_do_not_deadlock_on_the_step_lock(traini
 @pytest.mark.xla
 def test_spawn_returns_xla_tensors_as_cpu_tensors(training_run):
     """A replica returning an XLA tensor with a pending collective gets it back on the CPU, synced
-    under the step lock (pickled as it was, both threads compiled apart and XLA aborted)."""
+    under the step lock (pickled as it was, both threads compiled apart and XLA aborted); the
+    result is pickled once, its parameters as parameters."""
     import torch
 
     results, _ = training_run
-    for r in results.values():
+    for ordinal, r in results.items():
         assert isinstance(r["pending_return"], torch.Tensor) and r["pending_return"].device.type == "cpu"
         assert r["pending_return"].tolist() == [1.0, 2.0]
+        # A module's parameters come back as parameters (they were plain tensors, and the
+        # module broke), and a tensor made while pickling arrives (it was the number 0).
+        weight = r["module"].weight
+        assert type(weight) is torch.nn.Parameter and weight.requires_grad and weight.device.type == "cpu"
+        assert r["module"].to("meta").weight.device.type == "meta"
+        fresh = r["fresh_on_pickle"].tensor
+        assert isinstance(fresh, torch.Tensor) and fresh.device.type == "cpu" and fresh.tolist() == [ordinal + 0.5]
 
 
 @pytest.mark.xla
