@@ -175,6 +175,7 @@ class Store(dist.Store):
         if not isinstance(prefix, str):
             raise UsageError(f"prefix must be a str, got {prefix!r}")
         self._client = client
+        self._url: tuple | None = None  # (address, job, timeout) when made for a URL (rendezvous_handler)
         self.prefix = prefix
         self._root = prefix.rstrip("/") + "/" if prefix else ""
         seconds = _seconds(timeout)
@@ -190,6 +191,10 @@ class Store(dist.Store):
     def client(self) -> Client:
         if self._client is None:
             return _api.get_client()
+        if self._url is not None and self._client._closed:
+            # The process client it was given was shut down (pr.shutdown(), perhaps to init()
+            # again): the URL's coordinator is asked through the client _client_for finds now.
+            self._client = _client_for(*self._url)
         if inherited(self._client):  # a forked child: its parent's client does not work here
             # The same settings (token, TLS) and place: a Store's client only reads and writes keys.
             self._client = Client(self._client.settings, self._client.topology)
@@ -249,7 +254,10 @@ class Store(dist.Store):
 
     @_as_torch_errors
     def multi_set(self, keys: Sequence[str], values: Iterable) -> None:
-        self.client.multi_set([self._key(k) for k in _key_list(keys)], [_key_bytes(v) for v in values])
+        keys, values = [self._key(k) for k in _key_list(keys)], [_key_bytes(v) for v in values]
+        if len(keys) != len(values):  # (torch's stores raise DistStoreError)
+            raise StoreError(f"multi_set got {len(keys)} keys but {len(values)} values", code="INVALID_ARGUMENT")
+        self.client.multi_set(keys, values)
 
     @_as_torch_errors
     def append(self, key: str, value) -> None:
@@ -358,9 +366,9 @@ def rendezvous_handler(url: str, timeout: timedelta = DEFAULT_TIMEOUT, **kwargs)
     address = _address(parsed, url)
     rank = _int_arg(query, "rank", "RANK", url)
     world_size = _int_arg(query, "world_size", "WORLD_SIZE", url)
-    if world_size < 1:
-        raise UsageError(f"{SCHEME}:// rendezvous: world size must be at least 1, got {world_size}")
-    if not 0 <= rank < world_size:
+    if world_size < 1 and world_size != -1:  # (-1: not known, as torch.distributed.rpc's dynamic groups pass)
+        raise UsageError(f"{SCHEME}:// rendezvous: world size must be at least 1 (or -1: not known), got {world_size}")
+    if not 0 <= rank < (world_size if world_size > 0 else rank + 1):
         raise UsageError(f"{SCHEME}:// rendezvous: rank {rank} is out of range for world size {world_size}")
     job = query.get("job") or None
     prefix = query["prefix"] if "prefix" in query else _run_prefix(DEFAULT_PREFIX)
@@ -368,6 +376,7 @@ def rendezvous_handler(url: str, timeout: timedelta = DEFAULT_TIMEOUT, **kwargs)
         generation = _generations.get((address, job, prefix), 0)
         _generations[(address, job, prefix)] = generation + 1
     store = Store(_client_for(address, job, timeout), prefix=f"{prefix}/{generation}", timeout=timeout)
+    store._url = (address, job, timeout)
     yield store, rank, world_size
     raise RuntimeError(f"Unable to perform re-rendezvous using {SCHEME}:// method")
 

@@ -125,6 +125,9 @@ def test_refusals_and_bad_arguments_are_torch_s_kinds_too(client, store, coordin
         store.set(b"\xff\xfe", b"v")
     with pytest.raises(TypeError):
         store.add("n", 1.5)
+    with pytest.raises(StoreError, match="multi_set got 2 keys but 1 values") as info:  # (was UsageError)
+        store.multi_set(["a", "b"], [b"1"])
+    assert isinstance(info.value, dist.DistStoreError) and info.value.code == "INVALID_ARGUMENT"
     with pytest.raises(pr.UsageError, match="must not be negative"):
         store.set_timeout(datetime.timedelta(seconds=-1))
     # C++ sets it past our check (PrefixStore's set_timeout): it expires at once, as in
@@ -191,6 +194,24 @@ def test_the_url_handler_does_not_take_a_closed_process_client(coordinator):
         store, _, _ = next(dist.rendezvous(f"{SCHEME}://{coordinator.address}?prefix=closed", rank=0, world_size=1))
         store.set("k", b"v")
         assert store.get("k") == b"v" and store.client is not pr.get_client()
+    finally:
+        pr.shutdown()
+
+
+def test_a_url_store_outlives_its_process_client(coordinator):
+    """A group's Store made while the process client talked to its coordinator goes on after
+    that client is shut down and init() is called again (every call, new_group's too, failed
+    as "this client was closed; call init() again", when init() had been)."""
+    pr.init(coordinator.address, env={})
+    try:
+        store, _, _ = next(dist.rendezvous(f"{SCHEME}://{coordinator.address}?prefix=reinit", rank=0, world_size=1))
+        assert store.client is pr.get_client()
+        store.set("k", b"v")
+        pr.shutdown()
+        pr.init(coordinator.address, env={})
+        assert store.get("k") == b"v"
+        store.set("k", b"w")
+        assert store.get("k") == b"w"
     finally:
         pr.shutdown()
 
@@ -284,8 +305,15 @@ def test_url_handler_needs_rank_and_world_size(coordinator, monkeypatch):
     with pytest.raises(pr.UsageError, match=r"rank 'abc' \(from RANK\) is not an int"):
         next(dist.rendezvous(f"{SCHEME}://{coordinator.address}"))
     monkeypatch.setenv("RANK", "0")
-    with pytest.raises(pr.UsageError, match="world size must be at least 1, got 0"):
+    with pytest.raises(pr.UsageError, match=r"world size must be at least 1 \(or -1: not known\), got 0"):
         next(dist.rendezvous(f"{SCHEME}://{coordinator.address}"))
+    # -1: not known, as torch.distributed.rpc passes for a dynamic group (tcp:// takes it; it was refused).
+    monkeypatch.setenv("WORLD_SIZE", "-1")
+    monkeypatch.setenv("RANK", "3")
+    store, rank, world_size = next(dist.rendezvous(f"{SCHEME}://{coordinator.address}?prefix=dynamic"))
+    assert (rank, world_size) == (3, -1)
+    store.set("k", b"v")
+    assert store.get("k") == b"v"
 
 
 # --- gloo process groups in real processes -------------------------------------------------------
