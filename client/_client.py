@@ -1225,8 +1225,8 @@ class Client:
     def _kv(self, method: str, request, deadline: float | None = None, *, waits: bool = False):
         """A key-value call, naming the job's store this client saw: when the coordinator no
         longer has it (restarted without its state file), the call is refused at once
-        (MismatchError; it found an empty store, and a get waited out its timeout). Each call
-        that saw the old store is refused; those made after one was use the new store."""
+        (MismatchError), not answered from an empty store as if it were the one it used.
+        Each call that saw the old store is refused; those made after one was use the new."""
         seen = request.store_id = _store_ids.get(self, "")
         try:
             response = self._call(method, request, deadline, waits=waits)

@@ -417,7 +417,7 @@ def _token(args, env: Mapping[str, str]) -> str | None:
         where = _source(args, "token_file")
         from_file = check_token(read_token_file(str(args.token_file), where), f"the file {args.token_file} ({where})")
         if token is not None and token != from_file:
-            raise ValueError(token_conflict(TOKEN_VARIABLE, "the token file (--token-file)"))
+            raise ValueError(token_conflict(TOKEN_VARIABLE, f"the token file ({where})"))
         token = from_file
     return token
 

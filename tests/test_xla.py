@@ -117,6 +117,28 @@ def exiting_replica(index):
     sys.exit(0 if index == 0 else "ordinal 1 stops")
 
 
+def early_returning_replica(index):
+    """Ordinal 0 returns at once; ordinal 1, a thread of the same process, then calls the
+    collectives that need it."""
+    import time
+
+    import torch_xla.core.xla_model as xm
+
+    if index == 0:
+        return "returned"
+    time.sleep(1)  # (ordinal 0 has returned)
+    outcome = []
+    for call in (lambda: xm.rendezvous("after", b"", [0, 1]), lambda: xm.mesh_reduce("after", 1, sum)):
+        started = time.monotonic()
+        try:
+            call()
+            outcome.append("completed")
+        except pr.ParticipantFailedError as exc:
+            outcome.append((str(exc), time.monotonic() - started))
+    outcome.append(xm.rendezvous("alone", b"x", [1]))  # a round without it is fine
+    return outcome
+
+
 def helper_thread_replica(index):
     """A thread bound to no device, started by a replica, calls the xm collectives."""
     import torch_xla.core.xla_model as xm
@@ -577,6 +599,20 @@ def test_spawn_reports_a_process_that_dies_after_its_replicas_returned(torch_xla
         xla.spawn(dying_replica, nprocs=2, devices_per_process=1, timeout=150)
     assert list(info.value.failures) == [-1]
     assert info.value.results == {0: "returned", 1: "returned"}
+
+
+@pytest.mark.xla
+def test_a_round_needing_a_sibling_replica_that_returned_fails_at_once(torch_xla):
+    """Ordinal 0 returned; its process goes on running ordinal 1, whose rounds that need 0
+    fail at once, naming it (they waited out the rendezvous timeout, ten minutes by
+    default: the process had not left, and the coordinator could not tell)."""
+    results = xla.spawn(early_returning_replica, nprocs=1, devices_per_process=2, timeout=150)
+    assert results[0] == "returned"
+    *failures, alone = results[1]
+    assert alone == [b"x"]
+    for (message, waited), what in zip(failures, ("xm.rendezvous('after')", "xm.mesh_reduce('after')")):
+        assert message.startswith(f"{what} needs ordinal 0 of this process, whose replica (spawn's fn) has already ended")
+        assert waited < 5
 
 
 @pytest.mark.xla
