@@ -1232,7 +1232,7 @@ class Client:
             response = self._call(method, request, deadline, waits=waits)
         except MismatchError:  # (the one FAILED_PRECONDITION of key-value calls: Core.check_store)
             if seen and _store_ids.get(self) == seen:
-                del _store_ids[self]
+                _store_ids.pop(self, None)  # (another thread's refusal may have taken it already)
             raise
         if response.store_id:
             _store_ids[self] = response.store_id
@@ -1256,6 +1256,12 @@ class Client:
 
     def multi_get(self, keys: Sequence[str], *, wait: bool = True, timeout=DEFAULT) -> list[bytes | None]:
         deadline = self._deadline(timeout) if wait else None
+        if wait and self not in _store_ids:
+            # A client's first call that waits learns the job's store first (once): a wait
+            # through a restart that lost the keys would otherwise wait for nothing.
+            values = self.multi_get(keys, wait=False)
+            if all(v is not None for v in values):
+                return values
         request = pb.KvGetRequest(job=self.settings.job, keys=_key_list(keys, text=True), wait=wait)
         if deadline is not None:
             request.timeout = max(1e-3, deadline - time.monotonic())

@@ -278,7 +278,9 @@ class Store(dist.Store):
     def clone(self) -> "Store":
         """Another Store on the same keys (kept alive as every Store is; torch's
         ``PrefixStore`` and group splitting clone the store)."""
-        return Store(self._client, prefix=self.prefix, timeout=self.timeout)
+        clone = Store(self._client, prefix=self.prefix, timeout=self.timeout)
+        clone._url = self._url
+        return clone
 
     def __repr__(self) -> str:
         address = self._client.settings.address if self._client else "(process client)"

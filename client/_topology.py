@@ -9,7 +9,8 @@ Each value is taken from the first source that has it:
    ``TPU_WORKER_HOSTNAMES``);
 3. the GCE metadata server (``tpu-env``, ``worker-network-endpoints``), only when a fetcher is
    passed and ``TPU_SKIP_MDS_QUERY`` is not set; ``tpu-env`` is read only when
-   ``TPU_ACCELERATOR_TYPE`` is unset, and a fetch that fails with ``OSError`` counts as absent;
+   ``TPU_ACCELERATOR_TYPE`` is unset, or ``TPU_WORKER_ID`` is while the metadata names several
+   workers, and a fetch that fails with ``OSError`` counts as absent;
 4. defaults for a single process off TPU: a world of one at ``localhost:7481``.
 
 ``detect_address`` finds the coordinator's address the same way, and asks for nothing else
@@ -328,7 +329,13 @@ class _Metadata:
         self.enabled = metadata is not None and not _skip_mds(env.get("TPU_SKIP_MDS_QUERY"))
         self._metadata = metadata
         self._fetched: dict[str, str | None] = {}
-        self.tpu_env: dict[str, str] = {}  # filled by _accelerator when it asks the server
+        self.tpu_env: dict[str, str] = {}  # filled by load_tpu_env
+
+    def load_tpu_env(self) -> None:
+        """Reads ``tpu-env`` into ``tpu_env`` (once): the fallback for the TPU variables."""
+        if "tpu-env" not in self._fetched:
+            text = self.fetch("tpu-env")
+            self.tpu_env = _parse_tpu_env(text) if text else {}
 
     def fetch(self, key: str) -> str | None:
         if key not in self._fetched:
@@ -353,8 +360,7 @@ def _accelerator(env: Mapping[str, str], mds: _Metadata) -> _Raw | None:
     kept in ``mds.tpu_env``: the fallback for the other TPU variables)."""
     accelerator = _from_env(env, "TPU_ACCELERATOR_TYPE")
     if accelerator is None and mds.enabled:
-        text = mds.fetch("tpu-env")
-        mds.tpu_env = _parse_tpu_env(text) if text else {}
+        mds.load_tpu_env()
         accelerator = mds.from_tpu_env("TPU_ACCELERATOR_TYPE", "ACCELERATOR_TYPE")
     return accelerator
 
@@ -485,10 +491,11 @@ def detect_topology(
 
     # Worker hostnames and this host's index.
     hostnames, hostnames_source = _worker_hostnames(env, mds, lambda: accelerator)
-    worker = _int(
-        _from_env(env, "TPU_WORKER_ID") or mds.from_tpu_env("TPU_WORKER_ID", "WORKER_ID"),
-        what="worker id", minimum=0, default=0, default_fix="TPU_WORKER_ID",
-    )
+    worker_raw = _from_env(env, "TPU_WORKER_ID")
+    if worker_raw is None and mds.enabled and len(hostnames) > 1:
+        mds.load_tpu_env()  # (not read yet when TPU_ACCELERATOR_TYPE is set: it knows this host's id)
+        worker_raw = mds.from_tpu_env("TPU_WORKER_ID", "WORKER_ID")
+    worker = _int(worker_raw, what="worker id", minimum=0, default=0, default_fix="TPU_WORKER_ID")
     if hostnames and worker.value >= len(hostnames):
         raise TopologyError(
             f"worker id {worker.value} ({worker.source}) is out of range for the {len(hostnames)} "

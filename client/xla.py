@@ -874,8 +874,6 @@ def _child_main(task: int, nprocs: int, env: dict, payload: bytes, reports) -> N
                     if exc.code not in (None, 0):
                         raise
                     result = None  # a clean exit, as a process per device's sys.exit(0) was
-                finally:
-                    _ended.add(ordinal)
                 try:
                     blob = _pickled_result(result, torch_xla._XLAC)
                 except Exception as exc:  # noqa: BLE001
@@ -885,6 +883,8 @@ def _child_main(task: int, nprocs: int, env: dict, payload: bytes, reports) -> N
             put("result", ordinal, blob)
         except BaseException as exc:  # noqa: BLE001 -- every failure goes to the parent
             put("error", ordinal, _pickled_error(exc), traceback.format_exc())
+        finally:  # after its report: a sibling refused for it (_check_ended) reports after it
+            _ended.add(ordinal)
 
     threads = [
         threading.Thread(target=run, args=(i,), name=f"pjrt-rendezvous-device-{i}")

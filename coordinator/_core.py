@@ -411,6 +411,9 @@ class Core:
         self.limits = limits or Limits()
         self.heartbeat_timeout = heartbeat_timeout
         self.jobs: dict[str, Job] = {}
+        # Names this core's state (kept in the state file): a key-value client that saw no job
+        # here is told apart from one that saw none on a coordinator since restarted without it.
+        self.state_id = secrets.token_hex(8)
         self._wakeups: list[tuple] = []
         # Grows with every change worth persisting (ranks, finished rounds, events, keys);
         # the state-file writer compares it with the version it last wrote.
@@ -1592,21 +1595,25 @@ class Core:
         return result
 
     def check_store(self, job_name: str, seen: str) -> None:
-        """Refuses a key-value call whose client saw (``seen``, empty: nothing yet) another
-        store of the job than the one there is: the keys it saw are gone."""
+        """Refuses a key-value call whose client saw (``seen``: a ``store_id`` answered
+        before, empty when none was) keys of the job other than the ones there are now."""
+        if not seen or seen == self.state_id:  # nothing yet; or no job yet, on this very core
+            return
         job = self.jobs.get(job_name)
-        if seen and (job is None or job.store_id != seen):
+        if job is None or job.store_id != seen:
             raise CoreError(
                 Code.FAILED_PRECONDITION,
-                f"the keys of job {job_name!r} this client saw are gone: the coordinator restarted without "
-                "its state file (serve --state-file keeps them), or dropped the job; this call fails, and "
-                "the client's calls from now on use the job's new store",
+                f"the keys of job {job_name!r} are not the ones this client saw: the coordinator restarted "
+                "without its state file (serve --state-file keeps them), or dropped the job (at "
+                "--max-jobs, one holding no key and no process may make room for another); this call "
+                "fails, and the client's calls from now on use the job's keys as they are now",
             )
 
     def store_id(self, job_name: str) -> str:
-        """The job's key-value store, for key-value answers ("" while there is no job)."""
+        """What a key-value answer names as the store it was made on (``check_store``): the
+        job's keys, or this core's state while there is no job."""
         job = self.jobs.get(job_name)
-        return "" if job is None else job.store_id
+        return self.state_id if job is None else job.store_id
 
     def kv_set(self, job_name: str, entries: Sequence[tuple[str, bytes]]) -> None:
         for key, value in entries:

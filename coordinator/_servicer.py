@@ -514,14 +514,16 @@ class Servicer(pb_grpc.CoordinatorServicer):
         core = self._core
         core.check_store(request.job, request.store_id)
         core.kv_set(request.job, [(e.key, e.value) for e in request.entries])
+        store_id = core.store_id(request.job)  # (the store changed: not after an await)
         self._wake()
         await self._persist()
-        return pb.KvSetResponse(store_id=core.store_id(request.job))
+        return pb.KvSetResponse(store_id=store_id)
 
     @_translated
     async def KvGet(self, request: pb.KvGetRequest, context) -> pb.KvGetResponse:
         core = self._core
         core.check_store(request.job, request.store_id)
+        seen = request.store_id or core.store_id(request.job)
         timeout = _timeout(request)
         start = self._clock()
         deadline = None if timeout is None else start + timeout
@@ -534,12 +536,14 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 deadline is not None and self._clock() >= deadline
             ):
                 raise core.kv_timeout(request.job, request.keys, self._clock() - start)
+            core.check_store(request.job, seen)  # (the job dropped meanwhile: its keys are gone)
+            seen = core.store_id(request.job)  # (made meanwhile: its keys are the ones waited for)
+        store_id = core.store_id(request.job)
         # Only what is on disk is answered: a change is seen only once its writer could be
         # answered too (else a crash could take back a value a reader acted on).
         await self._persist()
         return pb.KvGetResponse(
-            values=[pb.KvValue(found=v is not None, value=v or b"") for v in values],
-            store_id=core.store_id(request.job),
+            values=[pb.KvValue(found=v is not None, value=v or b"") for v in values], store_id=store_id
         )
 
     @_translated
@@ -547,49 +551,53 @@ class Servicer(pb_grpc.CoordinatorServicer):
         core = self._core
         core.check_store(request.job, request.store_id)
         value = core.kv_add(request.job, request.key, request.delta, request.request_id)
+        store_id = core.store_id(request.job)
         self._wake()
         await self._persist()
-        return pb.KvAddResponse(value=value, store_id=core.store_id(request.job))
+        return pb.KvAddResponse(value=value, store_id=store_id)
 
     @_translated
     async def KvCompareSet(self, request: pb.KvCompareSetRequest, context) -> pb.KvCompareSetResponse:
         core = self._core
         core.check_store(request.job, request.store_id)
         value = core.kv_compare_set(request.job, request.key, request.expected, request.desired, request.request_id)
+        store_id = core.store_id(request.job)
         self._wake()
         await self._persist()
-        return pb.KvCompareSetResponse(value=value, store_id=core.store_id(request.job))
+        return pb.KvCompareSetResponse(value=value, store_id=store_id)
 
     @_translated
     async def KvAppend(self, request: pb.KvAppendRequest, context) -> pb.KvAppendResponse:
         core = self._core
         core.check_store(request.job, request.store_id)
         core.kv_append(request.job, request.key, request.value, request.request_id)
+        store_id = core.store_id(request.job)
         self._wake()
         await self._persist()
-        return pb.KvAppendResponse(store_id=core.store_id(request.job))
+        return pb.KvAppendResponse(store_id=store_id)
 
     @_translated
     async def KvDelete(self, request: pb.KvDeleteRequest, context) -> pb.KvDeleteResponse:
         core = self._core
         core.check_store(request.job, request.store_id)
         deleted = core.kv_delete(request.job, request.key, request.request_id)
+        store_id = core.store_id(request.job)
         await self._persist()
-        return pb.KvDeleteResponse(deleted=deleted, store_id=core.store_id(request.job))
+        return pb.KvDeleteResponse(deleted=deleted, store_id=store_id)
 
     @_translated
     async def KvList(self, request: pb.KvListRequest, context) -> pb.KvListResponse:
         core = self._core
         core.check_store(request.job, request.store_id)
+        store_id = core.store_id(request.job)
         if request.count_only:
             count = core.kv_count(request.job, request.prefix)
             await self._persist()  # (as KvGet)
-            return pb.KvListResponse(count=count, store_id=core.store_id(request.job))
+            return pb.KvListResponse(count=count, store_id=store_id)
         entries = core.kv_list(request.job, request.prefix)
         await self._persist()  # (as KvGet)
         return pb.KvListResponse(
-            count=len(entries), entries=[pb.KvEntry(key=k, value=v) for k, v in entries],
-            store_id=core.store_id(request.job),
+            count=len(entries), entries=[pb.KvEntry(key=k, value=v) for k, v in entries], store_id=store_id
         )
 
     # -- status ---------------------------------------------------------------------------

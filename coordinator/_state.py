@@ -50,7 +50,8 @@ from ._core import ALL, Code, Core, CoreError, Event, EventLog, Job, Limits, Mem
 
 FORMAT = "pjrt-rendezvous-state"
 _CLIENT_HEARTBEAT_INTERVAL = 5.0  # the client's default (client/_config.py; not imported: no client here)
-VERSION = 1
+VERSION = 2  # 2: jobs' key-value store ids (journal lines naming one: version 1 readers fail on them)
+READS = (1, 2)  # (a version 1 file gets new store ids: no client can hold an id from it)
 
 
 class StateFileError(Exception):
@@ -156,7 +157,7 @@ def snapshot(core: Core) -> dict:
     told = core.heartbeat_timeout
     if core.restored is not None:  # (they may not have heard of this one yet)
         told = None if told is None or core.restored[2] is None else max(told, core.restored[2])
-    return {"version": core.version, "heartbeat_timeout": told, "jobs": jobs}
+    return {"version": core.version, "state_id": core.state_id, "heartbeat_timeout": told, "jobs": jobs}
 
 
 def restore(
@@ -169,6 +170,7 @@ def restore(
     is declared dead (a coordinator restarted with a shorter timeout must not find every
     process silent at its old interval, which the next answer shortens)."""
     core = Core(limits, heartbeat_timeout=heartbeat_timeout)
+    core.state_id = body.get("state_id", core.state_id)  # (not in files before it was kept)
     before = body.get("heartbeat_timeout", 0.0)  # not in files before it was kept
     core.restored = (now, min(math.inf if before is None else before, 3 * _CLIENT_HEARTBEAT_INTERVAL), before)
     for d in body["jobs"]:
@@ -476,8 +478,11 @@ def decode(data: bytes, *, path: str = "state file") -> dict:
         outer = json.loads(data)
         if outer.get("format") != FORMAT:
             raise StateFileError(f"{path} is not a pjrt-rendezvous state file{hint}")
-        if outer.get("version") != VERSION:
-            raise StateFileError(f"{path} has state format version {outer.get('version')}, this coordinator reads {VERSION}{hint}")
+        if outer.get("version") not in READS:
+            raise StateFileError(
+                f"{path} has state format version {outer.get('version')}, this coordinator reads "
+                f"{' and '.join(map(str, READS))}{hint}"
+            )
         text = outer["body"]
         if hashlib.sha256(text.encode()).hexdigest() != outer["sha256"]:
             raise StateFileError(f"{path} is corrupt: its checksum does not match its content{hint}")

@@ -1180,27 +1180,30 @@ def test_kv_set_and_get_single_and_multiple_keys():
 
 
 def test_a_key_value_call_that_saw_another_store_of_the_job_is_refused():
-    """A client names the job's store it saw: another core (restarted without its state) or a
-    job dropped and made again has another, and the call is refused before it changes
-    anything, so no client is handed an empty store as if it were the one it used."""
+    """A client names the store its last answer came from: the job's keys, or (no job yet)
+    the core's state. Another core (restarted without its state) or a job dropped and made
+    again has another, and the call is refused before it changes anything, so no client is
+    answered from an empty store as if it were the one it used."""
     core = Core(Limits(max_jobs=1))
-    assert core.store_id(JOB) == ""
+    none_yet = core.store_id(JOB)
+    assert none_yet == core.state_id and len(none_yet) == 16
     core.check_store(JOB, "")  # a client that saw nothing yet
     core.kv_set(JOB, [("a", b"1")])
+    core.check_store(JOB, none_yet)  # saw no job, on this core: the job made since is fine
     seen = core.store_id(JOB)
-    assert len(seen) == 16 and core.store_id(JOB) == seen
+    assert seen not in ("", none_yet)
     core.check_store(JOB, seen)
     restarted = Core()  # without its state
     core.kv_delete(JOB, "a")
     core.kv_set("other", [("b", b"2")])  # the job, holding nothing, is dropped for another
     assert JOB not in core.jobs
     core.kv_delete("other", "b")
-    for other in (restarted, core):
-        with pytest.raises(CoreError, match=rf"the keys of job '{JOB}' this client saw are gone") as refused:
-            other.check_store(JOB, seen)
+    for other, saw in ((restarted, seen), (restarted, none_yet), (core, seen)):
+        with pytest.raises(CoreError, match=rf"the keys of job '{JOB}' are not the ones this client saw") as refused:
+            other.check_store(JOB, saw)
         assert refused.value.code is Code.FAILED_PRECONDITION
-        other.kv_set(JOB, [("a", b"new")])  # (a client that saw the refusal starts afresh)
-        assert other.store_id(JOB) not in ("", seen)
+    core.kv_set(JOB, [("a", b"new")])  # (a client that saw the refusal starts afresh)
+    assert core.store_id(JOB) not in ("", seen, none_yet)
 
 
 def test_kv_add_treats_a_missing_key_as_zero_and_stores_decimal_text():

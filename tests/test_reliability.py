@@ -16,6 +16,7 @@ import time
 import pytest
 
 import pjrt_rendezvous.client as pr
+from pjrt_rendezvous.client._client import _store_ids
 from pjrt_rendezvous.client._demo import simulated_env
 from pjrt_rendezvous.coordinator import Coordinator
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
@@ -511,21 +512,25 @@ def test_processes_registering_again_with_a_coordinator_that_lost_its_state_meet
 def test_a_get_waiting_through_a_restart_that_lost_the_keys_is_refused_at_once():
     """Restarted without its state file, the coordinator has none of the keys a waiting get
     was waiting beside: its resend is refused at once, naming why (it waited out its
-    timeout, then said only that the key was still not set, as if nothing had happened);
-    the client's next calls use the new, empty store. With the state file, nothing changes."""
+    timeout, then said only that the key was still not set, as if nothing had happened),
+    also when it is its client's first call (a rank's first blocking get under torch); the
+    client's next calls use the new, empty store."""
     first = Coordinator(port=0).start()
     port = first.port
-    client = observer(first.address)
-    client.set("before", b"1")
+    writer, client = observer(first.address), observer(first.address)
+    writer.set("before", b"1")
     waiting = concurrent.futures.ThreadPoolExecutor(1)
     try:
-        got = waiting.submit(client.get, "never", timeout=60)
-        time.sleep(0.5)  # (the get is waiting on the coordinator)
+        got = waiting.submit(client.get, "never", timeout=60)  # (its first call)
+        deadline = time.monotonic() + 30
+        while client not in _store_ids:  # its first call learnt the store: the wait names it, sent before or after the restart
+            assert time.monotonic() < deadline and not got.done()
+            time.sleep(0.01)
         first.stop(grace=0)
         second = Coordinator(port=port).start()
         try:
             started = time.monotonic()
-            with pytest.raises(pr.MismatchError, match="the keys of job 'default' this client saw are gone: the coordinator restarted without its state file"):
+            with pytest.raises(pr.MismatchError, match="the keys of job 'default' are not the ones this client saw: the coordinator restarted without its state file"):
                 got.result(timeout=30)
             assert time.monotonic() - started < 20
             assert client.get("before", wait=False) is None  # the new store, at the next call
@@ -535,6 +540,7 @@ def test_a_get_waiting_through_a_restart_that_lost_the_keys_is_refused_at_once()
             second.stop(grace=0)
     finally:
         waiting.shutdown()
+        writer.close()
         client.close()
 
 

@@ -84,6 +84,7 @@ def test_a_replaced_incarnation_stays_refused_after_a_restart():
         (lambda d: d.replace(b'\\"n\\"', b'\\"m\\"', 1), "checksum does not match"),
         (lambda d: b'{"hello": 1}', "not a pjrt-rendezvous state file"),
         (lambda d: b"", "is empty, not written by a coordinator"),
+        (lambda d: d.replace(b'"version": 2', b'"version": 3', 1), "has state format version 3, this coordinator reads 1 and 2"),
     ],
 )
 def test_damaged_state_is_detected_never_half_loaded(damage, message):
@@ -93,6 +94,20 @@ def test_damaged_state_is_detected_never_half_loaded(damage, message):
     with pytest.raises(StateFileError, match=message) as info:
         _state.decode(data, path="/var/lib/x/state.json")
     assert "move /var/lib/x/state.json away" in str(info.value)
+
+
+def test_a_version_1_file_is_read_and_its_jobs_get_store_ids():
+    """Files from before key-value store ids (version 1, without them) still load; version 2
+    files (which a version 1 coordinator refuses by their version, not on a journal line it
+    cannot read) keep the ids."""
+    core, _ = populated_core()
+    body = _state.snapshot(core)
+    assert _state.restore(_state.decode(_state.encode(body)), now=0.0).store_id("j") == core.store_id("j")
+    old = {**body, "jobs": [{k: v for k, v in job.items() if k != "store_id"} for job in body["jobs"]]}
+    del old["state_id"]
+    data = _state.encode(old).replace(b'"version": 2', b'"version": 1', 1)
+    restored = _state.restore(_state.decode(data), now=0.0)
+    assert restored.jobs["j"].kv == core.jobs["j"].kv and restored.store_id("j") not in ("", core.store_id("j"))
 
 
 def test_a_well_formed_file_with_a_wrong_shape_is_refused_as_invalid(tmp_path):

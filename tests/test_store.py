@@ -205,12 +205,13 @@ def test_a_url_store_outlives_its_process_client(coordinator):
     pr.init(coordinator.address, env={})
     try:
         store, _, _ = next(dist.rendezvous(f"{SCHEME}://{coordinator.address}?prefix=reinit", rank=0, world_size=1))
+        clone = store.clone()  # (as PrefixStore and group splitting make)
         assert store.client is pr.get_client()
         store.set("k", b"v")
         pr.shutdown()
         pr.init(coordinator.address, env={})
-        assert store.get("k") == b"v"
-        store.set("k", b"w")
+        assert store.get("k") == b"v" == clone.get("k")
+        clone.set("k", b"w")
         assert store.get("k") == b"w"
     finally:
         pr.shutdown()

@@ -504,6 +504,15 @@ def test_the_process_asks_the_metadata_server_each_key_once(metadata_server):
     assert sorted(_requested_keys(server)) == ["tpu-env", "worker-network-endpoints"]
 
 
+def test_the_worker_id_comes_from_tpu_env_when_the_accelerator_type_is_set(metadata_server):
+    """With TPU_ACCELERATOR_TYPE in the environment tpu-env was not read, so its WORKER_ID
+    neither: every host of a pod took worker id 0 (now refused as naming no task). It is read
+    for the worker id when the metadata names several workers."""
+    server = metadata_server({"tpu-env": V4_32_TPU_ENV, "worker-network-endpoints": V4_32_ENDPOINTS})
+    topo = detect_topology({"TPU_ACCELERATOR_TYPE": "v4-32"}, metadata=_plain_fetcher(server))
+    assert (topo.worker_id, topo.task_id, topo.num_tasks) == (2, 2, 4)
+
+
 def test_malformed_worker_endpoints_raise(metadata_server):
     """A worker-network-endpoints entry without three fields raises, pointing at TPU_WORKER_HOSTNAMES."""
     server = metadata_server({"tpu-env": V4_32_TPU_ENV, "worker-network-endpoints": "host-only,x:y"})
