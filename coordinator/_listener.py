@@ -49,11 +49,16 @@ class Listener:
         machine has IPv6, as gRPC's port does); returns the port. ``option`` names the
         setting in the error raised when it cannot (OSError)."""
         try:
+            self.sockets = []
             if host in ("0.0.0.0", "::") and socket.has_dualstack_ipv6():
                 # (asyncio's IPv6 sockets take IPv6 alone: IPv4 clients, which reach gRPC's
                 # port, would find this one refused.)
-                self.sockets = [socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True)]
-            else:  # asyncio opens the sockets; the accept loop is ours
+                try:
+                    self.sockets = [socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True)]
+                except OSError:
+                    if host == "::":
+                        raise  # (0.0.0.0: IPv4 alone, on a machine with IPv6 turned off)
+            if not self.sockets:  # asyncio opens the sockets; the accept loop is ours
                 server = await asyncio.get_running_loop().create_server(
                     self._factory, host, port, reuse_address=True, backlog=self.BACKLOG, start_serving=False
                 )
