@@ -1269,8 +1269,9 @@ class Client:
         return [v.value if v.found else None for v in response.values]
 
     def check(self, keys: Sequence[str]) -> bool:
-        """True when every key exists (no waiting)."""
-        return all(v is not None for v in self.multi_get(keys, wait=False))
+        """True when every key exists (no waiting; their values are not sent)."""
+        request = pb.KvGetRequest(job=self.settings.job, keys=_key_list(keys, text=True), found_only=True)
+        return all(v.found for v in self._kv("KvGet", request).values)
 
     def wait(self, keys: Sequence[str], *, timeout=DEFAULT) -> None:
         """Blocks until every key exists; RendezvousTimeout names those still missing."""

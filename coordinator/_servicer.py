@@ -542,8 +542,10 @@ class Servicer(pb_grpc.CoordinatorServicer):
         # Only what is on disk is answered: a change is seen only once its writer could be
         # answered too (else a crash could take back a value a reader acted on).
         await self._persist()
+        found_only = request.found_only
         return pb.KvGetResponse(
-            values=[pb.KvValue(found=v is not None, value=v or b"") for v in values], store_id=store_id
+            values=[pb.KvValue(found=v is not None, value=b"" if found_only else v or b"") for v in values],
+            store_id=store_id,
         )
 
     @_translated

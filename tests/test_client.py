@@ -48,6 +48,22 @@ def client(coordinator):
     c.close()
 
 
+def test_check_asks_whether_keys_exist_without_their_values(client, coordinator):
+    """Store.check's call is answered with whether each key exists, not its value (it
+    fetched values of any size only to test them)."""
+    import grpc
+
+    from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
+    from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
+
+    client.set("big", b"x" * 100_000)
+    assert client.check(["big"]) and not client.check(["big", "missing"])
+    with grpc.insecure_channel(coordinator.address) as channel:
+        request = pb.KvGetRequest(job=client.settings.job, keys=["big", "missing"], found_only=True)
+        answer = pb_grpc.CoordinatorStub(channel).KvGet(request, timeout=10)
+    assert [(v.found, v.value) for v in answer.values] == [(True, b""), (False, b"")]
+
+
 def test_key_value_operations(client):
     """set/get/multi, add, compare_set, append, delete, list and count behave like torch's Store."""
     client.set("a", b"1")

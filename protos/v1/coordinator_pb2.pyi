@@ -280,18 +280,20 @@ class KvSetResponse(_message.Message):
     def __init__(self, store_id: _Optional[str] = ...) -> None: ...
 
 class KvGetRequest(_message.Message):
-    __slots__ = ("job", "keys", "wait", "timeout", "store_id")
+    __slots__ = ("job", "keys", "wait", "timeout", "found_only", "store_id")
     JOB_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     WAIT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    FOUND_ONLY_FIELD_NUMBER: _ClassVar[int]
     STORE_ID_FIELD_NUMBER: _ClassVar[int]
     job: str
     keys: _containers.RepeatedScalarFieldContainer[str]
     wait: bool
     timeout: float
+    found_only: bool
     store_id: str
-    def __init__(self, job: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., wait: _Optional[bool] = ..., timeout: _Optional[float] = ..., store_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., wait: _Optional[bool] = ..., timeout: _Optional[float] = ..., found_only: _Optional[bool] = ..., store_id: _Optional[str] = ...) -> None: ...
 
 class KvGetResponse(_message.Message):
     __slots__ = ("values", "store_id")
