@@ -77,6 +77,14 @@ static int read_varint(Reader *r, uint64_t *out) {
     return -1;
 }
 
+/* A field's key: 0, or -1 when it is cut off, longer than five bytes (protobuf refuses
+ * those), or names field 0 or one past MAX_FIELD (all left to protobuf). */
+static int read_key(Reader *r, uint64_t *key) {
+    const uint8_t *start = r->p;
+    if (read_varint(r, key) < 0 || r->p - start > 5 || *key >> 3 == 0 || *key >> 3 > MAX_FIELD) return -1;
+    return 0;
+}
+
 /* A length-delimited field's bytes: 0, or -1 if they run past the end. */
 static int read_span(Reader *r, Span *out) {
     uint64_t n;
@@ -149,14 +157,15 @@ typedef struct {
 static int scan(Reader *r, Request *q) {
     while (r->p < r->end) {
         uint64_t key, x;
-        if (read_varint(r, &key) < 0 || key >> 3 == 0 || key >> 3 > MAX_FIELD) return 0;
+        if (read_key(r, &key) < 0) return 0;
         int field = (int)(key >> 3), wt = (int)(key & 7), rc = 0;
         Span span;
         switch (field) {
         case F_JOB: case F_INCARNATION: case F_TAGS: case F_PAYLOADS: case F_INCARNATIONS: case F_PROCESSES:
             if (wt != WT_LEN || read_span(r, &span) < 0) return 0;
-            if (field == F_JOB) q->job = span;  /* a scalar given twice: the last one counts */
-            else if (field == F_INCARNATION) q->incarnation = span;
+            /* A string given twice: protobuf checks every copy's UTF-8, so it reads those. */
+            if (field == F_JOB) { if (q->job.data) return 0; q->job = span; }
+            else if (field == F_INCARNATION) { if (q->incarnation.data) return 0; q->incarnation = span; }
             else {
                 Spans *list = field == F_TAGS ? &q->tags : field == F_PAYLOADS ? &q->payloads
                             : field == F_INCARNATIONS ? &q->incarnations : &q->processes;
@@ -274,20 +283,24 @@ static Py_ssize_t put_varint(uint8_t *out, uint64_t x) {
 }
 
 /* A small message of fields 1 to 4, each a varint or length-delimited as wire_types says
- * (others skipped): 1 read, 0 not taken. A field given twice: the last one counts. */
+ * (others skipped): 1 read, 0 not taken. A varint given twice: the last one counts; a
+ * length-delimited field given twice is left to protobuf (it checks each copy of a string's
+ * UTF-8). */
 static int four_fields(Span body, const int wire_types[5], uint64_t values[5], Span spans[5]) {
     Reader r = {body.data, body.data + body.size};
+    unsigned seen = 0;  /* the length-delimited fields read */
     for (int f = 1; f <= 4; f++) { values[f] = 0; spans[f].data = r.p; spans[f].size = 0; }
     while (r.p < r.end) {
         uint64_t key;
-        if (read_varint(&r, &key) < 0 || key >> 3 == 0 || key >> 3 > MAX_FIELD) return 0;
+        if (read_key(&r, &key) < 0) return 0;
         int field = (int)(key >> 3), wt = (int)(key & 7);
         if (field > 4) {
             if (skip(&r, wt) < 0) return 0;
-        } else if (wt != wire_types[field]
+        } else if (wt != wire_types[field] || (wt == WT_LEN && seen & 1u << field)
                    || (wt == WT_VARINT ? read_varint(&r, &values[field]) : read_span(&r, &spans[field])) < 0) {
             return 0;
         }
+        if (wt == WT_LEN) seen |= 1u << field;
     }
     return 1;
 }
@@ -384,7 +397,7 @@ static PyObject *repeated_field_1(PyObject *arg, int (*one)(Span, PyObject **)) 
         uint64_t key;
         Span body;
         PyObject *item = NULL;
-        if (read_varint(&r, &key) < 0 || key >> 3 == 0 || key >> 3 > MAX_FIELD) taken = 0;
+        if (read_key(&r, &key) < 0) taken = 0;
         else if (key >> 3 != 1) taken = skip(&r, (int)(key & 7)) < 0 ? 0 : 1;
         else if ((key & 7) != WT_LEN || read_span(&r, &body) < 0) taken = 0;
         else if ((taken = one(body, &item)) > 0) {
@@ -537,7 +550,9 @@ static PyObject *encode_rendezvous(PyObject *Py_UNUSED(module), PyObject *args) 
     if (!PyArg_ParseTuple(args, "UUOLOLOp", &job, &incarnation, &replicas_arg, &round, &timeout, &generation,
                           &rows_arg, &index_processes))
         return NULL;
-    PyObject *replicas = PySequence_Fast(replicas_arg, "replicas must be a sequence");
+    /* A tuple of our own: PySequence_Fast would hand back the caller's list, which an item's
+     * __index__ (called by out_packed) could change under us. */
+    PyObject *replicas = PySequence_Tuple(replicas_arg);
     PyObject *rows = replicas ? PySequence_Fast(rows_arg, "rows must be a sequence") : NULL;
     PyObject *columns[4] = {NULL, NULL, NULL, NULL}, *index = NULL, *processes = NULL, *out = NULL;
     Out o = {NULL, 0, 0};

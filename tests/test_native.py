@@ -137,7 +137,7 @@ BASE = pb.RendezvousRequest(job="j", incarnation="i", round=3, ordinals=[0, 1], 
         field(99, 5, b"\0" * 4),
         field(8, 0, _varint(7)),  # a packed field's values given one by one are added
         field(8, 2, _length_delimited(_varint(5) + _varint(2**64 - 3))),  # negative int32 as ten bytes
-        field(1, 2, _length_delimited(b"later")),  # a scalar given again: the last one counts
+        field(4, 0, _varint(9)),  # a scalar given again: the last one counts (a string: left to protobuf)
         field(4, 0, _varint(2**64 - 1)),  # round -1
         field(6, 1, struct.pack("<d", 2.5)),
     ],
@@ -167,10 +167,31 @@ def test_what_protobuf_allows_is_decoded_alike(extra):
         (pb.RendezvousRequest(job="j", ordinals=[0], tags=["a"], processes=["p"], process_indexes=[1]).SerializeToString(), "a process index past the processes"),
         (pb.RendezvousRequest(job="j", ordinals=[0], tags=["a"], incarnations=["p"], process_indexes=[0]).SerializeToString(), "both forms of incarnations"),
         (pb.RendezvousRequest(job="j").SerializeToString(), "no contributions"),
+        # (these two were taken, where protobuf refuses them: the native review)
+        (field(1, 2, _length_delimited(b"\xff")) + BASE, "a job given twice, its first copy not UTF-8"),
+        (b"\xc0\x80\x80\x80\x80\x00\x07" + BASE, "a key of six bytes"),
     ],
 )
 def test_what_it_does_not_take_is_left_to_protobuf(data, why):
     assert native.decode_rendezvous(data) is None, why
+
+
+def test_session_messages_protobuf_refuses_are_left_to_it():
+    """A string given twice with a first copy that is not UTF-8, and an overlong key, were
+    taken by the native decoders (protobuf refuses both: the native review)."""
+    twice = bytes([0x0a, 8, 0x12, 1, 0xff, 0x12, 1, 0x4d, 0x08, 1])  # a SessionCall's method twice
+    overlong = bytes([0x8a, 0x80, 0x80, 0x80, 0x80, 0x00, 4, 0x12, 2, 0x4d, 0x4d])  # field 1 with a six-byte key
+    answer_twice = bytes([0x0a, 6, 0x1a, 1, 0xff, 0x1a, 1, 0x4d])  # a SessionAnswer's message twice
+    for data, decode, message in (
+        (twice, native.decode_session_calls, pb.SessionRequest),
+        (overlong, native.decode_session_calls, pb.SessionRequest),
+        (answer_twice, native.decode_answers, pb.SessionResponse),
+        (field(1, 2, _length_delimited(b"\xff")) + BASE, native.decode_rendezvous, pb.RendezvousRequest),
+        (b"\xc0\x80\x80\x80\x80\x00\x07" + BASE, native.decode_rendezvous, pb.RendezvousRequest),
+    ):
+        with pytest.raises(DecodeError):
+            message.FromString(data)
+        assert decode(data) is None, data
 
 
 @st.composite
