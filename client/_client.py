@@ -1211,7 +1211,7 @@ class Client:
             return "its timeout passed; waiting for the coordinator's answer, which names who is missing"
         bound = now + _DESCRIBE_TIMEOUT if deadline is None else min(now + _DESCRIBE_TIMEOUT, deadline)
         try:
-            (job,) = self._call("Status", pb.StatusRequest(job=self.settings.job), bound).jobs
+            (job,) = self._call("Status", pb.StatusRequest(job=self.settings.job, rounds_only=True), bound).jobs
         except RendezvousError as exc:
             return f"(status unavailable: {exc})"
         for r in job.pending_rounds:

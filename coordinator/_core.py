@@ -1771,7 +1771,7 @@ class Core:
             )
         return views
 
-    def status(self, now: float, job_name: str = "") -> list[JobView]:
+    def status(self, now: float, job_name: str = "", *, participants: bool = True) -> list[JobView]:
         jobs = [self._job(job_name)] if job_name else [self.jobs[n] for n in sorted(self.jobs)]
         views = []
         for job in jobs:
@@ -1795,7 +1795,7 @@ class Core:
                     world_size=job.world_size or 0,
                     registered=len(job.members),
                     generation=job.generation,
-                    participants=self._participants(job, now),
+                    participants=self._participants(job, now) if participants else [],
                     pending_rounds=pending,
                     rounds_completed=job.rounds_completed,
                     kv_keys=len(job.kv),

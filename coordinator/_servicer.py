@@ -606,7 +606,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
 
     @_translated
     async def Status(self, request: pb.StatusRequest, context) -> pb.StatusResponse:
-        views = self._core.status(self._clock(), request.job)
+        views = self._core.status(self._clock(), request.job, participants=not request.rounds_only)
         response = pb.StatusResponse(
             jobs=[
                 pb.JobStatus(

@@ -1448,6 +1448,10 @@ def test_status_reports_pending_rounds_with_tags_arrivals_and_missing():
     )
     assert (second.group, second.tags, second.arrived, second.missing) == ((2, 3), {"pair": [2]}, [2], [3])
     assert second.waiting_seconds == pytest.approx(6.0)
+    # What a waiting client's "still waiting" line asks: the same rounds, no participant table.
+    (rounds_only,) = pod.core.status(10.0, JOB, participants=False)
+    assert view.participants and not rounds_only.participants
+    assert rounds_only.pending_rounds == view.pending_rounds
 
 
 def test_status_reports_participants_with_host_pid_and_last_seen_age():

@@ -462,10 +462,12 @@ class SessionAnswer(_message.Message):
     def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[bytes] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ("job",)
+    __slots__ = ("job", "rounds_only")
     JOB_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_ONLY_FIELD_NUMBER: _ClassVar[int]
     job: str
-    def __init__(self, job: _Optional[str] = ...) -> None: ...
+    rounds_only: bool
+    def __init__(self, job: _Optional[str] = ..., rounds_only: _Optional[bool] = ...) -> None: ...
 
 class TagGroup(_message.Message):
     __slots__ = ("tag", "ordinals")
