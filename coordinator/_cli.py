@@ -529,7 +529,9 @@ def _dial(
     except RendezvousError as exc:
         print(f"pjrt-rendezvous {command}: {exc}", file=sys.stderr)
         return None
-    options = [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else []
+    # (the answer of a large pod's status is over gRPC's default 4 MiB)
+    options = [("grpc.max_receive_message_length", -1)]
+    options += [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else []
     if credentials is None:
         channel = grpc.insecure_channel(address, options=options)
     else:
@@ -638,7 +640,7 @@ def _repeated(field) -> bool:
 
 def _natural(text: str) -> list:
     """Sort key putting host-2 before host-10."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+    return [int(part) if part.isdecimal() else part for part in re.split(r"(\d+)", text)]
 
 
 def _age(seconds: float) -> str:

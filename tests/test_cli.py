@@ -339,6 +339,32 @@ def test_status_without_address_finds_worker_0_where_the_client_cannot_lay_out_t
     assert f"pjrt-rendezvous status: {unroutable}:7481: " in err and "accelerator" not in err, err
 
 
+def test_status_of_a_pod_larger_than_grpcs_default_message(capsys):
+    """Two jobs of 65,536 ordinals: the status answer is over gRPC's default 4 MiB, which the
+    command refused (RESOURCE_EXHAUSTED) where the library's own client takes any size."""
+    from pjrt_rendezvous.coordinator import Coordinator
+    from pjrt_rendezvous.coordinator._core import Registration, ThreadRequest
+
+    def populate(core, done):
+        for job in ("a", "b"):
+            for task in range(16384):
+                core.register(0.0, Registration(
+                    job=job, incarnation=f"{job}-{task}", host=f"t1v-n-{task // 4}", pid=task, task_id=task,
+                    num_tasks=16384, devices_per_task=4, local_rank=task % 4,
+                    threads=tuple(ThreadRequest(thread_index=i, runtime_ordinal=None) for i in range(4)),
+                ))
+        core.take_wakeups()
+        done.set()
+
+    with Coordinator(port=0, heartbeat_timeout=None) as coordinator:
+        done = threading.Event()
+        coordinator._loop.call_soon_threadsafe(populate, coordinator.core, done)
+        assert done.wait(120)
+        assert _cli.main(["status", "--address", coordinator.address]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "job 'a'" in out and "job 'b'" in out and "t1v-n-4095" in out
+
+
 def test_render_status_marks_dead_processes_and_groups_hosts_naturally():
     """Rendering alone: hosts sort as host-2 before host-10, a dead pid is marked and one that
     closed its client marked as left, plural words agree."""
@@ -366,6 +392,7 @@ def test_render_status_marks_dead_processes_and_groups_hosts_naturally():
     assert "1 round completed, 1 key, 1 pending round" in text
     rows = [line.split()[0] for line in text.splitlines() if line.strip().startswith("host-")]
     assert rows == ["host-2", "host-10"]
+    assert _cli._natural("node-1²") == ["node-", 1, "²"]  # (a digit that is no decimal: int() raised)
     assert re.search(r"host-2\s+1 \(1 dead\)\s+101 \(dead\)\s+1\s+1 min 15 s ago", text), text
     assert re.search(r"host-10\s+2 \(1 left\)\s+100, 102 \(left\)\s+0, 2\s+9.0 s ago", text), text
     assert re.search(
