@@ -143,6 +143,14 @@ def _ordinals_word(ordinals: Sequence[int]) -> str:
     return f"ordinal{'s' if len(ordinals) != 1 else ''} {format_ranges(ordinals)}"
 
 
+def _missing_word(ordinals: Sequence[int]) -> str:
+    """The missing ordinals before their description by host (describe_missing): as ranges
+    when short, else their count. (The ranges twice, the first list long, filled the 2,000
+    characters a client's error keeps before any host was named.)"""
+    text = _ordinals_word(ordinals)
+    return text if len(text) <= 80 else f"{len(ordinals)} ordinals"
+
+
 @dataclasses.dataclass(kw_only=True)
 class Process:
     incarnation: str
@@ -967,7 +975,7 @@ class Core:
             Code.DEADLINE_EXCEEDED,
             f"job {job_name!r} world incomplete after {_duration(waited)} s: "
             f"{len(job.members)} of {job.world_size} ordinals registered; missing "
-            f"{_ordinals_word(missing)} ({self.describe_missing(job, missing, now)})",
+            f"{_missing_word(missing)} ({self.describe_missing(job, missing, now)})",
         )
 
     # -- rendezvous -----------------------------------------------------------------------
@@ -1385,7 +1393,7 @@ class Core:
                         f"{rnd.describe()} timed out after {_duration(now - rnd.started)} s (counted from the "
                         f"first call to reach the coordinator) with "
                         f"{len(rnd.arrivals)} of {rnd.size} arrived; missing "
-                        f"{_ordinals_word(missing)} ({self.describe_missing(job, missing, now)})",
+                        f"{_missing_word(missing)} ({self.describe_missing(job, missing, now)})",
                     ),
                 )
 

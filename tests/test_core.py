@@ -985,6 +985,22 @@ def test_expire_fails_an_overdue_round_naming_missing_ordinals_hosts_and_ages():
     assert pod.deadline(pod.key(ALL, 0)) is None
 
 
+def test_a_timeout_in_a_large_pod_names_hosts_within_what_a_client_keeps():
+    """Every other host of 512 missing: the message counts the missing ordinals instead of
+    listing their ranges twice, so the 2,000 characters a client keeps (clip) name hosts
+    (the ranges alone filled them)."""
+    from pjrt_rendezvous.client._session import clip
+
+    pod = make_pod(2048, 1, limits=Limits(max_world_size=4096))
+    for task in range(2048):
+        if task // 4 % 2 == 0:
+            pod.arrive(task, deadline=5.0)
+    pod.core.expire(5.0)
+    message = clip(pod.error(pod.key(ALL, 0)).message)
+    assert "1024 of 2048 arrived; missing 1024 ordinals (4-7 on host-1 (last seen" in message, message[:300]
+    assert re.findall(r"on host-\d+", message)[:3] == ["on host-1", "on host-3", "on host-5"]
+
+
 def test_the_round_deadline_is_the_earliest_member_deadline():
     """A later member with an earlier deadline moves the round's deadline forward; None never extends it."""
     pod = make_pod(4)
