@@ -1192,10 +1192,12 @@ class Client:
         def request(timeout: float | None) -> bytes:
             return encode_rendezvous(job, incarnation, replicas, round_number, timeout, generation, rows, False)
 
-        def progress(waited: float) -> None:
+        started = time.monotonic()
+
+        def progress(_: float) -> None:  # (counted from the call, not from its latest resend)
             log.warning(
                 "still waiting after %.0f s in round %d of %s (ordinals %s here): %s",
-                waited, round_number, f"replicas {list(group)}" if group else "all ordinals",
+                time.monotonic() - started, round_number, f"replicas {list(group)}" if group else "all ordinals",
                 sorted(batch.contributions), self._describe_wait((group, round_number), batch.deadline),
             )
 

@@ -297,6 +297,22 @@ def test_a_closed_process_client_is_replaced_by_init_and_its_threads_may_bind_ag
         pr.shutdown()
 
 
+def test_still_waiting_counts_from_the_call_across_a_resend(coordinator, caplog):
+    """A call resent on a new connection (this one cut at 1.5 s) goes on counting its wait
+    from the call: the count started again from 0 at each resend."""
+    client = make_client(coordinator.address, tasks=2, progress_interval=0.4)
+    caplog.set_level(logging.WARNING, logger="pjrt_rendezvous.client")
+    with client.bind_thread(0) as binding:
+        cut = threading.Timer(1.5, lambda: client._current_session.close("cut by the test"))
+        cut.start()
+        with pytest.raises(pr.RendezvousTimeout):
+            client.rendezvous(binding, "slow", b"", timeout=3.0)
+        cut.join()
+    waited = [int(m.group(1)) for r in caplog.records if (m := re.search(r"still waiting after (\d+) s", r.getMessage()))]
+    assert len(waited) >= 4 and waited == sorted(waited) and waited[-1] >= 2, waited
+    client.close()
+
+
 def test_settings_read_variables_as_written_by_hand():
     """Enum variables are read in any case and with stray spaces, a token without its line
     end; a batch window must be a finite number of seconds; a job name with a stray space is
