@@ -145,6 +145,8 @@ def job_problem(job) -> str | None:
         return "is empty"
     if job != job.strip():  # one host's stray space would make it a job of its own
         return "has spaces at an end"
+    if any(c < " " or c == "\x7f" for c in job):  # (the coordinator refuses them too)
+        return "holds a control character"
     return None
 
 

@@ -517,6 +517,8 @@ class Core:
     def _check_job_name(self, name: str) -> None:
         if not name:
             raise CoreError(Code.INVALID_ARGUMENT, "job name must not be empty")
+        if any(c < " " or c == "\x7f" for c in name):  # (a line end in a log line or a metrics label)
+            raise CoreError(Code.INVALID_ARGUMENT, f"job name {name!r} holds a control character")
         if len(name) > self.limits.max_name_length:
             raise CoreError(
                 Code.RESOURCE_EXHAUSTED,

@@ -327,6 +327,8 @@ def test_settings_read_variables_as_written_by_hand():
         Settings(address="127.0.0.1:1", batch_window=True)
     with pytest.raises(pr.UsageError, match="job 'train ' has spaces at an end"):
         Settings.resolve({"PJRT_RENDEZVOUS_JOB": "train "}, address="127.0.0.1:1")
+    with pytest.raises(pr.UsageError, match="holds a control character"):
+        Settings.resolve({"PJRT_RENDEZVOUS_JOB": "tr\rain"}, address="127.0.0.1:1")
     with pytest.raises(pr.UsageError, match=r"PJRT_RENDEZVOUS_CONNECT_TIMEOUT\), got None"):
         Settings.resolve({"PJRT_RENDEZVOUS_CONNECT_TIMEOUT": "none"}, address="127.0.0.1:1")
 

@@ -451,11 +451,18 @@ def test_reads_of_unknown_jobs_create_none_and_empty_jobs_make_room():
     assert core.kv_get("store", ["k"]) == [b"v"]
 
 
-@pytest.mark.parametrize("name, code", [("", Code.INVALID_ARGUMENT), ("x" * 33, Code.RESOURCE_EXHAUSTED)])
-def test_job_names_must_be_non_empty_and_short(name, code):
-    """An empty job name is INVALID_ARGUMENT, one over max_name_length RESOURCE_EXHAUSTED."""
+@pytest.mark.parametrize(
+    "name, code",
+    [("", Code.INVALID_ARGUMENT), ("x" * 33, Code.RESOURCE_EXHAUSTED), ("a\rb", Code.INVALID_ARGUMENT), ("a\x7f", Code.INVALID_ARGUMENT)],
+)
+def test_job_names_must_be_non_empty_short_and_printable(name, code):
+    """An empty job name is INVALID_ARGUMENT, one over max_name_length RESOURCE_EXHAUSTED; a
+    control character is refused (a carriage return made the metrics page unparsable)."""
     with raises(code, "job name"):
         Core(Limits(max_name_length=32)).register(0.0, registration(0, 1, 1, job=name))
+    if code is Code.INVALID_ARGUMENT and name:
+        with raises(code, "holds a control character"):
+            Core().kv_set(name, [("k", b"v")])
 
 
 def test_the_name_limit_leaves_room_for_the_clients_incarnation_ids():
