@@ -177,8 +177,9 @@ class Settings:
             and this client does not use TLS, else on gRPC; "grpc": always on gRPC.
         heartbeat_interval: seconds between heartbeats (shortened to a third of the
             coordinator's heartbeat timeout when that is smaller).
-        progress_interval: while blocked, log a "still waiting for ..." line naming the
-            missing ordinals this often; None never logs.
+        progress_interval: while blocked in a rendezvous round, log a "still waiting ..."
+            line naming the missing ordinals this often (a world's or a key's wait logs
+            nothing until its timeout, which names what is missing); None never logs.
         token: the coordinator's shared secret, sent with every call (never shown in repr).
         tls_ca: PEM file of the CA that signed the coordinator's certificate; enables TLS.
         tls_cert, tls_key: PEM client certificate and key, for mutual TLS.
