@@ -395,7 +395,7 @@ class _StateWriter:
                 request = (self._files.append, entry)
             else:
                 after = (version, core.state_version, 0)
-                request = (self._files.rewrite, _state.encode(_state.snapshot(core)))
+                request = (self._files.rewrite, _state.encode(_state.snapshot(core, time.monotonic())))  # (serve's clock)
         except BaseException:
             self._state_written = -1  # the changes taken are not on disk: the next write is whole
             raise

@@ -101,8 +101,10 @@ def _request_result_back(value):
     return _unb(value["b64"]) if isinstance(value, dict) else value
 
 
-def snapshot(core: Core) -> dict:
-    """The persistent part of ``core`` as JSON-able data (call on the core's thread)."""
+def snapshot(core: Core, now: float | None = None) -> dict:
+    """The persistent part of ``core`` as JSON-able data (call on the core's thread). With
+    ``now`` (the core's clock), a process no longer alive keeps how long ago it was last
+    seen, which its restore counts from (the live ones count as seen at the restore)."""
     jobs = []
     for job in core.jobs.values():
         jobs.append(
@@ -125,6 +127,7 @@ def snapshot(core: Core) -> dict:
                         "alive": p.alive,
                         "left": p.left,
                         "death": p.death,
+                        **({"seen_ago": now - p.last_seen} if now is not None and not p.alive else {}),
                     }
                     for p in job.processes.values()
                 ],
@@ -191,7 +194,7 @@ def restore(
                 task_id=p["task_id"],
                 local_rank=p["local_rank"],
                 registered_at=now,
-                last_seen=now,
+                last_seen=now - p.get("seen_ago", 0.0),  # (at least that long ago: the coordinator was down since)
                 ordinals=set(p["ordinals"]),
                 alive=p["alive"],
                 left=p["left"],

@@ -62,6 +62,18 @@ def test_snapshot_round_trip_keeps_ranks_rounds_and_keys():
     assert restored.outcome("j", again).result == [b"\x00\xff", b"\x01\xff"]
 
 
+def test_a_dead_process_keeps_how_long_ago_it_was_seen_across_a_restore():
+    """A process dead for an hour was shown as seen at the restore ("last seen 2.0 s ago");
+    it keeps its age (at least: the coordinator's own downtime is not known). Live ones
+    count as seen at the restore, which is their grace."""
+    core, _ = populated_core()  # (both last seen at 1.0)
+    core.declare_dead("j", "inc1", "silent")
+    restored = _state.restore(_state.decode(_state.encode(_state.snapshot(core, 3601.0))), now=50.0)
+    assert restored.describe_missing(restored.jobs["j"], [0, 1], 52.0) == (
+        "0 on h0 (last seen 2.0 s ago); 1 on h1 (dead) (last seen 3602.0 s ago)"
+    )
+
+
 def test_a_replaced_incarnation_stays_refused_after_a_restart():
     """The incarnation a restart replaced is kept: after the coordinator restarts from its
     state, it still cannot register again and take the task back."""
