@@ -437,6 +437,10 @@ class Core:
         # request id, result), ("job", job name, store id) for a job made. None: none kept
         # (no state file).
         self.journal: list[tuple] | None = None
+        # Rounds finished since an observer (the monitor) last took them (take_finished), as
+        # (job name, Round): the core keeps only a group's last two, and one batch of changes
+        # (a death, a restart) may fail more. None: none kept (nobody observes).
+        self.finished: list[tuple[str, Round]] | None = None
         # Restored from a state file: (when, for how long after that nobody is judged silent,
         # the longest timeout the processes may still heartbeat by: they may not have been
         # told this one yet), see ``_state.restore``; None again once that time has passed.
@@ -458,6 +462,12 @@ class Core:
         self.version += 1
         if self.journal is not None:
             self.journal.append(change)
+
+    def take_finished(self) -> list[tuple[str, "Round"]]:
+        """Returns and clears the rounds finished since the last call (kept only once an
+        observer has set ``finished``)."""
+        finished, self.finished = self.finished or [], []
+        return finished
 
     def take_journal(self) -> list[tuple]:
         """Returns and clears the journaled changes made since the last call (kept only once
@@ -1318,6 +1328,8 @@ class Core:
         self.record_finished(job, rnd)
         self._journaled(("round", job.name, rnd))
         self._wakeups.append(("round", job.name, *rnd.key))
+        if self.finished is not None:
+            self.finished.append((job.name, rnd))
 
     def _complete(self, job: Job, rnd: Round) -> None:
         # The XRT mesh service returned payloads sorted by ordinal; torch_xla's docstring

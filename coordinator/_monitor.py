@@ -28,7 +28,7 @@ import asyncio
 import logging
 from typing import Callable, Iterable
 
-from ._core import ALL, Core, CoreError, describe_group, format_ranges
+from ._core import ALL, Core, CoreError, Round, describe_group, format_ranges
 from ._metrics import Metrics
 
 log = logging.getLogger("pjrt_rendezvous.coordinator")
@@ -70,15 +70,16 @@ class Monitor:
         self._events_seen = {name: len(job.events) for name, job in core.jobs.items()}
         self._late: set[tuple[str, tuple]] = set()  # (job, round key) already reported late
         self._formed: set[tuple[str, int]] = set()  # (job, generation) whose world formed
+        core.finished = []  # the core keeps the rounds it finishes for us from now on
 
     def woke(self, keys: Iterable[tuple]) -> None:
         """Observes one batch of wake keys from :meth:`Core.take_wakeups`."""
         now = self._clock()
+        for job, rnd in self._core.take_finished():
+            self._round(job, rnd, now)
         for key in keys:
             try:
-                if key[0] == "round":
-                    self._round(key[1], (key[2], key[3], key[4]), now)
-                elif key[0] == "world":
+                if key[0] == "world":
                     self._world(key[1])
                 elif key[0] == "events":
                     self._events(key[1])
@@ -87,11 +88,8 @@ class Monitor:
             except CoreError:  # the job was dropped since (max_jobs): nothing to report
                 continue
 
-    def _round(self, job: str, key: tuple, now: float) -> None:
-        rnd = self._core.outcome(job, key)
-        self._late.discard((job, key))
-        if rnd is None:  # pragma: no cover - a finished round is kept until two more finish
-            return
+    def _round(self, job: str, rnd: Round, now: float) -> None:
+        self._late.discard((job, rnd.key))
         if rnd.error is None:
             if self._metrics is not None:
                 self._metrics.round_completed(job, now - rnd.started)

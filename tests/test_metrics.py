@@ -364,3 +364,28 @@ def test_late_rounds_are_reported_a_few_per_check_and_forgotten_once_gone(caplog
         core.leave(job, f"i-{job}")  # their rounds fail: no longer pending
     monitor.check_late()
     assert len(monitor._late) == 10
+
+
+def test_every_round_a_death_fails_is_counted_and_logged(caplog):
+    """A death fails three pending rounds of one group at once: each is counted and logged
+    (the monitor looked each up after the fact, and the core keeps a group's last two)."""
+    from pjrt_rendezvous.coordinator import Core
+    from pjrt_rendezvous.coordinator._core import Contribution, Registration, ThreadRequest
+    from pjrt_rendezvous.coordinator._metrics import Metrics
+    from pjrt_rendezvous.coordinator._monitor import Monitor
+
+    core, metrics = Core(), Metrics()
+    monitor = Monitor(core, metrics, clock=lambda: 5.0)
+    for task in range(2):
+        core.register(0.0, Registration(job="j", incarnation=f"i{task}", host="h", pid=task, task_id=task, num_tasks=2,
+                                        devices_per_task=1, local_rank=task, threads=(ThreadRequest(thread_index=0),)))
+    for number in range(3):  # (each an interrupted call of task 0: its rounds stay pending)
+        core.arrive(1.0, job="j", incarnation="i0", replicas=[], round_number=number,
+                    contributions=[Contribution(0, "t", b"")], deadline=None)
+    monitor.woke(core.take_wakeups())
+    core.declare_dead("j", "i1", "silent")
+    with caplog.at_level("WARNING", logger="pjrt_rendezvous.coordinator"):
+        monitor.woke(core.take_wakeups())
+    failed = [r for r in caplog.records if getattr(r, "event", "") == "round_failed"]
+    assert sorted(r.round for r in failed) == [0, 1, 2]
+    assert 'pjrt_rendezvous_rounds_failed_total{rendezvous_job="j",code="ABORTED"} 3' in metrics.render(core, 5.0)
