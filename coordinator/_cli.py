@@ -197,6 +197,9 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         help="run the coordinator (on host 0 of the pod slice)",
         description="Run the coordinator. Every option's default can be set by the variable shown "
         "in brackets; a flag on the command line wins.",
+        epilog="Exit codes: 0 stopped by a signal; 2 settings refused (a malformed value, or values "
+        "that contradict each other: starting again cannot help); 1 anything else (a port in use, "
+        "a file that cannot be read, a state file that cannot be used or written).",
     )
 
     # A bad serve variable is reported by `serve` only (unless its flag is given, see _Flag):
@@ -430,7 +433,7 @@ def _read(args, dest: str) -> bytes | None:
     try:
         return path.read_bytes()
     except OSError as exc:
-        raise ValueError(f"cannot read {path} ({_source(args, dest)}): {exc.strerror or exc}") from None
+        raise ValueError(f"cannot read {path} ({_source(args, dest)}): {exc.strerror or exc}") from exc
 
 
 def _serve(args, env: Mapping[str, str]) -> int:
@@ -485,7 +488,9 @@ def _serve(args, env: Mapping[str, str]) -> int:
                 "name another with --session-port PORT, 0 for a free one, or off)"
             )
         _failed(args.log_format, f"pjrt-rendezvous serve: {why}")
-        return 1
+        # 2 as for a malformed flag (the unit does not restart on it); a file that cannot be
+        # read is 1: it may be there on the next try (a secret mounted late)
+        return 2 if isinstance(exc, ValueError) and not isinstance(exc.__cause__, OSError) else 1
     return 0
 
 

@@ -609,7 +609,7 @@ def test_serve_refuses_a_token_grpc_cannot_send_naming_where_it_came_from(tmp_pa
     ]
     for (args, env), named in cases:
         out = run_cli("serve", "--port", "0", *args, env=env, timeout=30)
-        assert out.returncode == 1 and named in out.stderr and "printable ASCII" in out.stderr, (args, env, out.stderr)
+        assert out.returncode == 2 and named in out.stderr and "printable ASCII" in out.stderr, (args, env, out.stderr)
     empty = tmp_path / "empty"
     empty.write_text("\n")
     for args, env, named in [
@@ -617,7 +617,7 @@ def test_serve_refuses_a_token_grpc_cannot_send_naming_where_it_came_from(tmp_pa
         (("--token-file", str(empty)), {}, f"the token from the file {empty} (--token-file) is empty"),
     ]:  # (the variable's said only "the token is empty")
         out = run_cli("serve", "--port", "0", *args, env=env, timeout=30)
-        assert out.returncode == 1 and named in out.stderr, (args, env, out.stderr)
+        assert out.returncode == 2 and named in out.stderr, (args, env, out.stderr)
     with pytest.raises(pr.UsageError, match="the token from PJRT_RENDEZVOUS_TOKEN, .* is empty"):
         pr.Settings(address="127.0.0.1:1", token=" ")
     one_line = tmp_path / "token"
@@ -751,7 +751,7 @@ def test_serve_setting_errors_name_what_set_them():
         ((), {"PJRT_RENDEZVOUS_STATE_FILE": "/nonexistent/state"}, "/nonexistent/state (PJRT_RENDEZVOUS_STATE_FILE) does not exist"),
     ]:
         out = run_cli("serve", "--port", "0", *args, env=env, timeout=30)
-        assert out.returncode == 1 and named in out.stderr, out.stderr
+        assert out.returncode == 2 and named in out.stderr, out.stderr
     bad = run_cli("serve", "--port", "0", env={"PJRT_RENDEZVOUS_SESSION_PORT": "foo"}, timeout=30)
     assert bad.returncode == 2 and "PJRT_RENDEZVOUS_SESSION_PORT='foo': port must be an integer, got 'foo', auto or off" in bad.stderr
 
@@ -1107,7 +1107,7 @@ def test_bad_demo_serve_and_health_arguments_get_a_message_not_a_traceback(tmp_p
         refused = run_cli(*command)
         assert refused.returncode == 2 and "must be a finite number of seconds > 0" in refused.stderr, refused
     no_folder = run_cli("serve", "--port", "0", "--state-file", str(tmp_path / "missing" / "x.state"))
-    assert no_folder.returncode == 1, no_folder
+    assert no_folder.returncode == 2, no_folder
     assert f"the folder of the state file {tmp_path / 'missing' / 'x.state'} (--state-file) does not exist" in no_folder.stderr
     corrupt = tmp_path / "corrupt.state"
     corrupt.write_text("{")

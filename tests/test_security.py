@@ -167,7 +167,7 @@ def test_a_token_and_a_token_file_that_disagree_are_refused_by_serve_and_clients
         [sys.executable, "-m", "pjrt_rendezvous.coordinator", "serve", "--port", "0"],
         env={**os.environ, **both}, capture_output=True, text=True, timeout=60,
     )
-    assert out.returncode == 1 and "PJRT_RENDEZVOUS_TOKEN and the token file (PJRT_RENDEZVOUS_TOKEN_FILE) are both set" in out.stderr
+    assert out.returncode == 2 and "PJRT_RENDEZVOUS_TOKEN and the token file (PJRT_RENDEZVOUS_TOKEN_FILE) are both set" in out.stderr
 
 
 def test_a_token_grpc_cannot_carry_is_refused_where_it_is_read(tmp_path):
