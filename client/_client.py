@@ -435,6 +435,7 @@ class Client:
         if _forked:
             self._refuse_if_inherited(method)
         attempt = (method, request, deadline, waits, progress, relay, raw)
+        began = time.monotonic()
         try:
             return self._attempt(*attempt)  # the common case, without building a Retrying
         except grpc.RpcError as exc:
@@ -486,7 +487,13 @@ class Client:
         except grpc.RpcError as exc:
             if self._closed:
                 raise UsageError(_CLOSED) from exc
-            raise from_rpc_error(exc, address=self.settings.address, method=method) from exc
+            error = from_rpc_error(exc, address=self.settings.address, method=method)
+            if isinstance(error, RendezvousTimeout):  # (its times count from the resend the coordinator saw)
+                error = RendezvousTimeout(
+                    f"{error} (the call waited {time.monotonic() - began:.1f} s in all: it was sent again "
+                    "after the coordinator could not be reached)"
+                )
+            raise error from exc
 
     def _attempt(
         self, method: str, request, deadline: float | None, waits: bool, progress, relay: bool, raw: bool,

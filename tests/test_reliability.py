@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -541,6 +542,37 @@ def test_a_get_waiting_through_a_restart_that_lost_the_keys_is_refused_at_once()
     finally:
         waiting.shutdown()
         writer.close()
+        client.close()
+
+
+def test_a_get_that_times_out_after_a_resend_says_how_long_the_call_waited(tmp_path):
+    """A waiting get resent after a coordinator restart (with its state file) times out on the
+    new coordinator, which counts only its own wait: the error adds the call's whole wait (it
+    said "still not set after 2.1 s" for a get of 5 s)."""
+    state = str(tmp_path / "state")
+    first = Coordinator(port=0, state_file=state).start()
+    port = first.address.rsplit(":", 1)[1]
+    client = observer(first.address)
+    client.set("other", b"1")  # (the store is known: the resend is not refused as a new store)
+    waiting = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        started = time.monotonic()
+        got = waiting.submit(client.get, "never", timeout=5)
+        time.sleep(1.5)
+        first.stop(grace=0)
+        time.sleep(0.5)
+        second = Coordinator(port=int(port), state_file=state).start()
+        try:
+            with pytest.raises(pr.RendezvousTimeout) as raised:
+                got.result(timeout=30)
+            waited = time.monotonic() - started
+            said = float(re.search(r"still not set after ([0-9.]+) s", str(raised.value))[1])
+            total = float(re.search(r"the call waited ([0-9.]+) s in all: it was sent again", str(raised.value))[1])
+            assert said < 4 and 4.5 <= total <= waited + 0.1, str(raised.value)
+        finally:
+            second.stop(grace=0)
+    finally:
+        waiting.shutdown()
         client.close()
 
 
