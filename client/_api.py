@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 
 from ._client import Binding, Client, _check_call, _payload_bytes, current_binding, xm_binding
 from ._config import DEFAULT, Settings, check_timeout
-from ._errors import UsageError
+from ._errors import ParticipantFailedError, UsageError
 from ._topology import Topology, detect_topology, metadata_fetcher, normalize_address
 
 _lock = threading.Lock()
@@ -272,7 +272,27 @@ def _rendezvous(what: str, tag: str, payload: bytes, replicas: Sequence[int], ti
         if replicas not in ([], [0]):
             raise UsageError(f"replicas {replicas} are out of range for a world of one")
         return [payload]
+    if _ended:
+        _check_ended(what, tag, replicas)
     return binding.client.rendezvous(binding, tag, payload, replicas, timeout=timeout)
+
+
+# Ordinals of this process whose replica (xla.spawn's fn) has ended, returning or raising: a
+# sibling's round that needs one fails at once (_check_ended). The coordinator cannot tell:
+# the process, still running its other replicas, has not left.
+_ended: set[int] = set()
+
+
+def _check_ended(what: str, tag: str, replicas: Sequence[int] | None) -> None:
+    """Refuses a round that needs an ordinal of this process whose replica has ended: it
+    would wait for it until its timeout (torch_xla's for ever)."""
+    ended = sorted(_ended if not replicas else _ended.intersection(replicas))
+    if ended:
+        raise ParticipantFailedError(
+            f"{what}({tag!r}) needs ordinal {', '.join(map(str, ended))} of this process, whose "
+            "replica (spawn's fn) has already ended: it would wait for it until its timeout; "
+            "every replica must make the same calls"
+        )
 
 
 def barrier(tag: str, *, replicas: Sequence[int] = (), timeout=DEFAULT) -> None:

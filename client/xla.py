@@ -104,7 +104,7 @@ from typing import Any, Callable, Sequence
 from . import _api
 from ._client import Binding, Client, current_binding, xm_binding
 from ._config import check_timeout
-from ._errors import ParticipantFailedError, RendezvousError, TopologyError, UsageError
+from ._errors import RendezvousError, TopologyError, UsageError
 
 __all__ = [
     "ReplicaSeed",
@@ -242,10 +242,6 @@ def _launch_locked(xlac: Any, own: list[str], wait: bool, launch: Callable[[], N
 
 # Device threads in this process, when spawn() runs them (eager mode is refused beyond one).
 _device_threads = 0
-# Ordinals of this process whose replica (spawn's fn) has ended, returning or raising: a
-# sibling's round that needs one fails at once (_check_ended). The coordinator cannot tell:
-# the process, still running its other replicas, has not left.
-_ended: set[int] = set()
 _EAGER_REFUSED = (
     "eager mode (torch_xla.experimental.eager_mode(True)) cannot run with a thread per device: each "
     "op compiles on its own, outside the step lock, so the threads' collectives get different ids and "
@@ -341,21 +337,9 @@ def _rendezvous(tag: str, payload: bytes = b"", replicas: Sequence[int] = ()) ->
     if binding is None:
         _refuse_unbound("xm.rendezvous()")
         return _originals["rendezvous"](tag, payload, [] if replicas is None else list(replicas))  # (None too, as torch_xla's)
-    if _ended:
-        _check_ended("xm.rendezvous", tag, replicas)
+    if _api._ended:
+        _api._check_ended("xm.rendezvous", tag, replicas)
     return binding.client.rendezvous(binding, tag, payload, replicas)
-
-
-def _check_ended(what: str, tag: str, replicas: Sequence[int] | None) -> None:
-    """Refuses a round that needs an ordinal of this process whose replica has ended: it
-    would wait for it until its timeout (torch_xla's for ever)."""
-    ended = sorted(_ended if not replicas else _ended.intersection(replicas))
-    if ended:
-        raise ParticipantFailedError(
-            f"{what}({tag!r}) needs ordinal {', '.join(map(str, ended))} of this process, whose "
-            "replica (spawn's fn) has already ended: it would wait for it until its timeout; "
-            "every replica must make the same calls"
-        )
 
 
 def _refuse_unbound(what: str) -> None:
@@ -385,8 +369,8 @@ def _mesh_reduce(tag: str, data: Any, reduce_fn: Callable[[list], Any]) -> Any:
     if binding is None:
         _refuse_unbound("xm.mesh_reduce()")
         return _originals["mesh_reduce"](tag, data, reduce_fn)
-    if _ended:
-        _check_ended("xm.mesh_reduce", tag, None)
+    if _api._ended:
+        _api._check_ended("xm.mesh_reduce", tag, None)
     import torch
     import torch_xla.core.xla_model as xm
 
@@ -884,7 +868,7 @@ def _child_main(task: int, nprocs: int, env: dict, payload: bytes, reports) -> N
         except BaseException as exc:  # noqa: BLE001 -- every failure goes to the parent
             put("error", ordinal, _pickled_error(exc), traceback.format_exc())
         finally:  # after its report: a sibling refused for it (_check_ended) reports after it
-            _ended.add(ordinal)
+            _api._ended.add(ordinal)
 
     threads = [
         threading.Thread(target=run, args=(i,), name=f"pjrt-rendezvous-device-{i}")

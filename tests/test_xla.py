@@ -128,10 +128,16 @@ def early_returning_replica(index):
 
     if index == 0:
         return "returned"
-    while 0 not in xla._ended:  # (ordinal 0 has returned)
+    while 0 not in pr._api._ended:  # (ordinal 0 has returned)
         time.sleep(0.01)
     outcome = []
-    for call in (lambda: xm.rendezvous("after", b"", [0, 1]), lambda: xm.mesh_reduce("after", 1, sum)):
+    calls = (
+        lambda: xm.rendezvous("after", b"", [0, 1]),
+        lambda: xm.mesh_reduce("after", 1, sum),
+        lambda: pr.rendezvous("after", b""),
+        lambda: pr.barrier("after", replicas=[0, 1]),
+    )
+    for call in calls:
         started = time.monotonic()
         try:
             call()
@@ -610,13 +616,16 @@ def test_spawn_reports_a_process_that_dies_after_its_replicas_returned(torch_xla
 @pytest.mark.xla
 def test_a_round_needing_a_sibling_replica_that_returned_fails_at_once(torch_xla):
     """Ordinal 0 returned; its process goes on running ordinal 1, whose rounds that need 0
-    fail at once, naming it (they waited out the rendezvous timeout, ten minutes by
-    default: the process had not left, and the coordinator could not tell)."""
+    fail at once, naming it, through xm's calls and pjrt_rendezvous's alike (they waited out
+    the rendezvous timeout, ten minutes by default: the process had not left, and the
+    coordinator could not tell)."""
     results = xla.spawn(early_returning_replica, nprocs=1, devices_per_process=2, timeout=150)
     assert results[0] == "returned"
     *failures, alone = results[1]
     assert alone == [b"x"]
-    for (message, waited), what in zip(failures, ("xm.rendezvous('after')", "xm.mesh_reduce('after')")):
+    whats = ("xm.rendezvous('after')", "xm.mesh_reduce('after')", "rendezvous('after')", "barrier('after')")
+    assert len(failures) == len(whats), failures
+    for (message, waited), what in zip(failures, whats):
         assert message.startswith(f"{what} needs ordinal 0 of this process, whose replica (spawn's fn) has already ended")
         assert waited < 5
 
