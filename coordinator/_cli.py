@@ -713,7 +713,7 @@ def summarize_job(job) -> dict:
                 "leftPids": [p.pid for p in procs if p.left],
                 "tasks": format_ranges(p.task_id for p in procs),
                 "ordinals": format_ranges(entry["ordinals"]),
-                "lastHeartbeatAge": max(p.last_seen_age for p in procs),
+                "lastSeenAge": max(p.last_seen_age for p in procs),
             }
         )
     not_registered = [o for o in range(job.world_size) if o not in by_ordinal]
@@ -735,7 +735,7 @@ def summarize_job(job) -> dict:
                     "pids": sorted(p.pid for p in procs.values()),
                     "deadPids": sorted(p.pid for p in procs.values() if _dead(p)),
                     "leftPids": sorted(p.pid for p in procs.values() if p.left),
-                    "lastHeartbeatAge": max((p.last_seen_age for p in procs.values()), default=None),
+                    "lastSeenAge": max((p.last_seen_age for p in procs.values()), default=None),
                 }
             )
         rounds.append(
@@ -796,11 +796,11 @@ def render_status(response, address: str) -> str:
                     f"{h['processes']}" + "".join(f" ({h[k]} {k})" for k in ("dead", "left") if h[k]),
                     _pids(h["pids"], set(h["deadPids"]), set(h["leftPids"])),
                     h["ordinals"],
-                    f"{_age(h['lastHeartbeatAge'])} ago",
+                    f"{_age(h['lastSeenAge'])} ago",
                 ]
                 for h in summary["hosts"]
             ]
-            lines += [""] + _table(["HOST", "PROCESSES", "PIDS", "ORDINALS", "LAST HEARTBEAT"], rows)
+            lines += [""] + _table(["HOST", "PROCESSES", "PIDS", "ORDINALS", "LAST SEEN"], rows)
         if summary["pendingRounds"]:
             rows = []
             for r in summary["pendingRounds"]:
@@ -816,8 +816,8 @@ def render_status(response, address: str) -> str:
                         missing.append(f"{m['ranges']} not registered")
                         continue
                     detail = [f"pid{'s' if len(m['pids']) != 1 else ''} {_pids(m['pids'], set(m['deadPids']), set(m['leftPids']))}"]
-                    if m["lastHeartbeatAge"] is not None:
-                        detail.append(f"last heartbeat {_age(m['lastHeartbeatAge'])} ago")
+                    if m["lastSeenAge"] is not None:
+                        detail.append(f"last seen {_age(m['lastSeenAge'])} ago")
                     missing.append(f"{m['ranges']} on {m['host']} ({', '.join(detail)})")
                 rows.append(
                     [r["round"], r["group"], tag, f"{r['arrived']}/{r['expected']}", _age(r["ageSeconds"]), missing]

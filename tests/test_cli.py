@@ -244,7 +244,8 @@ def test_status_table_and_json_show_a_stuck_round():
         ], text
         assert all(row[-2:] == ["s", "ago"] for row in host_rows)
         (round_row,) = [line for line in text.splitlines() if "'step'" in line]
-        assert re.match(r"^\s+0\s+all\s+'step'\s+4/8\s+\d+\.\d s\s+4-5 on sim-host-2 \(pid \d+, last heartbeat", round_row), text
+        assert re.match(r"^\s+0\s+all\s+'step'\s+4/8\s+\d+\.\d s\s+4-5 on sim-host-2 \(pid \d+, last seen \d+\.\d s ago\)$", round_row), text
+        assert re.search(r"^\s+HOST\s+PROCESSES\s+PIDS\s+ORDINALS\s+LAST SEEN$", text, re.M), text
         assert re.search(r"^\s+6-7 not registered$", text, re.M), text
 
         as_json = run_cli("status", "--address", server.address, "--json")
@@ -257,7 +258,8 @@ def test_status_table_and_json_show_a_stuck_round():
         assert pending["round"] == 0 and pending["expected"] == 8 and pending["arrived"] == [0, 1, 2, 3]
         assert pending["tags"] == [{"tag": "step", "ordinals": [0, 1, 2, 3]}]
         assert [(m["host"], m["ordinals"]) for m in pending["missingByHost"]] == [("sim-host-2", [4, 5]), (None, [6, 7])]
-        assert pending["missingByHost"][0]["pids"] == [pid]
+        assert pending["missingByHost"][0]["pids"] == [pid] and pending["missingByHost"][0]["lastSeenAge"] >= 0
+        assert all(h["lastSeenAge"] >= 0 for h in job["hosts"])
         assert "4-5 on sim-host-2" in pending["missingSummary"] and "6-7 never registered" in pending["missingSummary"]
         assert isinstance(job["participants"][0]["pid"], int)
 
