@@ -1441,12 +1441,13 @@ class Core:
         process.alive = False
         process.left = left
         process.death = reason
-        job.dead |= process.ordinals
+        ordinals = self._task_ordinals(job, process)
+        job.dead |= ordinals
         message = (
-            f"{_ordinals_word(sorted(process.ordinals))} ({process.label()}, task "
+            f"{_ordinals_word(sorted(ordinals))} ({process.label()}, task "
             f"{process.task_id}) {'left' if left else 'died'}: {reason}"
         )
-        self._event(job, "PROCESS_LEFT" if left else "PROCESS_DEAD", process, message)
+        self._event(job, "PROCESS_LEFT" if left else "PROCESS_DEAD", process, message, ordinals)
         for rnd in list(job.pending.values()):
             dead = self._dead_members(job, rnd)
             if dead:
@@ -1478,13 +1479,23 @@ class Core:
         self._changed()
 
     @staticmethod
+    def _task_ordinals(job: Job, process: Process) -> set[int]:
+        """Every ordinal of the process's task, its threads bound or not (they are gone with
+        it: a round needing one it never bound must not wait for it)."""
+        if job.devices_per_task is None or job.tasks.get(process.task_id) != process.incarnation:
+            return process.ordinals
+        first = process.task_id * job.devices_per_task
+        return process.ordinals | set(range(first, first + job.devices_per_task))
+
+    @staticmethod
     def _dead_members(job: Job, rnd: Round) -> list[int]:
         return sorted(o for o in job.dead if rnd.has_member(o)) if job.dead else []
 
     def _death_error(self, job: Job, rnd: Round, dead: list[int]) -> CoreError:
-        gone = [p for p in job.processes.values() if not p.alive and p.ordinals & set(dead)]
-        deaths = "; ".join(f"{_ordinals_word(sorted(p.ordinals))} on {p.label()}: {p.death}" for p in gone)
-        verb = "left" if all(p.left for p in gone) else "died"
+        gone = [(p, self._task_ordinals(job, p)) for p in job.processes.values() if not p.alive]
+        gone = [(p, ordinals) for p, ordinals in gone if not ordinals.isdisjoint(dead)]
+        deaths = "; ".join(f"{_ordinals_word(sorted(ordinals))} on {p.label()}: {p.death}" for p, ordinals in gone)
+        verb = "left" if all(p.left for p, _ in gone) else "died"
         return CoreError(Code.ABORTED, f"{rnd.describe()} cannot complete: a member {verb} ({deaths})")
 
     def _replace(self, job: Job, old: Process, newcomer: str, now: float) -> None:
@@ -1493,7 +1504,8 @@ class Core:
         for ordinal in old.ordinals:
             job.members.pop(ordinal, None)
         job.runtime_owners = None
-        job.dead -= old.ordinals
+        ordinals = self._task_ordinals(job, old)
+        job.dead -= ordinals
         del job.processes[old.incarnation]
         self._new_generation(job)
         if old.alive:
@@ -1501,7 +1513,7 @@ class Core:
         else:
             was = f"{'left' if old.left else 'died'}: {old.death}" if old.death else "had stopped"
         message = (
-            f"task {old.task_id} ({_ordinals_word(sorted(old.ordinals))}) restarted: {newcomer} "
+            f"task {old.task_id} ({_ordinals_word(sorted(ordinals))}) restarted: {newcomer} "
             f"replaces {old.label()}, which {was}"
         )
         job.replaced[old.incarnation] = message
@@ -1512,15 +1524,15 @@ class Core:
                 job, rnd,
                 CoreError(Code.ABORTED, f"job {job.name!r} moved to generation {job.generation}: {message}; {rnd.describe()} is void"),
             )
-        self._event(job, "PROCESS_RESTARTED", old, message)
+        self._event(job, "PROCESS_RESTARTED", old, message, ordinals)
 
-    def _event(self, job: Job, kind: str, process: Process, message: str) -> None:
+    def _event(self, job: Job, kind: str, process: Process, message: str, ordinals: set[int]) -> None:
         self._changed()
         job.events.append(
             Event(
                 kind=kind,
                 generation=job.generation,
-                ordinals=tuple(sorted(process.ordinals)),
+                ordinals=tuple(sorted(ordinals)),
                 host=process.host,
                 message=message,
             )

@@ -1816,6 +1816,28 @@ def test_a_silent_process_is_declared_dead_and_every_round_needing_it_fails_nami
     assert pod.core.kv_get(JOB, ["after"]) == [b"death"]
 
 
+def test_a_dead_process_takes_the_ordinals_of_its_task_it_never_bound_with_it():
+    """Task 1 of 2 x 2 bound thread 0 alone, then died: the rounds needing its ordinal 3 (no
+    thread of it ever arrived) fail naming it, pending ones at once and later ones as they
+    come (they waited out their deadlines); its replacement brings them back."""
+    pod = Pod(Core(heartbeat_timeout=5), 2, 2)
+    pod.register(0)
+    pod.register(1, threads=[0])
+    pending = pod.arrive([0, 1], replicas=[0, 1, 3], now=1.0, deadline=100.0)
+    pod.core.touch(JOB, incarnation_of(0), now=8.0)
+    pod.core.check_liveness(8.0)
+    assert_message(pod.error(pending), Code.ABORTED, "a member died (ordinals 2-3 on host-0 pid 1001: no heartbeat")
+    (event,) = pod.core.events(JOB, 0)[1]
+    assert event.kind == "PROCESS_DEAD" and event.ordinals == (2, 3), event
+    later = pod.arrive(0, tag="later", replicas=[0, 3], now=9.0, deadline=100.0)
+    assert_message(pod.error(later), Code.ABORTED, "ordinals 2-3 on host-0 pid 1001")
+    pod.register(1, now=10.0, incarnation="new-1", threads=[0])
+    assert not pod.core.jobs[JOB].dead
+    assert "task 1 (ordinals 2-3) restarted" in pod.core.events(JOB, 0)[1][-1].message
+    again = pod.arrive(0, tag="again", replicas=[0, 3], now=11.0, deadline=100.0)
+    assert pod.outcome(again) is None  # pending: waits for ordinal 3 of the new process
+
+
 def test_without_a_heartbeat_timeout_nobody_is_declared_dead():
     pod = make_pod(2)
     pod.core.check_liveness(1e9)
