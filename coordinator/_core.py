@@ -143,6 +143,12 @@ def _ordinals_word(ordinals: Sequence[int]) -> str:
     return f"ordinal{'s' if len(ordinals) != 1 else ''} {format_ranges(ordinals)}"
 
 
+# What an error's message may take: what the servicer sends of it (client/_session.py's
+# clip, for gRPC's trailer); of that, what describe_missing keeps to count what it leaves out.
+_MESSAGE_CHARACTERS = 2000
+_REST_CHARACTERS = 120
+
+
 def _missing_word(ordinals: Sequence[int]) -> str:
     """The missing ordinals before their description by host (describe_missing): as ranges
     when short, else their count. (The ranges twice, the first list long, filled the 2,000
@@ -953,8 +959,11 @@ class Core:
         job = self._job(job_name)
         return self._participants(job, now=None) if job.complete else None
 
-    def describe_missing(self, job: Job, ordinals: Sequence[int], now: float) -> str:
-        """Missing ordinals as ranges with their hosts and how long ago each was seen."""
+    def describe_missing(self, job: Job, ordinals: Sequence[int], now: float, *, budget: int | None = None) -> str:
+        """Missing ordinals as ranges with their hosts and how long ago each was seen. With
+        ``budget`` (characters), the hosts that fit, then a count of the rest: an error's
+        message has to fit in a gRPC trailer (client/_session.py, clip), which cut it
+        anywhere and named nobody past the cut."""
         by_where: dict[str, list[int]] = collections.defaultdict(list)
         ages: dict[str, float] = {}
         for ordinal in ordinals:
@@ -972,8 +981,30 @@ class Core:
             text = f"{format_ranges(group)} {where}"
             if where in ages:
                 text += f" (last seen {_duration(ages[where])} s ago)"
-            parts.append(text)
-        return "; ".join(parts)
+            parts.append((text, len(group), where in ages))
+        described = "; ".join(text for text, _, _ in parts)
+        if budget is None or len(described) <= budget:
+            return described
+        shown, used = [], 0
+        for text, _, _ in parts:
+            if used + len(text) + 2 > budget - _REST_CHARACTERS:
+                break
+            shown.append(text)
+            used += len(text) + 2
+        rest = parts[len(shown):]
+        hosts = sum(on_host for _, _, on_host in rest)
+        where = " or ".join(
+            ([f"on {hosts} more {'host' if hosts == 1 else 'hosts'}"] if hosts else [])
+            + (["never registered"] if hosts < len(rest) else [])
+        )
+        count = sum(n for _, n, _ in rest)
+        return "; ".join(shown + [f"and {_plural(count, 'more ordinal')} {where} (`pjrt-rendezvous status` lists them all)"])
+
+    def _with_missing(self, job: Job, head: str, missing: Sequence[int], now: float) -> str:
+        """``head``, then the missing ordinals and where they are, within _MESSAGE_CHARACTERS."""
+        word = _missing_word(missing)
+        budget = max(_MESSAGE_CHARACTERS - len(head) - len(word) - 3, 2 * _REST_CHARACTERS)
+        return f"{head}{word} ({self.describe_missing(job, missing, now, budget=budget)})"
 
     def world_timeout(self, job_name: str, now: float, waited: float) -> CoreError:
         job = self._job(job_name)
@@ -985,9 +1016,13 @@ class Core:
         missing = [o for o in range(job.world_size) if o not in job.members]
         return CoreError(
             Code.DEADLINE_EXCEEDED,
-            f"job {job_name!r} world incomplete after {_duration(waited)} s: "
-            f"{len(job.members)} of {job.world_size} ordinals registered; missing "
-            f"{_missing_word(missing)} ({self.describe_missing(job, missing, now)})",
+            self._with_missing(
+                job,
+                f"job {job_name!r} world incomplete after {_duration(waited)} s: "
+                f"{len(job.members)} of {job.world_size} ordinals registered; missing ",
+                missing,
+                now,
+            ),
         )
 
     # -- rendezvous -----------------------------------------------------------------------
@@ -1404,10 +1439,14 @@ class Core:
                     rnd,
                     CoreError(
                         Code.DEADLINE_EXCEEDED,
-                        f"{rnd.describe()} timed out after {_duration(now - rnd.started)} s (counted from the "
-                        f"first call to reach the coordinator) with "
-                        f"{len(rnd.arrivals)} of {rnd.size} arrived; missing "
-                        f"{_missing_word(missing)} ({self.describe_missing(job, missing, now)})",
+                        self._with_missing(
+                            job,
+                            f"{rnd.describe()} timed out after {_duration(now - rnd.started)} s (counted from "
+                            f"the first call to reach the coordinator) with {len(rnd.arrivals)} of {rnd.size} "
+                            "arrived; missing ",
+                            missing,
+                            now,
+                        ),
                     ),
                 )
 

@@ -1008,6 +1008,34 @@ def test_a_timeout_in_a_large_pod_names_hosts_within_what_a_client_keeps():
     assert re.findall(r"on host-\d+", message)[:3] == ["on host-1", "on host-3", "on host-5"]
 
 
+def test_a_timeout_missing_many_hosts_names_those_that_fit_and_counts_the_rest():
+    """1,024 tasks x 2 on 256 hosts, 100 tasks silent: the description by host (about 4,300
+    characters) went through the 2,000 a message keeps (clip), cut anywhere, naming 40 of
+    88 hosts and nothing of the rest; now it names the hosts that fit and counts the others,
+    every missing ordinal accounted for. The status keeps the whole description."""
+    from pjrt_rendezvous.client._session import clip
+
+    tasks = 1024
+    pod = Pod(Core(), tasks, 2)
+    silent = set(random.Random(1).sample(range(tasks), 100))
+    everywhere = {f"t1v-n-{task // 4:03d}" for task in silent}
+    for task in range(tasks):
+        pod.register(task, host=f"t1v-n-{task // 4:03d}")
+    for task in sorted(set(range(tasks)) - silent):
+        key = pod.arrive([task * 2, task * 2 + 1], now=1.0, deadline=10.0)
+    (waiting,) = pod.core.status(5.0, JOB, participants=False)[0].pending_rounds
+    assert set(re.findall(r"on (t1v-n-\d+) \(last seen", waiting.missing_summary)) == everywhere
+    pod.core.expire(11.0)
+    message = pod.error(key).message
+    assert len(message) <= 2000 and clip(message) == message, len(message)
+    named = re.findall(r"([-, 0-9]+) on (t1v-n-\d+) \(last seen", message.split("(", 1)[1])
+    rest, hosts = re.search(r"; and (\d+) more ordinals on (\d+) more hosts \(`pjrt-rendezvous status` lists them all\)\)$", message).groups()
+    assert {host for _, host in named} < everywhere and len(named) + int(hosts) == len(everywhere), message
+    ranges = [r.split("-") for text, _ in named for r in text.strip(" ;").split(", ")]
+    listed = sum(int(r[-1]) - int(r[0]) + 1 for r in ranges)
+    assert listed + int(rest) == 200, (listed, rest)
+
+
 def test_the_round_deadline_is_the_earliest_member_deadline():
     """A later member with an earlier deadline moves the round's deadline forward; None never extends it."""
     pod = make_pod(4)
