@@ -70,7 +70,10 @@ def _port(text: str) -> int:
     try:
         port = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"port must be an integer, got {text!r}") from None
+        hint = ""
+        if text.strip().startswith("tcp://"):  # what Kubernetes sets for a Service named pjrt-rendezvous
+            hint = " (a Kubernetes service link? set enableServiceLinks: false in the pod: deploy/kubernetes/README.md)"
+        raise argparse.ArgumentTypeError(f"port must be an integer, got {text!r}{hint}") from None
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {port}")
     return port

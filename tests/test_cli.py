@@ -591,6 +591,7 @@ def test_a_flag_wins_over_its_malformed_variable():
         server.stop()
     refused = run_cli("serve", env=link, timeout=30)
     assert refused.returncode == 2 and "PJRT_RENDEZVOUS_PORT='tcp://10.0.0.1:7481'" in refused.stderr, refused.stderr
+    assert "a Kubernetes service link? set enableServiceLinks: false" in refused.stderr, refused.stderr
 
 
 def test_serve_refuses_a_token_grpc_cannot_send_naming_where_it_came_from(tmp_path):
