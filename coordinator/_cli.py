@@ -303,7 +303,11 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "listens when serve's PJRT_RENDEZVOUS_PORT is set (as in the image); token and TLS come from "
         "the client variables (PJRT_RENDEZVOUS_TOKEN, PJRT_RENDEZVOUS_TLS_CA, ...).",
     )
-    status.add_argument("--address", help="coordinator host:port (default: as the client finds it)")
+    status.add_argument(
+        "--address",
+        help="coordinator host:port (default: PJRT_RENDEZVOUS_ADDRESS, else where serve listens when "
+        "PJRT_RENDEZVOUS_PORT is set, else as a client finds it: TPU worker 0, else localhost)",
+    )
     status.add_argument("--job", default="", help="one job (default: every job)")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument(
