@@ -125,10 +125,11 @@ def init(
         if _client is not None and _client._closed:  # closed by hand: a new one, as after shutdown()
             _client = None
         if _client is not None:
-            if explicit and args != _init_args:
+            differ = [k for k in explicit if args != _init_args and not _same(_client, k, args[k])]
+            if differ:
                 raise UsageError(
                     f"init() was already called in this process with other arguments (now "
-                    f"{explicit}); call shutdown() first to change them"
+                    f"{differ}); call shutdown() first to change them"
                 )
             return _client
         env = os.environ if env is None else env
@@ -143,6 +144,22 @@ def init(
             atexit.register(shutdown)  # leave the job on a normal exit
             _atexit_registered = True
         return _client
+
+
+def _same(client: Client, name: str, value) -> bool:
+    """Whether init()'s argument ``name`` asks for what ``client`` has already (it may have
+    been made by an init() without arguments: a Store's, spawn's)."""
+    if name == "address":
+        try:
+            return normalize_address(value, "init(address=)") == client.settings.address
+        except UsageError:
+            return False
+    if name == "topology":
+        return value == client.topology
+    if name == "env":
+        used = None if _init_args is None else _init_args["env"]
+        return dict(value) == dict(os.environ if used is None else used)
+    return getattr(client.settings, name, _same) == value
 
 
 def shutdown() -> None:

@@ -7,6 +7,7 @@ import faulthandler
 import gc
 import logging
 import multiprocessing
+import os
 import re
 import subprocess
 import signal
@@ -265,6 +266,29 @@ def test_init_is_idempotent_and_refuses_different_arguments(coordinator):
         assert pr.init() is first and pr.init(coordinator.address, env={}) is first
         with pytest.raises(pr.UsageError, match="already called"):
             pr.init("127.0.0.1:1", env={})
+    finally:
+        pr.shutdown()
+
+
+def test_init_with_what_an_init_without_arguments_already_chose_returns_its_client(coordinator, monkeypatch):
+    """A client made by init() without arguments (a Store's, spawn's) is what init(address)
+    with the same address asks for, however written, and the same job or timeout (it was
+    refused as "already called with other arguments"); a different one is still refused."""
+    pr.shutdown()
+    host, port = coordinator.address.rsplit(":", 1)
+    monkeypatch.setenv("PJRT_RENDEZVOUS_ADDRESS", coordinator.address)
+    monkeypatch.setenv("PJRT_RENDEZVOUS_TIMEOUT", "30")
+    try:
+        first = pr.init()
+        assert pr.init(coordinator.address) is first and pr.init(f" {host}:{port}") is first
+        assert pr.init(job="default", timeout=30, env=dict(os.environ)) is first
+        for args, kwargs, named in [
+            ((f"{host}:{int(port) + 1}",), {}, "['address']"),
+            ((coordinator.address,), {"job": "other"}, "['job']"),
+            ((), {"timeout": 31, "batch_window": 1.0}, "['timeout']"),
+        ]:
+            with pytest.raises(pr.UsageError, match=re.escape(f"with other arguments (now {named})")):
+                pr.init(*args, **kwargs)
     finally:
         pr.shutdown()
 
