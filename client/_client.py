@@ -1071,9 +1071,12 @@ class Client:
                 finally:
                     del error, handed, outcome  # no cycle through this frame (it holds the payload)
             return payloads
+        held = None  # how long the first thread waited for its siblings before it sent
         if not send:
             if first:
+                began = time.monotonic()
                 send = self._wait_for_sender(key, batch, waiter)
+                held = time.monotonic() - began if send else None
             else:
                 waiter.acquire()  # released when the round is done (_pass_on)
                 _pass_on(batch, waiter)
@@ -1081,6 +1084,8 @@ class Client:
             try:
                 batch.payloads = self._send_round(replicas, group, round_number, batch)
             except BaseException as exc:
+                if held is not None and held >= 0.01 and isinstance(exc, RendezvousTimeout):
+                    exc = self._held_timeout(exc, held, batch)
                 batch.error = exc
                 if isinstance(exc, ParticipantFailedError):
                     self._refresh_generation()
@@ -1098,6 +1103,24 @@ class Client:
                 raise batch.error
             raise _copy_error(batch.error) from batch.error.__cause__
         return list(batch.payloads)
+
+    def _held_timeout(self, exc: RendezvousTimeout, held: float, batch: _Batch) -> RendezvousTimeout:
+        """``exc``, saying that the call waited in this process first: the coordinator counts
+        from when it came ("timed out after 0.0014 s" for a timeout of 0.5 s)."""
+        from pjrt_rendezvous.coordinator._core import format_ranges
+
+        with self._lock:
+            absent = [o for o in self._local_ordinals() if o not in batch.contributions]
+        absent = [o for o in absent if batch.members is None or o in batch.members]
+        waited_for = (
+            f"ordinal{'s' if len(absent) > 1 else ''} {format_ranges(absent)} of its own" if absent else "its other threads"
+        )
+        error = RendezvousTimeout(
+            f"{exc} (this process sent its call {held:.2g} s after its first thread arrived: it waited "
+            f"for {waited_for} for up to the batch window)"
+        )
+        error.__cause__ = exc
+        return error
 
     def _stand_in_calls(self, call: tuple) -> tuple[LockType, list] | None:
         """With the lock held (against close() and the bindings changing): hands a call of

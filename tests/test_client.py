@@ -551,6 +551,38 @@ def test_replicas_may_be_a_numpy_array(coordinator):
         client.close()
 
 
+def test_a_timeout_spent_in_the_batch_window_says_so(coordinator):
+    """A sibling thread that does not come: the first thread waits for it (the batch window)
+    before it sends, and the coordinator, counting from the call's arrival, said "timed out
+    after 0.0014 s" of a timeout of 0.5; the error now says where the rest went."""
+    client = make_client(coordinator.address, devices=2, timeout=20, batch_window=1.0)
+    warm = threading.Barrier(2)
+    caught = []
+
+    def thread(index: int):
+        with client.bind_thread(index) as binding:
+            client.rendezvous(binding, "warm")
+            warm.wait(10)
+            if index == 0:
+                with pytest.raises(pr.RendezvousTimeout) as raised:
+                    client.rendezvous(binding, "alone", timeout=0.5)
+                caught.append(str(raised.value))
+            warm.wait(10)  # bound, not calling, until thread 0 has its answer
+
+    try:
+        threads = [threading.Thread(target=thread, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        (message,) = caught
+        assert "missing ordinal 1" in message, message
+        assert re.search(r"\(this process sent its call 0\.[45]\d* s after its first thread arrived: it waited for "
+                         r"ordinal 1 of its own for up to the batch window\)$", message), message
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize("watch", [True, False], ids=["watch-heard-it", "watch-silent"])
 def test_a_restart_fails_each_surviving_thread_once_then_all_meet_in_the_new_generation(coordinator, watch):
     """Task 1 restarts while the survivor's thread 0 waits in a round (its batch window)
