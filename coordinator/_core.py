@@ -1098,9 +1098,11 @@ class Core:
             if not rnd.finished:
                 self._fail(state, rnd, error)
             raise error
-        if rnd.result is not None or (rnd.arrivals and not rnd.arrivals.keys().isdisjoint(ordinals)):
+        if rnd.result is not None or (rnd.error is None and rnd.arrivals and not rnd.arrivals.keys().isdisjoint(ordinals)):
             self._check_resent(rnd, contributions)  # (the common case: nothing to compare)
         if rnd.finished:
+            if rnd.error is not None and rnd.arrivals and rnd.arrivals.keys().isdisjoint(ordinals):
+                raise self._too_late(rnd, ordinals, tags[0])
             return rnd
         dead = self._dead_members(state, rnd)
         if not rnd.arrivals:
@@ -1378,7 +1380,20 @@ class Core:
     def _fail(self, job: Job, rnd: Round, error: CoreError) -> None:
         rnd.error = error
         self._finish(job, rnd)
-        rnd.arrivals = {}  # payloads are no longer needed; the message names the tags
+        # The payloads are no longer needed (the message names the tags); who arrived is, to
+        # tell a resent call from one that comes after the failure (_too_late).
+        rnd.arrivals = dict.fromkeys(rnd.arrivals)
+
+    @staticmethod
+    def _too_late(rnd: Round, ordinals: Sequence[int], tag: str) -> CoreError:
+        """The error of a call that comes to ``rnd`` after it failed: the round's own, which
+        names the caller as missing, under the tag the others brought, said to be that."""
+        return CoreError(
+            rnd.error.code,
+            f"{_ordinals_word(sorted(ordinals))} called with tag {tag!r} as {rnd.describe()}, which had "
+            f"failed before it came (its round counter for the group moves on with its peers'): "
+            f"{rnd.error.message}",
+        )
 
     def _fail_if_deadlocked(self, job: Job, start: Round) -> None:
         """Fails every round of a wait cycle through ``start``.

@@ -398,7 +398,7 @@ def test_render_status_marks_dead_processes_and_groups_hosts_naturally():
     assert re.search(r"host-2\s+1 \(1 dead\)\s+101 \(dead\)\s+1\s+1 min 15 s ago", text), text
     assert re.search(r"host-10\s+2 \(1 left\)\s+100, 102 \(left\)\s+0, 2\s+9.0 s ago", text), text
     assert re.search(
-        r"7\s+0-1\s+'a'\s+1/2\s+1 h 2 min\s+1 on host-2 \(pid 101 \(dead\), last heartbeat 1 min 15 s ago\)", text
+        r"7\s+0-1\s+'a'\s+1/2\s+1 h 2 min\s+1 on host-2 \(pid 101 \(dead\), last seen 1 min 15 s ago\)", text
     ), text
     assert _cli.render_status(pb.StatusResponse(), "x:1") == "coordinator x:1: no jobs\n"
 

@@ -764,7 +764,12 @@ def test_tag_mismatch_fails_the_round_for_everyone_naming_who_brought_what():
         "ordinal 3 had not arrived",
     )
     assert pod.wakeups("round") == [pod.round_wakeup(ALL, 0)]
-    assert pod.arrive(3, tag="save") == key
+    assert pod.arrive(1, tag="step") == key  # a resend gets the round's error as it is
+    # One coming after the failure is told so (it got the round's error alone, which names
+    # it as not arrived, under a tag that may not be its own).
+    with raises(Code.FAILED_PRECONDITION, "ordinal 3 called with tag 'later' as rendezvous 'save' on all ordinals (round 0), "
+                "which had failed before it came (its round counter for the group moves on with its peers'): tag mismatch"):
+        pod.arrive(3, tag="later")
     assert pod.outcome(key).error is error
     assert pod.core.take_wakeups() == []
 
@@ -784,7 +789,8 @@ def test_duplicate_ordinals_in_replicas_fail_the_groups_round():
         pod.arrive(1, replicas=[0, 1, 2, 2])
     assert pod.error(waiting) is caught.error
     assert pod.wakeups("round") == [pod.round_wakeup((0, 1, 2), 0)]
-    assert pod.arrive(2, replicas=[0, 1, 2]) == waiting
+    with raises(Code.INVALID_ARGUMENT, "ordinal 2 called with tag 't' as", f"before it came (its round counter for the group moves on with its peers'): {caught.error.message}"):
+        pod.arrive(2, replicas=[0, 1, 2])
     assert pod.error(waiting) is caught.error
 
 
@@ -1692,7 +1698,13 @@ def simulate(
                 and scripts[o][pc[o]] == call
                 and rng.random() < 0.5
             ]
-            key = send(batch, call)
+            try:
+                key = send(batch, call)
+            except CoreError as late:  # the round failed before these came (Core._too_late)
+                for o in batch:
+                    seen[(call.index, o)] = late
+                    pc[o] += 1
+                continue
             for o in batch:
                 waiting[o] = key
             if rng.random() < 0.2:
@@ -1770,9 +1782,12 @@ def test_a_single_tag_deviation_fails_that_round_for_every_member_alike(program,
     outcome = simulate(tasks, devices, calls, random.Random(seed), tags={(bad.index, deviant): tag})
     errors = [outcome.seen[(bad.index, o)] for o in bad.members]
     assert all(isinstance(e, CoreError) for e in errors), errors
-    assert all(e is errors[0] for e in errors)
+    # The round's error, or for a member that came after it failed, the round's error said to be so.
+    base = min(errors, key=lambda e: len(e.message))
+    assert all(e is base or (e.code is base.code and e.message.endswith(f"had failed before it came (its round counter "
+               f"for the group moves on with its peers'): {base.message}")) for e in errors), errors
     assert_message(
-        errors[0],
+        base,
         Code.FAILED_PRECONDITION,
         f"tag mismatch in round {bad.number}",
         f"ordinal {deviant} called rendezvous({tag!r})",
