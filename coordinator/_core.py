@@ -57,6 +57,7 @@ _REQUEST_IDS_KEPT = 100_000
 # in memory and in the state file; longer ones are refused, not kept.
 MAX_REQUEST_ID_LENGTH = 256
 _REPLACED_KEPT = 1024  # replaced incarnations remembered per job, for their late calls' errors
+_REFUSED_KEPT = 1024  # tasks whose registration was refused, remembered per job (Core.register)
 _OUTSIDER_CALLS_KEPT = 1024  # ordinals' calls from outside their replicas remembered per job (Core._replicas_group)
 _EVENTS_KEPT = 1000  # the latest events of a job (EventLog)
 _DECLARED = "the coordinator's --world-size"
@@ -398,6 +399,11 @@ class Job:
     # register again (two live processes would take the task from each other). The latest
     # _REPLACED_KEPT.
     replaced: collections.OrderedDict[str, str] = dataclasses.field(default_factory=collections.OrderedDict)
+    # Task id -> why its latest registration was refused, while it has none (Core.register):
+    # the latest _REFUSED_KEPT.
+    refused: collections.OrderedDict[int, str] = dataclasses.field(
+        default_factory=collections.OrderedDict, repr=False
+    )
     # (generation, group, ordinal, round number) of the latest calls from outside their
     # replicas, per ordinal (_OUTSIDER_CALLS_KEPT): a resend of one fails no second round.
     outsider_calls: collections.OrderedDict[tuple, None] = dataclasses.field(
@@ -649,6 +655,26 @@ class Core:
         self._changed()
 
     def register(self, now: float, request: Registration) -> Registered:
+        """Registers threads of one process and assigns their ordinals (see _register). A
+        refused registration is remembered for its task, so that a wait for its ordinals
+        says why they are missing instead of "never registered" (describe_missing)."""
+        try:
+            registered = self._register(now, request)
+        except CoreError as exc:
+            job = self.jobs.get(request.job)
+            if job is not None and exc.code is not Code.RESOURCE_EXHAUSTED and request.task_id >= 0:
+                job.refused[request.task_id] = (
+                    f"{request.host} pid {request.pid} was refused: {exc.message[:300]}"
+                    + ("..." if len(exc.message) > 300 else "")
+                )
+                job.refused.move_to_end(request.task_id)
+                while len(job.refused) > _REFUSED_KEPT:
+                    job.refused.popitem(last=False)
+            raise
+        self.jobs[request.job].refused.pop(request.task_id, None)
+        return registered
+
+    def _register(self, now: float, request: Registration) -> Registered:
         """Registers threads of one process and assigns their ordinals.
 
         ``ordinal = task_id * devices_per_task + thread_index`` and
@@ -970,7 +996,8 @@ class Core:
             member = job.members.get(ordinal)
             owner = job.tasks.get(ordinal // job.devices_per_task) if job.devices_per_task else None
             if member is None and owner is None:
-                by_where["never registered"].append(ordinal)
+                refused = job.refused.get(ordinal // job.devices_per_task) if job.devices_per_task else None
+                by_where["never registered" if refused is None else f"not registered ({refused})"].append(ordinal)
                 continue
             process = job.processes[member.incarnation if member else owner]
             where = f"on {process.host or 'an unnamed host'}" + ("" if process.alive else " (dead)")
@@ -995,7 +1022,7 @@ class Core:
         hosts = sum(on_host for _, _, on_host in rest)
         where = " or ".join(
             ([f"on {hosts} more {'host' if hosts == 1 else 'hosts'}"] if hosts else [])
-            + (["never registered"] if hosts < len(rest) else [])
+            + (["not registered"] if hosts < len(rest) else [])
         )
         count = sum(n for _, n, _ in rest)
         return "; ".join(shown + [f"and {_plural(count, 'more ordinal')} {where} (`pjrt-rendezvous status` lists them all)"])
@@ -1525,6 +1552,7 @@ class Core:
         job.runtime_owners = None
         job.dead.clear()
         job.blocked.clear()
+        job.refused.clear()
         if job.world_fixed_by != _DECLARED:
             job.world_size = None
         job.devices_per_task = None  # (a declared world size may be split anew)

@@ -605,6 +605,29 @@ def test_world_timeout_lists_missing_ordinals_as_ranges():
     )
 
 
+def test_a_wait_for_the_ordinals_of_a_refused_registration_says_why_they_are_missing():
+    """Task 1 was refused (another world size): the world's timeout and a round's said its
+    ordinals "never registered", the reason only in task 1's own log; they name its host and
+    the refusal now, until the task registers."""
+    pod = make_pod(3, 2, register=False)
+    pod.register(0)
+    pod.register(2)
+    with raises(Code.FAILED_PRECONDITION, "has world size 6"):
+        pod.core.register(1.0, registration(1, 4, 2))
+    assert_message(
+        pod.core.world_timeout(JOB, now=30.0, waited=30.0),
+        Code.DEADLINE_EXCEEDED,
+        "missing ordinals 2-3 (2-3 not registered (host-0 pid 1001 was refused: job 'job' has world size 6 ",
+        "but task 1 on host-0 pid 1001 declares 4 tasks x 2 devices = 8",
+    )
+    key = pod.arrive([0, 1], deadline=40.0)
+    pod.arrive([4, 5], deadline=40.0)
+    pod.core.expire(40.0)
+    assert "missing ordinals 2-3 (2-3 not registered (host-0 pid 1001 was refused: job 'job' has world size 6" in pod.error(key).message
+    pod.register(1, now=41.0)  # mended: nothing is left of the refusal
+    assert not pod.core.jobs[JOB].refused
+
+
 def test_world_timeout_of_a_job_without_a_world_says_nobody_registered():
     """A job that exists only through its key-value store times out saying no process registered."""
     core = Core()
