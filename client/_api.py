@@ -290,7 +290,7 @@ def _rendezvous(what: str, tag: str, payload: bytes, replicas: Sequence[int], ti
             raise UsageError(f"replicas {replicas} are out of range for a world of one")
         return [payload]
     if _ended:
-        _check_ended(what, tag, replicas)
+        replicas = _check_ended(what, tag, replicas)
     return binding.client.rendezvous(binding, tag, payload, replicas, timeout=timeout)
 
 
@@ -300,9 +300,11 @@ def _rendezvous(what: str, tag: str, payload: bytes, replicas: Sequence[int], ti
 _ended: set[int] = set()
 
 
-def _check_ended(what: str, tag: str, replicas: Sequence[int] | None) -> None:
+def _check_ended(what: str, tag: str, replicas: Sequence[int] = ()) -> list[int]:
     """Refuses a round that needs an ordinal of this process whose replica has ended: it
-    would wait for it until its timeout (torch_xla's for ever)."""
+    would wait for it until its timeout (torch_xla's for ever). Returns ``replicas`` as the
+    list of ints the call is to take (read once: a generator, a numpy array)."""
+    replicas = _check_call(tag, replicas)
     ended = sorted(_ended if not replicas else _ended.intersection(replicas))
     if ended:
         raise ParticipantFailedError(
@@ -310,6 +312,7 @@ def _check_ended(what: str, tag: str, replicas: Sequence[int] | None) -> None:
             "replica (spawn's fn) has already ended: it would wait for it until its timeout; "
             "every replica must make the same calls"
         )
+    return replicas
 
 
 def barrier(tag: str, *, replicas: Sequence[int] = (), timeout=DEFAULT) -> None:

@@ -338,7 +338,7 @@ def _rendezvous(tag: str, payload: bytes = b"", replicas: Sequence[int] = ()) ->
         _refuse_unbound("xm.rendezvous()")
         return _originals["rendezvous"](tag, payload, [] if replicas is None else list(replicas))  # (None too, as torch_xla's)
     if _api._ended:
-        _api._check_ended("xm.rendezvous", tag, replicas)
+        replicas = _api._check_ended("xm.rendezvous", tag, replicas)
     return binding.client.rendezvous(binding, tag, payload, replicas)
 
 
@@ -370,7 +370,7 @@ def _mesh_reduce(tag: str, data: Any, reduce_fn: Callable[[list], Any]) -> Any:
         _refuse_unbound("xm.mesh_reduce()")
         return _originals["mesh_reduce"](tag, data, reduce_fn)
     if _api._ended:
-        _api._check_ended("xm.mesh_reduce", tag, None)
+        _api._check_ended("xm.mesh_reduce", tag)
     import torch
     import torch_xla.core.xla_model as xm
 

@@ -1123,9 +1123,10 @@ class Core:
                 f"{over}; round {round_number} of {describe_group(group)} fails for every member",
             )
             if not rnd.finished:
+                rnd.arrivals.update(dict.fromkeys(ordinals))  # (it came: a resend of part of it is not late)
                 self._fail(state, rnd, error)
             raise error
-        if rnd.result is not None or (rnd.error is None and rnd.arrivals and not rnd.arrivals.keys().isdisjoint(ordinals)):
+        if rnd.result is not None or (rnd.arrivals and not rnd.arrivals.keys().isdisjoint(ordinals)):
             self._check_resent(rnd, contributions)  # (the common case: nothing to compare)
         if rnd.finished:
             if rnd.error is not None and rnd.arrivals and rnd.arrivals.keys().isdisjoint(ordinals):
@@ -1218,6 +1219,8 @@ class Core:
     @staticmethod
     def _check_resent(rnd: Round, contributions: Sequence[ContributionRow]) -> None:
         """Refuses a call that brings a contribution ``rnd`` already has with other content."""
+        if rnd.error is not None:
+            return  # a failed round keeps who came, not what they brought (_fail)
         for ordinal, tag, payload, _ in contributions:
             if rnd.result is not None:
                 previous = rnd.result[rnd.position(ordinal)]
@@ -1414,13 +1417,18 @@ class Core:
     @staticmethod
     def _too_late(rnd: Round, ordinals: Sequence[int], tag: str) -> CoreError:
         """The error of a call that comes to ``rnd`` after it failed: the round's own, which
-        names the caller as missing, under the tag the others brought, said to be that."""
-        return CoreError(
-            rnd.error.code,
-            f"{_ordinals_word(sorted(ordinals))} called with tag {tag!r} as {rnd.describe()}, which had "
-            f"failed before it came (its round counter for the group moves on with its peers'): "
-            f"{rnd.error.message}",
+        names the caller as missing, under the tag the others brought, said to be that (the
+        round's message shortened at a "; " to keep the whole within _MESSAGE_CHARACTERS)."""
+        shown = repr(tag) if len(tag) <= 40 else f"{tag[:40]!r}..."
+        head = (
+            f"{_missing_word(sorted(ordinals))} called with tag {shown} as {rnd.describe()}, which had "
+            "failed before it came (its round counter for the group moves on with its peers'): "
         )
+        message = rnd.error.message
+        if len(head) + len(message) > _MESSAGE_CHARACTERS:
+            cut = message.rfind("; ", 0, max(0, _MESSAGE_CHARACTERS - len(head) - 4))
+            message = f"{message[:cut] if cut > 0 else message[: max(0, _MESSAGE_CHARACTERS - len(head) - 4)]} ..."
+        return CoreError(rnd.error.code, head + message)
 
     def _fail_if_deadlocked(self, job: Job, start: Round) -> None:
         """Fails every round of a wait cycle through ``start``.

@@ -797,6 +797,53 @@ def test_tag_mismatch_fails_the_round_for_everyone_naming_who_brought_what():
     assert pod.core.take_wakeups() == []
 
 
+def test_a_relays_calls_resent_per_process_after_a_failure_get_the_rounds_error():
+    """A host relay's combined call that failed is resent process by process (client/_relay.py):
+    after a move to a new generation, each resend gets the round's ABORTED (it was refused as
+    resent "with a different tag or payload": a failed round keeps who came, not what they
+    brought); after a combined call refused for a payload over the limit, each gets that
+    error, not the one of a call that came late."""
+    pod = Pod(Core(), 3, 1)
+    for task in range(3):
+        pod.register(task)
+    combined = [Contribution(0, "t", payload_of(0), ""), Contribution(1, "t", payload_of(1), incarnation_of(1))]
+    rnd = pod.core.arrive(1.0, job=JOB, incarnation=incarnation_of(0), replicas=[], round_number=0,
+                          contributions=combined, deadline=100.0, generation=1)
+    pod.register(2, now=2.0, incarnation="new-2")  # the job moves: the round is void
+    for task in (0, 1):
+        resent = pod.core.arrive(3.0, job=JOB, incarnation=incarnation_of(task), replicas=[], round_number=0,
+                                 contributions=[Contribution(task, "t", payload_of(task))], deadline=100.0, generation=1)
+        assert resent is rnd and rnd.error.code is Code.ABORTED
+
+    pod = Pod(Core(Limits(max_payload_bytes=8)), 3, 1)
+    for task in range(3):
+        pod.register(task)
+    pod.arrive(2, deadline=100.0)
+    over = [Contribution(0, "t", b"ok", ""), Contribution(1, "t", b"x" * 20, incarnation_of(1))]
+    with raises(Code.RESOURCE_EXHAUSTED, "the payload of ordinal 1 is 20 bytes"):
+        pod.core.arrive(1.0, job=JOB, incarnation=incarnation_of(0), replicas=[], round_number=0,
+                        contributions=over, deadline=100.0)
+    key = pod.arrive(0, payloads={0: b"ok"}, deadline=100.0)
+    assert pod.error(key).message.startswith("the payload of ordinal 1 is 20 bytes")
+
+
+def test_a_late_call_to_a_round_whose_error_is_long_keeps_within_what_a_message_keeps():
+    """The late call's error adds its words before the round's, shortened where a part ends:
+    past 2,000 characters, the end of it was cut anywhere on the way (clip)."""
+    from pjrt_rendezvous.client._session import clip
+
+    pod = make_pod(1024, 1, limits=Limits(max_world_size=4096))
+    for task in range(0, 1024, 2):
+        key = pod.arrive(task, deadline=5.0)
+    pod.core.expire(5.0)
+    with raises(Code.DEADLINE_EXCEEDED, "ordinal 1 called with tag 'late' as rendezvous 't' on all ordinals (round 0), "
+                "which had failed before it came") as late:
+        pod.arrive(1, tag="late")
+    message = late.error.message
+    assert len(message) <= 2000 and clip(message) == message and message.endswith(" ago) ..."), message[-200:]
+    assert pod.error(key).message[:1000] in message
+
+
 def test_tags_mismatching_inside_one_batched_call_fail_the_round():
     """Two threads of one process bringing different tags in one call fail the round."""
     pod = make_pod(2, 2)

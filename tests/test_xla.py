@@ -126,6 +126,8 @@ def early_returning_replica(index):
 
     from pjrt_rendezvous.client import xla
 
+    import numpy
+
     if index == 0:
         return "returned"
     while 0 not in pr._api._ended:  # (ordinal 0 has returned)
@@ -135,7 +137,7 @@ def early_returning_replica(index):
         lambda: xm.rendezvous("after", b"", [0, 1]),
         lambda: xm.mesh_reduce("after", 1, sum),
         lambda: pr.rendezvous("after", b""),
-        lambda: pr.barrier("after", replicas=[0, 1]),
+        lambda: pr.barrier("after", replicas=numpy.array([0, 1])),  # (numpy has no truth value)
     )
     for call in calls:
         started = time.monotonic()
@@ -145,6 +147,7 @@ def early_returning_replica(index):
         except pr.ParticipantFailedError as exc:
             outcome.append((str(exc), time.monotonic() - started))
     outcome.append(xm.rendezvous("alone", b"x", [1]))  # a round without it is fine
+    outcome.append(pr.rendezvous("alone", b"y", (o for o in [1])))  # (a generator, read once)
     return outcome
 
 
@@ -621,8 +624,8 @@ def test_a_round_needing_a_sibling_replica_that_returned_fails_at_once(torch_xla
     coordinator could not tell)."""
     results = xla.spawn(early_returning_replica, nprocs=1, devices_per_process=2, timeout=150)
     assert results[0] == "returned"
-    *failures, alone = results[1]
-    assert alone == [b"x"]
+    *failures, alone, alone_again = results[1]
+    assert alone == [b"x"] and alone_again == [b"y"]
     whats = ("xm.rendezvous('after')", "xm.mesh_reduce('after')", "rendezvous('after')", "barrier('after')")
     assert len(failures) == len(whats), failures
     for (message, waited), what in zip(failures, whats):
