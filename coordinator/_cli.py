@@ -202,7 +202,8 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "in brackets; a flag on the command line wins.",
         epilog="Exit codes: 0 stopped by a signal; 2 settings refused (a malformed value, or values "
         "that contradict each other: starting again cannot help); 1 anything else (a port in use, "
-        "a file that cannot be read, a state file that cannot be used or written).",
+        "a file or folder that is not there or cannot be read, a state file that cannot be used or "
+        "written, a failure while serving).",
     )
 
     # A bad serve variable is reported by `serve` only (unless its flag is given, see _Flag):
@@ -465,6 +466,7 @@ def _serve(args, env: Mapping[str, str]) -> int:
                 running.metrics_port, url=f"http://{address}/metrics",
             )
 
+    configured = False
     try:
         options = ServerOptions(
             host=args.host,
@@ -484,6 +486,7 @@ def _serve(args, env: Mapping[str, str]) -> int:
             metrics_host=args.metrics_host,
             late_after=args.late_after,
         )
+        configured = True
         serve_forever(options, on_ready=ready)
     except (CoreError, StateFileError, RuntimeError, OSError, ValueError) as exc:
         why = str(exc)
@@ -495,9 +498,11 @@ def _serve(args, env: Mapping[str, str]) -> int:
                 "name another with --session-port PORT, 0 for a free one, or off)"
             )
         _failed(args.log_format, f"pjrt-rendezvous serve: {why}")
-        # 2 as for a malformed flag (the unit does not restart on it); a file that cannot be
-        # read is 1: it may be there on the next try (a secret mounted late)
-        return 2 if isinstance(exc, ValueError) and not isinstance(exc.__cause__, OSError) else 1
+        # 2 as for a malformed flag (the unit does not restart on it): settings refused before
+        # serving; not a file or folder that cannot be read (it may be there on the next try:
+        # a secret or volume mounted late), nor what fails once it runs
+        refused = not configured and isinstance(exc, ValueError) and not isinstance(exc.__cause__, OSError)
+        return 2 if refused else 1
     return 0
 
 

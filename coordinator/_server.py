@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import functools
 import gc
 import hmac
@@ -179,7 +180,9 @@ class ServerOptions:
         if self.token is not None and not self.token.strip():
             raise ValueError("the token is empty")
         if self.state_file is not None and not pathlib.Path(self.state_file).parent.is_dir():
-            raise ValueError(f"the folder of the state file {self.state_file} (--state-file) does not exist")
+            raise ValueError(  # (from an OSError: serve exits 1, to try again: a volume mounted late)
+                f"the folder of the state file {self.state_file} (--state-file) does not exist"
+            ) from FileNotFoundError(errno.ENOENT, "no such folder", str(pathlib.Path(self.state_file).parent))
 
 
 class _Token:
