@@ -491,7 +491,7 @@ class Client:
             if isinstance(error, RendezvousTimeout):  # (its times count from the resend the coordinator saw)
                 error = RendezvousTimeout(
                     f"{error} (the call waited {time.monotonic() - began:.1f} s in all: it was sent again "
-                    "after the coordinator could not be reached)"
+                    "after an attempt failed)"
                 )
             raise error from exc
 
