@@ -298,6 +298,7 @@ _PING = b""  # a ping's request is empty
 # largest message it received, so that a message comes in one read without a buffer
 # allocated for it and copied out again. Past _RECEIVE_MAX (kept for the session's life),
 # a message comes in several reads, joined: a few copies matter less at that size.
+_SEND_PIECE = 1 << 16  # a larger message is sent in pieces of this (SocketSession._send_all)
 _RECEIVE = 1 << 16
 _RECEIVE_MAX = 4 << 20
 # The largest message a serving end (FramedSession) takes: protobuf's own limit. The
@@ -356,6 +357,7 @@ class SocketSession(Session):
         self._peer = peer
         self._ping = ping  # (every, timeout): see _keepalive
         self._send_lock = threading.Lock()
+        self._sending = 0.0  # when the send under way last got bytes out (_send_all)
         self._init_calls()
         self._reading = threading.Lock()  # held by the caller reading answers for all
         self._parked: set[_Pending] = set()  # callers blocked for their answer, who may read next
@@ -369,12 +371,21 @@ class SocketSession(Session):
         """A connection that silently stops passing bytes (a dead host, a dropped NAT entry,
         a frozen peer) must fail within seconds so its calls are resent, as gRPC's keepalive
         does for its stream: after ``every`` seconds without an answer, a ping (a call
-        without a method) must be answered within ``timeout`` (``self._ping``)."""
+        without a method) must be answered within ``timeout`` (``self._ping``). A send
+        that holds the connection meanwhile must have got bytes out within ``timeout``
+        (a large one to a frozen peer blocks for ever, and the ping behind it)."""
         every, timeout = self._ping
         while self.broken is None:
             time.sleep(max(0.0, self.heard + every - time.monotonic()))
             if self.broken is not None or time.monotonic() - self.heard < every:
                 continue
+            if not self._send_lock.acquire(True, timeout):
+                if time.monotonic() - self._sending >= timeout:
+                    log.warning("%s took no bytes for %g s; closing the connection", self._peer, timeout)
+                    self.close(f"{self._peer} took no bytes for {timeout:g} s")
+                    return
+                continue  # a large send going out: no ping needed to see it alive
+            self._send_lock.release()
             try:
                 self.call("", _PING, timeout)
             except grpc.RpcError as exc:
@@ -390,7 +401,11 @@ class SocketSession(Session):
         (a stopped process's socket still takes connections)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
+            # A frozen relay's full backlog would block a connect for ever (with a timeout,
+            # it fails at once: EAGAIN).
+            sock.settimeout(RELAY_PING_TIMEOUT)
             sock.connect(path)
+            sock.settimeout(None)
             # Only a relay of this user: another could have made the folder and the socket first.
             _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
         except OSError as exc:
@@ -432,12 +447,25 @@ class SocketSession(Session):
     def _write_bytes(self, data: bytes) -> None:
         try:
             with self._send_lock:
-                self._socket.sendall(data)
+                self._send_all(data)
         except OSError as exc:
-            error = StatusError(grpc.StatusCode.UNAVAILABLE, f"{self._peer} went away: {exc}")
-            self._break(error)  # the next call opens a new session
+            self._break(StatusError(grpc.StatusCode.UNAVAILABLE, f"{self._peer} went away: {exc}"))
+            self._close_unless_read()  # (the next call opens a new session)
+            raise self.broken from exc  # the first reason: the keepalive's, if it broke the send
+        if self.broken is not None:  # broken while it sent: not closed under its feet, so here
             self._close_unless_read()
-            raise error from exc
+
+    def _send_all(self, data: bytes) -> None:
+        """With ``_send_lock`` held: ``data``, a large one in pieces, each noted in
+        ``_sending`` as it starts (the keepalive's sign that bytes still go out)."""
+        self._sending = time.monotonic()
+        if len(data) <= _SEND_PIECE:
+            self._socket.sendall(data)
+            return
+        view = memoryview(data)
+        while view:
+            self._sending = time.monotonic()
+            view = view[self._socket.send(view[:_SEND_PIECE]) :]
 
     def _send(self, call_id: int, method: str = "", request: bytes = b"", cancel: bool = False) -> None:
         self._write_bytes(encode_call(call_id, method, request, cancel, True))
@@ -509,7 +537,11 @@ class SocketSession(Session):
                 for message in take_frames(self._buffer):
                     self._dispatch(message)
             if self.broken is not None:  # over, here or in another thread: the reader closes
-                self._socket.close()
+                if self._send_lock.acquire(False):  # (else the sender does, _write_bytes)
+                    try:
+                        self._socket.close()
+                    finally:
+                        self._send_lock.release()
                 return
             if pending.response is not None or pending.error is not None:
                 return
@@ -578,10 +610,15 @@ class SocketSession(Session):
         self.close()
 
     def _close_unless_read(self) -> None:
-        """Closes the (broken) socket now unless a caller reads it: that one closes it."""
+        """Closes the (broken) socket now unless a caller reads or writes it: that one closes
+        it (a descriptor closed under a thread's feet could be another socket's by then)."""
         if self._reading.acquire(False):
             try:
-                self._socket.close()
+                if self._send_lock.acquire(False):
+                    try:
+                        self._socket.close()
+                    finally:
+                        self._send_lock.release()
             finally:
                 self._reading.release()
 

@@ -516,6 +516,49 @@ def test_a_session_whose_peer_is_gone_is_broken_for_good_so_the_next_call_opens_
         assert session.broken is not None
 
 
+def test_a_large_send_to_a_peer_that_takes_no_bytes_fails_within_the_keepalive():
+    """A frozen peer (a host relay under a debugger): a send larger than the socket's buffers
+    blocked for ever, holding the send lock the keepalive's ping needs (a 4 MB payload was
+    still stuck after 25 s); now a send that gets no bytes out for the ping's timeout ends the
+    session, and the call fails as UNAVAILABLE (to be resent). The socket is closed once."""
+    ours, theirs = socket.socketpair()  # nobody reads theirs
+    session = SocketSession(ours, "a frozen peer", (0.5, 0.5))
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as failed:
+        session.call("Rendezvous", b"x" * 8_000_000, 30.0)
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE and "took no bytes for 0.5 s" in failed.value.details()
+    assert time.monotonic() - started < 10
+    assert ours.fileno() == -1  # closed, by the sender once it left
+    theirs.close()
+
+
+def test_a_connect_to_a_frozen_relay_whose_backlog_is_full_fails_at_once(tmp_path):
+    """A relay that stopped accepting: each refused try left a connection in its backlog,
+    and once it was full every connect blocked for ever, outside any call's deadline."""
+    path = str(tmp_path / "relay")
+    frozen = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    frozen.bind(path)
+    frozen.listen(1)  # and never accepts
+    queued = []
+    try:
+        while True:  # fill its backlog
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            queued.append(sock)
+            try:
+                sock.connect(path)
+            except BlockingIOError:
+                break
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as failed:
+            SocketSession.local(path)
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - started < 5
+    finally:
+        for sock in queued:
+            sock.close()
+        frozen.close()
+
+
 class FakePeer:
     """The far end of a SocketSession on a socket pair: notes each call's id by method and
     answers when told (a test drives the timing of answers)."""
