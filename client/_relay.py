@@ -45,7 +45,7 @@ import grpc
 
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
-from ._errors import CoordinatorUnavailableError, RemoteError
+from ._errors import CoordinatorUnavailableError, RemoteError, RendezvousTimeout
 from ._session import Call, FramedSession, Malformed, parser, session_answer
 from ._wire import Row, contribution_rows, set_contribution_rows
 
@@ -89,6 +89,11 @@ class _HostRound:
     deadline: float | None = None  # the earliest of them
     timer: asyncio.TimerHandle | None = None
     send_at: float = 0.0  # the timer's time (time.monotonic())
+    first_at: float = 0.0  # when its first call came
+    # Once sent on: how long it was held, and the host's ordinals it was held for, which did
+    # not come (a timeout says so: the coordinator counts from when the call reached it).
+    held: float = 0.0
+    absent: list[int] = dataclasses.field(default_factory=list)
 
 
 class Relay:
@@ -196,10 +201,10 @@ class Relay:
         self._tasks[request.incarnation] = rows[0][0] // self._devices
         key = (request.job, request.generation, tuple(request.replicas), request.round)
         host_round = self._rounds.get(key)
-        if host_round is None:
-            host_round = self._rounds[key] = _HostRound(arrived=set(self._forwarded.get(key, ())))
-        answer = self._loop.create_future()
         now = time.monotonic()
+        if host_round is None:
+            host_round = self._rounds[key] = _HostRound(arrived=set(self._forwarded.get(key, ())), first_at=now)
+        answer = self._loop.create_future()
         deadline = now + request.timeout if request.HasField("timeout") else None
         host_round.requests.append(request)
         host_round.deadlines.append(deadline)
@@ -249,6 +254,8 @@ class Relay:
             return
         if host_round.timer is not None:
             host_round.timer.cancel()
+        host_round.held = time.monotonic() - host_round.first_at
+        host_round.absent = sorted(self._expected(host_round.requests[0].replicas) - host_round.arrived)
         self._forwarded[key] = host_round.arrived
         self._forwarded.move_to_end(key)
         if len(self._forwarded) > _FORWARDED_KEPT:
@@ -267,7 +274,22 @@ class Relay:
         sent.add_done_callback(lambda done: hand_out(done.result()))
 
     def _send(self, host_round: _HostRound) -> list:
-        """In a sender thread: one call for every request; each one's outcome."""
+        """In a sender thread: one call for every request; each one's outcome (a timeout
+        saying how long the relay held the call, and for whom)."""
+        outcomes = self._send_all(host_round)
+        if host_round.held < 0.01:
+            return outcomes
+        from pjrt_rendezvous.coordinator._core import format_ranges
+
+        absent = host_round.absent
+        waited_for = f"ordinal{'s' if len(absent) > 1 else ''} {format_ranges(absent)} of this host" if absent else "this host's processes"
+        note = (
+            f" (this host's relay sent the call {host_round.held:.2g} s after the first of its processes' "
+            f"came: it waited for {waited_for} for up to the batch window)"
+        )
+        return [RendezvousTimeout(f"{o}{note}") if isinstance(o, RendezvousTimeout) else o for o in outcomes]
+
+    def _send_all(self, host_round: _HostRound) -> list:
         requests, deadline = host_round.requests, host_round.deadline
         first = requests[0]
         combined = pb.RendezvousRequest(

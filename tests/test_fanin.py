@@ -4,6 +4,7 @@ processes (two threads each) in this process, each host's first process running 
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -189,6 +190,9 @@ def test_a_relay_holds_a_round_at_most_half_the_time_left_before_its_deadline(co
         error, took = results[ordinal]
         assert isinstance(error, pr.RendezvousTimeout) and took < 5, (ordinal, error, took)
         assert "missing ordinals 2-3 " in str(error), str(error)
+        # (the coordinator counts from the call's arrival, half the timeout after it was made)
+        assert re.search(r"\(this host's relay sent the call 0\.[45]\d* s after the first of its processes' came: "
+                         r"it waited for ordinals 2-3 of this host for up to the batch window\)$", str(error)), str(error)
     for c in clients:
         c.close()
 
