@@ -541,8 +541,9 @@ class Client:
         """The open session to the coordinator, or with ``relay`` to the host's relay when
         fan-in is on and the relay has not failed lately; a new one after the last broke
         (they are opened lazily)."""
-        if relay and self._relay_path is not None:
-            session = self._relay_or_none()
+        path = self._relay_path  # (read once: a relay that fails to start sets it to None)
+        if relay and path is not None:
+            session = self._relay_or_none(path)
             if session is not None:
                 return session
         with self._session_lock:
@@ -552,7 +553,7 @@ class Client:
                 self._current_session = self._open_session()
             return self._current_session
 
-    def _relay_or_none(self) -> SocketSession | None:
+    def _relay_or_none(self, path: str) -> SocketSession | None:
         """The session with the host's relay; None while it is avoided, or when a new one
         cannot be had (then it is avoided longer). A new one is opened outside the session
         lock: it waits for the relay's answer to a ping, which other calls must not."""
@@ -564,7 +565,7 @@ class Client:
             if self._relay_session is not None and self._relay_session.broken is None:
                 return self._relay_session
         try:
-            session = SocketSession.local(self._relay_path)
+            session = SocketSession.local(path)
         except grpc.RpcError as exc:
             with self._session_lock:
                 if time.monotonic() >= self._relay_retry[0]:  # (not already by another thread)
