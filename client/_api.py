@@ -295,8 +295,8 @@ def _rendezvous(what: str, tag: str, payload: bytes, replicas: Sequence[int], ti
 
 
 # Ordinals of this process whose replica (xla.spawn's fn) has ended, returning or raising: a
-# sibling's round that needs one fails at once (_check_ended). The coordinator cannot tell:
-# the process, still running its other replicas, has not left.
+# sibling's round that needs one fails at once (_check_ended), before it is sent (spawn tells
+# the coordinator too, Client.end_replicas, for the rounds already waiting and elsewhere).
 _ended: set[int] = set()
 
 

@@ -75,6 +75,7 @@ _TIMED = {m.name for m in _METHODS if "timeout" in m.input_type.fields_by_name} 
 _RELAY_RETRY = 5.0
 _RELAY_RETRY_MAX = 80.0
 _REFRESH_TIMEOUT = 5.0  # seconds for the job's generation after a failed round (_refresh_generation)
+_END_TIMEOUT = 5.0  # seconds to tell the coordinator that replicas ended (end_replicas)
 # The coordinator's session port: how long to try connecting. After a connection refused (a
 # coordinator restarting, a container that does not publish the port) or one that timed out
 # (a firewall, or SYNs lost in a start-up burst) calls stay on gRPC, and the heartbeat
@@ -714,6 +715,19 @@ class Client:
         if calls is not None:
             calls.put(None)  # ends the thread once the calls before it are done
         self._channel.close()
+
+    def end_replicas(self, ordinals: Sequence[int], reason: str) -> None:
+        """Tells the coordinator that the threads of these ordinals (this process's) are
+        done while the process goes on: the rounds that need one fail now and later, naming
+        ``reason``, instead of waiting for them until their timeout (best effort: a failure
+        is logged; this process's own calls are refused by ``xla.spawn`` regardless)."""
+        if self._closed:  # (its Leave said more)
+            return
+        request = pb.EndReplicasRequest(job=self.settings.job, incarnation=self.incarnation, ordinals=ordinals, reason=reason)
+        try:
+            self._call("EndReplicas", request, time.monotonic() + _END_TIMEOUT)
+        except (RendezvousError, UsageError) as exc:
+            log.warning("could not tell the coordinator that the replicas of ordinals %s ended: %s", list(ordinals), exc)
 
     # -- liveness -------------------------------------------------------------------------
 

@@ -850,6 +850,7 @@ def _child_main(task: int, nprocs: int, env: dict, payload: bytes, reports) -> N
 
     def run(index: int) -> None:
         ordinal = ordinals[index]
+        how = "returned"
         try:
             with bind_device(index, client=client) as binding:  # devices[index] is xla:<index>
                 try:
@@ -866,9 +867,12 @@ def _child_main(task: int, nprocs: int, env: dict, payload: bytes, reports) -> N
                     ) from exc
             put("result", ordinal, blob)
         except BaseException as exc:  # noqa: BLE001 -- every failure goes to the parent
+            how = f"raised {type(exc).__name__}: {str(exc).partition(chr(10))[0]}"
             put("error", ordinal, _pickled_error(exc), traceback.format_exc())
-        finally:  # after its report: a sibling refused for it (_check_ended) reports after it
-            _api._ended.add(ordinal)
+        finally:  # after its report: a replica that fails for it reports after it
+            _api._ended.add(ordinal)  # (its siblings' later calls: _check_ended)
+            if len(ordinals) > 1:  # (a process of one leaves now; its rounds fail then)
+                client.end_replicas([ordinal], how)  # (the rounds already waiting for it)
 
     threads = [
         threading.Thread(target=run, args=(i,), name=f"pjrt-rendezvous-device-{i}")

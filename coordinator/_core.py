@@ -171,6 +171,8 @@ class Process:
     alive: bool = True
     left: bool = False  # gone by its own Leave rather than declared dead
     death: str = ""
+    # Ordinals of its threads whose replicas ended while it goes on (Core.end_replicas) -> how.
+    ended: dict[int, str] = dataclasses.field(default_factory=dict)
 
     def label(self) -> str:
         return f"{self.host} pid {self.pid}"
@@ -867,6 +869,9 @@ class Core:
         process.last_seen = now
         self._changed()
         owners = job.runtime_owners
+        for a in assignments:  # a thread bound again after its replica ended is back
+            if process.ended.pop(a.ordinal, None) is not None:
+                job.dead.discard(a.ordinal)
         for member in new_members:
             job.members[member.ordinal] = member
             process.ordinals.add(member.ordinal)
@@ -1542,6 +1547,33 @@ class Core:
             if dead:
                 self._fail(job, rnd, self._death_error(job, rnd, dead))
 
+    def end_replicas(self, job_name: str, incarnation: str, ordinals: Sequence[int], reason: str, now: float) -> None:
+        """Threads of a live process are done (their replicas, ``xla.spawn``'s fn, ended)
+        while it goes on running others: every pending round that needs one of their
+        ordinals fails now, and every later one at once (they would wait for them until
+        their timeout; the process has not left, so nothing else tells)."""
+        job = self._job(job_name)
+        process = self._process(job, incarnation, now)
+        strangers = sorted(set(ordinals) - process.ordinals)
+        if strangers:
+            raise CoreError(
+                Code.INVALID_ARGUMENT,
+                f"{_ordinals_word(strangers)} {'is' if len(strangers) == 1 else 'are'} not bound by "
+                f"this process ({process.label()}, task {process.task_id}), which binds "
+                f"{format_ranges(sorted(process.ordinals)) or 'none'}: it can end only its own",
+            )
+        reason = reason or "ended"
+        if len(reason) > _REST_CHARACTERS:  # (told by the client: its error's first line)
+            reason = reason[: _REST_CHARACTERS - 3] + "..."
+        for ordinal in ordinals:
+            process.ended[ordinal] = reason
+        job.dead.update(ordinals)
+        self._changed()
+        for rnd in list(job.pending.values()):
+            dead = self._dead_members(job, rnd)
+            if dead:
+                self._fail(job, rnd, self._death_error(job, rnd, dead))
+
     def leave(self, job_name: str, incarnation: str) -> None:
         """A process is done: its ordinals are gone now, not after the heartbeat timeout."""
         job = self._job(job_name)
@@ -1582,11 +1614,19 @@ class Core:
         return sorted(o for o in job.dead if rnd.has_member(o)) if job.dead else []
 
     def _death_error(self, job: Job, rnd: Round, dead: list[int]) -> CoreError:
-        gone = [(p, self._task_ordinals(job, p)) for p in job.processes.values() if not p.alive]
-        gone = [(p, ordinals) for p, ordinals in gone if not ordinals.isdisjoint(dead)]
-        deaths = "; ".join(f"{_ordinals_word(sorted(ordinals))} on {p.label()}: {p.death}" for p, ordinals in gone)
-        verb = "left" if all(p.left for p, _ in gone) else "died"
-        return CoreError(Code.ABORTED, f"{rnd.describe()} cannot complete: a member {verb} ({deaths})")
+        causes, verbs = [], set()
+        for p in job.processes.values():
+            if not p.alive:
+                ordinals = self._task_ordinals(job, p)
+                if not ordinals.isdisjoint(dead):
+                    causes.append(f"{_ordinals_word(sorted(ordinals))} on {p.label()}: {p.death}")
+                    verbs.add("left" if p.left else "died")
+            elif p.ended:
+                for ordinal in sorted(p.ended.keys() & dead):
+                    causes.append(f"ordinal {ordinal} on {p.label()}: its replica {p.ended[ordinal]}")
+                    verbs.add("ended")
+        verb = " or ".join(sorted(verbs))  # ("died or left": some were declared dead, some left)
+        return CoreError(Code.ABORTED, f"{rnd.describe()} cannot complete: a member {verb} ({'; '.join(causes)})")
 
     def _replace(self, job: Job, old: Process, newcomer: str, now: float) -> None:
         """A new incarnation takes over a process's task (dead, or restarted on its host

@@ -423,6 +423,13 @@ class Servicer(pb_grpc.CoordinatorServicer):
         await self._persist()
         return pb.LeaveResponse()
 
+    @_translated
+    async def EndReplicas(self, request: pb.EndReplicasRequest, context) -> pb.EndReplicasResponse:
+        self._core.end_replicas(request.job, request.incarnation, request.ordinals, request.reason, self._clock())
+        self._wake()
+        await self._persist()
+        return pb.EndReplicasResponse()
+
     async def Watch(self, request: pb.WatchRequest, context):
         """Streams the job's events (deaths, restarts) from ``request.after`` on (unset: from
         now on), after a marker naming the index of the next one: a client whose stream broke

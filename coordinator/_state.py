@@ -127,6 +127,7 @@ def snapshot(core: Core, now: float | None = None) -> dict:
                         "alive": p.alive,
                         "left": p.left,
                         "death": p.death,
+                        "ended": [[o, how] for o, how in sorted(p.ended.items())],
                         **({"seen_ago": now - p.last_seen} if now is not None and not p.alive else {}),
                     }
                     for p in job.processes.values()
@@ -199,6 +200,7 @@ def restore(
                 alive=p["alive"],
                 left=p["left"],
                 death=p["death"],
+                ended={o: how for o, how in p.get("ended", ())},  # (not in files before it was kept)
             )
         job.tasks = {int(t): i for t, i in d["tasks"].items()}
         for ordinal, local_ordinal, thread_index, incarnation, runtime_ordinal in d["members"]:

@@ -551,6 +551,47 @@ def test_replicas_may_be_a_numpy_array(coordinator):
         client.close()
 
 
+def test_a_replica_that_ends_fails_the_rounds_waiting_for_it_at_once(coordinator):
+    """Task 0's thread 1 is done (end_replicas, as xla.spawn says when a replica returns or
+    raises) while task 1's threads wait in a round that needs it, one bound thread of task 0
+    still running: they fail at once naming it (they waited out their
+    timeout: its process had not left). A round without it still completes."""
+    clients = [make_client(coordinator.address, tasks=2, devices=2, task=t, timeout=60, batch_window=0.01) for t in (0, 1)]
+    outcome = {}
+    try:
+        bindings = _threads({t: (lambda t=t: clients[0].bind_thread(t)) for t in (0, 1)})
+
+        waiters = _threads({t: (lambda t=t: clients[1].bind_thread(t)) for t in (0, 1)})
+
+        def waiting(index: int) -> None:
+            started = time.monotonic()
+            with pytest.raises(pr.ParticipantFailedError) as raised:
+                clients[1].rendezvous(waiters[index], "needs-1")
+            outcome[index] = (str(raised.value), time.monotonic() - started)
+
+        threads = [in_thread(lambda i=i: waiting(i)) for i in (0, 1)]
+        deadline = time.monotonic() + 30
+        while sum(len(r.missing) for j in clients[0].status().jobs for r in j.pending_rounds) != 2:
+            assert time.monotonic() < deadline, "task 1 never waited"
+            time.sleep(0.05)
+        clients[0].end_replicas([1], "raised ValueError: gave up")
+        for t in threads:
+            t.join(30)
+        for index in (0, 1):
+            message, waited = outcome[index]
+            assert "cannot complete: a member ended (ordinal 1 on " in message, message
+            assert message.endswith(": its replica raised ValueError: gave up)"), message
+            assert waited < 20, waited
+        paired = _threads({
+            0: lambda: clients[0].rendezvous(bindings[0], "pair", b"p0", [0, 2]),
+            2: lambda: clients[1].rendezvous(waiters[0], "pair", b"p2", [0, 2]),
+        })
+        assert paired == {0: [b"p0", b"p2"], 2: [b"p0", b"p2"]}, paired
+    finally:
+        for c in clients:
+            c.close()
+
+
 def test_a_timeout_spent_in_the_batch_window_says_so(coordinator):
     """A sibling thread that does not come: the first thread waits for it (the batch window)
     before it sends, and the coordinator, counting from the call's arrival, said "timed out

@@ -1951,6 +1951,49 @@ def test_a_dead_process_takes_the_ordinals_of_its_task_it_never_bound_with_it():
     assert pod.outcome(again) is None  # pending: waits for ordinal 3 of the new process
 
 
+def test_an_ended_replica_fails_the_rounds_that_need_it_now_and_later_and_no_others():
+    """Ordinal 1's replica (task 0's second thread) ended while its process runs ordinal 0
+    on: the pending rounds needing it fail at once naming how it ended, later ones as they
+    come, and rounds without it go on. (They waited for it until their timeout: the process
+    had not left, so nothing told the coordinator.)"""
+    pod = make_pod(2, 2)
+    waiting = pod.arrive([3], replicas=[1, 3], deadline=100.0)
+    pair = pod.arrive([0], replicas=[0, 2], tag="pair", now=1.0, deadline=100.0)  # (without 1)
+    pod.core.end_replicas(JOB, incarnation_of(0), [1], "raised ValueError: gave up", now=2.0)
+    assert_message(
+        pod.error(waiting), Code.ABORTED,
+        "cannot complete: a member ended (ordinal 1 on host-0 pid 1000: its replica raised ValueError: gave up)",
+    )
+    assert pod.outcome(pair) is None
+    pod.arrive([2], replicas=[0, 2], tag="pair", now=3.0)
+    assert pod.result(pair) == [b"p0", b"p2"]
+    later = pod.arrive([3], replicas=[1, 3], tag="later", round_number=1, now=4.0, deadline=100.0)
+    assert_message(pod.error(later), Code.ABORTED, "ordinal 1 on host-0 pid 1000: its replica raised ValueError")
+    assert [p.alive for p in pod.core.status(4.0, JOB)[0].participants] == [True] * 4  # (its process lives)
+    pod.register(0, now=5.0, threads=[1])  # bound again: it is back
+    again = pod.arrive([3], replicas=[1, 3], tag="again", round_number=2, now=6.0, deadline=100.0)
+    assert pod.outcome(again) is None
+    pod.arrive([1], replicas=[1, 3], tag="again", round_number=2, now=7.0)
+    assert pod.result(again) == [b"p1", b"p3"]
+
+
+def test_only_a_live_process_ends_and_only_its_own_replicas():
+    pod = make_pod(2, 2)
+    with raises(Code.INVALID_ARGUMENT, "ordinals 2-3 are not bound by this process (host-0 pid 1000, task 0), which binds 0-1"):
+        pod.core.end_replicas(JOB, incarnation_of(0), [1, 2, 3], "returned", now=1.0)
+    assert not pod.core.jobs[JOB].dead  # (nothing of a refused call)
+    pod.core.leave(JOB, incarnation_of(1))
+    with raises(Code.ABORTED, "was declared dead"):
+        pod.core.end_replicas(JOB, incarnation_of(1), [2], "returned", now=1.0)
+    with raises(Code.FAILED_PRECONDITION, "is not registered"):
+        pod.core.end_replicas(JOB, "stranger", [0], "returned", now=1.0)
+    pod.core.end_replicas(JOB, incarnation_of(0), [1], "x" * 500, now=2.0)  # a long reason is cut
+    key = pod.arrive([0], now=3.0)
+    message = pod.error(key).message
+    assert message.startswith("rendezvous 't' on all ordinals (round 0) cannot complete: a member ended or left (ordinal 1 on host-0 pid 1000: its replica xxx")
+    assert message.endswith("xxx...; ordinals 2-3 on host-0 pid 1001: its client closed)") and "x" * 120 not in message
+
+
 def test_without_a_heartbeat_timeout_nobody_is_declared_dead():
     pod = make_pod(2)
     pod.core.check_liveness(1e9)

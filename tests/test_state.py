@@ -74,6 +74,20 @@ def test_a_dead_process_keeps_how_long_ago_it_was_seen_across_a_restore():
     )
 
 
+def test_an_ended_replica_stays_ended_across_a_restart():
+    core = Core()
+    for task in range(2):
+        core.register(0.0, Registration(
+            job="j", incarnation=f"inc-{task}", host="h", pid=task, task_id=task, num_tasks=2,
+            devices_per_task=2, local_rank=task, threads=(ThreadRequest(thread_index=0), ThreadRequest(thread_index=1)),
+        ))
+    core.end_replicas("j", "inc-0", [1], "returned", now=1.0)
+    restored = _state.restore(json.loads(json.dumps(_state.snapshot(core))), now=2.0)
+    rnd = restored.arrive(3.0, job="j", incarnation="inc-1", replicas=[1, 2], round_number=0,
+                          contributions=[Contribution(ordinal=2, tag="t", payload=b"")], deadline=None)
+    assert "a member ended (ordinal 1 on h pid 0: its replica returned)" in rnd.error.message
+
+
 def test_a_replaced_incarnation_stays_refused_after_a_restart():
     """The incarnation a restart replaced is kept: after the coordinator restarts from its
     state, it still cannot register again and take the task back."""

@@ -217,6 +217,22 @@ class LeaveResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class EndReplicasRequest(_message.Message):
+    __slots__ = ("job", "incarnation", "ordinals", "reason")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ORDINALS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    incarnation: str
+    ordinals: _containers.RepeatedScalarFieldContainer[int]
+    reason: str
+    def __init__(self, job: _Optional[str] = ..., incarnation: _Optional[str] = ..., ordinals: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class EndReplicasResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class WatchRequest(_message.Message):
     __slots__ = ("job", "incarnation", "after")
     JOB_FIELD_NUMBER: _ClassVar[int]

@@ -64,6 +64,11 @@ class CoordinatorStub:
                 request_serializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.LeaveResponse.FromString,
                 _registered_method=True)
+        self.EndReplicas = channel.unary_unary(
+                '/pjrt_rendezvous.v1.Coordinator/EndReplicas',
+                request_serializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.EndReplicasRequest.SerializeToString,
+                response_deserializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.EndReplicasResponse.FromString,
+                _registered_method=True)
         self.KvSet = channel.unary_unary(
                 '/pjrt_rendezvous.v1.Coordinator/KvSet',
                 request_serializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.KvSetRequest.SerializeToString,
@@ -153,6 +158,15 @@ class CoordinatorServicer:
         """A process is done: its ordinals leave the job at once (no heartbeat timeout to wait
         out). When every process of a job has left or died, the next registration starts the
         job afresh.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndReplicas(self, request, context):
+        """Threads of a live process that are done (their replicas, xla.spawn's fn, ended) while
+        the process goes on: every pending round that needs one of their ordinals fails now,
+        and every later one at once, instead of waiting for them until its timeout.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -249,6 +263,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.LeaveRequest.FromString,
                     response_serializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.LeaveResponse.SerializeToString,
+            ),
+            'EndReplicas': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndReplicas,
+                    request_deserializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.EndReplicasRequest.FromString,
+                    response_serializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.EndReplicasResponse.SerializeToString,
             ),
             'KvSet': grpc.unary_unary_rpc_method_handler(
                     servicer.KvSet,
@@ -458,6 +477,33 @@ class Coordinator:
             '/pjrt_rendezvous.v1.Coordinator/Leave',
             pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.LeaveRequest.SerializeToString,
             pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.LeaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndReplicas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pjrt_rendezvous.v1.Coordinator/EndReplicas',
+            pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.EndReplicasRequest.SerializeToString,
+            pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.EndReplicasResponse.FromString,
             options,
             channel_credentials,
             insecure,
