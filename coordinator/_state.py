@@ -75,6 +75,8 @@ def _round_to_json(rnd: Round) -> dict:
         "tag": rnd.tag,
         "result": None if rnd.result is None else [_b(p) for p in rnd.result],
         "error": None if rnd.error is None else [rnd.error.code.name, rnd.error.message],
+        # A failed round's callers, without their payloads: one that comes after is told it came late.
+        **({"arrived": sorted(rnd.arrivals)} if rnd.error is not None else {}),
     }
 
 
@@ -90,6 +92,7 @@ def _round_from_json(d: dict) -> Round:
         tag=d["tag"],
         result=None if d["result"] is None else [_unb(p) for p in d["result"]],
         error=None if d["error"] is None else CoreError(Code[d["error"][0]], d["error"][1]),
+        arrivals=dict.fromkeys(d.get("arrived", ())),  # (not in files before it was kept)
     )
 
 

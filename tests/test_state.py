@@ -88,6 +88,29 @@ def test_an_ended_replica_stays_ended_across_a_restart():
     assert "a member ended (ordinal 1 on h pid 0: its replica returned)" in rnd.error.message
 
 
+def test_a_call_that_comes_to_a_failed_round_after_a_restart_is_told_it_came_late():
+    """A failed round keeps who had called (not what they sent): after a restore, a member
+    that comes late is told so, as before it, and one resending gets the round's error."""
+    core = Core()
+    for task in range(2):
+        core.register(0.0, Registration(
+            job="j", incarnation=f"inc-{task}", host="h", pid=task, task_id=task, num_tasks=2,
+            devices_per_task=1, local_rank=task, threads=(ThreadRequest(thread_index=0),),
+        ))
+    core.arrive(1.0, job="j", incarnation="inc-0", replicas=[], round_number=0,
+                contributions=[Contribution(ordinal=0, tag="t", payload=b"x")], deadline=2.0)
+    core.expire(3.0)
+    restored = _state.restore(json.loads(json.dumps(_state.snapshot(core))), now=4.0)
+
+    def arrive(ordinal: int):
+        return restored.arrive(5.0, job="j", incarnation=f"inc-{ordinal}", replicas=[], round_number=0,
+                               contributions=[Contribution(ordinal=ordinal, tag="late", payload=b"")], deadline=None)
+
+    assert "timed out" in arrive(0).error.message  # (a resend)
+    with pytest.raises(CoreError, match=r"^ordinal 1 called with tag 'late' as rendezvous 't' on all ordinals \(round 0\), which had failed before it came"):
+        arrive(1)
+
+
 def test_a_replaced_incarnation_stays_refused_after_a_restart():
     """The incarnation a restart replaced is kept: after the coordinator restarts from its
     state, it still cannot register again and take the task back."""
