@@ -294,10 +294,10 @@ def _rendezvous(what: str, tag: str, payload: bytes, replicas: Sequence[int], ti
     return binding.client.rendezvous(binding, tag, payload, replicas, timeout=timeout)
 
 
-# Ordinals of this process whose replica (xla.spawn's fn) has ended, returning or raising: a
-# sibling's round that needs one fails at once (_check_ended), before it is sent (spawn tells
-# the coordinator too, Client.end_replicas, for the rounds already waiting and elsewhere).
-_ended: set[int] = set()
+# Ordinals of this process whose replica (xla.spawn's fn) has ended -> how ("returned", ...):
+# a sibling's round that needs one fails at once (_check_ended), before it is sent (spawn
+# tells the coordinator too, Client.end_replicas, for the rounds already waiting elsewhere).
+_ended: dict[int, str] = {}
 
 
 def _check_ended(what: str, tag: str, replicas: Sequence[int] = ()) -> list[int]:
@@ -305,12 +305,12 @@ def _check_ended(what: str, tag: str, replicas: Sequence[int] = ()) -> list[int]
     would wait for it until its timeout (torch_xla's for ever). Returns ``replicas`` as the
     list of ints the call is to take (read once: a generator, a numpy array)."""
     replicas = _check_call(tag, replicas)
-    ended = sorted(_ended if not replicas else _ended.intersection(replicas))
+    ended = sorted(_ended if not replicas else _ended.keys() & set(replicas))
     if ended:
+        hows = "; ".join(f"ordinal {o}: {_ended[o]}" for o in ended)
         raise ParticipantFailedError(
             f"{what}({tag!r}) needs ordinal {', '.join(map(str, ended))} of this process, whose "
-            "replica (spawn's fn) has already ended: it would wait for it until its timeout; "
-            "every replica must make the same calls"
+            f"replica (spawn's fn) has already ended ({hows}); every replica must make the same calls"
         )
     return replicas
 

@@ -104,7 +104,7 @@ from typing import Any, Callable, Sequence
 from . import _api
 from ._client import Binding, Client, current_binding, xm_binding
 from ._config import check_timeout
-from ._errors import RendezvousError, TopologyError, UsageError
+from ._errors import ParticipantFailedError, RendezvousError, TopologyError, UsageError
 
 __all__ = [
     "ReplicaSeed",
@@ -417,6 +417,10 @@ def _bind_current_device(thread_index: int, *, client: Client | None = None) -> 
     import torch_xla.runtime as xr
 
     client = client or _api.get_client()
+    # As torch_xla's thread runner: with one device per process, the runtime's ordinal and
+    # world size are cached for Dynamo, which reads them then without a graph break (before
+    # world_size() below, which caches only itself).
+    getattr(xr, "_init_world_size_ordinal", lambda: None)()
     return client.bind_thread(
         thread_index, runtime_ordinal=xr.global_ordinal(), runtime_world_size=xr.world_size()
     )
@@ -675,14 +679,14 @@ def _supervise(
     results: dict[int, Any] = {}
     failures: dict[int, BaseException] = {}
     tracebacks: dict[int, str] = {}
-    order: list[int] = []  # failed ordinals in arrival order
+    order: list[tuple[float, int]] = []  # (when it was reported, failed ordinal)
     ordinals_of: dict[int, list[int]] = dict(expected)  # task -> its ordinals, when known
     finished: set[int] = set()  # tasks that reported every thread
     first_failure_at: float | None = None
     timed_out = False
 
     def handle(message) -> None:
-        kind, task, *rest = message
+        kind, task, at, *rest = message
         if kind == "ordinals":
             ordinals_of[task] = rest[0]
         elif kind == "result":
@@ -694,22 +698,22 @@ def _supervise(
                     f"spawn(): the return value of ordinal {ordinal} cannot be unpickled in the calling "
                     f"process: {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
                 )
-                record(ordinal, error, _IN_PARENT + traceback.format_exc())
+                record(ordinal, error, _IN_PARENT + traceback.format_exc(), at)
         elif kind == "error":
             ordinal, blob, text = rest
             try:
                 error = pickle.loads(blob)
             except Exception:  # noqa: BLE001 -- keep the text at least
                 error = RuntimeError(text.strip().splitlines()[-1] if text.strip() else "unknown error")
-            record(ordinal, error, text)
+            record(ordinal, error, text, at)
         elif kind == "done":
             finished.add(task)
 
-    def record(ordinal: int, error: BaseException, text: str) -> None:
+    def record(ordinal: int, error: BaseException, text: str, at: float | None = None) -> None:
         nonlocal first_failure_at
         failures[ordinal] = error
         tracebacks[ordinal] = text
-        order.append(ordinal)
+        order.append((time.monotonic() if at is None else at, ordinal))
         if first_failure_at is None:
             first_failure_at = time.monotonic()
 
@@ -768,7 +772,9 @@ def _supervise(
 
     if not failures and not timed_out:
         return dict(sorted(results.items()))
-    raise _spawn_error(results, failures, tracebacks, order, terminated, timed_out, timeout)
+    ordered = [ordinal for _, ordinal in sorted(order)]
+    failures = {ordinal: failures[ordinal] for ordinal in ordered}
+    raise _spawn_error(results, failures, tracebacks, ordered, terminated, timed_out, timeout)
 
 
 def _spawn_error(results, failures, tracebacks, order, terminated, timed_out, timeout) -> SpawnError:
@@ -850,9 +856,10 @@ def _child_main(task: int, nprocs: int, env: dict, payload: bytes, reports) -> N
 
     def run(index: int) -> None:
         ordinal = ordinals[index]
-        how = "returned"
+        bound, how = False, "returned"
         try:
             with bind_device(index, client=client) as binding:  # devices[index] is xla:<index>
+                bound = True
                 try:
                     result = fn(binding.ordinal, *args)
                 except SystemExit as exc:
@@ -867,12 +874,12 @@ def _child_main(task: int, nprocs: int, env: dict, payload: bytes, reports) -> N
                     ) from exc
             put("result", ordinal, blob)
         except BaseException as exc:  # noqa: BLE001 -- every failure goes to the parent
-            how = f"raised {type(exc).__name__}: {str(exc).partition(chr(10))[0]}"
             put("error", ordinal, _pickled_error(exc), traceback.format_exc())
-        finally:  # after its report: a replica that fails for it reports after it
-            _api._ended.add(ordinal)  # (its siblings' later calls: _check_ended)
-            if len(ordinals) > 1:  # (a process of one leaves now; its rounds fail then)
-                client.end_replicas([ordinal], how)  # (the rounds already waiting for it)
+            how = _how_it_ended(exc)
+        finally:  # after its report (the parent orders reports by when they were put)
+            _api._ended[ordinal] = how  # its siblings' later calls fail here (_check_ended)
+            if bound:  # and the rounds already waiting for it, anywhere, and later ones
+                client.end_replicas([ordinal], how)
 
     threads = [
         threading.Thread(target=run, args=(i,), name=f"pjrt-rendezvous-device-{i}")
@@ -945,12 +952,26 @@ def _unpickled_with_tensors(stream: bytes, tensors: list) -> Any:
 _IN_PARENT = "(in the calling process)\n"  # marks a traceback of the parent's, not the replica's
 
 
+def _how_it_ended(exc: BaseException) -> str:
+    """How a replica that raised ended, for the errors of the rounds that needed it."""
+    if isinstance(exc, ParticipantFailedError):  # (its message names the member that went first)
+        return f"raised {type(exc).__name__} (another member had gone)"
+    try:
+        line = str(exc).partition("\n")[0]
+    except Exception:  # noqa: BLE001 -- a broken __str__
+        line = ""
+    return f"raised {type(exc).__name__}" + (f": {line}" if line else "")
+
+
 def _reporter(task: int, reports) -> Callable[..., None]:
+    """Puts a report with the time it was put: a queue's put returns before its bytes are
+    written (a thread of the queue's writes them), so a replica failing for another, in
+    another process, could reach the parent first."""
     lock = threading.Lock()
 
     def put(kind: str, *rest) -> None:
         with lock:
-            reports.put((kind, task, *rest))
+            reports.put((kind, task, time.monotonic(), *rest))  # (one clock for the host's processes)
 
     return put
 

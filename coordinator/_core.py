@@ -387,7 +387,8 @@ class Job:
     blocked: dict[int, RoundKey] = dataclasses.field(default_factory=dict)  # ordinal -> its pending round
     rounds_completed: int = 0
     events: EventLog = dataclasses.field(default_factory=EventLog)
-    dead: set[int] = dataclasses.field(default_factory=set)  # ordinals of dead processes
+    # Ordinals of dead or departed processes, and of replicas ended (Core.end_replicas).
+    dead: set[int] = dataclasses.field(default_factory=set)
     kv: dict[str, bytes] = dataclasses.field(default_factory=dict)
     # Names kv's life: a client that saw another (the coordinator restarted without its state
     # file, or dropped the job) is refused, not handed an empty store (Core.check_store).
@@ -1542,6 +1543,9 @@ class Core:
             f"{process.task_id}) {'left' if left else 'died'}: {reason}"
         )
         self._event(job, "PROCESS_LEFT" if left else "PROCESS_DEAD", process, message, ordinals)
+        self._fail_rounds_of_the_dead(job)
+
+    def _fail_rounds_of_the_dead(self, job: Job) -> None:
         for rnd in list(job.pending.values()):
             dead = self._dead_members(job, rnd)
             if dead:
@@ -1569,10 +1573,7 @@ class Core:
             process.ended[ordinal] = reason
         job.dead.update(ordinals)
         self._changed()
-        for rnd in list(job.pending.values()):
-            dead = self._dead_members(job, rnd)
-            if dead:
-                self._fail(job, rnd, self._death_error(job, rnd, dead))
+        self._fail_rounds_of_the_dead(job)
 
     def leave(self, job_name: str, incarnation: str) -> None:
         """A process is done: its ordinals are gone now, not after the heartbeat timeout."""
@@ -1621,7 +1622,7 @@ class Core:
                 if not ordinals.isdisjoint(dead):
                     causes.append(f"{_ordinals_word(sorted(ordinals))} on {p.label()}: {p.death}")
                     verbs.add("left" if p.left else "died")
-            elif p.ended:
+            if p.ended:  # (also of a process gone since: why its replica ended first)
                 for ordinal in sorted(p.ended.keys() & dead):
                     causes.append(f"ordinal {ordinal} on {p.label()}: its replica {p.ended[ordinal]}")
                     verbs.add("ended")

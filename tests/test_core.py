@@ -1977,6 +1977,25 @@ def test_an_ended_replica_fails_the_rounds_that_need_it_now_and_later_and_no_oth
     assert pod.result(again) == [b"p1", b"p3"]
 
 
+def test_a_process_with_an_ended_replica_that_dies_still_says_how_it_ended_until_replaced():
+    pod = Pod(Core(heartbeat_timeout=10), 2, 2)
+    pod.register(0)
+    pod.register(1)
+    pod.core.end_replicas(JOB, incarnation_of(0), [1], "raised ValueError: x", now=1.0)
+    pod.core.touch(JOB, incarnation_of(1), now=8.0)
+    pod.core.check_liveness(12.0)
+    key = pod.arrive([2], replicas=[1, 2], now=12.5)
+    assert_message(
+        pod.error(key), Code.ABORTED,
+        "a member died or ended (ordinals 0-1 on host-0 pid 1000: no heartbeat for 11.0 s (heartbeat timeout 10 s); "
+        "ordinal 1 on host-0 pid 1000: its replica raised ValueError: x)",
+    )
+    pod.register(0, now=13.0, incarnation="new-0")  # its replacement brings both back
+    again = pod.arrive([2, 3], replicas=[1, 2, 3], now=14.0, deadline=100.0)
+    pod.arrive([1], replicas=[1, 2, 3], now=14.0, incarnation="new-0")
+    assert pod.result(again) == [b"p1", b"p2", b"p3"]
+
+
 def test_only_a_live_process_ends_and_only_its_own_replicas():
     pod = make_pod(2, 2)
     with raises(Code.INVALID_ARGUMENT, "ordinals 2-3 are not bound by this process (host-0 pid 1000, task 0), which binds 0-1"):
