@@ -718,9 +718,9 @@ class Client:
 
     def end_replicas(self, ordinals: Sequence[int], reason: str) -> None:
         """Tells the coordinator that the threads of these ordinals (this process's) are
-        done while the process goes on: the rounds that need one fail now and later, naming
-        ``reason``, instead of waiting for them until their timeout (best effort: a failure
-        is logged; this process's own calls are refused by ``xla.spawn`` regardless)."""
+        done, the process perhaps going on with others: the rounds that need one fail now
+        and later, naming ``reason``, instead of waiting for them until their timeout (best
+        effort: a failure is logged; ``xla.spawn`` refuses this process's own calls anyway)."""
         if self._closed:  # (its Leave said more)
             return
         request = pb.EndReplicasRequest(job=self.settings.job, incarnation=self.incarnation, ordinals=ordinals, reason=reason)

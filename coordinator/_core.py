@@ -171,7 +171,7 @@ class Process:
     alive: bool = True
     left: bool = False  # gone by its own Leave rather than declared dead
     death: str = ""
-    # Ordinals of its threads whose replicas ended while it goes on (Core.end_replicas) -> how.
+    # Ordinals of its threads whose replicas ended (Core.end_replicas) -> how.
     ended: dict[int, str] = dataclasses.field(default_factory=dict)
 
     def label(self) -> str:
@@ -1552,10 +1552,10 @@ class Core:
                 self._fail(job, rnd, self._death_error(job, rnd, dead))
 
     def end_replicas(self, job_name: str, incarnation: str, ordinals: Sequence[int], reason: str, now: float) -> None:
-        """Threads of a live process are done (their replicas, ``xla.spawn``'s fn, ended)
-        while it goes on running others: every pending round that needs one of their
-        ordinals fails now, and every later one at once (they would wait for them until
-        their timeout; the process has not left, so nothing else tells)."""
+        """Threads of a live process are done (their replicas, ``xla.spawn``'s fn, ended):
+        every pending round that needs one of their ordinals fails now, and every later one
+        at once, naming ``reason`` (the process may go on running others: until it leaves,
+        nothing else tells, and those rounds would wait for them until their timeout)."""
         job = self._job(job_name)
         process = self._process(job, incarnation, now)
         strangers = sorted(set(ordinals) - process.ordinals)

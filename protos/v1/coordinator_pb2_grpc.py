@@ -164,9 +164,10 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def EndReplicas(self, request, context):
-        """Threads of a live process that are done (their replicas, xla.spawn's fn, ended) while
-        the process goes on: every pending round that needs one of their ordinals fails now,
-        and every later one at once, instead of waiting for them until its timeout.
+        """Threads of a live process that are done (their replicas, xla.spawn's fn, ended; the
+        process may go on running others): every pending round that needs one of their
+        ordinals fails now, and every later one at once, instead of waiting for them until
+        its timeout.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
