@@ -183,6 +183,23 @@ class ServerOptions:
             raise ValueError(  # (from an OSError: serve exits 1, to try again: a volume mounted late)
                 f"the folder of the state file {self.state_file} (--state-file) does not exist"
             ) from FileNotFoundError(errno.ENOENT, "no such folder", str(pathlib.Path(self.state_file).parent))
+        if self.state_file is not None and pathlib.Path(self.state_file).is_dir():
+            raise ValueError(
+                f"the state file {self.state_file} (--state-file) is a folder; give the path of a file, "
+                f"such as {pathlib.Path(self.state_file) / 'coordinator.state'}"
+            )
+        # The job --world-size declares: refused here, as settings (the core would refuse it
+        # once serving, naming its limits by their field names).
+        if self.world_size is not None and self.world_size > self.limits.max_world_size:
+            raise ValueError(
+                f"a world size of {self.world_size} (--world-size) is over the largest this coordinator "
+                f"takes, {self.limits.max_world_size} (--max-world-size)"
+            )
+        if self.world_size is not None and len(self.job) > self.limits.max_name_length:
+            raise ValueError(
+                f"a job name of {len(self.job)} characters (--job) is over the limit of "
+                f"{self.limits.max_name_length} (--max-name-length)"
+            )
 
 
 class _Token:

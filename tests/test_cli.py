@@ -771,6 +771,20 @@ def test_serve_refuses_a_job_name_clients_refuse():
         assert flag.returncode == 2 and "argument --job" in flag.stderr, flag.stderr
 
 
+def test_serve_refuses_a_declared_job_over_its_limits_as_a_setting():
+    """A --world-size over --max-world-size, or a --job longer than --max-name-length (by
+    flag or variable): exit 2, naming what set them (the core refused them once serving:
+    exit 1, a restart loop under the unit, naming max_world_size)."""
+    over = run_cli("serve", "--port", "0", "--world-size", "100000", timeout=30)
+    assert over.returncode == 2 and "a world size of 100000 (--world-size) is over the largest this coordinator takes, 65536 (--max-world-size)" in over.stderr, over.stderr
+    env = {"PJRT_RENDEZVOUS_MAX_WORLD_SIZE": "8", "PJRT_RENDEZVOUS_WORLD_SIZE": "16"}
+    variables = run_cli("serve", "--port", "0", env=env, timeout=30)
+    assert variables.returncode == 2 and "a world size of 16 (PJRT_RENDEZVOUS_WORLD_SIZE) is over" in variables.stderr, variables.stderr
+    assert "8 (PJRT_RENDEZVOUS_MAX_WORLD_SIZE)" in variables.stderr, variables.stderr
+    long = run_cli("serve", "--port", "0", "--world-size", "2", "--job", "j" * 300, timeout=30)
+    assert long.returncode == 2 and "a job name of 300 characters (--job) is over the limit of 256 (--max-name-length)" in long.stderr, long.stderr
+
+
 @pytest.mark.parametrize("json_by", ["flag", "variable"])
 def test_a_bad_variable_under_json_logs_is_refused_in_a_json_line(json_by):
     """With the log format json (by flag or variable), the refusal of a malformed variable is

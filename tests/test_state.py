@@ -328,13 +328,15 @@ def unprivileged() -> tuple[str, ...]:
 
 
 def test_state_file_errors_name_the_option_the_path_and_what_to_do(tmp_path):
-    """A folder given as the state file, an unreadable state file or journal, and a folder
-    the coordinator cannot write in (with or without a lock file in it already): serve exits
-    1 with a message naming --state-file and the state file, and what to do (they said
-    "[Errno 21] Is a directory: 'x'", or named the temporary file of a rewrite)."""
-    cases = []
+    """An unreadable state file or journal, and a folder the coordinator cannot write in
+    (with or without a lock file in it already): serve exits 1 with a message naming
+    --state-file and the state file, and what to do (they said "[Errno 21] Is a directory:
+    'x'", or named the temporary file of a rewrite). A folder given as the state file is a
+    setting refused: exit 2 (the unit does not restart on it)."""
     (tmp_path / "folder").mkdir()
-    cases.append((tmp_path / "folder", "is a folder; give the path of a file, such as"))
+    out = serve_once(tmp_path / "folder")
+    assert out.returncode == 2 and "(--state-file) is a folder; give the path of a file, such as" in out.stderr, out.stderr
+    cases = []
     path = tmp_path / "unreadable" / "state.json"
     path.parent.mkdir()
     path.write_bytes(_state.encode(_state.snapshot(populated_core()[0])))
