@@ -673,6 +673,9 @@ def _count(n: int, word: str) -> str:
 
 
 def _pids(pids: list[int], dead: set[int] = frozenset(), left: set[int] = frozenset(), limit: int = 4) -> str:
+    """The first ``limit`` pids, the dead then the departed first (a host of 8 processes hid
+    its dead one behind "+4 more")."""
+    pids = sorted(pids, key=lambda p: (p not in dead, p not in left))  # (stable: the given order within)
     shown = [f"{p} (dead)" if p in dead else f"{p} (left)" if p in left else str(p) for p in pids[:limit]]
     if len(pids) > limit:
         shown.append(f"+{len(pids) - limit} more")
@@ -725,7 +728,8 @@ def summarize_job(job) -> dict:
                 "leftPids": [p.pid for p in procs if p.left],
                 "tasks": format_ranges(p.task_id for p in procs),
                 "ordinals": format_ranges(entry["ordinals"]),
-                "lastSeenAge": max(p.last_seen_age for p in procs),
+                # Of its live processes while it has any: one that left long ago is not news.
+                "lastSeenAge": max(p.last_seen_age for p in ([q for q in procs if q.alive] or procs)),
             }
         )
     not_registered = [o for o in range(job.world_size) if o not in by_ordinal]
