@@ -29,6 +29,7 @@ import operator
 import os
 import socket
 import threading
+import time
 import urllib.parse
 import uuid
 import warnings
@@ -86,15 +87,80 @@ def _as_torch_errors(method):
     return call
 
 
-def _run_prefix(prefix: str) -> str:
-    """``prefix``, and under torchrun its run id and restart count: a later run (or restart)
-    on a long-lived coordinator does not meet this one's keys."""
+def _run_prefix(prefix: str, client: Client | None = None, timeout: float | None = None) -> str:
+    """``prefix``, and under torchrun its run id and an id of this attempt (worker group)
+    that its workers agree on (``_attempt``): a later run or restart on a long-lived
+    coordinator does not meet this one's keys (gloo read a dead worker's address there)."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if not run_id:
         return prefix
     if run_id == "none":  # torchrun's default --rdzv-id: every run's
         run_id = _invocation_id() or run_id
-    return f"{prefix}/{run_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    root = f"{prefix}/{run_id}"
+    return f"{root}/{_attempt(root, client, timeout)}"
+
+
+_attempts: dict[str, str] = {}  # run root -> this process's attempt there (_attempt)
+_attempts_lock = threading.Lock()
+
+
+def _attempt(root: str, client: Client | None, timeout: float | None) -> str:
+    """This worker's attempt of the torchrun run ``root``, agreed with every worker of it
+    once per process (rank 0 makes it up; ``_agree``). Not the restart count, which each
+    node's agent keeps: a node restarted because another joined or failed keeps its count,
+    and its workers would wait under another prefix until their timeout. Without ``RANK``
+    and ``WORLD_SIZE`` (a dynamic group), the restart count it is."""
+    with _attempts_lock:
+        if root in _attempts:
+            return _attempts[root]
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        rank = world = -1
+    if not 0 <= rank < world:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    else:
+        attempt = _agree(client or _api.get_client(), f"{root}/attempts/", rank, world, timeout)
+    with _attempts_lock:
+        return _attempts.setdefault(root, attempt)
+
+
+def _agree(client: Client, base: str, rank: int, world: int, timeout: float | None) -> str:
+    """Rank 0's fresh id, as every rank of this attempt gets it, under ``base``, where earlier
+    attempts left their keys: each rank says hello with a nonce of its own; rank 0 answers
+    every nonce it sees (a stale one from an earlier attempt too: nobody waits on it) under
+    a key named by it, and returns once each rank's latest hello is acknowledged with its id
+    (an acknowledgement left by an earlier attempt names another id)."""
+    nonce = uuid.uuid4().hex
+    client.set(f"{base}hello/{rank}", nonce.encode())
+    if rank != 0:
+        attempt = client.get(f"{base}for/{nonce}", timeout=timeout).decode()
+        client.set(f"{base}ack/{rank}", f"{nonce}:{attempt}".encode())
+        return attempt
+    attempt = uuid.uuid4().hex[:12]
+    hellos = [f"{base}hello/{r}" for r in range(world)]
+    acks = [f"{base}ack/{r}" for r in range(world)]
+    client.set(acks[0], f"{nonce}:{attempt}".encode())
+    deadline = None if timeout is None else time.monotonic() + timeout
+    served: set[bytes] = set()
+    pause = 0.005
+    while True:
+        seen = client.multi_get(hellos, wait=False)
+        fresh = list({h for h in seen if h is not None and h not in served})
+        if fresh:
+            client.multi_set([f"{base}for/{h.decode()}" for h in fresh], [attempt.encode()] * len(fresh))
+            served.update(fresh)
+        answered = client.multi_get(acks, wait=False)
+        if all(h is not None and a == h + b":" + attempt.encode() for h, a in zip(seen, answered)):
+            return attempt
+        if deadline is not None and time.monotonic() >= deadline:
+            missing = [r for r, (h, a) in enumerate(zip(seen, answered)) if h is None or a != h + b":" + attempt.encode()]
+            raise RendezvousTimeout(
+                f"rank 0 waited {timeout:g} s for ranks {missing} of this torchrun attempt to start "
+                f"(keys under {base!r}): every worker makes a Store or a {SCHEME}:// rendezvous"
+            )
+        time.sleep(pause)
+        pause = min(2 * pause, 0.2)
 
 
 @functools.cache
@@ -148,15 +214,16 @@ class Store(dist.Store):
     Every method gloo and ``init_process_group`` call is implemented, under the names C++
     calls (``deleteKey`` and ``getNumKeys`` are camelCase; torch's ``delete_key`` and
     ``num_keys`` reach them). Blocking calls (``get``, ``wait``) wait up to the store's timeout
-    (``set_timeout``; torch sets the process group's).
+    (``set_timeout``; for a ``pjrt-rendezvous://`` URL torch sets the process group's, but a
+    Store passed as ``store=`` keeps its own, as a TCPStore does).
 
     Args:
         client: the client to use (default: the process client, created from the environment
             on first use). No thread needs to be bound.
         prefix: a namespace in the coordinator job; stores with the same prefix see the same
-            keys. Default: ``torch.distributed``, and under torchrun also its run id and
-            restart count (``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT``), as for
-            the ``pjrt-rendezvous://`` URL. Give every run on a long-lived coordinator its own
+            keys. Default: ``torch.distributed``, and under torchrun also its run id
+            (``TORCHELASTIC_RUN_ID``) and an id of the attempt its workers agree on (every
+            worker makes a Store or a ``pjrt-rendezvous://`` rendezvous first), as for the URL. Give every run on a long-lived coordinator its own
             prefix (or job) when it is not run by torchrun: keys
             outlive processes there, unlike a TCPStore.
         timeout: the default for blocking calls (``timedelta`` or seconds; 0 = no timeout).
@@ -170,15 +237,15 @@ class Store(dist.Store):
         timeout: timedelta | float = DEFAULT_TIMEOUT,
     ) -> None:
         super().__init__()
+        seconds = _seconds(timeout)
         if prefix is None:
-            prefix = _run_prefix(DEFAULT_PREFIX)
+            prefix = _run_prefix(DEFAULT_PREFIX, client, seconds)
         if not isinstance(prefix, str):
             raise UsageError(f"prefix must be a str, got {prefix!r}")
         self._client = client
         self._url: tuple | None = None  # (address, job, timeout) when made for a URL (rendezvous_handler)
         self.prefix = prefix
         self._root = prefix.rstrip("/") + "/" if prefix else ""
-        seconds = _seconds(timeout)
         self.set_timeout(timedelta(0) if seconds is None else timedelta(seconds=seconds))
         with _kept_lock:
             _kept.append(self)
@@ -278,7 +345,8 @@ class Store(dist.Store):
     def clone(self) -> "Store":
         """Another Store on the same keys (kept alive as every Store is; torch's
         ``PrefixStore`` and group splitting clone the store)."""
-        clone = Store(self._client, prefix=self.prefix, timeout=self.timeout)
+        clone = Store(self._client, prefix=self.prefix)
+        dist.Store.set_timeout(clone, self.timeout)  # (a negative one too, set from C++: _wait_seconds)
         clone._url = self._url
         return clone
 
@@ -356,15 +424,16 @@ def rendezvous_handler(url: str, timeout: timedelta = DEFAULT_TIMEOUT, **kwargs)
 
     ``rank`` and ``world_size`` come from ``init_process_group``'s arguments (torch puts them in
     the query), the URL, or ``RANK``/``WORLD_SIZE``. Keys go under ``prefix`` (default
-    ``torch.distributed``; under torchrun also ``TORCHELASTIC_RUN_ID`` and the restart count)
-    plus the number of groups this process created there before, so a process group created
-    again after ``destroy_process_group`` does not meet the previous one's keys.
+    ``torch.distributed``; under torchrun also ``TORCHELASTIC_RUN_ID`` and the attempt's id,
+    ``_run_prefix``) plus the number of groups this process created there before, so a
+    process group created again after ``destroy_process_group`` does not meet the previous
+    one's keys (every rank makes the same groups on the URL, in the same order).
 
     Yields:
         ``(Store, rank, world_size)``, as torch's handlers do.
     """
     parsed = urllib.parse.urlparse(url)
-    query = {k: v[-1] for k, v in urllib.parse.parse_qs(parsed.query).items()}
+    query = {k: v[-1] for k, v in urllib.parse.parse_qs(parsed.query, keep_blank_values=True).items()}
     address = _address(parsed, url)
     rank = _int_arg(query, "rank", "RANK", url)
     world_size = _int_arg(query, "world_size", "WORLD_SIZE", url)
@@ -373,12 +442,13 @@ def rendezvous_handler(url: str, timeout: timedelta = DEFAULT_TIMEOUT, **kwargs)
     if not 0 <= rank < (world_size if world_size > 0 else rank + 1):
         raise UsageError(f"{SCHEME}:// rendezvous: rank {rank} is out of range for world size {world_size}")
     job = query.get("job") or None
-    prefix = query["prefix"] if "prefix" in query else _run_prefix(DEFAULT_PREFIX)
+    client = _client_for(address, job, timeout)
+    prefix = query["prefix"] if "prefix" in query else _run_prefix(DEFAULT_PREFIX, client, _seconds(timeout))
     with _clients_lock:
         generation = _generations.get((address, job, prefix), 0)
         _generations[(address, job, prefix)] = generation + 1
-    store = Store(_client_for(address, job, timeout), prefix=f"{prefix}/{generation}", timeout=timeout)
-    store._url = (address, job, timeout)
+    store = Store(client, prefix=f"{prefix}/{generation}" if prefix else str(generation), timeout=timeout)
+    store._url = (address, client.settings.job, timeout)  # (the job in use now: not another after init(job=...))
     yield store, rank, world_size
     raise RuntimeError(f"Unable to perform re-rendezvous using {SCHEME}:// method")
 

@@ -138,6 +138,8 @@ def test_refusals_and_bad_arguments_are_torch_s_kinds_too(client, store, coordin
     assert prefixed.get("k") == b"v"
     with pytest.raises(StoreTimeout):
         prefixed.get("missing")
+    clone = prefixed.clone()  # (it raised a UsageError: a Store made with that timeout)
+    assert clone.get("k") == b"v" and clone.timeout == datetime.timedelta(seconds=-1)
     store.set_timeout(datetime.timedelta(seconds=10))
     away = pr.Client(pr.Settings(address="127.0.0.1:1", connect_timeout=0.5), client.topology)
     with pytest.raises(StoreUnavailable) as info:
@@ -201,7 +203,8 @@ def test_the_url_handler_does_not_take_a_closed_process_client(coordinator):
 def test_a_url_store_outlives_its_process_client(coordinator):
     """A group's Store made while the process client talked to its coordinator goes on after
     that client is shut down and init() is called again (every call, new_group's too, failed
-    as "this client was closed; call init() again", when init() had been)."""
+    as "this client was closed; call init() again", when init() had been), in the job it
+    was made in."""
     pr.init(coordinator.address, env={})
     try:
         store, _, _ = next(dist.rendezvous(f"{SCHEME}://{coordinator.address}?prefix=reinit", rank=0, world_size=1))
@@ -213,6 +216,9 @@ def test_a_url_store_outlives_its_process_client(coordinator):
         assert store.get("k") == b"v" == clone.get("k")
         clone.set("k", b"w")
         assert store.get("k") == b"w"
+        pr.shutdown()
+        pr.init(coordinator.address, env={}, job="another")  # (it moved to that job's keys: none)
+        assert store.check(["k"]) and store.get("k") == b"w" and store.client is not pr.get_client()
     finally:
         pr.shutdown()
 
@@ -278,21 +284,28 @@ def test_a_forked_child_makes_its_own_clients():
 
 def test_under_torchrun_the_default_prefix_is_the_run_s_own(client, coordinator, monkeypatch):
     """Under torchrun (TORCHELASTIC_RUN_ID) a Store and the URL handler put their keys under
-    the run id and restart count by default, so a later run or restart on a long-lived
-    coordinator does not read this one's keys (stale gloo addresses, say); an explicit
-    prefix stays as given."""
+    the run id and an attempt id by default, so a later run or restart on a long-lived
+    coordinator does not read this one's keys (stale gloo addresses, say): agreed once per
+    process by its ranks (RANK, WORLD_SIZE), else the restart count. An explicit prefix
+    stays as given."""
+    from pjrt_rendezvous.client import _store
+
+    monkeypatch.setattr(_store, "_attempts", {})
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     assert Store(client).prefix == "torch.distributed"
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-7")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
-    first = Store(client)
-    assert first.prefix == "torch.distributed/run-7/2"
-    first.set("rank_0", b"old address")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
-    assert Store(client).check(["rank_0"]) is False  # the restarted run starts clean
+    monkeypatch.delenv("RANK", raising=False)
+    assert Store(client).prefix == "torch.distributed/run-7/2"  # (a dynamic group: no ranks to agree)
     assert Store(client, prefix="mine").prefix == "mine"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-8")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    first = Store(client)
+    assert re.fullmatch(r"torch\.distributed/run-8/[0-9a-f]{12}", first.prefix), first.prefix
+    assert Store(client).prefix == first.prefix  # once per process
     store, _, _ = next(dist.rendezvous(f"{SCHEME}://{coordinator.address}?job=url-run", rank=0, world_size=1))
-    assert store.prefix == "torch.distributed/run-7/3/0"
+    assert re.fullmatch(r"torch\.distributed/run-8/[0-9a-f]{12}/0", store.prefix), store.prefix
 
 
 def test_url_handler_needs_rank_and_world_size(coordinator, monkeypatch):
@@ -424,6 +437,46 @@ def test_plain_torchrun_runs_on_one_coordinator_do_not_share_keys(coordinator, t
         (prefix,) = {line.split()[1] for line in lines}
         prefixes.append(prefix)
     assert prefixes[0] != prefixes[1] and all(p.startswith("torch.distributed/") and "/none/" not in p for p in prefixes)
+
+
+_ATTEMPT_WORKER = """
+import datetime, sys
+import torch, torch.distributed as dist
+import pjrt_rendezvous.client.torch_store as ts
+dist.init_process_group("gloo", init_method=f"{ts.SCHEME}://{sys.argv[1]}", timeout=datetime.timedelta(seconds=30))
+t = torch.ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(t)
+print("sum", float(t), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_torchrun_workers_agree_on_their_attempt_whatever_their_nodes_restart_counts(coordinator, tmp_path):
+    """torchrun's agents count restarts each for its own node: one whose workers are restarted
+    because another node failed (or joined) keeps its count. Three attempts of one run of two
+    workers, as on two nodes: restart counts (0, 0), then (1, 0) as after rank 0's node
+    failed, then (1, 1). Each attempt all-reduces, and none meets an earlier one's keys (the
+    prefix took the restart count: the second attempt's ranks waited under two prefixes
+    until their timeout, and the third met the second's gloo addresses)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "worker.py"
+    script.write_text(_ATTEMPT_WORKER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_RENDEZVOUS_", "TORCHELASTIC_"))}
+    for counts in ((0, 0), (1, 0), (1, 1)):
+        workers = [
+            subprocess.Popen(
+                [sys.executable, str(script), coordinator.address],
+                env={**env, "GLOO_SOCKET_IFNAME": "lo", "TORCHELASTIC_RUN_ID": "run-1", "TORCHELASTIC_RESTART_COUNT": str(count),
+                     "RANK": str(rank), "WORLD_SIZE": "2"},
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )
+            for rank, count in enumerate(counts)
+        ]
+        outs = [w.communicate(timeout=120) for w in workers]
+        assert [w.returncode for w in workers] == [0, 0], (counts, [err[-2000:] for _, err in outs])
+        assert all("sum 3.0" in out for out, _ in outs), (counts, outs)
 
 
 def test_the_url_handler_looks_for_a_coordinator_as_long_as_its_timeout_and_refuses_port_0(monkeypatch):
