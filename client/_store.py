@@ -151,12 +151,12 @@ def _agree(client: Client, base: str, rank: int, world: int, timeout: float | No
             client.multi_set([f"{base}for/{h.decode()}" for h in fresh], [attempt.encode()] * len(fresh))
             served.update(fresh)
         answered = client.multi_get(acks, wait=False)
-        if all(h is not None and a == h + b":" + attempt.encode() for h, a in zip(seen, answered)):
+        waiting = [r for r, (h, a) in enumerate(zip(seen, answered)) if h is None or a != h + b":" + attempt.encode()]
+        if not waiting:
             return attempt
         if deadline is not None and time.monotonic() >= deadline:
-            missing = [r for r, (h, a) in enumerate(zip(seen, answered)) if h is None or a != h + b":" + attempt.encode()]
             raise RendezvousTimeout(
-                f"rank 0 waited {timeout:g} s for ranks {missing} of this torchrun attempt to start "
+                f"rank 0 waited {timeout:g} s for ranks {waiting} of this torchrun attempt to start "
                 f"(keys under {base!r}): every worker makes a Store or a {SCHEME}:// rendezvous"
             )
         time.sleep(pause)
@@ -223,9 +223,9 @@ class Store(dist.Store):
         prefix: a namespace in the coordinator job; stores with the same prefix see the same
             keys. Default: ``torch.distributed``, and under torchrun also its run id
             (``TORCHELASTIC_RUN_ID``) and an id of the attempt its workers agree on (every
-            worker makes a Store or a ``pjrt-rendezvous://`` rendezvous first), as for the URL. Give every run on a long-lived coordinator its own
-            prefix (or job) when it is not run by torchrun: keys
-            outlive processes there, unlike a TCPStore.
+            worker makes a Store or a ``pjrt-rendezvous://`` rendezvous first), as for the
+            URL. Give every run on a long-lived coordinator its own prefix (or job) when it
+            is not run by torchrun: keys outlive processes there, unlike a TCPStore.
         timeout: the default for blocking calls (``timedelta`` or seconds; 0 = no timeout).
     """
 
