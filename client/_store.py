@@ -37,6 +37,7 @@ from datetime import timedelta
 from typing import Iterable, Sequence
 
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 from torch.distributed.rendezvous import register_rendezvous_handler
 
 from . import _api
@@ -419,9 +420,11 @@ def _int_arg(query: dict, name: str, env_name: str, url: str) -> int:
         raise UsageError(f"{SCHEME}:// rendezvous: {name} {text!r} (from {source}) is not an int") from None
 
 
-def rendezvous_handler(url: str, timeout: timedelta = DEFAULT_TIMEOUT, **kwargs):
+def rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, **kwargs):
     """The ``pjrt-rendezvous://HOST:PORT[?job=J&prefix=P&rank=R&world_size=N]`` init_method.
 
+    ``timeout`` is ``init_process_group``'s; without one (``torch.distributed.rpc``), torch's
+    handlers' default, ``default_pg_timeout``.
     ``rank`` and ``world_size`` come from ``init_process_group``'s arguments (torch puts them in
     the query), the URL, or ``RANK``/``WORLD_SIZE``. Keys go under ``prefix`` (default
     ``torch.distributed``; under torchrun also ``TORCHELASTIC_RUN_ID`` and the attempt's id,

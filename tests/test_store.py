@@ -196,6 +196,8 @@ def test_the_url_handler_does_not_take_a_closed_process_client(coordinator):
         store, _, _ = next(dist.rendezvous(f"{SCHEME}://{coordinator.address}?prefix=closed", rank=0, world_size=1))
         store.set("k", b"v")
         assert store.get("k") == b"v" and store.client is not pr.get_client()
+        # Without a timeout (rpc's stores), torch's handlers' default: 30 min (it was 5).
+        assert store.timeout == dist.constants.default_pg_timeout
     finally:
         pr.shutdown()
 
