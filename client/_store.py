@@ -121,7 +121,10 @@ def _attempt(root: str, client: Client | None, timeout: float | None) -> str:
     if not 0 <= rank < world:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     else:
-        attempt = _agree(client or _api.get_client(), f"{root}/attempts/", rank, world, timeout)
+        try:
+            attempt = _agree(client or _api.get_client(), f"{root}/attempts/", rank, world, timeout)
+        except RendezvousTimeout as exc:  # (torch's kind too, as the Store's own waits)
+            raise StoreTimeout(str(exc)) from exc
     with _attempts_lock:
         return _attempts.setdefault(root, attempt)
 
@@ -135,7 +138,7 @@ def _agree(client: Client, base: str, rank: int, world: int, timeout: float | No
     nonce = uuid.uuid4().hex
     client.set(f"{base}hello/{rank}", nonce.encode())
     if rank != 0:
-        attempt = client.get(f"{base}for/{nonce}", timeout=timeout).decode()
+        attempt = client.get(f"{base}for/{nonce}", timeout=timeout).decode()  # (rank 0 answers it)
         client.set(f"{base}ack/{rank}", f"{nonce}:{attempt}".encode())
         return attempt
     attempt = uuid.uuid4().hex[:12]

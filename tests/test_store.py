@@ -308,6 +308,13 @@ def test_under_torchrun_the_default_prefix_is_the_run_s_own(client, coordinator,
     assert Store(client).prefix == first.prefix  # once per process
     store, _, _ = next(dist.rendezvous(f"{SCHEME}://{coordinator.address}?job=url-run", rank=0, world_size=1))
     assert re.fullmatch(r"torch\.distributed/run-8/[0-9a-f]{12}/0", store.prefix), store.prefix
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a rank that never comes: torch's kind of timeout, naming it
+    for rank, says in (("0", "rank 0 waited 1 s for ranks [1] of this torchrun attempt to start"), ("1", "still not set")):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"run-9-{rank}")
+        with pytest.raises(StoreTimeout, match=re.escape(says)) as info:
+            Store(client, timeout=1)
+        assert isinstance(info.value, dist.DistStoreError)
 
 
 def test_url_handler_needs_rank_and_world_size(coordinator, monkeypatch):
