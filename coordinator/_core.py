@@ -280,6 +280,7 @@ class ParticipantView:
     runtime_ordinal: int | None
     alive: bool
     left: bool = False  # not alive: it closed its client
+    ended: str = ""  # how its replica ended (end_replicas); empty while it runs
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -1932,6 +1933,7 @@ class Core:
                     runtime_ordinal=m.runtime_ordinal,
                     alive=p.alive,
                     left=p.left,
+                    ended=p.ended.get(ordinal, ""),
                 )
             )
         return views

@@ -678,6 +678,7 @@ def _participant(view) -> pb.Participant:
         last_seen_age=view.last_seen_age,
         alive=view.alive,
         left=view.left,
+        ended=view.ended,
     )
     if view.runtime_ordinal is not None:
         message.runtime_ordinal = view.runtime_ordinal

@@ -372,7 +372,8 @@ def test_render_status_marks_dead_processes_and_groups_hosts_naturally():
     closed its client marked as left, both listed first, plural words agree."""
     participants = [
         pb.Participant(
-            ordinal=o, task_id=o, host=f"host-{h}", pid=100 + o, incarnation=f"i{o}", last_seen_age=age, alive=alive, left=left
+            ordinal=o, task_id=o, host=f"host-{h}", pid=100 + o, incarnation=f"i{o}", last_seen_age=age, alive=alive, left=left,
+            ended="returned" if o == 0 else "",
         )
         for o, h, age, alive, left in [(0, 10, 0.5, True, False), (1, 2, 75.0, False, False), (2, 10, 9.0, False, True)]
     ]
@@ -397,7 +398,8 @@ def test_render_status_marks_dead_processes_and_groups_hosts_naturally():
     assert _cli._natural("node-1²") == ["node-", 1, "²"]  # (a digit that is no decimal: int() raised)
     assert re.search(r"host-2\s+1 \(1 dead\)\s+101 \(dead\)\s+1\s+1 min 15 s ago", text), text
     # The departed first; last seen of its live process alone (one that left long ago is no news).
-    assert re.search(r"host-10\s+2 \(1 left\)\s+102 \(left\), 100\s+0, 2\s+0.5 s ago", text), text
+    # ... and its ordinals whose replicas ended while their process goes on.
+    assert re.search(r"host-10\s+2 \(1 left\)\s+102 \(left\), 100\s+0, 2 \(0 ended\)\s+0.5 s ago", text), text
     assert _cli._pids([1, 2, 3, 4, 5, 6], dead={6}, left={5}) == "6 (dead), 5 (left), 1, 2, +2 more"
     assert re.search(
         r"7\s+0-1\s+'a'\s+1/2\s+1 h 2 min\s+1 on host-2 \(pid 101 \(dead\), last seen 1 min 15 s ago\)", text

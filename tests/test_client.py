@@ -577,6 +577,8 @@ def test_a_replica_that_ends_fails_the_rounds_waiting_for_it_at_once(coordinator
         clients[0].end_replicas([1], "raised ValueError: gave up")
         for t in threads:
             t.join(30)
+        (job,) = clients[0].status().jobs  # (status shows it)
+        assert [p.ended for p in job.participants] == ["", "raised ValueError: gave up", "", ""]
         for index in (0, 1):
             message, waited = outcome[index]
             assert "cannot complete: a member ended (ordinal 1 on " in message, message

@@ -1969,7 +1969,9 @@ def test_an_ended_replica_fails_the_rounds_that_need_it_now_and_later_and_no_oth
     assert pod.result(pair) == [b"p0", b"p2"]
     later = pod.arrive([3], replicas=[1, 3], tag="later", round_number=1, now=4.0, deadline=100.0)
     assert_message(pod.error(later), Code.ABORTED, "ordinal 1 on host-0 pid 1000: its replica raised ValueError")
-    assert [p.alive for p in pod.core.status(4.0, JOB)[0].participants] == [True] * 4  # (its process lives)
+    participants = pod.core.status(4.0, JOB)[0].participants
+    assert [p.alive for p in participants] == [True] * 4  # (its process lives)
+    assert [p.ended for p in participants] == ["", "raised ValueError: gave up", "", ""]
     pod.register(0, now=5.0, threads=[1])  # bound again: it is back
     again = pod.arrive([3], replicas=[1, 3], tag="again", round_number=2, now=6.0, deadline=100.0)
     assert pod.outcome(again) is None

@@ -74,7 +74,7 @@ class WaitWorldRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., timeout: _Optional[float] = ...) -> None: ...
 
 class Participant(_message.Message):
-    __slots__ = ("ordinal", "local_ordinal", "task_id", "thread_index", "host", "pid", "incarnation", "last_seen_age", "runtime_ordinal", "alive", "left")
+    __slots__ = ("ordinal", "local_ordinal", "task_id", "thread_index", "host", "pid", "incarnation", "last_seen_age", "runtime_ordinal", "alive", "left", "ended")
     ORDINAL_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ORDINAL_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class Participant(_message.Message):
     RUNTIME_ORDINAL_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     LEFT_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
     ordinal: int
     local_ordinal: int
     task_id: int
@@ -97,7 +98,8 @@ class Participant(_message.Message):
     runtime_ordinal: int
     alive: bool
     left: bool
-    def __init__(self, ordinal: _Optional[int] = ..., local_ordinal: _Optional[int] = ..., task_id: _Optional[int] = ..., thread_index: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., incarnation: _Optional[str] = ..., last_seen_age: _Optional[float] = ..., runtime_ordinal: _Optional[int] = ..., alive: _Optional[bool] = ..., left: _Optional[bool] = ...) -> None: ...
+    ended: str
+    def __init__(self, ordinal: _Optional[int] = ..., local_ordinal: _Optional[int] = ..., task_id: _Optional[int] = ..., thread_index: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., incarnation: _Optional[str] = ..., last_seen_age: _Optional[float] = ..., runtime_ordinal: _Optional[int] = ..., alive: _Optional[bool] = ..., left: _Optional[bool] = ..., ended: _Optional[str] = ...) -> None: ...
 
 class WaitWorldResponse(_message.Message):
     __slots__ = ("world_size", "processes")
