@@ -507,6 +507,16 @@ def detect_topology(
     task_raw = _from_env(env, "PJRT_RENDEZVOUS_TASK_ID", "CLOUD_TPU_TASK_ID")
     if task_raw is not None:
         task = _int(task_raw, what="task id", minimum=0, default=0, default_fix="")
+        if worker.source == "default" and task.value // local_world.value < len(hostnames):
+            # Nothing says which host this is: the task id does (worker 0 by default named
+            # another host's, where the coordinator takes the same host and local rank for a
+            # restart of the task, not two processes claiming one).
+            worker = _Known(
+                task.value // local_world.value,
+                f"derived: task id {task.value} ({task.source}) // local world size {local_world.value} "
+                f"({local_world.source})",
+                "TPU_WORKER_ID",
+            )
     else:
         task = _Known(
             worker.value * local_world.value + local_rank.value,
@@ -521,6 +531,12 @@ def detect_topology(
     if num_raw is not None:
         num = _int(num_raw, what="number of tasks", minimum=1, default=1, default_fix="")
     elif process_bounds is not None:
+        if process_bounds.text.count(",") == 3:  # (torch_xla's for TPU7x: x,y,z,2)
+            raise TopologyError(
+                f"{process_bounds.source}={process_bounds.text!r} has a fourth number, as torch_xla writes "
+                "for TPU7x, whose process layout this client does not guess: set PJRT_RENDEZVOUS_NUM_TASKS "
+                "to the number of processes (and PJRT_RENDEZVOUS_TASK_ID to this one's)"
+            )
         num = _Known(_bounds(process_bounds), "TPU_PROCESS_BOUNDS", "TPU_PROCESS_BOUNDS")
     elif metadata_bounds is not None:
         num = _Known(

@@ -757,6 +757,28 @@ def test_a_world_of_several_tasks_needs_to_know_which_this_is(env, task):
     assert detect_topology(env, hostname=lambda: "h").task_id == task
 
 
+def test_a_tpu7x_process_bounds_names_the_variables_that_set_the_world():
+    """torch_xla writes TPU_PROCESS_BOUNDS with a fourth number for TPU7x: refused naming what
+    to set instead (it said "must be 3 comma-separated positive integers"); with them set,
+    the bounds are not read."""
+    env = {"TPU_PROCESS_BOUNDS": "2,2,1,2", "CLOUD_TPU_TASK_ID": "1", "TPU_SKIP_MDS_QUERY": "1"}
+    with pytest.raises(TopologyError, match="has a fourth number, as torch_xla writes for TPU7x.*set PJRT_RENDEZVOUS_NUM_TASKS"):
+        detect_topology(env, metadata=_no_metadata)
+    assert detect_topology({**env, "PJRT_RENDEZVOUS_NUM_TASKS": "8"}, metadata=_no_metadata).num_tasks == 8
+
+
+def test_a_task_id_without_a_worker_id_names_its_own_host():
+    """Task 5 of 2 hosts x 4 processes is on host b: without TPU_WORKER_ID it said worker 0,
+    host a, where the coordinator takes a process of the same host and local rank for a
+    restart of the task (a duplicate task id elsewhere replaced the live one). A worker id
+    given stays as given."""
+    env = {"TPU_WORKER_HOSTNAMES": "a,b", "CLOUD_TPU_TASK_ID": "5", "PJRT_LOCAL_PROCESS_COUNT": "4",
+           "PJRT_LOCAL_PROCESS_RANK": "1", "TPU_SKIP_MDS_QUERY": "1"}
+    topo = detect_topology(env, metadata=_no_metadata)
+    assert (topo.worker_id, topo.host, topo.task_id, topo.num_tasks) == (1, "b", 5, 8)
+    assert detect_topology({**env, "TPU_WORKER_ID": "0"}, metadata=_no_metadata).host == "a"
+
+
 @pytest.mark.parametrize("address", ["", "   ", "coord:x"])
 def test_bad_address_argument_names_the_argument(address):
     """An unusable explicit address argument raises, naming the argument rather than a variable."""
