@@ -467,7 +467,10 @@ def detect_topology(
     if chips_raw is not None:
         chips = _bounds(chips_raw)
     else:
-        per_host = _from_env(env, "TPU_CHIPS_PER_HOST_BOUNDS", "CHIPS_PER_HOST_BOUNDS") or mds.from_tpu_env(
+        per_host = _from_env(env, "TPU_CHIPS_PER_HOST_BOUNDS", "CHIPS_PER_HOST_BOUNDS")
+        if per_host is None and mds.enabled and accelerator_type is not None:
+            mds.load_tpu_env()  # (not read yet when TPU_ACCELERATOR_TYPE is set: one chip was guessed)
+        per_host = per_host or mds.from_tpu_env(
             "TPU_CHIPS_PER_PROCESS_BOUNDS",
             "TPU_CHIPS_PER_PROCESS_BOUNDS", "TPU_CHIPS_PER_HOST_BOUNDS", "CHIPS_PER_HOST_BOUNDS",
         )

@@ -454,14 +454,21 @@ def test_environment_wins_over_metadata(metadata_server):
     assert _requested_keys(server) == ["tpu-env"]
 
 
-def test_tpu_env_not_fetched_when_accelerator_type_is_set(metadata_server):
-    """With TPU_ACCELERATOR_TYPE set only the missing worker endpoints are fetched."""
+def test_tpu_env_gives_the_chips_when_accelerator_type_is_set(metadata_server):
+    """With TPU_ACCELERATOR_TYPE set and no chip bounds in the environment, tpu-env still
+    gives the host's chips (one chip per process was guessed: a process of a v4-32 host
+    that drives its 4 chips made a world of 4); with the bounds in the environment, tpu-env
+    is not fetched."""
     server = metadata_server({"tpu-env": V4_32_TPU_ENV, "worker-network-endpoints": V4_32_ENDPOINTS})
     topo = detect_topology({"TPU_ACCELERATOR_TYPE": "v4-32", "TPU_WORKER_ID": "1"},
                            metadata=_plain_fetcher(server))
     assert topo.worker_hostnames == V4_32_IPS
-    assert (topo.host, topo.chips_per_process) == ("10.130.0.4", 1)
-    assert _requested_keys(server) == ["worker-network-endpoints"]
+    assert (topo.host, topo.chips_per_process, topo.num_tasks, topo.world_size) == ("10.130.0.4", 4, 4, 16)
+    assert sorted(_requested_keys(server)) == ["tpu-env", "worker-network-endpoints"]
+    server = metadata_server({"tpu-env": V4_32_TPU_ENV, "worker-network-endpoints": V4_32_ENDPOINTS})
+    topo = detect_topology({"TPU_ACCELERATOR_TYPE": "v4-32", "TPU_WORKER_ID": "1", "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1"},
+                           metadata=_plain_fetcher(server))
+    assert topo.chips_per_process == 1 and _requested_keys(server) == ["worker-network-endpoints"]
 
 
 @pytest.mark.parametrize("skip", ["1", "true", "True", "yes"])
