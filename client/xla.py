@@ -840,7 +840,8 @@ def _child_main(task: int, nprocs: int, env: dict, payload: bytes, reports) -> N
                 f"the XLA runtime gives this process {len(devices)} device(s) but the topology "
                 f"says {client.topology.devices_per_process} ({client.topology.cores_per_chip} "
                 f"core(s) per chip x {client.topology.chips_per_process} chip(s)); set "
-                "PJRT_RENDEZVOUS_CORES_PER_CHIP to the devices per chip"
+                "PJRT_RENDEZVOUS_CORES_PER_CHIP to the devices per chip, or TPU_CHIPS_PER_PROCESS_BOUNDS "
+                "to the process's chips"
             )
         ordinals = [client.topology.ordinal(i) for i in range(len(devices))]
         put("ordinals", ordinals)
