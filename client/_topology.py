@@ -372,11 +372,33 @@ def _worker_hostnames(
     asked only when the metadata server would be (on a TPU VM only)."""
     raw = _from_env(env, "TPU_WORKER_HOSTNAMES")
     if raw is not None:
-        return tuple(h.strip() for h in raw.text.split(",") if h.strip()), "TPU_WORKER_HOSTNAMES"
+        hosts = tuple(h.strip() for h in raw.text.split(",") if h.strip())
+        for host in hosts:
+            _check_hostname(host, raw.source)
+        return hosts, "TPU_WORKER_HOSTNAMES"
     if mds.enabled and accelerator() is not None:
         text = mds.fetch("worker-network-endpoints")
         return (_parse_endpoints(text) if text else ()), "metadata worker-network-endpoints"
     return (), "TPU_WORKER_HOSTNAMES"
+
+
+def _check_hostname(host: str, source: str) -> None:
+    """A worker's name or IP address as the hostnames list gives it: no port (the
+    coordinator's is its own: 7481, or PJRT_RENDEZVOUS_ADDRESS), no brackets around an IPv6
+    address. ``h0:8470`` would otherwise be taken for an IPv6 address, and dialed as
+    ``[h0:8470]:7481``."""
+    bad = any(c.isspace() or c in "/@[]" for c in host)
+    if not bad and ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            bad = True
+    if bad:
+        raise TopologyError(
+            f"{source} entry {host!r} is not a hostname or IP address: list the workers' names or "
+            f"addresses, worker 0 first, without ports or brackets (the coordinator is worker 0 at port "
+            f"{DEFAULT_PORT}, or PJRT_RENDEZVOUS_ADDRESS=host:port)"
+        )
 
 
 def _given_address(env: Mapping[str, str], address: str | None) -> str | None:

@@ -369,6 +369,18 @@ def test_address_precedence(env, address, expected):
     assert detect_topology(env, address=address, hostname=lambda: "h").address == expected
 
 
+@pytest.mark.parametrize("entry", ["w0:8470", "10.0.0.1:8470", "[fd00::a]", "w 0", "w0/24"])
+def test_worker_hostname_with_a_port_is_refused(entry):
+    """A worker hostname with a port (or brackets, a blank, a slash) is refused naming the
+    entry; with a port it was taken for an IPv6 address and dialed as '[w0:8470]:7481'."""
+    env = {"TPU_WORKER_HOSTNAMES": f"{entry},w1", "TPU_WORKER_ID": "1"}
+    for detect in (detect_topology, detect_address):
+        with pytest.raises(TopologyError) as info:
+            detect(env)
+        assert f"TPU_WORKER_HOSTNAMES entry {entry!r} is not a hostname or IP address" in str(info.value)
+        assert "PJRT_RENDEZVOUS_ADDRESS" in str(info.value)
+
+
 # --- ordinal validation --------------------------------------------------------------------------
 
 
