@@ -1,7 +1,8 @@
 # The pjrt-rendezvous coordinator image: the package and its gRPC dependencies, no torch.
 #
 #   docker build -t pjrt-rendezvous .
-#   docker run -d --name coordinator -p 7481:7481 -p 7482:7482 -v pjrt-state:/var/lib/pjrt-rendezvous pjrt-rendezvous
+#   docker run -d --name coordinator --restart unless-stopped --stop-timeout 30 -p 7481:7481 -p 7482:7482 \
+#     -v pjrt-state:/var/lib/pjrt-rendezvous pjrt-rendezvous
 #   docker exec coordinator pjrt-rendezvous status
 #
 # Configuration: PJRT_RENDEZVOUS_* variables (docker run -e ...) or flags after the image

@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import math
 import os
+import re
 import stat
 from typing import Any, Mapping
 
@@ -50,12 +51,25 @@ FAN_IN_AUTO_HOSTS = 16
 TRANSPORTS = ("auto", "grpc")
 
 
+def comment_hint(value: str) -> str:
+    """For an error about a setting's ``value``: a hint when it holds what looks like a
+    comment, which systemd's ``EnvironmentFile=`` keeps in the value (a shell drops it)."""
+    if not re.search(r"\s#", value):
+        return ""
+    return (
+        " (a comment after the value? systemd's EnvironmentFile= keeps everything after '=' in "
+        "the value: put comments on lines of their own)"
+    )
+
+
 def check_token(token: str, source: str) -> str:
     """``token`` if gRPC metadata can carry it (printable ASCII), else a UsageError naming
     ``source`` (serve and the clients alike: a token with a line break inside, as a wrapped
     ``openssl rand -base64 64`` gives, was taken, then every call failed as "Invalid metadata")."""
     if not token.strip():
         raise UsageError(f"the token from {source} is empty")
+    if re.search(r"\s#", token):
+        raise UsageError(f"the token from {source} holds a blank followed by '#'{comment_hint(token)}")
     for position, char in enumerate(token):
         if not " " <= char <= "~":
             raise UsageError(

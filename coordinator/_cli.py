@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any, Callable, Mapping
 
-from pjrt_rendezvous.client._config import check_token, job_problem, parse_seconds, read_token_file, token_conflict
+from pjrt_rendezvous.client._config import check_token, comment_hint, job_problem, parse_seconds, read_token_file, token_conflict
 from pjrt_rendezvous.client._topology import host_port
 from pjrt_rendezvous.client._errors import UsageError
 
@@ -167,7 +167,7 @@ def _variable(env: Mapping[str, str], dest: str, convert: Callable[[str], Any], 
     try:
         return convert(text)
     except (ValueError, argparse.ArgumentTypeError) as exc:
-        raise ValueError(f"{variable}={text!r}: {exc}") from None
+        raise ValueError(f"{variable}={text!r}: {exc}{comment_hint(text)}") from None
 
 
 class _Flag(argparse.Action):

@@ -635,6 +635,22 @@ def test_serve_refuses_a_token_grpc_cannot_send_naming_where_it_came_from(tmp_pa
         server.stop()
 
 
+def test_a_comment_left_in_a_variable_s_value_is_named():
+    """systemd's EnvironmentFile= keeps a comment after a value in the value (a shell drops
+    it). A number then fails to parse, and a token took the comment as part of the secret:
+    `health` passed while every client was refused. serve refuses both, saying so."""
+    hint = "a comment after the value? systemd's EnvironmentFile= keeps everything after '='"
+    for variable, value in [
+        ("PJRT_RENDEZVOUS_WORLD_SIZE", "32          # fix the default job's world size up front"),
+        ("PJRT_RENDEZVOUS_TOKEN", "s3cret              # shared secret"),
+    ]:
+        out = run_cli("serve", "--port", "0", env={variable: value}, timeout=30)
+        assert out.returncode == 2 and variable in out.stderr and hint in out.stderr, (variable, out.stderr)
+    with pytest.raises(pr.UsageError, match="holds a blank followed by '#'"):
+        pr.Settings(address="127.0.0.1:1", token="s3cret # shared secret")
+    assert pr.Settings(address="127.0.0.1:1", token="a#b c").token == "a#b c"  # '#' alone is no comment
+
+
 @pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6")
 def test_serve_listens_on_a_bracketed_ipv6_host():
     """`--host [::1]` (an address's spelling) listens there on every port: gRPC, the session
