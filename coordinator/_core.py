@@ -1509,6 +1509,20 @@ class Core:
 
     # -- liveness and generations --------------------------------------------------------
 
+    def serving_from(self, now: float) -> None:
+        """A restored core starts serving at ``now``: the restore's window, and the silence
+        of every process not heard from since, count from here, not from when the state
+        file was read (reading, replaying and rewriting a large one takes seconds, during
+        which no process can heartbeat)."""
+        if self.restored is None or now <= self.restored[0]:
+            return
+        read_at, window, before = self.restored
+        self.restored = (now, window, before)
+        for job in self.jobs.values():
+            for process in job.processes.values():
+                if process.last_seen <= read_at:
+                    process.last_seen += now - read_at
+
     def check_liveness(self, now: float) -> None:
         """Declares dead every process not heard from within the heartbeat timeout."""
         if self.heartbeat_timeout is None:

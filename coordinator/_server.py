@@ -667,6 +667,7 @@ async def _serving(options: ServerOptions, core: Core, writer: "_StateWriter | N
         raise
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    core.serving_from(time.monotonic())  # (restored: the heartbeat clocks start now)
     loop = asyncio.get_running_loop()
     tasks = [loop.create_task(servicer.watch_liveness()), loop.create_task(monitor.watch())]
     return RunningServer(

@@ -22,6 +22,7 @@ from pjrt_rendezvous.client._demo import simulated_env
 from pjrt_rendezvous.coordinator import Core, StateFileError
 from pjrt_rendezvous.coordinator import _state
 from pjrt_rendezvous.coordinator._core import Code, Contribution, CoreError, Registration, ThreadRequest
+from pjrt_rendezvous.coordinator._server import ServerOptions, start_server
 
 WORKER = pathlib.Path(__file__).with_name("pod_worker.py")
 
@@ -641,6 +642,47 @@ def test_a_restore_with_a_shorter_heartbeat_timeout_judges_nobody_until_the_old_
         restored.check_liveness(within + 2.0)  # past the window; i0 heard 2 s ago
         assert [p.alive for p in restored.jobs["j"].processes.values()] == [True, False]
     assert _state.snapshot(second)["heartbeat_timeout"] == 3.0  # all told by now
+
+
+def test_heartbeat_clocks_of_a_restore_start_when_serving_does(tmp_path, monkeypatch):
+    """A restore that takes longer than the heartbeat timeout (a large state file read,
+    replayed and written again before serving) declared every process dead as serving
+    began ("no heartbeat for 12.7 s" of an 8 s timeout). The restore's window and the
+    processes' silence now count from the start of serving."""
+    core = Core(heartbeat_timeout=1.0)
+    for task in range(2):
+        core.register(0.0, Registration(job="j", incarnation=f"i{task}", host="h", pid=task, task_id=task, num_tasks=2,
+                                        devices_per_task=1, local_rank=task, threads=(ThreadRequest(thread_index=0),)))
+    restored = _state.restore(_state.snapshot(core), now=100.0, heartbeat_timeout=1.0)
+    restored.touch("j", "i0", 100.5)  # heard during the start: its clock is its own
+    restored.serving_from(130.0)
+    restored.check_liveness(130.9)
+    assert all(p.alive for p in restored.jobs["j"].processes.values())
+    restored.check_liveness(131.5)  # past the window (min(the file's timeout, 15 s): 1 s from 130)
+    assert [p.alive for p in restored.jobs["j"].processes.values()] == [False, False]
+    assert "no heartbeat for 1.5 s" in restored.jobs["j"].processes["i1"].death
+
+    # serve does it: a load as slow as 1.5 s of a 1 s timeout declares nobody dead at once.
+    path = tmp_path / "state.json"
+    _state.write_atomic(path, _state.encode(_state.snapshot(core)))
+    real_load = _state.load
+
+    def slow_load(*args, **kwargs):
+        loaded = real_load(*args, **kwargs)
+        time.sleep(1.5)
+        return loaded
+
+    monkeypatch.setattr(_state, "load", slow_load)
+
+    async def main():
+        server = await start_server(ServerOptions(port=0, state_file=path, heartbeat_timeout=1.0, session_port=None))
+        try:
+            await asyncio.sleep(0.3)  # a liveness pass or more
+            return [p.alive for p in server.core.jobs["j"].processes.values()]
+        finally:
+            await server.stop(None)
+
+    assert asyncio.run(main()) == [True, True]
 
 
 def test_an_append_journals_what_it_appends_not_the_whole_value(tmp_path, monkeypatch):
