@@ -42,7 +42,8 @@ def _translated(method):
         try:
             return await method(self, request, context)
         except CoreError as exc:
-            await _abort(context, exc.code, exc.message)
+            error = await self._refusal(exc)
+        await _abort(context, error.code, error.message)
 
     return handler
 
@@ -178,6 +179,17 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 self._world_tables.pop(key[1], None)
             self._deadlines.pop(key, None)
             self._release(key)
+
+    async def _refusal(self, exc: CoreError) -> CoreError:
+        """``exc``, to be answered once what it may rest on is on disk: a change not written
+        yet, this call's or another's (a round another member failed or that expired, a
+        death, a restart), which a crash would take back; the write's own error (UNAVAILABLE)
+        when it cannot be written."""
+        try:
+            await self._persist()
+        except CoreError as failed:
+            return failed
+        return exc
 
     def _release(self, key: tuple) -> None:
         """Wakes the calls waiting on ``key``."""
@@ -348,7 +360,6 @@ class Servicer(pb_grpc.CoordinatorServicer):
         job, incarnation, replicas, round_number, timeout, generation, rows = request  # decode_rendezvous
         _checked_timeout(timeout)
         now = self._clock()
-        version = self._core.version
         try:
             rnd = self._core.arrive(
                 now,
@@ -362,9 +373,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
             )
         except Exception:
             self._wake()  # a refused call may have failed its peers' round: release them now
-            if self._core.version != version:
-                await self._persist()  # that failed round is on disk before anyone is told
-            raise
+            raise  # (on disk before anyone is told: _refusal)
         self._wake()
         while rnd.result is None and rnd.error is None:  # finished in place (Core.arrive)
             if not await self._wait(("round", job, *rnd.key), rnd.deadline):
@@ -445,6 +454,10 @@ class Servicer(pb_grpc.CoordinatorServicer):
         seen = request.after if request.HasField("after") else known
         if not 0 <= seen <= known:  # past the end: a coordinator restarted without its state
             seen = 0
+        try:  # (the marker counts the events so far: on disk first, as the events)
+            await self._persist()
+        except CoreError as exc:
+            await _abort(context, exc.code, exc.message)
         yield pb.WatchEvent(index=seen)
         while True:
             first, events = self._core.events(request.job, seen)
@@ -504,6 +517,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
                     self._on_call(method, grpc.StatusCode.CANCELLED.name)
                 raise
             except CoreError as exc:
+                exc = await self._refusal(exc)
                 status, text = _STATUS[exc.code], exc.message
             except Exception:
                 log.exception("%s failed on a session", method)

@@ -685,6 +685,54 @@ def test_heartbeat_clocks_of_a_restore_start_when_serving_does(tmp_path, monkeyp
     assert asyncio.run(main()) == [True, True]
 
 
+def test_a_refusal_resting_on_another_call_s_change_waits_for_the_disk(tmp_path, monkeypatch):
+    """Round 0 times out in memory while its journal line waits on a slow disk; a member
+    calling late is refused as late. It was told at once, from what a crash would take back
+    (restarted, the round was not finished, and its peers resent it); the refusal now waits
+    for the write, on a session as over gRPC."""
+    import grpc
+
+    from pjrt_rendezvous.client._session import decode_answers, encode_answers
+    from pjrt_rendezvous.client._wire import encode_rendezvous
+    from pjrt_rendezvous.coordinator._server import _StateWriter
+    from pjrt_rendezvous.coordinator._servicer import Servicer
+
+    path = tmp_path / "state.json"
+    core = Core()
+    for task in range(2):
+        core.register(0.0, Registration(job="j", incarnation=f"i{task}", host="h", pid=task, task_id=task, num_tasks=2,
+                                        devices_per_task=1, local_rank=task, threads=(ThreadRequest(thread_index=0),)))
+    gate = threading.Event()
+    gate.set()
+    real_append = _state.Files.append
+    monkeypatch.setattr(_state.Files, "append", lambda files, data: (gate.wait(30), real_append(files, data))[1])
+    writer = _StateWriter(core, _state.Files(path))
+    servicer = Servicer(core, clock=time.monotonic, persist=writer.flush)
+
+    def call(call_id: int, ordinal: int, timeout: float):
+        body = encode_rendezvous("j", f"i{ordinal}", [], 0, timeout, core.jobs["j"].generation, [(ordinal, "save", b"", "")], False)
+        return asyncio.ensure_future(servicer._session_call((call_id, "Rendezvous", body, False)))
+
+    async def main():
+        await writer.flush()
+        gate.clear()  # the disk stalls from here on
+        first = call(1, 0, 0.2)
+        await asyncio.sleep(0.5)  # round 0 timed out in memory; its line waits for the disk
+        late = call(2, 1, 5.0)
+        await asyncio.sleep(0.3)
+        assert not late.done(), "the late member was told before the round's end was on disk"
+        gate.set()
+        answers = [decode_answers(encode_answers([await task], False)) for task in (first, late)]
+        writer.close()
+        return answers
+
+    (first,), (late,) = asyncio.run(main())
+    assert first[1] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], first
+    assert late[1] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0] and "had failed before it came" in late[2], late
+    restored = _state.load(path, now=0.0, limits=None, heartbeat_timeout=None)
+    assert restored.jobs["j"].rounds_completed == core.jobs["j"].rounds_completed
+
+
 def test_an_append_journals_what_it_appends_not_the_whole_value(tmp_path, monkeypatch):
     """Each append to a large value adds a line of its own bytes to the journal (it wrote
     the whole value each time: ten 1-byte appends to 1 MB wrote over 10 MB), and the
