@@ -38,8 +38,10 @@ import base64
 import collections
 import errno
 import fcntl
+import glob
 import hashlib
 import json
+import logging
 import math
 import os
 import pathlib
@@ -47,6 +49,8 @@ import socket
 import tempfile
 
 from ._core import ALL, Code, Core, CoreError, Event, EventLog, Job, Limits, Member, Process, Round, _Group
+
+log = logging.getLogger("pjrt_rendezvous.coordinator")
 
 FORMAT = "pjrt-rendezvous-state"
 _CLIENT_HEARTBEAT_INTERVAL = 5.0  # the client's default (client/_config.py; not imported: no client here)
@@ -382,6 +386,19 @@ def _in_use(given: os.PathLike | str, real: pathlib.Path, holder: str) -> str:
     )
 
 
+def _remove_leftovers(real: pathlib.Path) -> None:
+    """Removes the temporary files of rewrites that a crash (kill -9, out of memory) cut
+    short, each as large as the state: on a small volume they pile up until no rewrite
+    fits, and every start (which rewrites the state) fails. Called with the lock held."""
+    for name in (real.name, journal_path(real).name):
+        for leftover in real.parent.glob(f".{glob.escape(name)}{_TEMPORARY}*"):
+            try:
+                leftover.unlink()
+                log.info("removed %s, left by a write a crash cut short", leftover)
+            except OSError as exc:
+                log.warning("cannot remove %s, left by a write a crash cut short: %s", leftover, exc.strerror)
+
+
 class Files:
     """The state file and its journal, as the state writer's thread writes them, locked
     against other coordinators (``PATH.lock``) from construction to :meth:`close`. The
@@ -393,6 +410,7 @@ class Files:
         self.path = resolve(path)
         self._lock: int | None = _lock(self.path, path)
         self._journal: int | None = None  # the journal's descriptor, open for appends
+        _remove_leftovers(self.path)
 
     def append(self, data: bytes) -> None:
         """Appends ``data`` to the journal, on disk when this returns."""
@@ -501,10 +519,14 @@ def decode(data: bytes, *, path: str = "state file") -> dict:
         raise StateFileError(f"{path} is corrupt or truncated ({type(exc).__name__}: {exc}){hint}") from exc
 
 
+_TEMPORARY = ".tmp-"  # in the names of write_atomic's temporary files: .NAME.tmp-XXXXXXXX
+
+
 def write_atomic(path: pathlib.Path, data: bytes) -> None:
-    """Replaces ``path`` with ``data`` so that a crash leaves the old or the new file, whole."""
+    """Replaces ``path`` with ``data`` so that a crash leaves the old or the new file, whole
+    (and perhaps a temporary file, which :class:`Files` removes at the next start)."""
     folder = path.parent
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{_TEMPORARY}", dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

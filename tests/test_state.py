@@ -733,6 +733,32 @@ def test_a_refusal_resting_on_another_call_s_change_waits_for_the_disk(tmp_path,
     assert restored.jobs["j"].rounds_completed == core.jobs["j"].rounds_completed
 
 
+def test_temporary_files_a_crash_left_are_removed_at_the_next_start(tmp_path, monkeypatch):
+    """A rewrite killed before its rename (kill -9, out of memory) leaves a temporary file as
+    large as the state; they piled up until no rewrite fitted on the volume. The next start
+    removes them, and nothing else."""
+    path = tmp_path / "state.json"
+    made = []  # the names write_atomic gives its temporary files
+    real_mkstemp = _state.tempfile.mkstemp
+
+    def mkstemp(**kwargs):
+        fd, name = real_mkstemp(**kwargs)
+        made.append(pathlib.Path(name).name)
+        return fd, name
+
+    monkeypatch.setattr(_state.tempfile, "mkstemp", mkstemp)
+    files = _state.Files(path)
+    files.rewrite(_state.encode(_state.snapshot(Core())))
+    files.close()
+    assert [m[: m.index("-") + 1] for m in made] == [".state.json.tmp-", ".state.json.journal.tmp-"], made
+    left = [tmp_path / ".state.json.tmp-k1ll3d", tmp_path / ".state.json.journal.tmp-0oMkill"]
+    kept = [tmp_path / ".state.json.other", tmp_path / "state.json.tmp-x", tmp_path / ".other.json.tmp-y"]
+    for leftover in left + kept:
+        leftover.write_bytes(b"{")
+    _state.Files(path).close()
+    assert [p.exists() for p in left + kept] == [False, False, True, True, True]
+
+
 def test_an_append_journals_what_it_appends_not_the_whole_value(tmp_path, monkeypatch):
     """Each append to a large value adds a line of its own bytes to the journal (it wrote
     the whole value each time: ten 1-byte appends to 1 MB wrote over 10 MB), and the
