@@ -583,6 +583,7 @@ def _core_to_serve(options: ServerOptions, core: Core | None, files: "_state.Fil
     if core is None and files is not None:
         core = _state.load(
             files.path,
+            given=files.given,
             now=time.monotonic(),
             limits=options.limits,
             heartbeat_timeout=options.heartbeat_timeout,

@@ -46,6 +46,7 @@ import math
 import os
 import pathlib
 import socket
+import stat
 import tempfile
 
 from ._core import ALL, Code, Core, CoreError, Event, EventLog, Job, Limits, Member, Process, Round, _Group
@@ -343,6 +344,16 @@ def _lock(real: pathlib.Path, given: os.PathLike | str) -> int:
     try:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as exc:
+        try:
+            info = os.stat(lock)
+        except OSError:
+            info = None
+        if info is not None and exc.errno in (errno.EACCES, errno.EPERM):  # (made by another user: sudo serve)
+            raise StateFileError(
+                f"cannot open {lock}, the lock of the state file {_named(given, real)} (--state-file): "
+                f"{exc.strerror}; it belongs to uid {info.st_uid} (mode {stat.S_IMODE(info.st_mode):04o}), and this "
+                f"coordinator runs as uid {os.getuid()}: change the owner of the state file, its journal and its lock"
+            ) from exc
         raise StateFileError(
             f"cannot create {lock}, the lock of the state file {_named(given, real)} (--state-file): "
             f"{exc.strerror}{_what_to_do(exc, real.parent)}"
@@ -471,8 +482,9 @@ def replay_journal(core: Core, path: pathlib.Path) -> None:
     for number, line in enumerate(lines, 1):
         digest, _, text = line.partition(b" ")
         if hashlib.sha256(text).hexdigest().encode() != digest:
-            if number == len(lines):
-                break  # the last write, cut short: its callers were never answered
+            if number == len(lines):  # the last write, cut short: its callers were never answered
+                log.warning("ignored the last line of %s: its checksum does not match (a write cut short)", journal_path(path))
+                break
             raise StateFileError(f"{journal_path(path)} is corrupt at line {number}: its checksum does not match{hint}")
         try:
             entry = json.loads(text)
@@ -550,10 +562,15 @@ def _cannot_read(what: str, exc: OSError) -> StateFileError:
     )
 
 
-def load(path: os.PathLike | str, *, now: float, limits: Limits | None, heartbeat_timeout: float | None) -> Core | None:
+def load(
+    path: os.PathLike | str, *, now: float, limits: Limits | None, heartbeat_timeout: float | None,
+    given: os.PathLike | str | None = None,
+) -> Core | None:
     """The core saved at ``path``, or None when there is no file yet; StateFileError when it
-    cannot be used. A coordinator loads it once it holds its lock (:class:`Files`)."""
+    cannot be used. A coordinator loads it once it holds its lock (:class:`Files`), from
+    the file the lock is for; ``given``: the path as the user gave it, for messages."""
     real = resolve(path)
+    path = path if given is None else given
     try:
         data = real.read_bytes()
     except FileNotFoundError:
@@ -564,6 +581,9 @@ def load(path: os.PathLike | str, *, now: float, limits: Limits | None, heartbea
     try:
         core = restore(body, now=now, limits=limits, heartbeat_timeout=heartbeat_timeout)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise StateFileError(f"{path} does not hold a valid coordinator state ({type(exc).__name__}: {exc})") from exc
+        raise StateFileError(
+            f"{path} does not hold a valid coordinator state ({type(exc).__name__}: {exc}); move it away to start "
+            "with an empty coordinator"
+        ) from exc
     replay_journal(core, real)
     return core

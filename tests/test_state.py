@@ -332,8 +332,10 @@ def test_state_file_errors_name_the_option_the_path_and_what_to_do(tmp_path):
     """An unreadable state file or journal, and a folder the coordinator cannot write in
     (with or without a lock file in it already): serve exits 1 with a message naming
     --state-file and the state file, and what to do (they said "[Errno 21] Is a directory:
-    'x'", or named the temporary file of a rewrite). A folder given as the state file is a
-    setting refused: exit 2 (the unit does not restart on it)."""
+    'x'", or named the temporary file of a rewrite), a lock file of another user (said to
+    be the folder's fault), a link to a damaged file (named by its target, without the link).
+    A folder given as the state file is a setting refused: exit 2 (the unit does not restart
+    on it)."""
     (tmp_path / "folder").mkdir()
     out = serve_once(tmp_path / "folder")
     assert out.returncode == 2 and "(--state-file) is a folder; give the path of a file, such as" in out.stderr, out.stderr
@@ -358,6 +360,18 @@ def test_state_file_errors_name_the_option_the_path_and_what_to_do(tmp_path):
         folder.chmod(0o555)
         message = f"state file {folder / 'state.json'} (--state-file): Permission denied; the coordinator's user must"
         cases.append((folder / "state.json", f"{message} be able to create and replace files in {folder}"))
+    theirs = tmp_path / "theirs" / "state.json"  # a lock file made by a `sudo serve` before
+    theirs.parent.mkdir()
+    _state.lock_path(theirs).write_bytes(b"")
+    _state.lock_path(theirs).chmod(0o600)
+    os.chown(_state.lock_path(theirs), 12345, 12345) if os.geteuid() == 0 else None
+    cases.append((theirs, f"cannot open {_state.lock_path(theirs)}, the lock of the state file {theirs} (--state-file): "
+                          "Permission denied; it belongs to uid "))
+    volume = tmp_path / "volume"  # a link to a damaged file: named as given
+    volume.mkdir()
+    (volume / "state.json").write_bytes(b'{"format": "pjrt-rendez')
+    (tmp_path / "link.json").symlink_to(volume / "state.json")
+    cases.append((tmp_path / "link.json", f"{tmp_path / 'link.json'} is corrupt or truncated"))
     try:
         for state_file, message in cases:
             out = serve_once(state_file, *unprivileged())
