@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 
 from ._client import Binding, Client, _check_call, _payload_bytes, current_binding, xm_binding
 from ._config import DEFAULT, Settings, check_timeout
-from ._errors import ParticipantFailedError, UsageError
+from ._errors import InvalidArgumentError, ParticipantFailedError, UsageError
 from ._topology import Topology, detect_topology, metadata_fetcher, normalize_address
 
 _lock = threading.Lock()
@@ -240,7 +240,8 @@ def get_world_size() -> int:
 
 def is_master_ordinal(local: bool = True) -> bool:
     """True for local ordinal 0 (``local=True``) or global ordinal 0."""
-    return (get_local_ordinal() if local else get_ordinal()) == 0
+    binding = _binding("is_master_ordinal")
+    return binding is None or (binding.local_ordinal if local else binding.ordinal) == 0
 
 
 def rendezvous(
@@ -284,10 +285,15 @@ def _rendezvous(what: str, tag: str, payload: bytes, replicas: Sequence[int], ti
         replicas = _check_call(tag, replicas)
         if timeout is not DEFAULT:
             check_timeout(timeout)
-        if len(set(replicas)) < len(replicas):
-            raise UsageError(f"replicas {replicas} list an ordinal more than once")
-        if replicas not in ([], [0]):
-            raise UsageError(f"replicas {replicas} are out of range for a world of one")
+        # (as a bound thread is told, by its client or the coordinator)
+        out_of_range = sorted({r for r in replicas if r != 0})
+        if out_of_range:
+            raise InvalidArgumentError(
+                f"replicas {out_of_range} are out of range [0, 1) for a world of one (called by ordinal 0 "
+                f"with tag {tag!r})"
+            )
+        if len(replicas) > 1:
+            raise InvalidArgumentError(f"ordinal 0 called {what}({tag!r}) with replicas listing ordinal 0 more than once")
         return [payload]
     if _ended:
         replicas = _check_ended(what, tag, replicas)

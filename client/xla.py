@@ -408,8 +408,16 @@ def bind_device(thread_index: int, *, client: Client | None = None) -> Binding:
     """
     import torch_xla
 
-    torch_xla._XLAC._xla_set_default_device(f"xla:{thread_index}")
-    return _bind_current_device(thread_index, client=client)
+    client = client or _api.get_client()
+    client.topology.ordinal(thread_index)  # (out of range: our TopologyError, not the runtime's IndexError)
+    xlac = torch_xla._XLAC
+    before = xlac._xla_get_default_device()
+    xlac._xla_set_default_device(f"xla:{thread_index}")
+    try:
+        return _bind_current_device(thread_index, client=client)
+    except BaseException:
+        xlac._xla_set_default_device(before)  # refused (bound already, say): the thread keeps its device
+        raise
 
 
 def _bind_current_device(thread_index: int, *, client: Client | None = None) -> Binding:
@@ -727,20 +735,42 @@ def _supervise(
             except (EOFError, OSError):
                 return
 
+    crashed: set[int] = set()  # tasks whose process exited before reporting every thread
+
+    def exited(process) -> str:
+        code = process.exitcode
+        return f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+
+    def unreported(task: int) -> list[int]:
+        return [o for o in ordinals_of.get(task, []) if o not in results and o not in failures]
+
+    def crash(task: int, process) -> None:
+        # Exited on its own without reporting every thread: it crashed (XLA aborts with
+        # SIGABRT when a collective waits 10 s for a sibling that never arrives).
+        crashed.add(task)
+        error = RuntimeError(f"the process of task {task} (pid {process.pid}) {exited(process)} before reporting")
+        for ordinal in unreported(task) or [-(task + 1)]:
+            record(ordinal, error, "")
+
     while True:
         drain(0.05)
         if all(not p.is_alive() for p in processes):
             drain(0.5)  # the last messages of processes that just exited
             break
+        for task, process in enumerate(processes):
+            # A crash is a failure as soon as it is seen: its peers waiting for it are stopped
+            # after the grace (they waited for the coordinator's heartbeat timeout, then
+            # failed, and were named before it).
+            if task not in finished and task not in crashed and not process.is_alive():
+                drain(0.5)  # what it sent before it exited
+                if task not in finished:
+                    crash(task, process)
         now = time.monotonic()
         if first_failure_at is not None and now - first_failure_at >= grace:
             break
         if deadline is not None and now >= deadline:
             timed_out = True
             break
-
-    def unreported(task: int) -> list[int]:
-        return [o for o in ordinals_of.get(task, []) if o not in results and o not in failures]
 
     stopped: set[int] = set()
     for task, process in enumerate(processes):
@@ -752,21 +782,16 @@ def _supervise(
     for task in sorted(stopped):
         terminated += unreported(task) if task in ordinals_of else [-(task + 1)]
     for task, process in enumerate(processes):
-        if task in stopped:
+        if task in stopped or task in crashed:
             continue
         code = process.exitcode
-        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
         if task not in finished:
-            # Exited on its own without reporting every thread: it crashed (XLA aborts with
-            # SIGABRT when a collective waits 10 s for a sibling that never arrives).
-            error = RuntimeError(f"the process of task {task} (pid {process.pid}) {how} before reporting")
-            for ordinal in unreported(task) or [-(task + 1)]:
-                record(ordinal, error, "")
+            crash(task, process)
         elif code != 0 and not any(o in failures for o in [*ordinals_of.get(task, []), -(task + 1)]):
             # Every thread reported, then the process died: what its replicas left behind
             # (a collective of their last step that never completed, say) failed.
             record(-(task + 1), RuntimeError(
-                f"the process of task {task} (pid {process.pid}) {how} after its replicas returned "
+                f"the process of task {task} (pid {process.pid}) {exited(process)} after its replicas returned "
                 "(in what they left running: a last step's collectives, threads, atexit handlers)"
             ), "")
 

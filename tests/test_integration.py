@@ -180,8 +180,8 @@ def test_world_of_one_needs_no_coordinator():
             (("t", "text"), TypeError, "payload must be bytes"),
             (("t", b"", [0, "1"]), TypeError, "replicas must be ints"),
             (("t", b"", [True]), TypeError, "replicas must be ints"),
-            (("t", b"", [0, 0]), pr.UsageError, "more than once"),
-            (("t", b"", [1]), pr.UsageError, "out of range for a world of one"),
+            (("t", b"", [0, 0]), pr.InvalidArgumentError, "replicas listing ordinal 0 more than once"),
+            (("t", b"", [1, 0]), pr.InvalidArgumentError, "replicas [1] are out of range [0, 1) for a world of one"),
         ]
         for args, error, words in refused:
             try:
@@ -224,6 +224,9 @@ def test_unbound_thread_gets_a_clear_error(coordinator):
             pr.rendezvous("t", b"")
         with pytest.raises(pr.UsageError, match=r"^barrier\(\) needs a bound thread"):  # (named as called)
             pr.barrier("t")
+        for local in (True, False):  # (it named get_local_ordinal() and get_ordinal())
+            with pytest.raises(pr.UsageError, match=r"^is_master_ordinal\(\) needs a bound thread"):
+                pr.is_master_ordinal(local)
     finally:
         pr.shutdown()
 

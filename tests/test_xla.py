@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import re
 import subprocess
 import sys
 import tempfile
@@ -112,6 +113,19 @@ def dying_replica(index):
     if index == 0:
         atexit.register(os.kill, os.getpid(), signal.SIGKILL)
     return "returned"
+
+
+def crashing_replica(index):
+    """Ordinal 1's process is killed (a segfault, an XLA abort) while ordinal 0 waits for it."""
+    import signal
+    import time
+
+    import torch_xla.core.xla_model as xm
+
+    if xm.get_ordinal() == 1:
+        time.sleep(1)
+        os.kill(os.getpid(), signal.SIGKILL)
+    xm.rendezvous("never-completed")
 
 
 def runtime_numbers_replica(index):
@@ -630,6 +644,24 @@ def test_spawn_reports_a_process_that_dies_after_its_replicas_returned(torch_xla
 
 
 @pytest.mark.xla
+def test_spawn_reports_a_crashed_process_at_once_and_first(torch_xla):
+    """A process killed while its peer waits for it: spawn saw the exit only once every
+    process had exited, so the peer waited for the coordinator's heartbeat timeout (60 s),
+    and its ParticipantFailedError was named first. The crash is now a failure when it is
+    seen: the peer is stopped after the grace, the crash named first."""
+    started = time.monotonic()
+    with pytest.raises(xla.SpawnError) as info:
+        xla.spawn(crashing_replica, nprocs=2, devices_per_process=1, timeout=150, grace=2.0)
+    elapsed = time.monotonic() - started
+    error = info.value
+    assert list(error.failures) == [1] and error.terminated == [0], (error.failures, error.terminated)
+    assert re.search(r"first: ordinal 1 raised RuntimeError: the process of task 1 \(pid \d+\) was killed by "
+                     r"signal 9 before reporting", str(error)), str(error)
+    assert elapsed < 40, elapsed
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.xla
 def test_a_round_needing_a_sibling_replica_that_returned_fails_at_once(torch_xla):
     """Ordinal 0 returned; its process goes on running ordinal 1, whose rounds that need 0
     fail at once, naming it, through xm's calls and pjrt_rendezvous's alike (they waited out
@@ -903,8 +935,23 @@ with Coordinator(port=0) as coordinator:
     for t in threads:
         t.start()
         t.join()
+    refused = {}
+
+    def misbound():
+        client.bind_thread(0)
+        for index in (1, 5):  # bound already; out of range
+            try:
+                xla.bind_device(index, client=client)
+            except Exception as exc:
+                refused[index] = (type(exc).__name__, torch_xla._XLAC._xla_get_default_device())
+        client.unbind_thread()
+
+    thread = threading.Thread(target=misbound)
+    thread.start()
+    thread.join()
     client.close()
 print("devices", devices[0], devices[1])
+print("refused", refused[1], refused[5])
 print("unbound", xm.get_ordinal(), xm.xrt_world_size(), xr.global_ordinal(), xr.world_size())
 xla.uninstall()
 print("captured", captured())
@@ -914,7 +961,8 @@ print("captured", captured())
 @pytest.mark.xla
 def test_xla_device_defaults_the_thread_and_unbound_calls_follow_the_runtime(torch_xla):
     """In a thread bound with bind_thread alone, xm.xla_device() makes its device the
-    thread's default (syncs run there, as after torch_xla.device(n)); once the runtime has
+    thread's default (syncs run there, as after torch_xla.device(n)); a refused bind_device
+    leaves the thread's default device as it was; once the runtime has
     started, an unbound thread's get_ordinal / xrt_world_size are the runtime's (torch_xla
     < 2.7's answer); a replacement captured while installed still works after uninstall()."""
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="2")
@@ -922,5 +970,8 @@ def test_xla_device_defaults_the_thread_and_unbound_calls_follow_the_runtime(tor
     assert run.returncode == 0, run.stderr
     lines = dict(line.split(" ", 1) for line in run.stdout.strip().splitlines())
     assert lines["devices"] == "('xla:0', 'xla:0') ('xla:1', 'xla:1')"
+    # A refused bind_device leaves the thread on its device (it moved it to the one refused),
+    # and an index out of range is ours to name (the runtime's C++ IndexError was raised).
+    assert lines["refused"] == "('UsageError', 'xla:0') ('TopologyError', 'xla:0')"
     assert lines["unbound"] == "0 1 0 1"  # the runtime's, not a UsageError (world of 2 here)
     assert lines["captured"] == "0"
