@@ -747,6 +747,45 @@ def test_a_refusal_resting_on_another_call_s_change_waits_for_the_disk(tmp_path,
     assert restored.jobs["j"].rounds_completed == core.jobs["j"].rounds_completed
 
 
+def test_a_watch_s_first_message_waits_for_the_events_it_counts_to_be_on_disk(tmp_path, monkeypatch):
+    """A Watch's first message names the index of the next event: it counted a death still
+    being written, which a crash would take back (the client's next Watch then skipped the
+    next new event, or got them all again). It now waits for the write."""
+    from pjrt_rendezvous.coordinator._server import _StateWriter
+    from pjrt_rendezvous.coordinator._servicer import Servicer
+    from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
+
+    path = tmp_path / "state.json"
+    core = Core()
+    for task in range(2):
+        core.register(0.0, Registration(job="j", incarnation=f"i{task}", host="h", pid=task, task_id=task, num_tasks=2,
+                                        devices_per_task=1, local_rank=task, threads=(ThreadRequest(thread_index=0),)))
+    gate = threading.Event()
+    gate.set()
+    real_rewrite = _state.Files.rewrite
+    monkeypatch.setattr(_state.Files, "rewrite", lambda files, data: (gate.wait(30), real_rewrite(files, data))[1])
+    writer = _StateWriter(core, _state.Files(path))
+    servicer = Servicer(core, clock=time.monotonic, persist=writer.flush)
+
+    async def main():
+        await writer.flush()
+        gate.clear()  # the disk stalls from here on
+        core.declare_dead("j", "i1", "killed")  # an event, not on disk yet
+        stream = servicer.Watch(pb.WatchRequest(job="j", incarnation="i0"), None)
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.3)
+        assert not first.done(), "the Watch counted an event that was not on disk"
+        gate.set()
+        marker = await first
+        await stream.aclose()
+        writer.close()
+        return marker.index
+
+    assert asyncio.run(main()) == len(core.events("j", 0)[1])
+    restored = _state.load(path, now=0.0, limits=None, heartbeat_timeout=None)
+    assert restored.events("j", 0) == core.events("j", 0)
+
+
 def test_temporary_files_a_crash_left_are_removed_at_the_next_start(tmp_path, monkeypatch):
     """A rewrite killed before its rename (kill -9, out of memory) leaves a temporary file as
     large as the state; they piled up until no rewrite fitted on the volume. The next start
