@@ -116,6 +116,8 @@ class Histogram:
 JOB_LABEL = "rendezvous_job"
 # Codes a round usually fails with, exported from 0 for every job.
 FAILURE_CODES = ("ABORTED", "DEADLINE_EXCEEDED", "FAILED_PRECONDITION", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED")
+# What happens to a job's processes (its events), exported from 0 for every job.
+PROCESS_EVENTS = ("dead", "left", "restarted")
 
 
 class Metrics:
@@ -124,6 +126,7 @@ class Metrics:
     def __init__(self) -> None:
         self.round_wait = Histogram(WAIT_BUCKETS)
         self.rounds_failed: dict[tuple[str, str], int] = {}  # (job, code) -> rounds
+        self.process_events: dict[tuple[str, str], int] = {}  # (job, one of PROCESS_EVENTS) -> processes
         self.rpcs: dict[tuple[str, str, str], int] = {}  # (service, method, code) -> calls
 
     def round_completed(self, job: str, waited: float) -> None:
@@ -132,9 +135,13 @@ class Metrics:
     def round_failed(self, job: str, code: str) -> None:
         self.rounds_failed[(job, code)] = self.rounds_failed.get((job, code), 0) + 1
 
+    def process_event(self, job: str, event: str) -> None:
+        self.process_events[(job, event)] = self.process_events.get((job, event), 0) + 1
+
     def forget(self, job: str) -> None:
         """A job the coordinator dropped: its series end."""
         self.rounds_failed = {key: n for key, n in self.rounds_failed.items() if key[0] != job}
+        self.process_events = {key: n for key, n in self.process_events.items() if key[0] != job}
         self.round_wait.forget(((JOB_LABEL, job),))
 
     def rpc_handled(self, service: str, method: str, code: str) -> None:
@@ -170,6 +177,12 @@ class Metrics:
         failed = family(
             "rounds_failed_total", "counter", "Rendezvous rounds failed since the coordinator started, by gRPC status code."
         )
+        events = family(
+            "process_events_total",
+            "counter",
+            "Processes of the job declared dead, gone (closed their client) or replaced by a restart, since the "
+            "coordinator started, by event.",
+        )
         pending = family("rounds_pending", "gauge", "Rendezvous rounds waiting for members.")
         oldest = family(
             "round_oldest_pending_age_seconds", "gauge", "Seconds the oldest pending round has waited (0 when none)."
@@ -202,6 +215,10 @@ class Metrics:
             keys.add(labels, len(job.kv))
         for (job_name, code), count in sorted(failures.items()):
             failed.add({JOB_LABEL: job_name, "code": code}, count)
+        happened = dict.fromkeys(((name, event) for name in core.jobs for event in PROCESS_EVENTS), 0)
+        happened.update(self.process_events)
+        for (job_name, event), count in sorted(happened.items()):
+            events.add({JOB_LABEL: job_name, "event": event}, count)
         self.round_wait.fill(wait)
         for (service, method, code), count in sorted(self.rpcs.items()):
             rpcs.add({"service": service, "method": method, "code": code}, count)

@@ -9,15 +9,20 @@ the liveness watch, a re-registration). Rounds that wait too long are found by
 
 Events (the ``event`` field of JSON log lines; registration is logged by the servicer):
 
-=====================  =======  ================================================
-``registered``         INFO     a process registered threads (task, host, pid)
-``world_formed``       INFO     every ordinal of a job (generation) registered
-``round_late``         WARNING  a round waited ``late_after`` s: who is missing
-``round_failed``       WARNING  a round failed (timeout, mismatch, death, restart)
-``process_dead``       WARNING  a process missed its heartbeat deadline
-``process_restarted``  WARNING  a new process took over a dead one's task
-``process_left``       INFO     a process closed its client (its ordinals are gone)
-=====================  =======  ================================================
+=======================  =======  ================================================
+``registered``           INFO     a process registered threads (task, host, pid)
+``world_formed``         INFO     every ordinal of a job (generation) registered
+``round_late``           WARNING  a round waited ``late_after`` s: who is missing
+``round_failed``         WARNING  a round failed (timeout, mismatch, death, restart)
+``rounds_failed_again``  WARNING  at most once a minute: how many more rounds failed
+                                  for a cause told ten times (a member died, left or
+                                  ended), each a ``round_failed`` line at DEBUG
+``process_dead``         WARNING  a process missed its heartbeat deadline
+``process_restarted``    WARNING  a new process took over a dead one's task
+``process_left``         INFO     a process closed its client (its ordinals are gone)
+``replicas_ended``       INFO     a process's replicas ended (``xla.spawn``; logged
+                                  by the servicer)
+=======================  =======  ================================================
 
 Thread safety: none needed; everything runs on the coordinator's event loop.
 """
@@ -28,7 +33,7 @@ import asyncio
 import logging
 from typing import Callable, Iterable
 
-from ._core import ALL, Core, CoreError, Round, describe_group, format_ranges
+from ._core import _MESSAGE_CHARACTERS, ALL, Core, CoreError, Round, describe_group, format_ranges
 from ._metrics import Metrics
 
 log = logging.getLogger("pjrt_rendezvous.coordinator")
@@ -53,6 +58,8 @@ class Monitor:
 
     LATE_PER_CHECK = 16
     LATE_KEPT = 4096  # rounds reported late, remembered; past this, those gone are forgotten
+    REPEATS_TOLD = 10  # rounds failed for one cause (a member gone) told in full; the rest counted
+    REPEATS_EVERY = 60.0  # seconds between counts of rounds failed again for a cause told
 
     def __init__(
         self,
@@ -70,13 +77,14 @@ class Monitor:
         self._events_seen = {name: len(job.events) for name, job in core.jobs.items()}
         self._late: set[tuple[str, tuple]] = set()  # (job, round key) already reported late
         self._formed: set[tuple[str, int]] = set()  # (job, generation) whose world formed
+        # (job, why a member is gone) -> [when last counted, rounds failed for it since, told]
+        self._causes: dict[tuple[str, str], list] = {}
         core.finished = []  # the core keeps the rounds it finishes for us from now on
 
     def woke(self, keys: Iterable[tuple]) -> None:
-        """Observes one batch of wake keys from :meth:`Core.take_wakeups`."""
+        """Observes one batch of wake keys from :meth:`Core.take_wakeups`: job events (a
+        death, a restart) before the rounds they failed, causes before effects."""
         now = self._clock()
-        for job, rnd in self._core.take_finished():
-            self._round(job, rnd, now)
         for key in keys:
             try:
                 if key[0] == "world":
@@ -87,6 +95,8 @@ class Monitor:
                     self._dropped(key[1], key[2])
             except CoreError:  # the job was dropped since (max_jobs): nothing to report
                 continue
+        for job, rnd in self._core.take_finished():
+            self._round(job, rnd, now)
 
     def _round(self, job: str, rnd: Round, now: float) -> None:
         self._late.discard((job, rnd.key))
@@ -96,7 +106,28 @@ class Monitor:
             return
         if self._metrics is not None:
             self._metrics.round_failed(job, rnd.error.code.name)
-        log.warning(
+        level = logging.WARNING
+        cause = rnd.error.message.partition(" cannot complete: ")[2]  # a member died, left or ended
+        if cause:
+            # A program that goes on calling after a death fails every round at once, for
+            # the same cause: the first few are told in full, the rest in a count once a
+            # minute (a loop that catches the error wrote thousands of lines a second).
+            said = self._causes.get((job, cause))
+            if said is None:
+                if len(self._causes) >= self.LATE_KEPT:
+                    self._say_repeats(now, every=0.0)
+                    self._causes.clear()
+                said = self._causes[(job, cause)] = [now, 0, 0]
+            if said[2] < self.REPEATS_TOLD:
+                said[2] += 1
+            else:
+                level = logging.DEBUG
+                said[1] += 1
+                self._say_repeats(now)
+        if not log.isEnabledFor(level):
+            return
+        log.log(
+            level,
             "round failed in job %r: %s",
             job,
             rnd.error.message,
@@ -106,14 +137,31 @@ class Monitor:
                 "generation": rnd.generation,
                 "group": group_label(rnd.group),
                 "round": rnd.number,
+                "tag": rnd.tag,
                 "code": rnd.error.code.name,
+                "arrived": len(rnd.arrivals),
+                "expected": rnd.size,
+                **_missing_fields(rnd.missing()),
                 "waited": round(now - rnd.started, 3),
             },
         )
 
+    def _say_repeats(self, now: float, every: float | None = None) -> None:
+        """Counts the rounds failed again for each cause told, not counted for ``every``
+        (default ``REPEATS_EVERY``) seconds."""
+        every = self.REPEATS_EVERY if every is None else every
+        for (job, cause), said in self._causes.items():
+            if said[1] and now - said[0] >= every:
+                log.warning(
+                    "%d more round(s) failed in job %r for the same cause as before: %s",
+                    said[1], job, cause, extra={"event": "rounds_failed_again", "job": job, "rounds": said[1]},
+                )
+                said[:2] = [now, 0]
+
     def _dropped(self, job_name: str, for_name: str) -> None:
         """A finished job dropped to make room for a new one (``Limits.max_jobs``)."""
         self._events_seen.pop(job_name, None)
+        self._causes = {key: said for key, said in self._causes.items() if key[0] != job_name}
         self._formed = {(name, generation) for name, generation in self._formed if name != job_name}
         if self._metrics is not None:
             self._metrics.forget(job_name)
@@ -154,6 +202,8 @@ class Monitor:
         self._events_seen[job_name] = first + len(events)
         for event in events:
             name = event.kind.lower()  # process_dead, process_left, process_restarted
+            if self._metrics is not None:
+                self._metrics.process_event(job_name, name.removeprefix("process_"))
             log.log(
                 logging.INFO if event.kind == "PROCESS_LEFT" else logging.WARNING,
                 "%s in job %r: %s",
@@ -170,12 +220,12 @@ class Monitor:
             )
 
     async def watch(self) -> None:
-        """Runs :meth:`check_late` a few times per ``late_after`` until cancelled."""
-        if self.late_after is None:
-            return
+        """Runs :meth:`check_late` a few times per ``late_after`` (and counts rounds failed
+        again, ``_say_repeats``) until cancelled."""
         while True:
-            await asyncio.sleep(min(1.0, self.late_after / 4))
+            await asyncio.sleep(1.0 if self.late_after is None else min(1.0, self.late_after / 4))
             self.check_late()
+            self._say_repeats(self._clock())
 
     def check_late(self) -> None:
         """Logs, once per round, every pending round older than ``late_after``: at most
@@ -209,7 +259,7 @@ class Monitor:
                     waited,
                     len(rnd.arrivals),
                     rnd.size,
-                    self._core.describe_missing(job, missing, now),
+                    self._core.describe_missing(job, missing, now, budget=_MESSAGE_CHARACTERS),
                     extra={
                         "event": "round_late",
                         "job": name,
@@ -219,10 +269,19 @@ class Monitor:
                         "tag": rnd.tag,  # one tag: two would have failed the round
                         "arrived": len(rnd.arrivals),
                         "expected": rnd.size,
-                        "missing": format_ranges(missing),
+                        **_missing_fields(missing),
                         "waited": round(waited, 3),
                     },
                 )
         # Rounds that finished are dropped in _round; this catches any other way out.
         if len(self._late) > 1024:
             self._late = {(j, k) for j, k in self._late if j in self._core.jobs and k in self._core.jobs[j].pending}
+
+
+def _missing_fields(missing: list[int]) -> dict:
+    """A log line's ``missing`` (ranges, cut short past about 1,000 characters: a line of a
+    large world must stay one line for the log pipeline) and ``missing_count``."""
+    ranges = format_ranges(missing)
+    if len(ranges) > 1000:
+        ranges = ranges[: ranges.rfind(", ", 0, 1000)] + ", ..."
+    return {"missing": ranges, "missing_count": len(missing)}

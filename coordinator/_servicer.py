@@ -435,6 +435,14 @@ class Servicer(pb_grpc.CoordinatorServicer):
     @_translated
     async def EndReplicas(self, request: pb.EndReplicasRequest, context) -> pb.EndReplicasResponse:
         self._core.end_replicas(request.job, request.incarnation, request.ordinals, request.reason, self._clock())
+        ended = sorted(request.ordinals)
+        if ended:  # (before the rounds it fails: cause before effect)
+            process = self._core.jobs[request.job].processes[request.incarnation]
+            log.info(
+                "replica%s of ordinal%s %s ended in job %r (%s): %s", "s" if len(ended) > 1 else "",
+                "s" if len(ended) > 1 else "", format_ranges(ended), request.job, process.label(), process.ended[ended[0]],
+                extra={"event": "replicas_ended", "job": request.job, "ordinals": format_ranges(ended), "host": process.host},
+            )
         self._wake()
         await self._persist()
         return pb.EndReplicasResponse()

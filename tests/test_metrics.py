@@ -389,3 +389,53 @@ def test_every_round_a_death_fails_is_counted_and_logged(caplog):
     failed = [r for r in caplog.records if getattr(r, "event", "") == "round_failed"]
     assert sorted(r.round for r in failed) == [0, 1, 2]
     assert 'pjrt_rendezvous_rounds_failed_total{rendezvous_job="j",code="ABORTED"} 3' in metrics.render(core, 5.0)
+
+
+def test_rounds_failed_again_for_a_cause_told_are_counted_not_each_logged(caplog):
+    """A program that catches ParticipantFailedError and goes on calling fails every round at
+    once after a death: each was a full WARNING (thousands of lines a second). The first
+    REPEATS_TOLD are; the rest are counted in one line at most every REPEATS_EVERY, from
+    the next failure or the monitor's watch. Events come before the rounds they fail, every
+    job's process events are counted from 0, and a line's missing ordinals are capped."""
+    from pjrt_rendezvous.coordinator import Core
+    from pjrt_rendezvous.coordinator._core import Contribution, Registration, ThreadRequest
+    from pjrt_rendezvous.coordinator._metrics import Metrics
+    from pjrt_rendezvous.coordinator._monitor import Monitor
+
+    clock = [5.0]
+    core, metrics = Core(), Metrics()
+    monitor = Monitor(core, metrics, clock=lambda: clock[0])
+    for task in range(2):
+        core.register(0.0, Registration(job="j", incarnation=f"i{task}", host="h", pid=task, task_id=task, num_tasks=2,
+                                        devices_per_task=1, local_rank=task, threads=(ThreadRequest(thread_index=0),)))
+    core.arrive(1.0, job="j", incarnation="i0", replicas=[], round_number=0,
+                contributions=[Contribution(0, "t", b"")], deadline=None)
+    assert 'pjrt_rendezvous_process_events_total{rendezvous_job="j",event="dead"} 0' in metrics.render(core, 5.0)
+    monitor.woke(core.take_wakeups())
+    core.declare_dead("j", "i1", "silent")
+    with caplog.at_level("WARNING", logger="pjrt_rendezvous.coordinator"):
+        monitor.woke(core.take_wakeups())
+        for number in range(1, 31):  # the survivor goes on: each round fails at once
+            rnd = core.arrive(6.0, job="j", incarnation="i0", replicas=[], round_number=number,
+                              contributions=[Contribution(0, "t", b"")], deadline=None)
+            assert "cannot complete: a member died" in rnd.error.message
+            monitor.woke(core.take_wakeups())
+        events = [getattr(r, "event", "") for r in caplog.records]
+        assert events[0] == "process_dead" and events.count("round_failed") == Monitor.REPEATS_TOLD, events
+        assert "rounds_failed_again" not in events
+        clock[0] += Monitor.REPEATS_EVERY
+        monitor._say_repeats(clock[0])  # (as the watch does)
+    again = [r for r in caplog.records if getattr(r, "event", "") == "rounds_failed_again"]
+    assert len(again) == 1 and again[0].rounds == 31 - Monitor.REPEATS_TOLD, [r.getMessage() for r in again]
+    assert "more round(s) failed in job 'j' for the same cause as before: a member died (ordinal 1 on h pid 1: silent)" in again[0].getMessage()
+    text = metrics.render(core, clock[0])
+    assert 'pjrt_rendezvous_rounds_failed_total{rendezvous_job="j",code="ABORTED"} 31' in text
+    assert 'pjrt_rendezvous_process_events_total{rendezvous_job="j",event="dead"} 1' in text
+    first = next(r for r in caplog.records if getattr(r, "event", "") == "round_failed")
+    assert (first.tag, first.arrived, first.expected, first.missing, first.missing_count) == ("t", 1, 2, "1", 1)
+
+    from pjrt_rendezvous.coordinator._monitor import _missing_fields
+
+    capped = _missing_fields(list(range(0, 20000, 2)))
+    assert len(capped["missing"]) <= 1010 and capped["missing"].endswith(", ...") and capped["missing_count"] == 10000
+
