@@ -315,7 +315,11 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
 
 
 _MAX_REQUEST_HEAD = 16 * 1024
-_READ_TIMEOUT = 10.0
+_READ_TIMEOUT = 10.0  # for an answer to be read
+_HEAD_TIMEOUT = 3.0  # for a request to come (a scraper sends it at once)
+# Connections served at once: the port takes no token, and each connection holds one of the
+# open files the clients' ports need too. Past this, a new one is closed at once.
+_MAX_CONNECTIONS = 64
 
 
 async def _respond(writer: asyncio.StreamWriter, status: str, body: bytes, content_type: str, head_only: bool) -> None:
@@ -352,16 +356,20 @@ class HttpServer:
 async def start_http_server(render: Callable[[], str], host: str, port: int) -> HttpServer:
     """Serves ``render()`` at ``GET /metrics`` on ``host:port`` (0 picks a free port).
 
-    One request per connection (``Connection: close``); ``HEAD`` works, other methods get
+    One request per connection (``Connection: close``), at most ``_MAX_CONNECTIONS`` at
+    once, its request within ``_HEAD_TIMEOUT``; ``HEAD`` works, other methods get
     405 and other paths 404. ``render`` runs on the event loop. Raises OSError naming the
     port and ``--metrics-host, --metrics-port`` when it cannot listen.
     """
     transports: set[asyncio.BaseTransport] = set()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(transports) >= _MAX_CONNECTIONS:
+            writer.transport.abort()
+            return
         transports.add(writer.transport)
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _READ_TIMEOUT)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _HEAD_TIMEOUT)
             request_line = head.split(b"\r\n", 1)[0].decode("latin-1")
             parts = request_line.split()
             if len(parts) != 3 or not parts[2].startswith("HTTP/"):

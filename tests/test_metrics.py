@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import select
 import socket
 import sys
 import threading
@@ -172,6 +173,34 @@ def test_a_scraper_that_does_not_read_is_dropped_and_close_drops_every_connectio
             assert await asyncio.to_thread(read_until_closed, silent) == 0 and time.monotonic() - started < 5
 
     asyncio.run(main())
+
+
+def test_idle_connections_beyond_the_cap_are_closed_at_once():
+    """The port takes no token: 3,000 idle connections held 3,000 of the coordinator's open
+    files (shared with the clients' ports) for 10 s each. Past _MAX_CONNECTIONS a new one is
+    closed at once, and one that sends nothing is closed after _HEAD_TIMEOUT; a scrape then
+    works."""
+    from pjrt_rendezvous.coordinator import _metrics
+
+    async def main():
+        server = await start_http_server(lambda: "# TYPE a gauge\na 1\n", "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(_metrics._MAX_CONNECTIONS + 20)]
+        await asyncio.sleep(0.5)
+
+        def closed() -> int:  # (readable: at its end, or reset; an idle one is sent nothing)
+            return len(select.select(idle, [], [], 0.2)[0])
+
+        assert await asyncio.to_thread(closed) == 20
+        await asyncio.sleep(_metrics._HEAD_TIMEOUT + 0.5)
+        assert await asyncio.to_thread(closed) == len(idle)
+        for sock in idle:
+            sock.close()
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read())
+        server.close()
+        return text
+
+    assert asyncio.run(main()) == b"# TYPE a gauge\na 1\n"
 
 
 # -- a real coordinator ---------------------------------------------------------------------
