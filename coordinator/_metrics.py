@@ -101,8 +101,10 @@ class Histogram:
         series = self._series.get(labels)
         return 0 if series is None else series[-1]
 
-    def fill(self, family: Family) -> None:
+    def fill(self, family: Family, keep: Callable[[tuple], bool] = lambda labels: True) -> None:
         for labels, series in sorted(self._series.items()):
+            if not keep(labels):
+                continue
             base = dict(labels)
             for bound, count in zip(self.buckets, series):
                 family.add({**base, "le": _number(bound)}, count, "_bucket")
@@ -118,6 +120,17 @@ JOB_LABEL = "rendezvous_job"
 FAILURE_CODES = ("ABORTED", "DEADLINE_EXCEEDED", "FAILED_PRECONDITION", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED")
 # What happens to a job's processes (its events), exported from 0 for every job.
 PROCESS_EVENTS = ("dead", "left", "restarted")
+# Seconds a finished job (every process gone, no round pending) is still exported: a
+# coordinator keeps finished jobs until --max-jobs, and their series made every scrape of
+# a long-lived one large and slow (about 32 series a job).
+FINISHED_SHOWN = 600.0
+
+
+def _shown(job, now: float) -> bool:
+    """Whether ``job`` is exported: not finished (see FINISHED_SHOWN) longer than that ago."""
+    if job.pending or not job.processes or any(p.alive for p in job.processes.values()):
+        return True
+    return now - max(p.last_seen for p in job.processes.values()) < FINISHED_SHOWN
 
 
 class Metrics:
@@ -195,9 +208,10 @@ class Metrics:
         )
         rpcs = family("rpcs_total", "counter", "RPCs handled (calls on a Session stream under their own method), by service, method and gRPC status code.")
 
-        failures = dict.fromkeys(((name, code) for name in core.jobs for code in FAILURE_CODES), 0)
+        shown = {name for name, job in core.jobs.items() if _shown(job, now)}
+        failures = dict.fromkeys(((name, code) for name in shown for code in FAILURE_CODES), 0)
         failures.update(self.rounds_failed)  # every job's usual codes from 0: rate() sees the first
-        for name in sorted(core.jobs):
+        for name in sorted(shown):
             job = core.jobs[name]
             labels = {JOB_LABEL: name}
             expected.add(labels, job.world_size or 0)
@@ -214,12 +228,14 @@ class Metrics:
             oldest.add(labels, 0.0 if started is None else max(0.0, now - started))
             keys.add(labels, len(job.kv))
         for (job_name, code), count in sorted(failures.items()):
-            failed.add({JOB_LABEL: job_name, "code": code}, count)
-        happened = dict.fromkeys(((name, event) for name in core.jobs for event in PROCESS_EVENTS), 0)
+            if job_name in shown:
+                failed.add({JOB_LABEL: job_name, "code": code}, count)
+        happened = dict.fromkeys(((name, event) for name in shown for event in PROCESS_EVENTS), 0)
         happened.update(self.process_events)
         for (job_name, event), count in sorted(happened.items()):
-            events.add({JOB_LABEL: job_name, "event": event}, count)
-        self.round_wait.fill(wait)
+            if job_name in shown:
+                events.add({JOB_LABEL: job_name, "event": event}, count)
+        self.round_wait.fill(wait, lambda labels: dict(labels)[JOB_LABEL] in shown)
         for (service, method, code), count in sorted(self.rpcs.items()):
             rpcs.add({"service": service, "method": method, "code": code}, count)
         return exposition(families)

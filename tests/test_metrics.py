@@ -468,3 +468,25 @@ def test_rounds_failed_again_for_a_cause_told_are_counted_not_each_logged(caplog
     capped = _missing_fields(list(range(0, 20000, 2)))
     assert len(capped["missing"]) <= 1010 and capped["missing"].endswith(", ...") and capped["missing_count"] == 10000
 
+
+def test_a_finished_job_is_exported_for_ten_minutes_after_its_last_process_went():
+    """A coordinator keeps finished jobs until --max-jobs (1,024 by default), and each was
+    exported, about 32 series a job, making every scrape large and slow. A job whose
+    processes are all gone, with no round pending, is exported for FINISHED_SHOWN after
+    the last was heard from; a job of keys alone, or with a live process, always."""
+    from pjrt_rendezvous.coordinator import Core
+    from pjrt_rendezvous.coordinator._core import Registration, ThreadRequest
+    from pjrt_rendezvous.coordinator._metrics import FINISHED_SHOWN, Metrics
+
+    core, metrics = Core(), Metrics()
+    for job in ("done", "running"):
+        core.register(0.0, Registration(job=job, incarnation=f"i-{job}", host="h", pid=1, task_id=0, num_tasks=1,
+                                        devices_per_task=1, local_rank=0, threads=(ThreadRequest(thread_index=0),)))
+        metrics.round_completed(job, 0.1)
+    core.leave("done", "i-done")
+    core.kv_set("keys", [("k", b"v")])
+    for now, shown in ((FINISHED_SHOWN - 1, {"done", "running", "keys"}), (FINISHED_SHOWN + 1, {"running", "keys"})):
+        samples = parse(metrics.render(core, now))
+        jobs = {dict(key).get("rendezvous_job") for series in samples.values() for key in series} - {None}
+        assert jobs == shown, (now, jobs)
+
