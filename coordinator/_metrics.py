@@ -338,10 +338,12 @@ _HEAD_TIMEOUT = 3.0  # for a request to come (a scraper sends it at once)
 _MAX_CONNECTIONS = 64
 
 
-async def _respond(writer: asyncio.StreamWriter, status: str, body: bytes, content_type: str, head_only: bool) -> None:
+async def _respond(
+    writer: asyncio.StreamWriter, status: str, body: bytes, content_type: str, head_only: bool, extra: str = ""
+) -> None:
     writer.write(
         (
-            f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+            f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n{extra}"
             "Connection: close\r\n\r\n"
         ).encode("ascii")
         + (b"" if head_only else body)
@@ -394,7 +396,7 @@ async def start_http_server(render: Callable[[], str], host: str, port: int) -> 
             method, target = parts[0], parts[1].split("?", 1)[0]
             head_only = method == "HEAD"
             if method not in ("GET", "HEAD"):
-                await _respond(writer, "405 Method Not Allowed", b"only GET and HEAD\n", "text/plain", False)
+                await _respond(writer, "405 Method Not Allowed", b"only GET and HEAD\n", "text/plain", False, "Allow: GET, HEAD\r\n")
             elif target == "/metrics":
                 await _respond(writer, "200 OK", render().encode(), CONTENT_TYPE, head_only)
             elif target == "/":

@@ -111,7 +111,8 @@ def test_exposition_escapes_label_values_and_histograms_are_cumulative():
 
 
 def test_http_endpoint_answers_get_head_and_refuses_the_rest():
-    """GET and HEAD /metrics serve the text; other paths are 404, other methods 405."""
+    """GET and HEAD /metrics serve the text; other paths are 404, other methods 405 (with
+    the Allow header HTTP asks for)."""
 
     async def main():
         server = await start_http_server(lambda: "# TYPE a gauge\na 1\n", "127.0.0.1", 0)
@@ -123,7 +124,7 @@ def test_http_endpoint_answers_get_head_and_refuses_the_rest():
                 with urllib.request.urlopen(req, timeout=10) as response:
                     return response.status, response.read()
             except urllib.error.HTTPError as exc:
-                return exc.code, b""
+                return exc.code, exc.headers.get("Allow", "").encode()
 
         results = [await asyncio.to_thread(request, m, p) for m, p in
                    [("GET", "/metrics"), ("HEAD", "/metrics"), ("GET", "/nope"), ("POST", "/metrics"), ("GET", "/")]]
@@ -131,7 +132,7 @@ def test_http_endpoint_answers_get_head_and_refuses_the_rest():
         return results
 
     assert asyncio.run(main()) == [
-        (200, b"# TYPE a gauge\na 1\n"), (200, b""), (404, b""), (405, b""),
+        (200, b"# TYPE a gauge\na 1\n"), (200, b""), (404, b""), (405, b"GET, HEAD"),
         (200, b"pjrt-rendezvous coordinator: metrics at /metrics\n"),
     ]
 
