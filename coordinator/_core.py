@@ -123,6 +123,12 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.1f}" if seconds >= 0.95 else f"{max(seconds, 0.001):.2g}"
 
 
+def _shown_tag(tag: str) -> str:
+    """A tag over the limit as an error names it: its start (it would be copied whole into
+    the members' stored error, the journal and the state file)."""
+    return tag if len(tag) <= 40 else tag[:40] + "..."
+
+
 def format_ranges(ordinals: Iterable[int]) -> str:
     """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"`` (sorted, duplicates dropped)."""
     parts = []
@@ -770,8 +776,8 @@ class Core:
                 "PJRT_RENDEZVOUS_CORES_PER_CHIP and TPU_ACCELERATOR_TYPE on every host",
             )
         if afresh:  # refused before it changes anything, where the request alone decides
-            if r.incarnation in job.replaced:
-                self._process(job, r.incarnation, now)
+            if r.incarnation in job.replaced or r.incarnation in job.processes:
+                self._process(job, r.incarnation, now)  # (declared dead, or gone: refused)
             for thread in r.threads:
                 self._check_runtime_ordinal(r, thread, r.task_id * r.devices_per_task + thread.thread_index, world_size)
             self._start_afresh(job)
@@ -1119,8 +1125,9 @@ class Core:
         else:
             over = None
         group: GroupKey = ALL
-        if replicas:
-            group = self._replicas_group(state, replicas, ordinals, tags[0], round_number, now)
+        if replicas:  # (a tag over the limit is not copied whole into the members' error)
+            tag = tags[0] if over is None else _shown_tag(tags[0])
+            group = self._replicas_group(state, replicas, ordinals, tag, round_number, now)
         rnd = self._round(state, group, round_number, now)
         if over is not None:
             # The members would otherwise wait for an arrival that was refused, and time out
@@ -1248,13 +1255,16 @@ class Core:
         job: Job, generation: int, replicas: Sequence[int], number: int, contributions: Sequence[ContributionRow]
     ) -> Round | None:
         """Round ``number`` of the group ``replicas`` names in an earlier ``generation`` of
-        ``job``, if it finished and is still kept (the generation before the job's own) and
-        every contribution is a member's."""
+        ``job``, if it finished and is still kept (the generation before the job's own), every
+        contribution is a member's, and the call is a resend: the round completed, or its
+        callers had arrived before it failed (a new call is told of the move instead)."""
         members = sorted(set(replicas))
         group: GroupKey = ALL if not members or members == list(range(job.world_size or 0)) else tuple(members)
         kept = job.groups.get((generation, group))
         rnd = None if kept is None else kept.finished.get(number)
         if rnd is None or not all(rnd.has_member(c[0]) for c in contributions):
+            return None
+        if rnd.result is None and not all(c[0] in rnd.arrivals for c in contributions):
             return None
         return rnd
 
@@ -1302,7 +1312,9 @@ class Core:
                 f"{describe_group(group)} but {'is' if len(outsiders) == 1 else 'are'} not "
                 "among them",
             )
-        if set(ordinals).issubset(members):
+        if not set(ordinals).isdisjoint(members):
+            # Callers among the members (with a repeated ordinal, one out of range, or a
+            # sibling thread outside the list in the same call): their round is known.
             try:
                 target: Round | None = self._round(state, group, round_number, now)
             except CoreError:  # the round is gone or out of reach: only the caller to tell

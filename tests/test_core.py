@@ -884,6 +884,33 @@ def test_a_caller_outside_its_replicas_fails_the_members_round():
     assert pod.error(waiting) is caught.error
 
 
+def test_a_call_of_members_with_a_sibling_outside_their_replicas_fails_their_round():
+    """Two threads of a process call with replicas [0, 1, 2], one of them (3) outside: the
+    call was refused as an outsider's, its member (2) counted its round but was recorded
+    nowhere, and the other members waited for it (named missing at their timeout, for ever
+    without one). The round it counts as now fails for every member, naming the outsider."""
+    pod = make_pod(2, 2)
+    with raises(Code.INVALID_ARGUMENT, "ordinal 3 called", "not among them") as caught:
+        pod.arrive([2, 3], replicas=[0, 1, 2])
+    members = pod.arrive([0, 1], replicas=[0, 1, 2])
+    assert pod.error(members) is caught.error
+    with raises(Code.INVALID_ARGUMENT, "ordinal 3 called"):  # its resend: the same answer
+        pod.arrive([2, 3], replicas=[0, 1, 2])
+    second = pod.arrive([0, 1], replicas=[0, 1, 2], round_number=1)
+    assert pod.result(pod.arrive(2, replicas=[0, 1, 2], round_number=1)) == [payload_of(o) for o in (0, 1, 2)]
+    assert pod.outcome(second).result is not None
+
+
+def test_a_tag_over_the_limit_with_bad_replicas_is_not_copied_into_the_members_error():
+    """A tag over the limit from a caller with a bad replicas list: the members' error (kept
+    with the round, journaled, in the state file) held the whole tag, 5 MB of it."""
+    pod = make_pod(3, limits=Limits(max_tag_length=64))
+    waiting = pod.arrive(0, replicas=[0, 1])
+    with raises(Code.INVALID_ARGUMENT, "not among them"):
+        pod.arrive(2, replicas=[0, 1], tag="x" * 100_000)
+    assert len(pod.error(waiting).message) < 500, len(pod.error(waiting).message)
+
+
 @pytest.mark.parametrize(
     "replicas, group", [([1, 0, 4], (0, 1)), ([-1, 1, 0], (0, 1)), ([0, 1, 2, 3, 4], ()), ([0, 1, 1, 7], (0, 1))]
 )
@@ -1882,6 +1909,41 @@ def test_a_finished_run_starts_afresh_but_an_unformed_one_does_not():
     core.leave(JOB, "inc-1")
     core.register(2.0, registration(0, 2, 1, incarnation="new-0"))  # formed, all gone: afresh
     assert core.jobs[JOB].generation == 2 and set(core.jobs[JOB].members) == {0}
+
+
+def test_a_process_declared_dead_is_refused_when_the_run_starts_afresh():
+    """Every process of a formed world declared dead, one of them (frozen, then resumed)
+    registers again with its incarnation: it was taken into a new run, where its peers got
+    "not registered" for it instead of "declared dead". It is refused, as at any other time;
+    a new process starts the new run."""
+    core = Core(heartbeat_timeout=10)
+    for task in (0, 1):
+        core.register(0.0, registration(task, 2, 1))
+    core.check_liveness(100.0)
+    with raises(Code.ABORTED, "was declared dead"):
+        core.register(101.0, registration(0, 2, 1))
+    assert core.register(101.0, registration(0, 2, 1, incarnation="new-0")).generation == 2
+
+
+def test_a_new_call_of_the_old_generation_is_told_of_the_move_not_given_an_old_failure():
+    """Round 0 failed without ordinal 2 (its timeout), then the job moved (a restart): 2's
+    first call of round 0, of the old generation, got that round's timeout naming itself as
+    missing, and learned of the move only at its next call. It is told of the move; a
+    member that had arrived still gets the round's outcome (its answer was lost)."""
+    pod = make_pod(3)
+    key = pod.arrive([0], deadline=5.0)
+    pod.arrive([1], deadline=5.0)
+    pod.core.expire(6.0)
+    assert pod.error(key).code is Code.DEADLINE_EXCEEDED
+    pod.register(0, incarnation="restarted-0", now=7.0)  # task 0 restarts: generation 2
+
+    def call(ordinal: int):
+        return pod.core.arrive(8.0, job=JOB, incarnation=incarnation_of(ordinal), replicas=[], round_number=0,
+                               contributions=[Contribution(ordinal, "t", payload_of(ordinal))], deadline=None, generation=1)
+
+    with raises(Code.ABORTED, "moved from generation 1 to 2"):
+        call(2)
+    assert call(1).error.code is Code.DEADLINE_EXCEEDED
 
 
 @pytest.mark.parametrize("tasks, devices", [(1, 2), (2, 2), (4, 1)])
