@@ -725,15 +725,23 @@ def _supervise(
         if first_failure_at is None:
             first_failure_at = time.monotonic()
 
-    def drain(wait: float) -> None:
-        end = time.monotonic() + wait
+    def drain(wait: float) -> int:
+        """Handles the reports that come within ``wait``; how many."""
+        end, handled = time.monotonic() + wait, 0
         while True:
             try:
                 handle(reports.get(timeout=max(0.0, end - time.monotonic())))
+                handled += 1
             except queue_module.Empty:
-                return
+                return handled
             except (EOFError, OSError):
-                return
+                return handled
+
+    def settle() -> None:
+        """Handles what exited processes sent, however long it takes to read (a large
+        result), until nothing more comes for a moment."""
+        while drain(0.5):
+            pass
 
     crashed: set[int] = set()  # tasks whose process exited before reporting every thread
 
@@ -755,14 +763,14 @@ def _supervise(
     while True:
         drain(0.05)
         if all(not p.is_alive() for p in processes):
-            drain(0.5)  # the last messages of processes that just exited
+            settle()  # the last messages of processes that just exited
             break
         for task, process in enumerate(processes):
             # A crash is a failure as soon as it is seen: its peers waiting for it are stopped
             # after the grace (they waited for the coordinator's heartbeat timeout, then
             # failed, and were named before it).
             if task not in finished and task not in crashed and not process.is_alive():
-                drain(0.5)  # what it sent before it exited
+                settle()  # what it sent before it exited
                 if task not in finished:
                     crash(task, process)
         now = time.monotonic()
