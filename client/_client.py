@@ -890,6 +890,8 @@ class Client:
             self._refuse_if_inherited("bind_thread")
         self.topology.ordinal(thread_index)  # validates the range with a clear message
         existing = current_binding()
+        if existing is not None and existing.client is not self and inherited(existing.client):
+            existing = None  # a forked child's thread, bound through its parent's client: it may bind to its own
         if existing is not None:
             raise UsageError(
                 f"this thread is already bound to thread index {existing.thread_index} "
@@ -954,6 +956,9 @@ class Client:
         """Forgets the calling thread's binding (its ordinal stays registered)."""
         binding = current_binding()
         _bound.closed = None
+        if binding is not None and binding.client is not self and inherited(binding.client):
+            _bound.binding = None  # a forked child's thread forgets its parent's binding
+            return
         if binding is None or binding.client is not self:
             return
         with self._lock:

@@ -892,7 +892,14 @@ def _in_forked_child(results, client) -> None:
                 outcome.append("answered")
             except pr.UsageError as exc:
                 outcome.append((round(time.monotonic() - started), "forked process" in str(exc)))
-        client.unbind_thread()
+        # A client of its own binds the thread (it was refused: bound already), and its
+        # unbind_thread forgets the parent's binding (it did nothing).
+        own = make_client(client.settings.address, job="fork-child")
+        own.unbind_thread()
+        outcome.append(pr.current_binding())
+        outcome.append(own.bind_thread(0).ordinal)
+        own.unbind_thread()
+        own.close()
         outcome.append(pr.current_binding())
         client.close()  # the parent's registration and connection are not this process's to end
         outcome.append("closed")
@@ -907,7 +914,8 @@ def test_a_forked_child_refuses_its_parent_s_client():
     Its rendezvous went to the main thread's stand-in, which does not exist in the child,
     and hung for its timeout with a wrong reason; other calls shared the parent's session
     socket; close() told the coordinator the parent had left. Now each call refuses at once,
-    naming the fork, and close() leaves the parent alone. (The coordinator runs in a process
+    naming the fork, and close() leaves the parent alone; a client of the child's own binds
+    the thread (it was refused as bound already). (The coordinator runs in a process
     of its own: gRPC survives a fork only while no thread of the process is inside it.)"""
     server = subprocess.Popen(
         [sys.executable, "-m", "pjrt_rendezvous.coordinator", "serve", "--port", "0"],
@@ -930,7 +938,7 @@ def test_a_forked_child_refuses_its_parent_s_client():
             outcome = results.get(timeout=60)
         finally:
             child.join(30)
-        assert outcome == [0, (0, True), (0, True), None, "closed"], outcome
+        assert outcome == [0, (0, True), (0, True), None, 0, None, "closed"], outcome
         for tag in ("after", "again"):  # the parent's rounds go on, on its own connection
             later = sibling.submit(client.rendezvous, bound_sibling, tag, b"1", timeout=30)
             assert client.rendezvous(binding, tag, b"0", timeout=30) == [b"0", b"1"] == later.result()
