@@ -358,6 +358,7 @@ class SocketSession(Session):
         self._ping = ping  # (every, timeout): see _keepalive
         self._send_lock = threading.Lock()
         self._sending = 0.0  # when the send under way last got bytes out (_send_all)
+        self._receiving = 0.0  # when a read last got part of a message (_read_until)
         self._init_calls()
         self._reading = threading.Lock()  # held by the caller reading answers for all
         self._parked: set[_Pending] = set()  # callers blocked for their answer, who may read next
@@ -376,9 +377,9 @@ class SocketSession(Session):
         (a large one to a frozen peer blocks for ever, and the ping behind it)."""
         every, timeout = self._ping
         while self.broken is None:
-            time.sleep(max(0.0, self.heard + every - time.monotonic()))
-            if self.broken is not None or time.monotonic() - self.heard < every:
-                continue
+            time.sleep(max(0.0, max(self.heard, self._receiving) + every - time.monotonic()))
+            if self.broken is not None or time.monotonic() - max(self.heard, self._receiving) < every:
+                continue  # (a large answer coming in is a peer alive: the ping's waits behind it)
             if not self._send_lock.acquire(True, timeout):
                 if time.monotonic() - self._sending >= timeout:
                     log.warning("%s took no bytes for %g s; closing the connection", self._peer, timeout)
@@ -389,6 +390,8 @@ class SocketSession(Session):
             try:
                 self.call("", _PING, timeout)
             except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - self._receiving < timeout:
+                    continue  # its answer is behind a large one still coming in
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     log.warning("%s did not answer a ping within %g s; closing the connection", self._peer, timeout)
                     # The calls waiting on it fail with UNAVAILABLE, saying why, and are resent.
@@ -560,6 +563,7 @@ class SocketSession(Session):
                 self._dispatch(data[FRAME.size :])  # decoded into objects of their own
                 continue
             self._buffer += data
+            self._receiving = time.monotonic()
             if len(self._buffer) >= FRAME.size:  # a message longer than one read: next time one will do
                 size = FRAME.size + FRAME.unpack_from(self._buffer)[0]
                 if len(self._received) < size <= _RECEIVE_MAX:

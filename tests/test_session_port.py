@@ -532,6 +532,37 @@ def test_a_large_send_to_a_peer_that_takes_no_bytes_fails_within_the_keepalive()
     theirs.close()
 
 
+def test_a_large_answer_still_coming_in_keeps_the_session_alive():
+    """An answer that takes longer to arrive than the keepalive's ping and its timeout (a
+    mesh_reduce of a large model to many processes): the ping's answer, queued behind it,
+    came too late, and the keepalive closed a healthy connection; the resent call met the
+    same fate until it gave up. Bytes coming in now count as a peer alive."""
+    from pjrt_rendezvous.client._session import decode_session_calls
+
+    ours, theirs = socket.socketpair()
+    session = SocketSession(ours, "a slow link", (0.5, 0.5))
+
+    def slow_peer():
+        data = b""
+        while len(data) < FRAME.size or len(data) < FRAME.size + FRAME.unpack_from(data)[0]:
+            data += theirs.recv(65536)
+        ((call_id, _, _, _),) = decode_session_calls(data[FRAME.size : FRAME.size + FRAME.unpack_from(data)[0]])
+        answer = encode_answers([session_answer(call_id, response=b"y" * 4_000_000)], True)
+        for start in range(0, len(answer), 100_000):  # about 3 s in all
+            theirs.sendall(answer[start : start + 100_000])
+            time.sleep(0.075)
+
+    peer = threading.Thread(target=slow_peer)
+    peer.start()
+    try:
+        assert session.call("KvGet", b"request", 30.0) == b"y" * 4_000_000
+        assert session.broken is None
+    finally:
+        peer.join(30)
+        session.close()
+        theirs.close()
+
+
 def test_a_connect_to_a_frozen_relay_whose_backlog_is_full_fails_at_once(tmp_path):
     """A relay that stopped accepting: each refused try left a connection in its backlog,
     and once it was full every connect blocked for ever, outside any call's deadline."""
