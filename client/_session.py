@@ -455,6 +455,10 @@ class SocketSession(Session):
             self._break(StatusError(grpc.StatusCode.UNAVAILABLE, f"{self._peer} went away: {exc}"))
             self._close_unless_read()  # (the next call opens a new session)
             raise self.broken from exc  # the first reason: the keepalive's, if it broke the send
+        except BaseException as exc:  # interrupted (Ctrl-C): part of a message may be out
+            self._interrupted(exc)
+            self._close_unless_read()
+            raise
         if self.broken is not None:  # broken while it sent: not closed under its feet, so here
             self._close_unless_read()
 
@@ -481,12 +485,23 @@ class SocketSession(Session):
             if self._take_turn(pending):
                 try:
                     self._read_until(pending, end)
+                except BaseException as exc:  # interrupted: what it read for others may be lost
+                    self._interrupted(exc)
+                    raise
                 finally:
                     self._reading.release()
                     self._hand_over()
                 return pending.response is not None or pending.error is not None
             # Parked: the reader hands over our answer, or its turn when it leaves.
-            woke = pending.done.acquire(True, -1 if end is None else max(0.0, end - time.monotonic()))
+            try:
+                woke = pending.done.acquire(True, -1 if end is None else max(0.0, end - time.monotonic()))
+            except BaseException:  # interrupted: no turn may be handed to a caller gone
+                with self._lock:
+                    self._parked.discard(pending)
+                    turn = pending.woken and pending.response is None and pending.error is None
+                if turn:
+                    self._hand_over()
+                raise
             with self._lock:
                 self._parked.discard(pending)
                 turn = pending.woken and pending.response is None and pending.error is None
@@ -584,6 +599,17 @@ class SocketSession(Session):
                 if pending is not None:  # else the caller gave up on it
                     pending.response = answer
                     self._wake(pending)
+
+    def _interrupted(self, exc: BaseException) -> None:
+        """A caller was interrupted (KeyboardInterrupt in the main thread) while it read or
+        wrote for every caller of the session: an answer read for another, or half a message
+        sent, would be lost and stall them. The session ends, and its calls are resent on a
+        new one (every call is safe to resend)."""
+        self._break(StatusError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"a call on the connection to {self._peer} was interrupted ({type(exc).__name__}) while it read or "
+            "wrote for every call: the connection was closed, and its calls are sent again",
+        ))
 
     def _break(self, error: grpc.RpcError) -> None:
         """The connection is over: every waiting call fails with ``error``, later ones with

@@ -563,6 +563,77 @@ def test_a_large_answer_still_coming_in_keeps_the_session_alive():
         theirs.close()
 
 
+class _Interrupt(BaseException):
+    """As KeyboardInterrupt would come, in the main thread."""
+
+
+def test_a_caller_interrupted_while_it_writes_or_reads_for_all_ends_the_session():
+    """A caller interrupted (Ctrl-C) in the middle of a large send left half a message on
+    the wire, and every other call on the session stalled until the keepalive (15 s); one
+    interrupted while it read for all lost answers it had read for others, or left a turn
+    to nobody. The session now ends at once, its calls failing as UNAVAILABLE (resent)."""
+    ours, theirs = socket.socketpair()  # the peer takes bytes and never answers
+    session = SocketSession(ours, "a peer", (60.0, 30.0))
+    real = ours
+
+    class Cut:
+        sends = 0
+
+        def send(self, data):
+            Cut.sends += 1
+            if Cut.sends == 2:
+                raise _Interrupt()
+            return real.send(data)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    drain = threading.Thread(target=lambda: read_until_closed(theirs), daemon=True)
+    drain.start()
+    other = concurrent.futures.ThreadPoolExecutor(1).submit(session.call, "KvGet", b"other", 20.0)
+    time.sleep(0.2)  # (the other call waits for its answer, reading)
+    session._socket = Cut()
+    with pytest.raises(_Interrupt):
+        session.call("KvSet", b"x" * 8_000_000, 20.0)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as failed:
+        other.result(10)
+    assert time.monotonic() - started < 5
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE and "was interrupted (_Interrupt)" in failed.value.details()
+    session._socket = real
+    session.close()
+    theirs.close()
+
+    # Interrupted while it reads for all (the other call parked, waiting for its turn).
+    ours, theirs = socket.socketpair()
+    session = SocketSession(ours, "a peer", (60.0, 30.0))
+    real, reader = ours, threading.get_ident()
+
+    class CutRead:
+        def recv_into(self, buffer, *args):
+            if threading.get_ident() == reader:
+                raise _Interrupt()
+            return real.recv_into(buffer, *args)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    session._socket = CutRead()
+    waiting = concurrent.futures.ThreadPoolExecutor(1).submit(
+        lambda: (time.sleep(0.2), session.call("KvGet", b"other", 20.0))[1]
+    )
+    threading.Timer(0.5, lambda: theirs.sendall(b"\0")).start()  # a byte: this thread, reading, tries it
+    with pytest.raises(_Interrupt):
+        session.call("KvGet", b"mine", 20.0)
+    with pytest.raises(grpc.RpcError) as failed:
+        waiting.result(10)
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE and "was interrupted" in failed.value.details()
+    assert not session._parked
+    session._socket = real
+    session.close()
+    theirs.close()
+
+
 def test_a_connect_to_a_frozen_relay_whose_backlog_is_full_fails_at_once(tmp_path):
     """A relay that stopped accepting: each refused try left a connection in its backlog,
     and once it was full every connect blocked for ever, outside any call's deadline."""
