@@ -449,8 +449,9 @@ class Client:
         # round that waited ten minutes and then lost its coordinator still gets the full
         # connect_timeout to find it again. An attempt that got through restarts the outage
         # after it: on a socket session to the coordinator, one during which it answered
-        # anything (it pings a silent peer, so a frozen or unreachable coordinator answers
-        # nothing, and each attempt there fails only after its ping times out); through the
+        # anything but a refusal of the call itself (it pings a silent peer, so a frozen or
+        # unreachable coordinator answers nothing, and each attempt there fails only after
+        # its ping times out; one that answers UNAVAILABLE is the outage); through the
         # host's relay, which answers its pings itself, one longer than the relay takes to
         # give up on a silent coordinator; on gRPC's stream, whose keepalive we do not see,
         # one that lasted longer than the backoff cap.
@@ -466,7 +467,7 @@ class Client:
             if session is not None and outage["relayed"]:
                 got_through = now - outage["attempt"] > self.settings.connect_timeout + _RELAY_GIVES_UP
             elif isinstance(session, SocketSession):
-                got_through = session.heard != outage["heard"]
+                got_through = session.heard != outage["heard"] and not getattr(state.outcome.exception(), "answered", False)
             else:
                 got_through = now - outage["attempt"] > _BACKOFF_CAP
             if got_through:

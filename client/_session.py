@@ -89,12 +89,14 @@ def parser(message_class):
 
 
 class StatusError(grpc.RpcError):
-    """A call's failure as a status, shaped like the error a unary call raises."""
+    """A call's failure as a status, shaped like the error a unary call raises; ``answered``:
+    the peer's answer to the call (else the connection's end, or a cut-off here)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, *, answered: bool = False) -> None:
         super().__init__(details)
         self._code = code
         self._details = details
+        self.answered = answered
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -281,7 +283,7 @@ class Session:
             raise pending.error
         _, code, message, response = pending.response
         if code:
-            raise StatusError(_CODES.get(code, grpc.StatusCode.UNKNOWN), message)
+            raise StatusError(_CODES.get(code, grpc.StatusCode.UNKNOWN), message, answered=True)
         return response
 
 

@@ -563,6 +563,32 @@ def test_a_large_answer_still_coming_in_keeps_the_session_alive():
         theirs.close()
 
 
+def test_a_coordinator_that_answers_unavailable_is_an_outage_on_the_session_port(tmp_path):
+    """An embedded coordinator whose state file cannot be written any more answers every
+    change UNAVAILABLE. On the session port that answer counted as the coordinator heard
+    from, so the outage restarted at every try and the call retried for ever, without a
+    word (over gRPC it failed after connect_timeout). It fails after connect_timeout too."""
+    from pjrt_rendezvous.client._topology import detect_topology
+
+    with Coordinator(port=0, state_file=tmp_path / "state.json") as coordinator:
+        address = coordinator.address
+        client = pr.Client(pr.Settings(address=address, timeout=10, connect_timeout=2), detect_topology({}, address=address))
+        client.bind_thread(0)  # (its Register answer names the session port)
+        client.set("a", b"1")
+        assert isinstance(client._session(), SocketSession)
+
+        def full(data):
+            raise OSError(28, "No space left on device")
+
+        files = coordinator._running.writer._files
+        files.append = files.rewrite = full
+        outcome = concurrent.futures.ThreadPoolExecutor(1).submit(client.set, "b", b"2")
+        with pytest.raises(pr.CoordinatorUnavailableError):
+            outcome.result(15)  # (TimeoutError: still retrying)
+        client.unbind_thread()
+        client.close()
+
+
 class _Interrupt(BaseException):
     """As KeyboardInterrupt would come, in the main thread."""
 
