@@ -78,14 +78,19 @@ def _as_torch_errors(method):
     def call(self: "Store", *args, **kwargs):
         try:
             return method(self, *args, **kwargs)
-        except RendezvousTimeout as exc:
-            raise StoreTimeout(f"{exc} (keys are stored under the prefix {self._root!r})") from exc
-        except CoordinatorUnavailableError as exc:
-            raise StoreUnavailable(str(exc)) from exc
         except RemoteError as exc:
-            raise StoreError(str(exc), code=exc.code) from exc
+            raise _torch_error(exc, self._root) from exc
 
     return call
+
+
+def _torch_error(exc: RemoteError, root: str) -> RemoteError:
+    """``exc`` as torch's kind too (module docstring); ``root``: the prefix of its keys."""
+    if isinstance(exc, RendezvousTimeout):
+        return StoreTimeout(f"{exc} (keys are stored under the prefix {root!r})")
+    if isinstance(exc, CoordinatorUnavailableError):
+        return StoreUnavailable(str(exc))
+    return StoreError(str(exc), code=exc.code)
 
 
 def _run_prefix(prefix: str, client: Client | None = None, timeout: float | None = None) -> str:
@@ -97,12 +102,13 @@ def _run_prefix(prefix: str, client: Client | None = None, timeout: float | None
         return prefix
     if run_id == "none":  # torchrun's default --rdzv-id: every run's
         run_id = _invocation_id() or run_id
-    root = f"{prefix}/{run_id}"
+    root = f"{prefix}/{run_id}" if prefix else run_id
     return f"{root}/{_attempt(root, client, timeout)}"
 
 
 _attempts: dict[str, str] = {}  # run root -> this process's attempt there (_attempt)
 _attempts_lock = threading.Lock()
+_agreeing: dict[str, threading.Lock] = {}  # run root -> held while this process agrees on it
 
 
 def _attempt(root: str, client: Client | None, timeout: float | None) -> str:
@@ -114,19 +120,24 @@ def _attempt(root: str, client: Client | None, timeout: float | None) -> str:
     with _attempts_lock:
         if root in _attempts:
             return _attempts[root]
-    try:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    except (KeyError, ValueError):
-        rank = world = -1
-    if not 0 <= rank < world:
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    else:
+        agreeing = _agreeing.setdefault(root, threading.Lock())
+    with agreeing:  # (two threads agreeing at once, each with a nonce of its own, waited each other out)
+        with _attempts_lock:
+            if root in _attempts:
+                return _attempts[root]
         try:
-            attempt = _agree(client or _api.get_client(), f"{root}/attempts/", rank, world, timeout)
-        except RendezvousTimeout as exc:  # (torch's kind too, as the Store's own waits)
-            raise StoreTimeout(str(exc)) from exc
-    with _attempts_lock:
-        return _attempts.setdefault(root, attempt)
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        except (KeyError, ValueError):
+            rank = world = -1
+        if not 0 <= rank < world:
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        else:
+            try:
+                attempt = _agree(client or _api.get_client(), f"{root}/attempts/", rank, world, timeout)
+            except RemoteError as exc:  # (torch's kinds too, as the Store's own calls)
+                raise _torch_error(exc, root) from exc
+        with _attempts_lock:
+            return _attempts.setdefault(root, attempt)
 
 
 def _agree(client: Client, base: str, rank: int, world: int, timeout: float | None) -> str:
@@ -363,7 +374,7 @@ class Store(dist.Store):
 
 _clients_lock = threading.Lock()  # guards _clients and _generations
 _clients: dict[tuple[str, str | None], Client] = {}
-_generations: dict[tuple[str, str | None, str], int] = {}
+_generations: dict[tuple[str, str, str], int] = {}
 
 
 def _address(parsed: urllib.parse.ParseResult, url: str) -> str:
@@ -449,10 +460,13 @@ def rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, **kwar
         raise UsageError(f"{SCHEME}:// rendezvous: rank {rank} is out of range for world size {world_size}")
     job = query.get("job") or None
     client = _client_for(address, job, timeout)
-    prefix = query["prefix"] if "prefix" in query else _run_prefix(DEFAULT_PREFIX, client, _seconds(timeout))
+    # Under torchrun a given prefix gets the run and attempt too: a restarted attempt's
+    # workers count their groups from 0 again, and met the failed attempt's gloo addresses.
+    prefix = _run_prefix(query.get("prefix", DEFAULT_PREFIX), client, _seconds(timeout))
+    counted = (client.settings.address, client.settings.job, prefix)  # (however the URL spells them)
     with _clients_lock:
-        generation = _generations.get((address, job, prefix), 0)
-        _generations[(address, job, prefix)] = generation + 1
+        generation = _generations.get(counted, 0)
+        _generations[counted] = generation + 1
     store = Store(client, prefix=f"{prefix}/{generation}" if prefix else str(generation), timeout=timeout)
     store._url = (address, client.settings.job, timeout)  # (the job in use now: not another after init(job=...))
     yield store, rank, world_size

@@ -227,6 +227,22 @@ def test_unreachable_coordinator_is_retried_then_reported(monkeypatch, caplog):
     client.close()
 
 
+def test_a_waiting_get_gives_up_on_an_unreachable_coordinator_at_its_timeout():
+    """A client's first waiting get learns the job's store with a call of its own, which had
+    no deadline: against a coordinator down it retried for the whole connect_timeout (a
+    torch Store's get with a timeout of 3 s took 60 s), at every call while it stayed down."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = make_client(f"127.0.0.1:{port}", connect_timeout=30)
+    for _ in range(2):
+        started = time.monotonic()
+        with pytest.raises(pr.RemoteError):
+            client.get("k", timeout=1.0)
+        assert time.monotonic() - started < 10
+    client.close()
+
+
 def test_calls_wait_for_a_coordinator_that_starts_late():
     """A client started before its coordinator retries until the coordinator is up, then succeeds."""
     with socket.socket() as s:

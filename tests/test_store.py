@@ -4,6 +4,7 @@ every Store method against a real coordinator, then gloo process groups in real 
 from __future__ import annotations
 
 import datetime
+import concurrent.futures
 import gc
 import multiprocessing
 import os
@@ -288,8 +289,11 @@ def test_under_torchrun_the_default_prefix_is_the_run_s_own(client, coordinator,
     """Under torchrun (TORCHELASTIC_RUN_ID) a Store and the URL handler put their keys under
     the run id and an attempt id by default, so a later run or restart on a long-lived
     coordinator does not read this one's keys (stale gloo addresses, say): agreed once per
-    process by its ranks (RANK, WORLD_SIZE), else the restart count. An explicit prefix
-    stays as given."""
+    process by its ranks (RANK, WORLD_SIZE), else the restart count. A Store's explicit
+    prefix stays as given; a URL's gets the run and attempt too (a restarted attempt's
+    workers count their groups from 0 again, and met the failed attempt's gloo addresses).
+    Two threads making a Store at once agree once (each agreed with a nonce of its own, and
+    both waited out their timeout); an error of the agreement is torch's kind too."""
     from pjrt_rendezvous.client import _store
 
     monkeypatch.setattr(_store, "_attempts", {})
@@ -308,6 +312,18 @@ def test_under_torchrun_the_default_prefix_is_the_run_s_own(client, coordinator,
     assert Store(client).prefix == first.prefix  # once per process
     store, _, _ = next(dist.rendezvous(f"{SCHEME}://{coordinator.address}?job=url-run", rank=0, world_size=1))
     assert re.fullmatch(r"torch\.distributed/run-8/[0-9a-f]{12}/0", store.prefix), store.prefix
+    given, _, _ = next(dist.rendezvous(f"{SCHEME}://{coordinator.address}?job=url-run&prefix=mine", rank=0, world_size=1))
+    assert re.fullmatch(r"mine/run-8/[0-9a-f]{12}/0", given.prefix), given.prefix
+    unnamed, _, _ = next(dist.rendezvous(f"{SCHEME}://{coordinator.address}?prefix=other", rank=0, world_size=1))
+    named, _, _ = next(dist.rendezvous(f"{SCHEME}://{coordinator.address}?job=default&prefix=other", rank=0, world_size=1))
+    assert (unnamed.prefix[-2:], named.prefix[-2:]) == ("/0", "/1")  # the same job: counted on (from 0, it met the keys of the first)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-threads")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # rank 0's two threads, then rank 1 comes
+        both = [pool.submit(Store, client, timeout=20) for _ in range(2)]
+        time.sleep(0.3)
+        attempt = _store._agree(client, "torch.distributed/run-threads/attempts/", 1, 2, 20)  # (rank 1, elsewhere)
+        assert [f.result().prefix for f in both] == [f"torch.distributed/run-threads/{attempt}"] * 2
     monkeypatch.setenv("WORLD_SIZE", "2")  # a rank that never comes: torch's kind of timeout, naming it
     for rank, says in (("0", "rank 0 waited 1 s for ranks [1] of this torchrun attempt to start"), ("1", "still not set")):
         monkeypatch.setenv("RANK", rank)
@@ -315,6 +331,11 @@ def test_under_torchrun_the_default_prefix_is_the_run_s_own(client, coordinator,
         with pytest.raises(StoreTimeout, match=re.escape(says)) as info:
             Store(client, timeout=1)
         assert isinstance(info.value, dist.DistStoreError)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-10")
+    unreachable = pr.Client(pr.Settings(address="127.0.0.1:1", connect_timeout=1), pr.detect_topology({}, address="127.0.0.1:1"))
+    with pytest.raises(dist.DistNetworkError):  # (a bare CoordinatorUnavailableError, no RuntimeError)
+        Store(unreachable, timeout=5)
+    unreachable.close()
 
 
 def test_url_handler_needs_rank_and_world_size(coordinator, monkeypatch):
