@@ -307,8 +307,9 @@ _RECEIVE_MAX = 4 << 20
 # coordinator's session port takes less (coordinator/_server.py, max_message_bytes).
 MAX_MESSAGE = (1 << 31) - 1
 # The first message on a connection with a hello (a SessionHello, the token: tens of bytes)
-# is read before the peer is known, so it is capped far lower.
-MAX_HELLO = 64 << 10
+# is read before the peer is known, so it is capped far lower: as gRPC's default cap on a
+# call's headers (a longer token would not pass there either).
+MAX_HELLO = 8 << 10
 
 
 def one_whole_message(data: bytes | bytearray | memoryview) -> bool:
@@ -1051,7 +1052,12 @@ class FramedSession(asyncio.Protocol):
             if not call_id:  # not a call we could answer alone: the session ends
                 self._refuse(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
                 return None
-            log.warning("refused a call on a session: %s", refusal)
+            global _refused_said
+            now = time.monotonic()
+            loud = now - _refused_said >= 60  # (a peer sending nothing but these must not flood the log)
+            if loud:
+                _refused_said = now
+            log.log(logging.WARNING if loud else logging.DEBUG, "refused a call on a session: %s", refusal)
             self._send(session_answer(call_id, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal))
             taken = min(size, len(received))
             self._skip = size - taken
@@ -1113,6 +1119,7 @@ class FramedSession(asyncio.Protocol):
             self._on_close(self)
 
 
+_refused_said = float("-inf")  # when a call too big was last refused with a warning (FramedSession._too_big)
 _parse_hello = parser(pb.SessionHello)
 _parse_request = parser(pb.SessionRequest)
 
@@ -1141,4 +1148,4 @@ def _call_id(start: memoryview) -> int | None:
     if length is None or length[1] >= len(start) or start[length[1]] != _ID_TAG[0]:
         return None
     call_id = _read_varint(start, length[1] + 1)
-    return None if call_id is None else call_id[0]
+    return None if call_id is None or call_id[0] >= 1 << 64 else call_id[0]  # (protobuf's ids are 64-bit)

@@ -123,6 +123,14 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.1f}" if seconds >= 0.95 else f"{max(seconds, 0.001):.2g}"
 
 
+def _control(text: str) -> bool:
+    """Whether ``text`` holds a control character (C0, DEL, C1, or a Unicode line or
+    paragraph separator): names that go into log lines and ``status`` must not."""
+    return not text.isprintable() and any(
+        c < " " or "\x7f" <= c <= "\x9f" or c in "\u2028\u2029" for c in text
+    )
+
+
 def _shown_tag(tag: str) -> str:
     """A tag over the limit as an error names it: its start (it would be copied whole into
     the members' stored error, the journal and the state file)."""
@@ -549,7 +557,7 @@ class Core:
     def _check_job_name(self, name: str) -> None:
         if not name:
             raise CoreError(Code.INVALID_ARGUMENT, "job name must not be empty")
-        if any(c < " " or c == "\x7f" for c in name):  # (a line end in a log line or a metrics label)
+        if _control(name):  # (a line end in a log line or a metrics label)
             raise CoreError(Code.INVALID_ARGUMENT, f"job name {name!r} holds a control character")
         if len(name) > self.limits.max_name_length:
             raise CoreError(
@@ -712,6 +720,8 @@ class Core:
                 "check PJRT_LOCAL_PROCESS_RANK / PJRT_RENDEZVOUS_LOCAL_RANK",
             )
         for name, value in (("incarnation", r.incarnation), ("host", r.host)):
+            if _control(value):  # (logged and shown by status: a line end or an escape forges lines)
+                raise CoreError(Code.INVALID_ARGUMENT, f"{name} {value!r} holds a control character")
             if len(value) > self.limits.max_name_length:
                 raise CoreError(
                     Code.RESOURCE_EXHAUSTED,
@@ -1593,7 +1603,7 @@ class Core:
                 f"this process ({process.label()}, task {process.task_id}), which binds "
                 f"{format_ranges(sorted(process.ordinals)) or 'none'}: it can end only its own",
             )
-        reason = reason or "ended"
+        reason = "".join(c if c.isprintable() else " " for c in reason or "ended")  # (logged: one line)
         if len(reason) > _REST_CHARACTERS:  # (told by the client: its error's first line)
             reason = reason[: _REST_CHARACTERS - 3] + "..."
         for ordinal in ordinals:

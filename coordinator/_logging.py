@@ -40,10 +40,15 @@ class JsonFormatter(logging.Formatter):
 
 
 class _OneLine(logging.Formatter):
-    """Plain text; a traceback stays on its own lines but a message never spans two."""
+    """Plain text; a traceback stays on its own lines but a message never spans two, and
+    holds no control character (a carriage return or an escape would forge a line on a
+    terminal): each is written as Python writes it in a string (``\\r``, ``\\x1b``)."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
-        record.message = record.message.replace("\n", "\\n")
+        if not record.message.isprintable():
+            record.message = "".join(
+                c if c.isprintable() or c == " " else repr(c)[1:-1] for c in record.message
+            )
         return super().formatMessage(record)
 
 

@@ -915,6 +915,29 @@ def test_text_log_lines_are_one_line_per_event():
     assert any("stopping: in-flight calls get" in l for l in server.lines)
 
 
+def test_a_text_log_line_writes_control_characters_escaped():
+    """A carriage return or an escape in a message (a tag, a reason, a peer's text) forged a
+    log line on a terminal: the text format wrote only line feeds escaped."""
+    import io
+    import logging
+
+    from pjrt_rendezvous.coordinator import _logging
+
+    stream = io.StringIO()
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        _logging.configure("INFO", "text", stream)
+        logging.getLogger("pjrt_rendezvous.coordinator").warning("tag %r and %s", "t", "x\r\x1b[2Ky\nz\té")
+    finally:
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        for handler in handlers:
+            root.addHandler(handler)
+        root.setLevel(level)
+    assert stream.getvalue().endswith("tag 't' and x\\r\\x1b[2Ky\\nz\\té\n"), stream.getvalue()
+
+
 @pytest.mark.parametrize("json_by", ["flag", "variable"])
 def test_serve_under_json_logs_prints_json_lines_on_stdout_too(json_by):
     """Under `--log-format json` (or PJRT_RENDEZVOUS_LOG_FORMAT=json) every line serve prints on

@@ -465,6 +465,20 @@ def test_job_names_must_be_non_empty_short_and_printable(name, code):
             Core().kv_set(name, [("k", b"v")])
 
 
+@pytest.mark.parametrize("field", ["host", "incarnation"])
+@pytest.mark.parametrize("bad", ["h\r2026-12-03 CRITICAL forged", "h\x1b[2K", "h\x85", "h\u2028"])
+def test_hosts_and_incarnations_with_control_characters_are_refused(field, bad):
+    """Hosts and incarnations go into log lines and `status` as they are: a carriage return
+    or an escape forged a log line on a terminal (job names were refused such characters,
+    these were not). A reason an EndReplicas gives keeps one line too."""
+    with raises(Code.INVALID_ARGUMENT, f"{field} {bad!r} holds a control character"):
+        Core().register(0.0, registration(0, 1, 2, **{field: bad}))
+    core = Core()
+    core.register(0.0, registration(0, 1, 2, host="h\u00e9"))  # (printable, not ASCII: fine)
+    core.end_replicas(JOB, incarnation_of(0), [1], "raised\rValueError\n: x", now=1.0)
+    assert core.jobs[JOB].processes[incarnation_of(0)].ended[1] == "raised ValueError : x"
+
+
 def test_the_name_limit_leaves_room_for_the_clients_incarnation_ids():
     """max_name_length bounds incarnation ids too, which clients make 32 characters long: a
     lower limit refused every registration, so it is refused at start instead."""

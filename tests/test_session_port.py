@@ -952,6 +952,26 @@ def test_a_message_over_the_cap_is_refused_for_its_call_alone_and_its_bytes_drop
     assert not transport.written and not session._buffer
 
 
+def test_an_over_the_cap_message_with_a_call_id_past_64_bits_ends_its_connection():
+    """A message over the cap names its call by an id read from its first bytes: one past
+    64 bits (a 10-byte varint can hold one) made the refusal raise ValueError inside
+    data_received, which asyncio logged as a fatal error with its traceback. It ends the
+    connection, as a message naming no call does."""
+    from pjrt_rendezvous.client._session import _varint
+
+    session = FramedSession(_unused_run, max_message=100, max_message_rule="the test's rule")
+    transport = _Transport()
+    session.connection_made(transport)
+    call = b"\x08" + b"\xff" * 9 + b"\x7f" + b"\x12\x06KvSet" + b"\x1a\x80\x02" + bytes(256)  # id 2**70 - 1
+    message = b"\x0a" + _varint(len(call)) + call
+    session.data_received(FRAME.pack(len(message)) + message)
+    assert transport.closed
+    answers = pb.SessionResponse()
+    for framed in take_frames(transport.written):
+        answers.MergeFromString(framed)
+    assert [(a.id, a.code) for a in answers.answers] == [(0, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])]
+
+
 async def _unused_run(call):  # (the test's calls are pings, answered without running)
     raise AssertionError(f"ran {call}")
 
