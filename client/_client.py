@@ -1311,10 +1311,11 @@ class Client:
         deadline = self._deadline(timeout) if wait else None
         if wait and self not in _store_ids:
             # A client's first call that waits learns the job's store first (once): a wait
-            # through a restart that lost the keys would otherwise wait for nothing. (Within
-            # the call's deadline: a coordinator down would hold it for connect_timeout.)
+            # through a restart that lost the keys would otherwise wait for nothing. (Retried
+            # until the call's deadline, not connect_timeout, and given the grace of a wait
+            # to answer, as the wait after it is.)
             request = pb.KvGetRequest(job=self.settings.job, keys=_key_list(keys, text=True))
-            values = [v.value if v.found else None for v in self._kv("KvGet", request, deadline).values]
+            values = [v.value if v.found else None for v in self._kv("KvGet", request, deadline, waits=True).values]
             if all(v is not None for v in values):
                 return values
         request = pb.KvGetRequest(job=self.settings.job, keys=_key_list(keys, text=True), wait=wait)
