@@ -474,10 +474,12 @@ def rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, **kwar
 
 
 def _after_fork_in_child() -> None:
-    """The parent's clients do not work in a forked child (see _api): it makes its own."""
-    global _clients_lock
-    _clients_lock = threading.Lock()
+    """The parent's clients do not work in a forked child (see _api): it makes its own.
+    (Locks a parent's thread held at the fork would stay held.)"""
+    global _clients_lock, _attempts_lock
+    _clients_lock, _attempts_lock = threading.Lock(), threading.Lock()
     _clients.clear()
+    _agreeing.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
