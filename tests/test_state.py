@@ -699,6 +699,25 @@ def test_heartbeat_clocks_of_a_restore_start_when_serving_does(tmp_path, monkeyp
     assert asyncio.run(main()) == [True, True]
 
 
+def _stalling(path: pathlib.Path, monkeypatch, write: str):
+    """A core with two registered processes of job "j", a servicer and a state writer at
+    ``path``, and a gate: cleared, the writer's ``write`` (``append`` or ``rewrite``) waits
+    for it (a slow disk)."""
+    from pjrt_rendezvous.coordinator._server import _StateWriter
+    from pjrt_rendezvous.coordinator._servicer import Servicer
+
+    core = Core()
+    for task in range(2):
+        core.register(0.0, Registration(job="j", incarnation=f"i{task}", host="h", pid=task, task_id=task, num_tasks=2,
+                                        devices_per_task=1, local_rank=task, threads=(ThreadRequest(thread_index=0),)))
+    gate = threading.Event()
+    gate.set()
+    real = getattr(_state.Files, write)
+    monkeypatch.setattr(_state.Files, write, lambda files, data: (gate.wait(30), real(files, data))[1])
+    writer = _StateWriter(core, _state.Files(path))
+    return core, writer, Servicer(core, clock=time.monotonic, persist=writer.flush), gate
+
+
 def test_a_refusal_resting_on_another_call_s_change_waits_for_the_disk(tmp_path, monkeypatch):
     """Round 0 times out in memory while its journal line waits on a slow disk; a member
     calling late is refused as late. It was told at once, from what a crash would take back
@@ -708,20 +727,9 @@ def test_a_refusal_resting_on_another_call_s_change_waits_for_the_disk(tmp_path,
 
     from pjrt_rendezvous.client._session import decode_answers, encode_answers
     from pjrt_rendezvous.client._wire import encode_rendezvous
-    from pjrt_rendezvous.coordinator._server import _StateWriter
-    from pjrt_rendezvous.coordinator._servicer import Servicer
 
     path = tmp_path / "state.json"
-    core = Core()
-    for task in range(2):
-        core.register(0.0, Registration(job="j", incarnation=f"i{task}", host="h", pid=task, task_id=task, num_tasks=2,
-                                        devices_per_task=1, local_rank=task, threads=(ThreadRequest(thread_index=0),)))
-    gate = threading.Event()
-    gate.set()
-    real_append = _state.Files.append
-    monkeypatch.setattr(_state.Files, "append", lambda files, data: (gate.wait(30), real_append(files, data))[1])
-    writer = _StateWriter(core, _state.Files(path))
-    servicer = Servicer(core, clock=time.monotonic, persist=writer.flush)
+    core, writer, servicer, gate = _stalling(path, monkeypatch, "append")
 
     def call(call_id: int, ordinal: int, timeout: float):
         body = encode_rendezvous("j", f"i{ordinal}", [], 0, timeout, core.jobs["j"].generation, [(ordinal, "save", b"", "")], False)
@@ -751,21 +759,10 @@ def test_a_watch_s_first_message_waits_for_the_events_it_counts_to_be_on_disk(tm
     """A Watch's first message names the index of the next event: it counted a death still
     being written, which a crash would take back (the client's next Watch then skipped the
     next new event, or got them all again). It now waits for the write."""
-    from pjrt_rendezvous.coordinator._server import _StateWriter
-    from pjrt_rendezvous.coordinator._servicer import Servicer
     from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
     path = tmp_path / "state.json"
-    core = Core()
-    for task in range(2):
-        core.register(0.0, Registration(job="j", incarnation=f"i{task}", host="h", pid=task, task_id=task, num_tasks=2,
-                                        devices_per_task=1, local_rank=task, threads=(ThreadRequest(thread_index=0),)))
-    gate = threading.Event()
-    gate.set()
-    real_rewrite = _state.Files.rewrite
-    monkeypatch.setattr(_state.Files, "rewrite", lambda files, data: (gate.wait(30), real_rewrite(files, data))[1])
-    writer = _StateWriter(core, _state.Files(path))
-    servicer = Servicer(core, clock=time.monotonic, persist=writer.flush)
+    core, writer, servicer, gate = _stalling(path, monkeypatch, "rewrite")
 
     async def main():
         await writer.flush()
