@@ -48,6 +48,7 @@ import pathlib
 import socket
 import stat
 import tempfile
+import time
 
 from ._core import ALL, Code, Core, CoreError, Event, EventLog, Job, Limits, Member, Process, Round, _Group
 
@@ -240,6 +241,10 @@ def restore(
 
 
 JOURNAL_LIMIT = 4 << 20  # bytes of journal after which the next write is the whole state
+# Out of open files (the process's or the system's: many connections, perhaps a peer's that
+# opens them and sends nothing), a write is tried again for this long before it fails, and
+# serve with it: that is no fault of the disk, and it passes as connections close.
+OUT_OF_FILES_WAIT = 30.0
 
 
 def journal_path(path: pathlib.Path) -> pathlib.Path:
@@ -410,6 +415,23 @@ def _remove_leftovers(real: pathlib.Path) -> None:
                 log.warning("cannot remove %s, left by a write a crash cut short: %s", leftover, exc.strerror)
 
 
+def _with_files(open_and_write):
+    """``open_and_write()``, tried again while the process is out of open files, for up to
+    ``OUT_OF_FILES_WAIT`` (in the state writer's thread: its callers wait, nothing else)."""
+    end, pause, said = time.monotonic() + OUT_OF_FILES_WAIT, 0.05, False
+    while True:
+        try:
+            return open_and_write()
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE) or time.monotonic() >= end:
+                raise
+            if not said:
+                log.warning("out of open files to write the state file (%s); trying again for up to %g s", exc.strerror, OUT_OF_FILES_WAIT)
+                said = True
+        time.sleep(pause)
+        pause = min(2 * pause, 1.0)
+
+
 class Files:
     """The state file and its journal, as the state writer's thread writes them, locked
     against other coordinators (``PATH.lock``) from construction to :meth:`close`. The
@@ -427,7 +449,9 @@ class Files:
         """Appends ``data`` to the journal, on disk when this returns."""
         try:
             if self._journal is None:
-                self._journal = os.open(journal_path(self.path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                self._journal = _with_files(
+                    lambda: os.open(journal_path(self.path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                )
             view = memoryview(data)
             while view:
                 view = view[os.write(self._journal, view):]
@@ -440,8 +464,8 @@ class Files:
         (also the way back after a failed append: a partial line goes with the old journal)."""
         self._close_journal()
         try:
-            write_atomic(self.path, data)
-            write_atomic(journal_path(self.path), b"")  # a crash between the two: the lines are older, skipped
+            _with_files(lambda: write_atomic(self.path, data))
+            _with_files(lambda: write_atomic(journal_path(self.path), b""))  # a crash between the two: the lines are older, skipped
         except OSError as exc:
             raise self._cannot_write(exc) from exc
 

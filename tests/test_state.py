@@ -699,6 +699,35 @@ def test_heartbeat_clocks_of_a_restore_start_when_serving_does(tmp_path, monkeyp
     assert asyncio.run(main()) == [True, True]
 
 
+def test_a_write_out_of_open_files_is_tried_again_before_it_stops_serve(tmp_path, monkeypatch, caplog):
+    """Out of open files (a peer opening connections and sending nothing can cause it), a
+    rewrite's temporary file could not be made, and the write failed as a broken disk
+    would: serve stopped. It is tried again for up to OUT_OF_FILES_WAIT, then fails."""
+    import errno
+
+    path = tmp_path / "state.json"
+    real_mkstemp = _state.tempfile.mkstemp
+    refusals = [2]  # the next mkstemps refused
+
+    def mkstemp(**kwargs):
+        if refusals[0]:
+            refusals[0] -= 1
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_mkstemp(**kwargs)
+
+    monkeypatch.setattr(_state.tempfile, "mkstemp", mkstemp)
+    files = _state.Files(path)
+    snapshot = _state.encode(_state.snapshot(Core()))
+    files.rewrite(snapshot)
+    assert refusals == [0] and path.exists()
+    assert "out of open files to write the state file" in caplog.text
+    monkeypatch.setattr(_state, "OUT_OF_FILES_WAIT", 0.3)
+    refusals[0] = 10**6
+    with pytest.raises(OSError, match="Too many open files"):
+        files.rewrite(snapshot)
+    files.close()
+
+
 def _stalling(path: pathlib.Path, monkeypatch, write: str):
     """A core with two registered processes of job "j", a servicer and a state writer at
     ``path``, and a gate: cleared, the writer's ``write`` (``append`` or ``rewrite``) waits
