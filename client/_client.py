@@ -651,9 +651,15 @@ class Client:
 
     def _avoid_relay(self, exc: grpc.RpcError, again: bool = False) -> None:
         """With the session lock held: calls go to the coordinator directly for a while,
-        longer ``again`` (the relay failed once more when tried again)."""
+        longer ``again`` (the relay failed once more when tried again). Our connection to
+        the relay is closed, so that it stops waiting for our calls (it held each of its
+        rounds for the batch window, for ordinals that came directly; a call still on it
+        is resent directly, and counted once)."""
         _, away = self._relay_retry
         self._relay_retry = (time.monotonic() + away, min(2 * away, _RELAY_RETRY_MAX) if again else away)
+        session, self._relay_session = self._relay_session, None
+        if session is not None:
+            session.close(f"the host relay failed ({exc.details()}); calls go to the coordinator directly for a while")
         log.debug(
             "host relay at %s unavailable (%s); calling the coordinator directly for %.0f s", self._relay_path, exc.details(), away
         )

@@ -124,6 +124,34 @@ def test_each_host_sends_one_call_per_round_and_every_result_is_exact(coordinato
     assert not os.path.exists(relay.path)
 
 
+def test_a_process_that_avoids_its_relay_is_not_waited_for_there(coordinator):
+    """A process that got UNAVAILABLE from its host's relay calls the coordinator directly for
+    a while; its connection to the relay stayed open, so the relay held every round for the
+    batch window (1 s) waiting for its calls. The connection is closed now, and the relay
+    stops waiting for it."""
+    from pjrt_rendezvous.client._session import StatusError
+
+    clients = make_clients(coordinator.address, processes=2, hosts=1)
+    run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
+    assert len(clients[0]._relay._tasks) == 2
+    clients[1]._relay_failed(StatusError(grpc.StatusCode.UNAVAILABLE, "the relay could not reach the coordinator"))
+
+    def timed(client, binding):
+        started = time.monotonic()
+        for k in range(3):
+            client.rendezvous(binding, f"r{k}")
+        return time.monotonic() - started
+
+    deadline = time.monotonic() + 10
+    while len(clients[0]._relay._tasks) != 1:  # (the relay sees the end of the connection)
+        assert time.monotonic() < deadline, clients[0]._relay._tasks
+        time.sleep(0.01)
+    took = run_threads(clients, timed)
+    assert max(took.values()) < 1.0, took  # (3 rounds took 3 s)
+    for c in clients:
+        c.close()
+
+
 def test_a_timeout_through_the_relays_names_exactly_the_missing_ordinal(coordinator):
     """A thread that never arrives: the relay sends the others after its window, so the
     coordinator names that one ordinal, not its whole host."""
