@@ -7,8 +7,9 @@ Each system offers the four workloads to the threads of one process:
 - ``barrier(t, r)``: round ``r`` of a barrier over every participant;
 - ``allgather(t, r, payload)``: round ``r`` of an all-gather of one payload per participant,
   returning every payload in ordinal order;
-- ``kv(t, r)``: set this participant's key of round ``r``, then a blocking get of the next
-  ordinal's key of round ``r``.
+- ``kv(t, r)``: set this participant's key of round ``r``, then a blocking get of round
+  ``r``'s key of the same thread of the next process (``peer``: another process's key, so
+  every get can wait).
 
 "Threads combined locally" means the threads of a process meet at a ``threading.Barrier``
 whose action (run by the last thread to arrive) makes the process's one call for all of
@@ -30,12 +31,18 @@ import threading
 from datetime import timedelta
 
 TIMEOUT_S = 60.0  # every wait of every system is bounded by this
-KV_VALUE = b"v" * 64
+KV_SIZE = 64
 
 
-def payload_for(ordinal: int, size: int) -> bytes:
-    head = b"%08d" % ordinal
+def payload_for(ordinal: int, r: int, size: int) -> bytes:
+    """Ordinal ``ordinal``'s payload of round ``r``: a result of another round, or another
+    ordinal's, does not pass for it."""
+    head = b"%08d.%07d" % (ordinal, r)
     return head + b"." * (size - len(head)) if size >= len(head) else head[:size]
+
+
+def kv_value(ordinal: int, r: int) -> bytes:
+    return payload_for(ordinal, r, KV_SIZE)
 
 
 def _pack(values: list[bytes]) -> bytes:
@@ -108,6 +115,11 @@ class System:
     def ordinal(self, t: int) -> int:
         return self.p * self.T + t
 
+    def peer(self, ordinal: int) -> int:
+        """Whose key ``ordinal`` gets in the key-value workload: the same thread of the next
+        process (with one process, the next ordinal)."""
+        return (ordinal + (self.T if self.P > 1 else 1)) % self.N
+
     def connect_process(self) -> None:
         pass
 
@@ -170,8 +182,9 @@ class Ours(System):
         # wait for a key its siblings' do not).
         def exchange(_):
             c = self.client
-            c.multi_set([f"kv/{r}/{self.ordinal(i)}" for i in range(self.T)], [KV_VALUE] * self.T)
-            return c.multi_get([f"kv/{r}/{(self.ordinal(i) + 1) % self.N}" for i in range(self.T)], timeout=TIMEOUT_S)
+            ordinals = [self.ordinal(i) for i in range(self.T)]
+            c.multi_set([f"kv/{r}/{o}" for o in ordinals], [kv_value(o, r) for o in ordinals])
+            return c.multi_get([f"kv/{r}/{self.peer(o)}" for o in ordinals], timeout=TIMEOUT_S)
 
         return self.combine(t, None, exchange)[t]
 
@@ -233,8 +246,8 @@ class TCPStoreThread(System):
     def kv(self, t: int, r: int) -> bytes:
         s = self.stores[t]
         o = self.ordinal(t)
-        s.set(f"{self.job}/kv/{r}/{o}", KV_VALUE)
-        return s.get(f"{self.job}/kv/{r}/{(o + 1) % self.N}")
+        s.set(f"{self.job}/kv/{r}/{o}", kv_value(o, r))
+        return s.get(f"{self.job}/kv/{r}/{self.peer(o)}")
 
     def close_thread(self, t: int) -> None:
         self.stores[t] = None
@@ -272,8 +285,9 @@ class TCPStoreProcess(System):
     def kv(self, t: int, r: int) -> bytes:
         def exchange(slots):
             s = self.store
-            s.multi_set([f"{self.job}/kv/{r}/{self.ordinal(i)}" for i in range(self.T)], [KV_VALUE] * self.T)
-            return s.multi_get([f"{self.job}/kv/{r}/{(self.ordinal(i) + 1) % self.N}" for i in range(self.T)])
+            ordinals = [self.ordinal(i) for i in range(self.T)]
+            s.multi_set([f"{self.job}/kv/{r}/{o}" for o in ordinals], [kv_value(o, r) for o in ordinals])
+            return s.multi_get([f"{self.job}/kv/{r}/{self.peer(o)}" for o in ordinals])
 
         return self.combine(t, None, exchange)[t]
 
@@ -328,8 +342,8 @@ class JaxProcess(System):
 
     def kv(self, t: int, r: int) -> bytes:
         o = self.ordinal(t)
-        self.client.key_value_set_bytes(f"kv/{r}/{o}", KV_VALUE)
-        return self.client.blocking_key_value_get_bytes(f"kv/{r}/{(o + 1) % self.N}", self._ms)
+        self.client.key_value_set_bytes(f"kv/{r}/{o}", kv_value(o, r))
+        return self.client.blocking_key_value_get_bytes(f"kv/{r}/{self.peer(o)}", self._ms)
 
     def close_process(self) -> None:
         self.client.shutdown()  # a barrier of every process, bounded by shutdown_timeout

@@ -11,7 +11,9 @@ Timeline of a session (CLOCK_MONOTONIC is one clock for every process of the mac
   notes t_go and sets the go event; workers connect (connection time), then every
   thread publishes its ordinal and learns the world (world formation); then each
   workload runs `warmup` untimed rounds and `rounds` timed ones. Ordinal 0 times its
-  calls and reads the server's CPU time (/proc) at the first and last timed round.
+  calls and reads the server's CPU time (/proc) at the first and last timed round. A
+  session fails when a system's round did not wait for a late participant (the last
+  warm-up round) or its last round returned anything but that round's values.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ import _peers
 from _servers import cpu_seconds
 
 WORKLOADS = ("barrier", "allgather", "kv")
+# In the last warm-up round of each workload one participant comes this late: ordinal 0's call
+# must take at least half of it, or the system's form did not wait (a check, never timed).
+LATE_S = 0.02
 
 
 def _thread_main(system, spec, t: int, state: dict) -> None:
@@ -39,7 +44,8 @@ def _thread_main(system, spec, t: int, state: dict) -> None:
     state["t_known"][t] = time.monotonic()
     if known != N:
         raise RuntimeError(f"thread {t} learned {known} ordinals, expected {N}")
-    payload = _peers.payload_for(system.ordinal(t), spec["payload_size"])
+    me, size = system.ordinal(t), spec["payload_size"]
+    late = system.peer(0)  # late once per workload: every system's ordinal 0 must wait for it
     warmup, rounds = spec["warmup"], spec["rounds"]
     for workload in spec["workloads"]:
         samples = []
@@ -50,6 +56,9 @@ def _thread_main(system, spec, t: int, state: dict) -> None:
                 cpu0, wall0 = cpu_seconds(spec["server_pid"]), time.monotonic()
             if t == 0 and r == warmup:
                 own0 = time.process_time()
+            if r == warmup - 1 and me == late:
+                time.sleep(LATE_S)
+            payload = _peers.payload_for(me, r, size) if workload == "allgather" else None
             started = time.perf_counter()
             if workload == "barrier":
                 system.barrier(t, r)
@@ -58,11 +67,16 @@ def _thread_main(system, spec, t: int, state: dict) -> None:
             else:
                 result = system.kv(t, r)
             samples.append(time.perf_counter() - started)
-        if workload == "allgather":
-            if len(result) != N or any(result[i][:8] != b"%08d" % i for i in (0, N // 2, N - 1)):
-                raise RuntimeError(f"all-gather returned a wrong result ({len(result)} payloads)")
-        elif workload == "kv" and result != _peers.KV_VALUE:
-            raise RuntimeError(f"kv get returned {result[:16]!r}")
+        if first and samples[warmup - 1] < LATE_S / 2:
+            raise RuntimeError(
+                f"{workload}: ordinal 0 did not wait for ordinal {late}, {LATE_S * 1000:g} ms late "
+                f"(its call took {samples[warmup - 1] * 1000:.3f} ms)"
+            )
+        last = warmup + rounds - 1
+        if workload == "allgather" and result != [_peers.payload_for(i, last, size) for i in range(system.N)]:
+            raise RuntimeError(f"the last all-gather returned a wrong result ({len(result)} payloads)")
+        if workload == "kv" and result != _peers.kv_value(system.peer(me), last):
+            raise RuntimeError(f"the last kv get returned {result[:16]!r}")
         if t == 0:  # this process's CPU (all its threads) over the timed rounds
             state["client_cpu"][workload] = time.process_time() - own0
         if first:
