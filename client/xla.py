@@ -24,8 +24,9 @@ function                       bound thread                                    u
 ``get_local_ordinal()``        the thread's ordinal on its host                the original
 ``is_master_ordinal(local)``   local ordinal 0 / global ordinal 0              the original
 ``xla_device(n=None, ...)``    no ``n``: the thread's own device               the original
-                               ``xla:<device index>`` (under PJRT threads the
-                               original returns the process default device)
+                               ``xla:<device index>`` (the original returns
+                               the thread's default device: ``xla:0`` in a
+                               thread torch_xla's runner did not start)
 ``rendezvous(tag, payload,     through the coordinator: tags enforced,         the original
 replicas)``                    subsets allowed, a deadline, and errors naming  (an XLA all-gather);
                                the missing ordinals; no device sync, no        ``UsageError`` in a
@@ -89,6 +90,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import logging
 import os
 import pickle
 import queue as queue_module
@@ -105,6 +107,8 @@ from . import _api
 from ._client import Binding, Client, current_binding, xm_binding
 from ._config import check_timeout
 from ._errors import ParticipantFailedError, RendezvousError, TopologyError, UsageError
+
+log = logging.getLogger("pjrt_rendezvous.client")
 
 __all__ = [
     "ReplicaSeed",
@@ -519,8 +523,9 @@ def spawn(
             otherwise wait out its rendezvous deadline).
 
     Returns:
-        ``{ordinal: fn's return value}`` for every replica (values must be picklable; XLA
-        tensors in them come back as CPU tensors, parameters as parameters).
+        ``{ordinal: fn's return value}`` for every replica (XLA tensors in them come back as
+        CPU tensors, parameters as parameters; a value that cannot be pickled comes back as
+        None, with a warning: ``xmp.spawn`` returns none).
 
     Raises:
         SpawnError: a replica raised (the message names its ordinal and carries its
@@ -903,9 +908,14 @@ def _child_main(task: int, nprocs: int, env: dict, payload: bytes, reports) -> N
                 try:
                     blob = _pickled_result(result, torch_xla._XLAC)
                 except Exception as exc:  # noqa: BLE001
-                    raise UsageError(
-                        f"spawn(): the return value of ordinal {ordinal} cannot be pickled: {exc}"
-                    ) from exc
+                    # xmp.spawn returns nothing: a replica may return anything there, and its
+                    # finished run is not failed for a value only this spawn hands back.
+                    log.warning(
+                        "spawn(): the return value of ordinal %d (%s) cannot be pickled (%s): "
+                        "its result is None", ordinal, type(result).__name__, exc,
+                    )
+                    del result
+                    blob = _pickled_result(None, torch_xla._XLAC)
             put("result", ordinal, blob)
         except BaseException as exc:  # noqa: BLE001 -- every failure goes to the parent
             put("error", ordinal, _pickled_error(exc), traceback.format_exc())

@@ -141,6 +141,10 @@ def exiting_replica(index):
     sys.exit(0 if index == 0 else "ordinal 1 stops")
 
 
+def unpicklable_replica(index):
+    return threading.Lock() if index == 0 else index
+
+
 def early_returning_replica(index):
     """Ordinal 0 returns at once; ordinal 1, a thread of the same process, then calls the
     collectives that need it."""
@@ -696,6 +700,15 @@ def test_a_replica_that_exits_cleanly_returns_none(torch_xla):
         xla.spawn(exiting_replica, nprocs=1, devices_per_process=2, timeout=150)
     assert list(info.value.failures) == [1]
     assert info.value.results == {0: None}
+
+
+@pytest.mark.xla
+def test_a_return_value_that_cannot_be_pickled_comes_back_as_none(torch_xla, capfd):
+    """xmp.spawn returns no values, so a replica may return anything there (a trainer, a
+    lock): a value that cannot be pickled is None here, with a warning; it failed the run."""
+    results = xla.spawn(unpicklable_replica, nprocs=1, devices_per_process=2, timeout=150)
+    assert results == {0: None, 1: 1}
+    assert "the return value of ordinal 0 (lock) cannot be pickled" in capfd.readouterr().err
 
 
 @pytest.mark.xla
