@@ -22,7 +22,10 @@ from typing import TextIO
 # than its task, and every client setting (PJRT_RENDEZVOUS_*) but those kept: the caller's
 # token, TLS files or timeouts are not the demo coordinator's, whose processes would then
 # fail or wait for nothing. The native module's switch stays (it changes no outcome).
-_SCRUBBED = ("CLOUD_TPU_TASK_ID", "TPU_PROCESS_BOUNDS", "TPU_CHIPS_PER_PROCESS_BOUNDS")
+_SCRUBBED = (
+    "CLOUD_TPU_TASK_ID", "TPU_PROCESS_BOUNDS", "TPU_CHIPS_PER_PROCESS_BOUNDS", "TPU_CHIPS_PER_HOST_BOUNDS",
+    "CHIPS_PER_HOST_BOUNDS", "ACCELERATOR_TYPE", "WORKER_ID",
+)
 _SCRUBBED_PREFIX = "PJRT_RENDEZVOUS_"
 _KEPT = ("PJRT_RENDEZVOUS_NATIVE",)
 
@@ -134,51 +137,71 @@ def run_demo(
     from ._topology import cores_per_chip
 
     if processes < 1 or hosts < 1 or processes % hosts:
-        print(f"--processes ({processes}) must be a positive multiple of --hosts ({hosts})", file=out)
+        print(f"--processes ({processes}) must be a positive multiple of --hosts ({hosts})", file=sys.stderr)
         return 2
     try:
         threads_each = threads or cores_per_chip(accelerator)
     except TopologyError as exc:
-        print(f"{exc}; or give the demo --threads", file=out)
+        print(f"{exc}; or give the demo --threads", file=sys.stderr)
         return 2
     with Coordinator(port=0) as coordinator:
+        # The shape is --hosts and --processes; the accelerator type only sets the threads
+        # (cores per chip): a pod of any size is simulated under any type's name.
         print(
-            f"coordinator on {coordinator.address}; simulating {accelerator}: {hosts} host(s), "
-            f"{processes} processes, {threads_each} threads each",
+            f"coordinator on {coordinator.address}; simulating {hosts} host(s), {processes} processes, "
+            f"{threads_each} threads each (TPU_ACCELERATOR_TYPE={accelerator})",
             file=out,
         )
         started = time.perf_counter()
-        children = [
-            subprocess.Popen(
-                [sys.executable, "-m", "pjrt_rendezvous.client._demo", "--worker"],
-                env=simulated_env(
-                    address=coordinator.address,
-                    accelerator=accelerator,
-                    task=task,
-                    processes=processes,
-                    hosts=hosts,
-                    threads=threads,
-                ),
-                stdout=subprocess.PIPE,
-                text=True,
+        deadline = started + timeout  # for the whole run, not for each process
+        children: list[subprocess.Popen] = []
+        try:
+            rows, errors = _run_children(
+                children, coordinator.address, processes, hosts, accelerator, threads, timeout, deadline
             )
-            for task in range(processes)
-        ]
-        rows, errors = [], []
-        for child in children:
-            try:
-                output, _ = child.communicate(timeout=max(1.0, timeout - (time.perf_counter() - started)))
-            except subprocess.TimeoutExpired:
-                child.kill()
-                output, _ = child.communicate()
-                errors.append(f"pid {child.pid} did not finish within {timeout:.0f} s")
-            for line in output.splitlines():
-                record = json.loads(line)
-                (errors.append(record["error"]) if "error" in record else rows.append(record))
-            if child.returncode and not errors:
-                errors.append(f"pid {child.pid} exited with {child.returncode}")
+        finally:  # (an interrupt, or stdout closed: no process is left behind)
+            for child in children:
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()
         elapsed = time.perf_counter() - started
+    return _report(rows, errors, elapsed, out)
 
+
+def _run_children(
+    children: list[subprocess.Popen], address: str, processes: int, hosts: int, accelerator: str,
+    threads: int | None, timeout: float, deadline: float,
+) -> tuple[list[dict], list[str]]:
+    """Starts the simulated processes (into ``children``) and collects what their threads
+    saw, and the errors."""
+    for task in range(processes):
+        env = simulated_env(
+            address=address, accelerator=accelerator, task=task, processes=processes, hosts=hosts, threads=threads
+        )
+        children.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "pjrt_rendezvous.client._demo", "--worker"], env=env, stdout=subprocess.PIPE, text=True
+            )
+        )
+    rows: list[dict] = []
+    errors: list[str] = []
+    for child in children:
+        try:
+            output, _ = child.communicate(timeout=max(0.0, deadline - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            output, _ = child.communicate()
+            errors.append(f"pid {child.pid} did not finish within {timeout:g} s")
+        for line in output.splitlines():
+            record = json.loads(line)
+            (errors.append(record["error"]) if "error" in record else rows.append(record))
+        if child.returncode and not errors:
+            errors.append(f"pid {child.pid} exited with {child.returncode}")
+    return rows, errors
+
+
+def _report(rows: list[dict], errors: list[str], elapsed: float, out: TextIO) -> int:
+    """Prints the table of what every thread saw; 0 when all of it is right."""
     rows.sort(key=lambda r: r["ordinal"])
     header = ("ordinal", "local", "task", "thread", "host", "pid", "'hello' (all)", "subset round", "check")
     table = [header]

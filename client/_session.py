@@ -47,14 +47,20 @@ from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
 from ._topology import host_port
 
+log = logging.getLogger("pjrt_rendezvous.client")
+
 _native = None  # the native path (_native.c): built when a C compiler was at hand
-if os.environ.get("PJRT_RENDEZVOUS_NATIVE", "").strip().lower() not in ("0", "false", "off", "no"):  # the Python path alone
+_switch = os.environ.get("PJRT_RENDEZVOUS_NATIVE", "").strip().lower()
+if _switch not in ("0", "false", "off", "no"):  # (those: the Python path alone)
+    if _switch not in ("", "1", "true", "on", "yes"):
+        log.warning(
+            "PJRT_RENDEZVOUS_NATIVE=%r is neither on (1, true, on, yes) nor off (0, false, off, no): "
+            "the native path is used where it is built", os.environ["PJRT_RENDEZVOUS_NATIVE"],
+        )
     try:
         from . import _native
     except ImportError:
         pass
-
-log = logging.getLogger("pjrt_rendezvous.client")
 
 _CODES = {status.value[0]: status for status in grpc.StatusCode}
 

@@ -352,8 +352,14 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "--threads", type=_positive, help="threads (cores) per process (default: by --accelerator, 2 on v3)"
     )
     demo.add_argument("--hosts", type=_positive, default=1, help="simulated TPU hosts (default 1)")
-    demo.add_argument("--accelerator", default="v3-8", help="TPU_ACCELERATOR_TYPE to simulate (default v3-8)")
-    demo.add_argument("--timeout", type=_positive_seconds, default=120.0, help="seconds before giving up (default 120)")
+    demo.add_argument(
+        "--accelerator", default="v3-8",
+        help="TPU_ACCELERATOR_TYPE the processes get (default v3-8): it sets their threads (cores per chip); the "
+        "shape is --hosts and --processes",
+    )
+    demo.add_argument(
+        "--timeout", type=_positive_seconds, default=120.0, help="seconds for the whole run before giving up (default 120)"
+    )
     return parser
 
 
@@ -797,6 +803,7 @@ def render_status(response, address: str) -> str:
     lines = [f"coordinator {address}: {_count(len(response.jobs), 'job')}"]
     for job in response.jobs:
         summary = summarize_job(job)
+        refused = {o for t in job.refused for o in t.ordinals}
         world = str(job.world_size) if job.world_size else "?"
         lines += [
             "",
@@ -830,7 +837,10 @@ def render_status(response, address: str) -> str:
                 missing = []
                 for m in r["missingByHost"]:
                     if m["host"] is None:
-                        missing.append(f"{m['ranges']} not registered")
+                        turned_away = [o for o in m["ordinals"] if o in refused]
+                        never = [o for o in m["ordinals"] if o not in refused]
+                        missing += [f"{format_ranges(turned_away)} refused (below)"] if turned_away else []
+                        missing += [f"{format_ranges(never)} not registered"] if never else []
                         continue
                     detail = [f"pid{'s' if len(m['pids']) != 1 else ''} {_pids(m['pids'], set(m['deadPids']), set(m['leftPids']))}"]
                     if m["lastSeenAge"] is not None:
@@ -840,6 +850,9 @@ def render_status(response, address: str) -> str:
                     [r["round"], r["group"], tag, f"{r['arrived']}/{r['expected']}", _age(r["ageSeconds"]), missing]
                 )
             lines += [""] + _table(["ROUND", "GROUP", "TAG", "ARRIVED", "AGE", "MISSING"], rows)
+        if job.refused:  # (why a job does not form: the serve log has a line for each too)
+            rows = [[str(t.task_id), format_ranges(t.ordinals) or "?", t.reason] for t in job.refused]
+            lines += [""] + _table(["REFUSED TASK", "ORDINALS", "WHY (its latest registration)"], rows)
     return "\n".join(lines) + "\n"
 
 
@@ -865,7 +878,7 @@ def _status(args, env: Mapping[str, str]) -> int:
     from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
     try:
-        if args.address:
+        if args.address is not None:  # ('' too: refused as for health, not taken for unset)
             address, address_source = args.address, "--address"
         elif env.get("PJRT_RENDEZVOUS_ADDRESS", "").strip():
             address, address_source = env["PJRT_RENDEZVOUS_ADDRESS"], "PJRT_RENDEZVOUS_ADDRESS"
@@ -901,6 +914,14 @@ def _status(args, env: Mapping[str, str]) -> int:
 
 
 def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    try:
+        return _main(argv, env)
+    except BrokenPipeError:  # stdout closed early (`status --json | head`): no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (nor at exit's flush)
+        return 1
+
+
+def _main(argv: list[str] | None, env: Mapping[str, str] | None) -> int:
     env = os.environ if env is None else env
     args = _parser(env).parse_args(argv)
     if args.command == "serve":

@@ -318,6 +318,8 @@ class JobView:
     pending_rounds: list[PendingRoundView]
     rounds_completed: int
     kv_keys: int
+    # Task id -> (its ordinals, why its latest registration was refused), while it has none.
+    refused: dict[int, tuple[list[int], str]] = dataclasses.field(default_factory=dict)
 
 
 class Contribution(NamedTuple):
@@ -2002,7 +2004,16 @@ class Core:
                     pending_rounds=pending,
                     rounds_completed=job.rounds_completed,
                     kv_keys=len(job.kv),
+                    refused={
+                        task: (self._ordinals_of_task(job, task), why) for task, why in sorted(job.refused.items())
+                    },
                 )
             )
         return views
+
+    @staticmethod
+    def _ordinals_of_task(job: Job, task: int) -> list[int]:
+        """The ordinals of ``task`` (none while the job does not know its devices per task)."""
+        n = job.devices_per_task
+        return list(range(task * n, (task + 1) * n)) if n and task * n < (job.world_size or 0) else []
 

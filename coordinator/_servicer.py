@@ -260,7 +260,16 @@ class Servicer(pb_grpc.CoordinatorServicer):
         version = self._core.version
         try:
             registered = self._register(request)
-        except Exception:
+        except Exception as exc:
+            if isinstance(exc, CoreError):  # (the operator's only word of it otherwise: status)
+                log.warning(
+                    "refused the registration of task %d (%s pid %d) in job %r: %s",
+                    request.task_id, request.host, request.pid, request.job, exc.message,
+                    extra={
+                        "event": "registration_refused", "job": request.job, "task": request.task_id,
+                        "host": request.host, "pid": request.pid, "code": exc.code.name, "reason": exc.message,
+                    },
+                )
             if self._core.version != version:  # refused after it started the job afresh
                 self._wake()
                 await self._persist()
@@ -657,6 +666,10 @@ class Servicer(pb_grpc.CoordinatorServicer):
                             missing_summary=r.missing_summary,
                         )
                         for r in v.pending_rounds
+                    ],
+                    refused=[
+                        pb.RefusedTask(task_id=task, ordinals=ordinals, reason=why)
+                        for task, (ordinals, why) in v.refused.items()
                     ],
                 )
                 for v in views

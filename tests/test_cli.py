@@ -215,10 +215,17 @@ def wait_until(predicate, timeout: float = 20, what: str = "condition"):
 
 
 def test_status_table_and_json_show_a_stuck_round():
-    """A round stuck on a silent process and an unregistered one: `status` names the tag,
-    4/8 arrived, the missing ordinals as ranges with their host and pid, and `--json` the same."""
+    """A round stuck on a silent process and a refused one: `status` names the tag, 4/8
+    arrived, the missing ordinals as ranges with their host and pid, the refused task and
+    why (the table said "not registered" only, and serve logged nothing), and `--json` the
+    same."""
     with Serve("--world-size", "8") as server:
         clients = [simulated_process(server.address, task, processes=4) for task in range(3)]
+        refused = simulated_process(server.address, 3, processes=5)  # a world of 10, not 8
+        with pytest.raises(pr.MismatchError):
+            refused.bind_thread(0)
+        refused.close()
+        server.wait_for_line(r"refused the registration of task 3 \(sim-host-3 pid \d+\) in job 'default': .*world size 8")
 
         def step(binding):
             binding.client.rendezvous(binding, "step", b"", timeout=60)
@@ -246,7 +253,9 @@ def test_status_table_and_json_show_a_stuck_round():
         (round_row,) = [line for line in text.splitlines() if "'step'" in line]
         assert re.match(r"^\s+0\s+all\s+'step'\s+4/8\s+\d+\.\d s\s+4-5 on sim-host-2 \(pid \d+, last seen \d+\.\d s ago\)$", round_row), text
         assert re.search(r"^\s+HOST\s+PROCESSES\s+PIDS\s+ORDINALS\s+LAST SEEN$", text, re.M), text
-        assert re.search(r"^\s+6-7 not registered$", text, re.M), text
+        assert re.search(r"^\s+6-7 refused \(below\)$", text, re.M), text
+        assert re.search(r"^\s+REFUSED TASK\s+ORDINALS\s+WHY \(its latest registration\)$", text, re.M), text
+        assert re.search(r"^\s+3\s+6-7\s+sim-host-3 pid \d+ was refused: .*world size 8", text, re.M), text
 
         as_json = run_cli("status", "--address", server.address, "--json")
         assert as_json.returncode == 0, as_json.stderr
@@ -260,7 +269,9 @@ def test_status_table_and_json_show_a_stuck_round():
         assert [(m["host"], m["ordinals"]) for m in pending["missingByHost"]] == [("sim-host-2", [4, 5]), (None, [6, 7])]
         assert pending["missingByHost"][0]["pids"] == [pid] and pending["missingByHost"][0]["lastSeenAge"] >= 0
         assert all(h["lastSeenAge"] >= 0 for h in job["hosts"])
-        assert "4-5 on sim-host-2" in pending["missingSummary"] and "6-7 never registered" in pending["missingSummary"]
+        assert "4-5 on sim-host-2" in pending["missingSummary"] and "6-7 not registered (sim-host-3 pid" in pending["missingSummary"]
+        ((refusal),) = job["refused"]
+        assert refusal["taskId"] == 3 and refusal["ordinals"] == [6, 7] and "world size 8" in refusal["reason"], refusal
         assert isinstance(job["participants"][0]["pid"], int)
 
         for client in clients:
@@ -1163,7 +1174,10 @@ def test_a_new_world_size_restarts_the_job_from_the_state_file_instead_of_refusi
 
 def test_bad_demo_serve_and_health_arguments_get_a_message_not_a_traceback(tmp_path):
     demo = run_cli("demo", "--accelerator", "v9-8", "--processes", "1")
-    assert demo.returncode == 2 and "--threads" in demo.stdout and "Traceback" not in demo.stderr, demo
+    assert demo.returncode == 2 and "--threads" in demo.stderr and "Traceback" not in demo.stderr, demo
+    for command in ("status", "health"):  # an empty address is refused, not taken for none (status dialled localhost)
+        empty = run_cli(command, "--address", "", "--timeout", "2")
+        assert empty.returncode == 1 and "--address must not be empty" in empty.stderr, empty
     for command in (["demo", "--timeout", "0"], ["health", "--timeout", "nan"], ["status", "--timeout", "-1"]):
         refused = run_cli(*command)
         assert refused.returncode == 2 and "must be a finite number of seconds > 0" in refused.stderr, refused
@@ -1186,6 +1200,8 @@ def test_demo_leaves_out_the_callers_client_settings(tls_files, monkeypatch):
     caller = {
         "PJRT_RENDEZVOUS_TLS_CA": str(tls_files / "server.pem"), "PJRT_RENDEZVOUS_TOKEN": "sekrit-123",
         "PJRT_RENDEZVOUS_TIMEOUT": "0", "PJRT_RENDEZVOUS_JOB": "train", "PJRT_RENDEZVOUS_NATIVE": "0",
+        # nor the caller's TPU shape (a TPU VM's): 2 chips per host made 4 threads a process
+        "TPU_CHIPS_PER_HOST_BOUNDS": "2,1,1", "CHIPS_PER_HOST_BOUNDS": "1,1,1", "WORKER_ID": "3",
     }
     demo = run_cli("demo", "--processes", "2", "--timeout", "30", env=caller, timeout=90)
     assert demo.returncode == 0, demo.stdout + demo.stderr
@@ -1193,6 +1209,18 @@ def test_demo_leaves_out_the_callers_client_settings(tls_files, monkeypatch):
         monkeypatch.setenv(name, value)
     env = simulated_env(address="127.0.0.1:1", accelerator="v3-8", task=0, processes=2, hosts=1, threads=None)
     assert {k for k in env if k.startswith("PJRT_RENDEZVOUS_")} == {"PJRT_RENDEZVOUS_ADDRESS", "PJRT_RENDEZVOUS_NATIVE"}
+    assert not {"TPU_CHIPS_PER_HOST_BOUNDS", "CHIPS_PER_HOST_BOUNDS", "WORKER_ID"} & set(env)
+    assert "4 ordinals, world size 4" in demo.stdout, demo.stdout
+
+
+def test_a_command_whose_output_is_cut_short_ends_without_a_traceback():
+    """`demo | head -1`, `status --json | head`: the reader goes, and the command ends with
+    exit code 1 and nothing on stderr (a BrokenPipeError traceback), its processes gone."""
+    demo = subprocess.Popen([*CLI, "demo", "--processes", "2"], env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert demo.stdout.readline().startswith(b"coordinator on ")
+    demo.stdout.close()  # before the table: the demo's processes are still starting
+    assert demo.wait(90) == 1
+    assert b"Traceback" not in demo.stderr.read()
 
 
 def test_a_state_file_that_cannot_be_written_stops_serve_instead_of_answering_from_memory(tmp_path):

@@ -71,6 +71,11 @@ def test_demo_runs_on_the_python_path_alone():
     probe = "from pjrt_rendezvous.client import _session, _wire; assert _session._native is _wire._native is None"
     for off in ("false", " Off"):  # (read as on once)
         subprocess.run([sys.executable, "-c", probe], env=dict(os.environ, PJRT_RENDEZVOUS_NATIVE=off), check=True, timeout=60)
+    unknown = subprocess.run(  # neither on nor off: said, not taken as on in silence
+        [sys.executable, "-c", "import pjrt_rendezvous.client"],
+        env=dict(os.environ, PJRT_RENDEZVOUS_NATIVE="disabled"), capture_output=True, text=True, timeout=60,
+    )
+    assert "PJRT_RENDEZVOUS_NATIVE='disabled' is neither on" in unknown.stderr, unknown.stderr
     env = dict(os.environ, PJRT_RENDEZVOUS_NATIVE="0")
     subprocess.run([sys.executable, "-c", probe], env=env, check=True, timeout=60)
     demo = subprocess.run(

@@ -513,8 +513,18 @@ class PendingRound(_message.Message):
     missing_summary: str
     def __init__(self, replicas: _Optional[_Iterable[int]] = ..., round: _Optional[int] = ..., tags: _Optional[_Iterable[_Union[TagGroup, _Mapping]]] = ..., arrived: _Optional[_Iterable[int]] = ..., missing: _Optional[_Iterable[int]] = ..., waiting_seconds: _Optional[float] = ..., missing_summary: _Optional[str] = ...) -> None: ...
 
+class RefusedTask(_message.Message):
+    __slots__ = ("task_id", "ordinals", "reason")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    ORDINALS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    task_id: int
+    ordinals: _containers.RepeatedScalarFieldContainer[int]
+    reason: str
+    def __init__(self, task_id: _Optional[int] = ..., ordinals: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class JobStatus(_message.Message):
-    __slots__ = ("job", "world_size", "registered", "generation", "participants", "pending_rounds", "rounds_completed", "kv_keys")
+    __slots__ = ("job", "world_size", "registered", "generation", "participants", "pending_rounds", "rounds_completed", "kv_keys", "refused")
     JOB_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
@@ -523,6 +533,7 @@ class JobStatus(_message.Message):
     PENDING_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
     KV_KEYS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     job: str
     world_size: int
     registered: int
@@ -531,7 +542,8 @@ class JobStatus(_message.Message):
     pending_rounds: _containers.RepeatedCompositeFieldContainer[PendingRound]
     rounds_completed: int
     kv_keys: int
-    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., registered: _Optional[int] = ..., generation: _Optional[int] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., pending_rounds: _Optional[_Iterable[_Union[PendingRound, _Mapping]]] = ..., rounds_completed: _Optional[int] = ..., kv_keys: _Optional[int] = ...) -> None: ...
+    refused: _containers.RepeatedCompositeFieldContainer[RefusedTask]
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., registered: _Optional[int] = ..., generation: _Optional[int] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., pending_rounds: _Optional[_Iterable[_Union[PendingRound, _Mapping]]] = ..., rounds_completed: _Optional[int] = ..., kv_keys: _Optional[int] = ..., refused: _Optional[_Iterable[_Union[RefusedTask, _Mapping]]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("jobs",)
