@@ -23,7 +23,7 @@ from pjrt_rendezvous.client._config import check_token, comment_hint, job_proble
 from pjrt_rendezvous.client._topology import host_port
 from pjrt_rendezvous.client._errors import UsageError
 
-from ._core import MIN_NAME_LENGTH, Limits
+from ._core import MIN_HEARTBEAT_TIMEOUT, MIN_NAME_LENGTH, Limits
 from ._monitor import DEFAULT_LATE_AFTER
 from ._server import DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_SESSION_PORT, listen_host
 
@@ -94,6 +94,16 @@ def _seconds(text: str) -> float | None:
         return parse_seconds(text)  # as the client reads its timeouts
     except UsageError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _heartbeat_seconds(text: str) -> float | None:
+    value = _seconds(text)
+    if value is not None and value < MIN_HEARTBEAT_TIMEOUT:
+        raise argparse.ArgumentTypeError(
+            f"must be at least {MIN_HEARTBEAT_TIMEOUT:g} s (or 'none'), got {text}: clients heartbeat at a "
+            "third of it, and shorter declares a process dead as it registers"
+        )
+    return value
 
 
 def _positive_seconds(text: str) -> float:
@@ -252,7 +262,7 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     option("--job", _job, "default", "the job --world-size applies to (default 'default')")
     option(
         "--heartbeat-timeout",
-        _seconds,
+        _heartbeat_seconds,
         DEFAULT_HEARTBEAT_TIMEOUT,
         f"declare a process dead after this many seconds without a heartbeat (default "
         f"{DEFAULT_HEARTBEAT_TIMEOUT:g}; 'none' disables)",
@@ -273,7 +283,7 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         _session_port,
         "auto",
         f"also serve clients' calls as length-prefixed messages on plain TCP on this port, "
-        f"cheaper than gRPC (default 'auto': {DEFAULT_SESSION_PORT}, or a free one with --port 0; "
+        f"cheaper than gRPC (default 'auto': {DEFAULT_SESSION_PORT} ({DEFAULT_SESSION_PORT + 1} when --port is {DEFAULT_SESSION_PORT}), or a free one with --port 0; "
         "0 picks a free one; 'off' none; none with TLS)",
     )
     option(
@@ -385,8 +395,8 @@ def session_port(args) -> int | None:
                 _source(args, "session_port"), args.session_port,
             )
         return None
-    if args.session_port == "auto":
-        return 0 if args.port == 0 else DEFAULT_SESSION_PORT
+    if args.session_port == "auto":  # (7483 when --port takes 7482)
+        return 0 if args.port == 0 else DEFAULT_SESSION_PORT + (args.port == DEFAULT_SESSION_PORT)
     return args.session_port
 
 
@@ -472,6 +482,11 @@ def _serve(args, env: Mapping[str, str]) -> int:
                 running.metrics_port, url=f"http://{address}/metrics",
             )
 
+    if args.job != "default" and args.world_size is None:  # (a variable clients share may set it: not refused)
+        logging.getLogger("pjrt_rendezvous.coordinator").warning(
+            "--job %r does nothing without --world-size: it only names the job whose world size that "
+            "fixes (clients choose their job themselves)", args.job,
+        )
     configured = False
     try:
         options = ServerOptions(

@@ -57,6 +57,7 @@ _REQUEST_IDS_KEPT = 100_000
 # in memory and in the state file; longer ones are refused, not kept.
 MAX_REQUEST_ID_LENGTH = 256
 _REPLACED_KEPT = 1024  # replaced incarnations remembered per job, for their late calls' errors
+MIN_HEARTBEAT_TIMEOUT = 1.0  # seconds
 _REFUSED_KEPT = 1024  # tasks whose registration was refused, remembered per job (Core.register)
 _OUTSIDER_CALLS_KEPT = 1024  # ordinals' calls from outside their replicas remembered per job (Core._replicas_group)
 _EVENTS_KEPT = 1000  # the latest events of a job (EventLog)
@@ -446,8 +447,11 @@ class Core:
     """All jobs of one coordinator. See the module docstring for the contract."""
 
     def __init__(self, limits: Limits | None = None, *, heartbeat_timeout: float | None = None) -> None:
-        if heartbeat_timeout is not None and not heartbeat_timeout > 0:
-            raise ValueError(f"heartbeat_timeout must be > 0 seconds or None, got {heartbeat_timeout!r}")
+        if heartbeat_timeout is not None and not heartbeat_timeout >= MIN_HEARTBEAT_TIMEOUT:
+            raise ValueError(
+                f"heartbeat_timeout must be at least {MIN_HEARTBEAT_TIMEOUT:g} s or None, got {heartbeat_timeout!r} "
+                "(clients heartbeat at a third of it: shorter, a process is declared dead as it registers)"
+            )
         self.limits = limits or Limits()
         self.heartbeat_timeout = heartbeat_timeout
         self.jobs: dict[str, Job] = {}

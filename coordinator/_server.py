@@ -175,6 +175,8 @@ class ServerOptions:
             raise ValueError("--tls-ca (mutual TLS) needs --tls-cert and --tls-key too")
         if self.session_port is not None and not 0 <= self.session_port <= 65535:
             raise ValueError(f"session port must be in [0, 65535], got {self.session_port}")
+        if self.session_port and self.session_port == self.port:
+            raise ValueError(f"the session port and the gRPC port are both {self.port}: give them two ports")
         if self.session_port and self.tls_cert is not None:
             raise ValueError("the session port is plain TCP: with TLS, leave it out (clients use gRPC's stream)")
         if self.token is not None and not self.token.strip():

@@ -1175,6 +1175,14 @@ def test_a_new_world_size_restarts_the_job_from_the_state_file_instead_of_refusi
 def test_bad_demo_serve_and_health_arguments_get_a_message_not_a_traceback(tmp_path):
     demo = run_cli("demo", "--accelerator", "v9-8", "--processes", "1")
     assert demo.returncode == 2 and "--threads" in demo.stderr and "Traceback" not in demo.stderr, demo
+    same = run_cli("serve", "--port", "24871", "--session-port", "24871")  # (was "address already in use")
+    assert same.returncode == 2 and "the session port and the gRPC port are both 24871" in same.stderr, same
+    default_port = argparse.Namespace(tls_cert=None, session_port="auto", port=7482)
+    assert _cli.session_port(default_port) == 7483  # (auto took 7482 as well)
+    short = run_cli("serve", "--port", "0", "--heartbeat-timeout", "0.001")  # (declared every process dead)
+    assert short.returncode == 2 and "--heartbeat-timeout: must be at least 1 s" in short.stderr, short
+    with Serve("--job", "train") as server:  # no --world-size: the job is named for nothing
+        server.wait_for_line(r"--job 'train' does nothing without --world-size")
     for command in ("status", "health"):  # an empty address is refused, not taken for none (status dialled localhost)
         empty = run_cli(command, "--address", "", "--timeout", "2")
         assert empty.returncode == 1 and "--address must not be empty" in empty.stderr, empty
