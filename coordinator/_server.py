@@ -124,7 +124,7 @@ class ServerOptions:
         host, port: where to listen (port 0 picks a free one).
         world_size, job: fix ``job``'s world size up front.
         limits: size and count limits.
-        heartbeat_timeout: a process silent this long is declared dead; None never.
+        heartbeat_timeout: a process silent this long is declared dead (at least 1 s); None never.
         state_file: keep ranks, job config, finished rounds and keys here across restarts.
         token: shared secret every call must carry (``authorization: Bearer <token>``);
             health Checks are exempt so probes work (not health Watch streams).
