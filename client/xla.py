@@ -350,7 +350,10 @@ def _refuse_unbound(what: str) -> None:
     """In a process of several device threads (``spawn``), torch_xla's own rendezvous is an
     XLA all-gather over every device of the process: from a thread bound to none (a helper
     thread) it waits for the device threads' part, which never comes, until XLA aborts the
-    process."""
+    process. Elsewhere it runs, and with a process client of a larger world in use it says
+    once that this is the XLA runtime's world, not the job's (in a CPU simulation, the
+    process alone: a silent world of one)."""
+    global _told_unbound
     if _device_threads > 1:
         raise UsageError(
             f"{what} in thread {threading.current_thread().name!r}, bound to no device, in a process "
@@ -358,6 +361,18 @@ def _refuse_unbound(what: str) -> None:
             "thread and never complete; make the call in a replica's thread (the one spawn() runs "
             "fn in)"
         )
+    client = _api._client
+    if not _told_unbound and client is not None and not client._closed and client.topology.world_size > 1:
+        _told_unbound = True
+        log.warning(
+            "%s in thread %r, bound to no ordinal: torch_xla's own runs, over the XLA runtime's world, "
+            "not through the coordinator over job %r's %d ordinals; bind the thread (bind_thread, "
+            "bind_device) for the job's (said once per process)",
+            what, threading.current_thread().name, client.settings.job, client.topology.world_size,
+        )
+
+
+_told_unbound = False
 
 
 def _mesh_reduce(tag: str, data: Any, reduce_fn: Callable[[list], Any]) -> Any:

@@ -3,6 +3,7 @@ processes x threads, broadcast_master_params, data-parallel training between thr
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import pickle
@@ -531,6 +532,24 @@ def test_unbound_thread_falls_back(xm, monkeypatch, no_process_client):
         xm.xrt_world_size()
     # torch_xla's own rendezvous (it starts the runtime: last here) takes replicas=None too.
     assert xm.rendezvous("unbound", b"x", None) == [b"x"]
+
+
+@pytest.mark.xla
+def test_an_unbound_xm_rendezvous_beside_a_larger_job_says_so_once(xm, monkeypatch, no_process_client, caplog):
+    """With a process client of a world of 2 in use, an unbound thread's xm.rendezvous is
+    torch_xla's own, over the runtime's world (here this process alone): it answered as a
+    world of one in silence; now it says so, once per process."""
+    monkeypatch.setattr(xla, "_told_unbound", False)
+    xla.install()
+    monkeypatch.setenv("PJRT_RENDEZVOUS_NUM_TASKS", "2")
+    monkeypatch.setenv("PJRT_RENDEZVOUS_TASK_ID", "0")
+    pr.init(address="127.0.0.1:1")  # (connects at its first call: none here)
+    with caplog.at_level(logging.WARNING, logger="pjrt_rendezvous.client"):
+        assert xm.rendezvous("unbound", b"x") == [b"x"]
+        assert xm.mesh_reduce("unbound", 1, sum) == 1
+    told = [r.getMessage() for r in caplog.records if "bound to no ordinal" in r.getMessage()]
+    assert len(told) == 1 and told[0].startswith("xm.rendezvous() in thread 'MainThread', bound to no ordinal"), told
+    assert "job 'default''s 2 ordinals" in told[0]
 
 
 # --- spawn: 2 processes x 2 threads --------------------------------------------------------------
