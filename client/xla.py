@@ -38,6 +38,9 @@ reduce_fn)``                   ``torch.load`` (as torch_xla),
                                ``reduce_fn`` -- torch_xla's contract
 =============================  ==============================================  ==========================
 
+An unbound thread's ``rendezvous`` or ``mesh_reduce`` beside a process client of a larger world
+logs a warning the first time: torch_xla's own spans the XLA runtime's world, not the job's.
+
 Functions that ``xm`` calls internally (``xm.save``, ``xm.master_print``) look these names up at
 call time and so use the replacements too; ``xm.do_on_ordinals`` chooses by the runtime's
 ``global_ordinal()`` instead (below). ``xla_device()`` also makes the device the thread's
