@@ -84,6 +84,13 @@ def parse_size(text: str) -> tuple[int, int]:
     return P, T
 
 
+def _payload(text: str) -> int:
+    size = int(text)
+    if size < 16:  # (the check of every round's results reads its ordinal and round there)
+        raise argparse.ArgumentTypeError(f"--payload must be at least 16 bytes, got {size}")
+    return size
+
+
 def available_systems(wanted) -> tuple[list[str], dict[str, str]]:
     """The systems whose libraries import here; the others with the reason."""
     ok, skipped = [], {}
@@ -548,7 +555,9 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=2, help="repetitions per system and size (order alternates)")
     parser.add_argument("--systems", default=",".join((*ALL_SYSTEMS, STATE_FILE)))
     parser.add_argument("--workloads", default="barrier,allgather,kv")
-    parser.add_argument("--payload", type=int, default=1024, help="all-gather bytes per participant")
+    parser.add_argument(
+        "--payload", type=_payload, default=1024, help="all-gather bytes per participant (at least 16: ordinal and round)"
+    )
     parser.add_argument("--budget", type=float, default=90.0, help="seconds one session may take")
     parser.add_argument(
         "--scale", default="8x8,64x8,512x8", help="scale run sizes (simulated processes x threads); 'none' skips"

@@ -24,7 +24,7 @@ from typing import TextIO
 # fail or wait for nothing. The native module's switch stays (it changes no outcome).
 _SCRUBBED = (
     "CLOUD_TPU_TASK_ID", "TPU_PROCESS_BOUNDS", "TPU_CHIPS_PER_PROCESS_BOUNDS", "TPU_CHIPS_PER_HOST_BOUNDS",
-    "CHIPS_PER_HOST_BOUNDS", "ACCELERATOR_TYPE", "WORKER_ID",
+    "CHIPS_PER_HOST_BOUNDS",
 )
 _SCRUBBED_PREFIX = "PJRT_RENDEZVOUS_"
 _KEPT = ("PJRT_RENDEZVOUS_NATIVE",)
@@ -151,6 +151,7 @@ def run_demo(
             f"coordinator on {coordinator.address}; simulating {hosts} host(s), {processes} processes, "
             f"{threads_each} threads each (TPU_ACCELERATOR_TYPE={accelerator})",
             file=out,
+            flush=True,  # (seen while the processes run, through a pipe too)
         )
         started = time.perf_counter()
         deadline = started + timeout  # for the whole run, not for each process
@@ -159,7 +160,7 @@ def run_demo(
             rows, errors = _run_children(
                 children, coordinator.address, processes, hosts, accelerator, threads, timeout, deadline
             )
-        finally:  # (an interrupt, or stdout closed: no process is left behind)
+        finally:  # (an interrupt: no process is left behind)
             for child in children:
                 if child.poll() is None:
                     child.kill()

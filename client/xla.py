@@ -923,17 +923,7 @@ def _child_main(task: int, nprocs: int, env: dict, payload: bytes, reports) -> N
                     if exc.code not in (None, 0):
                         raise
                     result = None  # a clean exit, as a process per device's sys.exit(0) was
-                try:
-                    blob = _pickled_result(result, torch_xla._XLAC)
-                except Exception as exc:  # noqa: BLE001
-                    # xmp.spawn returns nothing: a replica may return anything there, and its
-                    # finished run is not failed for a value only this spawn hands back.
-                    log.warning(
-                        "spawn(): the return value of ordinal %d (%s) cannot be pickled (%s): "
-                        "its result is None", ordinal, type(result).__name__, exc,
-                    )
-                    del result
-                    blob = _pickled_result(None, torch_xla._XLAC)
+                blob = _pickled_result(result, torch_xla._XLAC, ordinal)
             put("result", ordinal, blob)
         except BaseException as exc:  # noqa: BLE001 -- every failure goes to the parent
             put("error", ordinal, _pickled_error(exc), traceback.format_exc())
@@ -955,12 +945,15 @@ def _child_main(task: int, nprocs: int, env: dict, payload: bytes, reports) -> N
     _api.shutdown()
 
 
-def _pickled_result(result: Any, xlac: Any) -> bytes:
+def _pickled_result(result: Any, xlac: Any, ordinal: int) -> bytes:
     """``result`` pickled with its XLA tensors as CPU tensors (the calling process has no XLA
     runtime), all synced at once under the step lock: a tensor with a pending collective,
     pickled as it is, compiles in each thread apart. The rest is pickled as it is, once
     (tuples stay tuples, unlike ``xm._maybe_convert_to_cpu``; a tensor an object's
-    ``__reduce__`` makes is met like any other); an ``nn.Parameter`` stays one."""
+    ``__reduce__`` makes is met like any other); an ``nn.Parameter`` stays one. A result that
+    cannot be pickled is None, with a warning: ``xmp.spawn`` returns nothing, so a replica may
+    return anything there, and a finished run is not failed for a value only this spawn hands
+    back (a failure of the result's computation, in the sync below, still fails it)."""
     import torch
 
     tensors: list[Any] = []  # the XLA tensors met, kept alive: their ids stay theirs
@@ -976,7 +969,14 @@ def _pickled_result(result: Any, xlac: Any) -> bytes:
             return indexes[id(obj)]
 
     buffer = io.BytesIO()
-    Pickler(buffer, pickle.DEFAULT_PROTOCOL).dump(result)
+    try:
+        Pickler(buffer, pickle.DEFAULT_PROTOCOL).dump(result)
+    except Exception as exc:  # noqa: BLE001 -- whatever its own __reduce__ raises
+        log.warning(
+            "spawn(): the return value of ordinal %d (%s) cannot be pickled (%s): its result is None",
+            ordinal, type(result).__name__, exc,
+        )
+        return pickle.dumps(None)
     if not tensors:
         return buffer.getvalue()
     xlac._xla_sync_multi(tensors, [], wait=True, sync_xla_data=False)  # the locked one (install)

@@ -386,8 +386,8 @@ def _version() -> str:
 
 
 def session_port(args) -> int | None:
-    """The session port ``serve`` opens: none with TLS; "auto" is 7482, or a free one
-    when the gRPC port is a free one too (tests, benchmarks)."""
+    """The session port ``serve`` opens: none with TLS; "auto" is 7482 (7483 when the gRPC
+    port is 7482), or a free one when the gRPC port is a free one too (tests, benchmarks)."""
     if args.tls_cert:
         if args.session_port not in ("auto", None):
             logging.getLogger("pjrt_rendezvous.coordinator").warning(
@@ -484,8 +484,8 @@ def _serve(args, env: Mapping[str, str]) -> int:
 
     if args.job != "default" and args.world_size is None:  # (a variable clients share may set it: not refused)
         logging.getLogger("pjrt_rendezvous.coordinator").warning(
-            "--job %r does nothing without --world-size: it only names the job whose world size that "
-            "fixes (clients choose their job themselves)", args.job,
+            "%s %r does nothing without %s: it only names the job whose world size that fixes "
+            "(clients choose their job themselves)", _source(args, "job"), args.job, _source(args, "world_size"),
         )
     configured = False
     try:
@@ -515,7 +515,7 @@ def _serve(args, env: Mapping[str, str]) -> int:
             why = re.sub(r"--[a-z]+(?:-[a-z]+)*", lambda flag: _source(args, flag[0][2:].replace("-", "_")), why)
         if isinstance(exc, OSError) and "the session port" in why and args.session_port == "auto":
             why += (
-                f" (by default, 'auto', the session port is {DEFAULT_SESSION_PORT} whatever --port is: "
+                f" (by default, 'auto', the session port is {session_port(args)} with this --port: "
                 "name another with --session-port PORT, 0 for a free one, or off)"
             )
         _failed(args.log_format, f"pjrt-rendezvous serve: {why}")
@@ -930,7 +930,9 @@ def _status(args, env: Mapping[str, str]) -> int:
 
 def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     try:
-        return _main(argv, env)
+        code = _main(argv, env)
+        sys.stdout.flush()  # (here, not at exit: what is left of the output fails too)
+        return code
     except BrokenPipeError:  # stdout closed early (`status --json | head`): no traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (nor at exit's flush)
         return 1

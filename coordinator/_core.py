@@ -2008,8 +2008,10 @@ class Core:
                     pending_rounds=pending,
                     rounds_completed=job.rounds_completed,
                     kv_keys=len(job.kv),
-                    refused={
-                        task: (self._ordinals_of_task(job, task), why) for task, why in sorted(job.refused.items())
+                    refused={  # (not a task another process holds: a duplicate refused beside it)
+                        task: (self._ordinals_of_task(job, task), why)
+                        for task, why in sorted(job.refused.items())
+                        if task not in job.tasks
                     },
                 )
             )

@@ -264,10 +264,10 @@ class Servicer(pb_grpc.CoordinatorServicer):
             if isinstance(exc, CoreError):  # (the operator's only word of it otherwise: status)
                 log.warning(
                     "refused the registration of task %d (%s pid %d) in job %r: %s",
-                    request.task_id, request.host, request.pid, request.job, exc.message,
+                    request.task_id, request.host[:100], request.pid, request.job[:100], exc.message,
                     extra={
-                        "event": "registration_refused", "job": request.job, "task": request.task_id,
-                        "host": request.host, "pid": request.pid, "code": exc.code.name, "reason": exc.message,
+                        "event": "registration_refused", "job": request.job[:100], "task": request.task_id,
+                        "host": request.host[:100], "pid": request.pid, "code": exc.code.name, "reason": exc.message,
                     },
                 )
             if self._core.version != version:  # refused after it started the job afresh

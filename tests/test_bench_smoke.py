@@ -115,7 +115,8 @@ def test_every_table_is_complete_and_well_formed(smoke):
 
 
 def test_each_workload_has_a_row_per_size_and_a_cell_per_system(smoke):
-    """The workload tables cover the smoke size; ours is measured, a peer is measured or says why."""
+    """The workload tables cover the smoke size; ours and every installed peer are measured
+    (an absent peer says why), and the ratios are numbers when a peer is installed."""
     systems, text, _ = smoke
     tables = _tables(text)
     for title in ("Barrier", "Rendezvous with 1 KiB", "Key-value", "World formation"):

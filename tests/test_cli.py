@@ -1119,7 +1119,7 @@ def test_a_busy_default_session_port_is_named_with_what_to_do():
             port = probe.getsockname()[1]
         busy = run_cli("serve", "--port", str(port))
     assert busy.returncode == 1, busy.stderr
-    assert "the session port is 7482 whatever --port is" in busy.stderr and "--session-port PORT" in busy.stderr, busy.stderr
+    assert "the session port is 7482 with this --port" in busy.stderr and "--session-port PORT" in busy.stderr, busy.stderr
 
 
 def test_serve_refuses_a_busy_session_port_and_an_endless_grace_with_a_message():
@@ -1208,8 +1208,8 @@ def test_demo_leaves_out_the_callers_client_settings(tls_files, monkeypatch):
     caller = {
         "PJRT_RENDEZVOUS_TLS_CA": str(tls_files / "server.pem"), "PJRT_RENDEZVOUS_TOKEN": "sekrit-123",
         "PJRT_RENDEZVOUS_TIMEOUT": "0", "PJRT_RENDEZVOUS_JOB": "train", "PJRT_RENDEZVOUS_NATIVE": "0",
-        # nor the caller's TPU shape (a TPU VM's): 2 chips per host made 4 threads a process
-        "TPU_CHIPS_PER_HOST_BOUNDS": "2,1,1", "CHIPS_PER_HOST_BOUNDS": "1,1,1", "WORKER_ID": "3",
+        # nor the caller's TPU shape (a TPU VM's): 4 chips per host made 2 a process, 4 threads each
+        "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1",
     }
     demo = run_cli("demo", "--processes", "2", "--timeout", "30", env=caller, timeout=90)
     assert demo.returncode == 0, demo.stdout + demo.stderr
@@ -1217,14 +1217,19 @@ def test_demo_leaves_out_the_callers_client_settings(tls_files, monkeypatch):
         monkeypatch.setenv(name, value)
     env = simulated_env(address="127.0.0.1:1", accelerator="v3-8", task=0, processes=2, hosts=1, threads=None)
     assert {k for k in env if k.startswith("PJRT_RENDEZVOUS_")} == {"PJRT_RENDEZVOUS_ADDRESS", "PJRT_RENDEZVOUS_NATIVE"}
-    assert not {"TPU_CHIPS_PER_HOST_BOUNDS", "CHIPS_PER_HOST_BOUNDS", "WORKER_ID"} & set(env)
-    assert "4 ordinals, world size 4" in demo.stdout, demo.stdout
+    monkeypatch.setenv("CHIPS_PER_HOST_BOUNDS", "1,1,1")  # (its other name: every process failed)
+    env = simulated_env(address="127.0.0.1:1", accelerator="v3-8", task=0, processes=2, hosts=1, threads=None)
+    assert not {"TPU_CHIPS_PER_HOST_BOUNDS", "CHIPS_PER_HOST_BOUNDS"} & set(env)
+    assert "4 ordinals, world size 4" in demo.stdout, demo.stdout  # (8: 4 threads a process)
 
 
 def test_a_command_whose_output_is_cut_short_ends_without_a_traceback():
     """`demo | head -1`, `status --json | head`: the reader goes, and the command ends with
-    exit code 1 and nothing on stderr (a BrokenPipeError traceback), its processes gone."""
-    demo = subprocess.Popen([*CLI, "demo", "--processes", "2"], env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    exit code 1 and nothing on stderr (a BrokenPipeError traceback). Its output buffered, as
+    through a pipe unless PYTHONUNBUFFERED is set: the header is flushed, the rest fails at
+    the last flush."""
+    env = {k: v for k, v in clean_env().items() if k != "PYTHONUNBUFFERED"}
+    demo = subprocess.Popen([*CLI, "demo", "--processes", "2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert demo.stdout.readline().startswith(b"coordinator on ")
     demo.stdout.close()  # before the table: the demo's processes are still starting
     assert demo.wait(90) == 1

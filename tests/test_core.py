@@ -312,7 +312,9 @@ def test_another_incarnation_claiming_a_registered_task_already_exists():
     with raises(Code.ALREADY_EXISTS, "ordinals 2-3", "task 1", "host-0 pid 1001", "host-1 pid 2002") as caught:
         pod.register(1, incarnation="intruder", host="host-1", pid=2002)
     assert "CLOUD_TPU_TASK_ID" in caught.error.message
-    assert pod.core.status(0.0, JOB)[0].participants[0].pid == 1001
+    (view,) = pod.core.status(0.0, JOB)
+    assert view.participants[0].pid == 1001
+    assert view.refused == {}  # (a task its holder keeps is not shown as refused)
 
 
 def test_an_incarnation_cannot_switch_tasks():
@@ -638,6 +640,8 @@ def test_a_wait_for_the_ordinals_of_a_refused_registration_says_why_they_are_mis
     pod.arrive([4, 5], deadline=40.0)
     pod.core.expire(40.0)
     assert "missing ordinals 2-3 (2-3 not registered (host-0 pid 1001 was refused: job 'job' has world size 6" in pod.error(key).message
+    ((ordinals, why),) = pod.core.status(40.0, JOB)[0].refused.values()  # (status lists it too)
+    assert ordinals == [2, 3] and why.startswith("host-0 pid 1001 was refused: job 'job' has world size 6")
     pod.register(1, now=41.0)  # mended: nothing is left of the refusal
     assert not pod.core.jobs[JOB].refused
 
