@@ -482,10 +482,11 @@ def _serve(args, env: Mapping[str, str]) -> int:
                 running.metrics_port, url=f"http://{address}/metrics",
             )
 
-    if args.job != "default" and args.world_size is None:  # (a variable clients share may set it: not refused)
+    if args.job != "default" and args.world_size is None and "job" not in args.sources:
+        # (the flag only: PJRT_RENDEZVOUS_JOB may be there for clients, in an environment shared)
         logging.getLogger("pjrt_rendezvous.coordinator").warning(
-            "%s %r does nothing without %s: it only names the job whose world size that fixes "
-            "(clients choose their job themselves)", _source(args, "job"), args.job, _source(args, "world_size"),
+            "--job %r does nothing without %s: it only names the job whose world size that fixes "
+            "(clients choose their job themselves)", args.job, _source(args, "world_size"),
         )
     configured = False
     try:
