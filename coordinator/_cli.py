@@ -482,7 +482,7 @@ def _serve(args, env: Mapping[str, str]) -> int:
                 running.metrics_port, url=f"http://{address}/metrics",
             )
 
-    if args.job != "default" and args.world_size is None and "job" not in args.sources:
+    if args.job != "default" and args.world_size is None and args.sources.get("job") == "--job":
         # (the flag only: PJRT_RENDEZVOUS_JOB may be there for clients, in an environment shared)
         logging.getLogger("pjrt_rendezvous.coordinator").warning(
             "--job %r does nothing without %s: it only names the job whose world size that fixes "
