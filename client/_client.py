@@ -233,8 +233,12 @@ def _check_call(tag, replicas) -> list[int]:
             replicas = [operator.index(r) for r in replicas]
         except TypeError:
             raise TypeError(f"replicas must be ints, got {replicas!r}") from None
-    if replicas and not -(2**31) <= min(replicas) <= max(replicas) < 2**31:  # (other ordinals: the coordinator's to refuse)
-        raise UsageError(f"replicas must be 32-bit ints, got {replicas!r}")
+    if replicas and not -(2**31) <= min(replicas) <= max(replicas) < 2**31:
+        # Out of range of any world (ordinals are 32-bit on the wire): sent as the nearest
+        # 32-bit value, still out of range, so the coordinator fails the round for every member
+        # as for any ordinal out of range (refused here, the call failed in its thread alone,
+        # and its peers waited out their timeout, one round out of step after it).
+        replicas = [min(max(r, -(2**31)), 2**31 - 1) for r in replicas]
     return replicas
 
 
