@@ -163,6 +163,8 @@ class Binding:
     local_ordinal: int
     world_size: int
     device_index: int
+    # The bound thread: once it has ended, another thread may take its index (bind_thread).
+    _thread: threading.Thread | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __enter__(self) -> "Binding":
         return self
@@ -197,13 +199,13 @@ def xm_binding(what: str) -> Binding | None:
     return binding
 
 
-def _payload_bytes(payload) -> bytes:
+def _payload_bytes(payload, what: str = "payload") -> bytes:
     # torch_xla's xm.rendezvous raises TypeError for str payloads; so do we.
     if isinstance(payload, bytes):
         return payload
     if isinstance(payload, (bytearray, memoryview)):
         return bytes(payload)
-    raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
+    raise TypeError(f"{what} must be bytes, got {type(payload).__name__}")
 
 
 def _text(value, what: str) -> str:
@@ -895,8 +897,12 @@ class Client:
             DuplicateOrdinalError: another process holds the ordinal.
             MismatchError: world size or runtime ordinal disagrees with the job.
         """
-        if not isinstance(thread_index, int) or isinstance(thread_index, bool):
-            raise UsageError(f"thread_index must be an int, got {thread_index!r}")
+        try:
+            if isinstance(thread_index, bool):
+                raise TypeError
+            thread_index = operator.index(thread_index)  # (numpy's ints too, as for replicas)
+        except TypeError:
+            raise TypeError(f"thread_index must be an int, got {thread_index!r}") from None
         if _forked:
             self._refuse_if_inherited("bind_thread")
         self.topology.ordinal(thread_index)  # validates the range with a clear message
@@ -911,6 +917,11 @@ class Client:
         with self._lock:
             if self._closed:
                 raise UsageError(_CLOSED)
+            held = self._bindings.get(thread_index)
+            if held is not None and held._thread is not None and not held._thread.is_alive():
+                # Its thread ended bound (no `with`, no unbind_thread): nothing can use it now.
+                del self._bindings[thread_index]
+                self._local = None
             if thread_index in self._bindings:
                 raise UsageError(
                     f"thread index {thread_index} is already bound by another thread of this "
@@ -955,6 +966,7 @@ class Client:
             local_ordinal=assignment.local_ordinal,
             world_size=response.world_size,
             device_index=thread_index,
+            _thread=threading.current_thread(),
         )
         with self._lock:
             self._bindings[thread_index] = binding
@@ -1309,7 +1321,7 @@ class Client:
         keys = _key_list(keys, text=True)
         if len(keys) != len(values):
             raise UsageError(f"multi_set got {len(keys)} keys but {len(values)} values")
-        entries = [pb.KvEntry(key=k, value=_payload_bytes(v)) for k, v in zip(keys, values)]
+        entries = [pb.KvEntry(key=k, value=_payload_bytes(v, "value")) for k, v in zip(keys, values)]
         self._kv("KvSet", pb.KvSetRequest(job=self.settings.job, entries=entries))
 
     def get(self, key: str, *, wait: bool = True, timeout=DEFAULT) -> bytes | None:
@@ -1361,8 +1373,8 @@ class Client:
         request = pb.KvCompareSetRequest(
             job=self.settings.job,
             key=_text(key, "key"),
-            expected=_payload_bytes(expected),
-            desired=_payload_bytes(desired),
+            expected=_payload_bytes(expected, "expected"),
+            desired=_payload_bytes(desired, "desired"),
             request_id=uuid.uuid4().hex,
         )
         return self._kv("KvCompareSet", request).value
@@ -1370,7 +1382,7 @@ class Client:
     def append(self, key: str, value: bytes) -> None:
         """Appends ``value`` to ``key`` (creating it). Applied once even when retried."""
         request = pb.KvAppendRequest(
-            job=self.settings.job, key=_text(key, "key"), value=_payload_bytes(value), request_id=uuid.uuid4().hex
+            job=self.settings.job, key=_text(key, "key"), value=_payload_bytes(value, "value"), request_id=uuid.uuid4().hex
         )
         self._kv("KvAppend", request)
 

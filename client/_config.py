@@ -123,7 +123,7 @@ def check_timeout(value: Any, what: str = "timeout") -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise UsageError(f"{what} must be a number of seconds or None, got {value!r}")
+        raise TypeError(f"{what} must be a number of seconds or None, got {value!r}")
     if not value > 0:  # NaN too
         raise UsageError(f"{what} must be > 0 seconds (None waits forever), got {value!r}")
     return None if value >= LONGEST_TIMEOUT else float(value)

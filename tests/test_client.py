@@ -102,6 +102,8 @@ def test_key_value_calls_refuse_what_the_wire_cannot_carry_by_name(client):
         (lambda: client.list("\udcff"), pr.UsageError, "prefix '\\udcff' is not valid text"),
         (lambda: client.count(3), TypeError, "prefix must be str"),
         (lambda: client.status(job=5), TypeError, "job must be str"),
+        (lambda: client.set("k", "text"), TypeError, "value must be bytes, got str"),  # (said "payload")
+        (lambda: client.compare_set("k", b"", "text"), TypeError, "desired must be bytes, got str"),
     ]
     for call, error, words in refused:
         with pytest.raises(error, match=re.escape(words)):
@@ -147,10 +149,47 @@ def test_bad_arguments_are_refused_locally(client, coordinator):
             client.rendezvous(binding, "t", b"", timeout=0)
         with pytest.raises(pr.UsageError, match="already bound"):
             client.bind_thread(0)
+        # The wrong type is a TypeError, as the README says (they were UsageErrors).
+        with pytest.raises(TypeError, match="timeout must be a number of seconds or None, got '5'"):
+            client.rendezvous(binding, "t", b"", timeout="5")
+        with pytest.raises(TypeError, match="thread_index must be an int, got '0'"):
+            client.bind_thread("0")
     finally:
         client.unbind_thread()
+    numpy = pytest.importorskip("numpy")
+    with client.bind_thread(numpy.int64(0)) as binding:  # numpy's ints, as for replicas
+        assert binding.thread_index == 0 and type(binding.thread_index) is int
     with pytest.raises(pr.UsageError, match="unknown setting"):
         Settings.resolve({}, address="x:1", colour="blue")
+
+
+def test_an_index_whose_thread_ended_bound_can_be_bound_again(coordinator):
+    """A thread that binds (no `with`, no unbind) and ends: another thread takes its index,
+    with the same ordinal (it was "already bound by another thread" for the client's life);
+    a live holder still refuses it."""
+    client = make_client(coordinator.address, devices=2, timeout=10)
+    try:
+        first = threading.Thread(target=client.bind_thread, args=(1,))
+        first.start()
+        first.join(10)
+        holder_ready, release = threading.Event(), threading.Event()
+
+        def holder():
+            with client.bind_thread(0):
+                holder_ready.set()
+                release.wait(10)
+
+        live = threading.Thread(target=holder)
+        live.start()
+        holder_ready.wait(10)
+        with pytest.raises(pr.UsageError, match="thread index 0 is already bound by another thread"):
+            client.bind_thread(0)
+        with client.bind_thread(1) as again:
+            assert again.ordinal == 1
+        release.set()
+        live.join(10)
+    finally:
+        client.close()
 
 
 def test_world_of_one_binding_returns_own_payload(client):
