@@ -1330,7 +1330,7 @@ class Client:
         return self.multi_get([key], wait=wait, timeout=timeout)[0]
 
     def multi_get(self, keys: Sequence[str], *, wait: bool = True, timeout=DEFAULT) -> list[bytes | None]:
-        deadline = self._deadline(timeout) if wait else None
+        deadline = self._deadline(timeout)  # (checked, and bounding the call, without wait too)
         if wait and self not in _store_ids:
             # A client's first call that waits learns the job's store first (once): a wait
             # through a restart that lost the keys would otherwise wait for nothing. (Retried
@@ -1341,7 +1341,7 @@ class Client:
             if all(v is not None for v in values):
                 return values
         request = pb.KvGetRequest(job=self.settings.job, keys=_key_list(keys, text=True), wait=wait)
-        if deadline is not None:
+        if deadline is not None and wait:
             request.timeout = max(1e-3, deadline - time.monotonic())
         response = self._kv("KvGet", request, deadline, waits=wait)
         return [v.value if v.found else None for v in response.values]

@@ -159,7 +159,7 @@ def job_problem(job) -> str | None:
         return "is empty"
     if job != job.strip():  # one host's stray space would make it a job of its own
         return "has spaces at an end"
-    if any(c < " " or c == "\x7f" for c in job):  # (the coordinator refuses them too)
+    if any(c < " " or "\x7f" <= c <= "\x9f" or c in "\u2028\u2029" for c in job):  # (as the coordinator's _control)
         return "holds a control character"
     return None
 

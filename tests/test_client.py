@@ -102,6 +102,7 @@ def test_key_value_calls_refuse_what_the_wire_cannot_carry_by_name(client):
         (lambda: client.list("\udcff"), pr.UsageError, "prefix '\\udcff' is not valid text"),
         (lambda: client.count(3), TypeError, "prefix must be str"),
         (lambda: client.status(job=5), TypeError, "job must be str"),
+        (lambda: client.get("k", wait=False, timeout="x"), TypeError, "timeout must be a number"),  # (not read)
         (lambda: client.set("k", "text"), TypeError, "value must be bytes, got str"),  # (said "payload")
         (lambda: client.compare_set("k", b"", "text"), TypeError, "desired must be bytes, got str"),
     ]
@@ -406,8 +407,9 @@ def test_settings_read_variables_as_written_by_hand():
         Settings(address="127.0.0.1:1", batch_window=True)
     with pytest.raises(pr.UsageError, match="job 'train ' has spaces at an end"):
         Settings.resolve({"PJRT_RENDEZVOUS_JOB": "train "}, address="127.0.0.1:1")
-    with pytest.raises(pr.UsageError, match="holds a control character"):
-        Settings.resolve({"PJRT_RENDEZVOUS_JOB": "tr\rain"}, address="127.0.0.1:1")
+    for bad in ("tr\rain", "tr\x85ain", "tr\u2028ain"):  # (C1 and line separators: refused at the first bind)
+        with pytest.raises(pr.UsageError, match="holds a control character"):
+            Settings.resolve({"PJRT_RENDEZVOUS_JOB": bad}, address="127.0.0.1:1")
     with pytest.raises(pr.UsageError, match=r"PJRT_RENDEZVOUS_CONNECT_TIMEOUT\), got None"):
         Settings.resolve({"PJRT_RENDEZVOUS_CONNECT_TIMEOUT": "none"}, address="127.0.0.1:1")
 
