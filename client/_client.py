@@ -903,6 +903,11 @@ class Client:
             thread_index = operator.index(thread_index)  # (numpy's ints too, as for replicas)
         except TypeError:
             raise TypeError(f"thread_index must be an int, got {thread_index!r}") from None
+        for name, value, low in (("runtime_ordinal", runtime_ordinal, 0), ("runtime_world_size", runtime_world_size, 0)):
+            if value is not None and (type(value) is not int or not low <= value < 2**31):  # (the wire's int32)
+                raise (TypeError if type(value) is not int else UsageError)(
+                    f"{name} must be an int in [0, 2**31), got {value!r}"
+                )
         if _forked:
             self._refuse_if_inherited("bind_thread")
         self.topology.ordinal(thread_index)  # validates the range with a clear message
@@ -1319,6 +1324,10 @@ class Client:
 
     def multi_set(self, keys: Sequence[str], values: Sequence[bytes]) -> None:
         keys = _key_list(keys, text=True)
+        try:
+            values = list(values)  # (an iterator too)
+        except TypeError:
+            raise TypeError(f"values must be a sequence of bytes, got {values!r}") from None
         if len(keys) != len(values):
             raise UsageError(f"multi_set got {len(keys)} keys but {len(values)} values")
         entries = [pb.KvEntry(key=k, value=_payload_bytes(v, "value")) for k, v in zip(keys, values)]
@@ -1369,7 +1378,8 @@ class Client:
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         """Sets ``key`` to ``desired`` if it holds ``expected`` (a missing key matches b'');
-        returns the value after the call (torch.distributed.Store semantics)."""
+        returns the value after the call, but ``expected`` for a missing key that did not
+        match, which stays unset (torch.distributed.Store semantics)."""
         request = pb.KvCompareSetRequest(
             job=self.settings.job,
             key=_text(key, "key"),

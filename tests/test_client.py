@@ -110,6 +110,8 @@ def test_key_value_calls_refuse_what_the_wire_cannot_carry_by_name(client):
         with pytest.raises(error, match=re.escape(words)):
             call()
     assert client.add("n", 2**63 - 1) == 2**63 - 1 and client.count() == 1
+    client.multi_set(["g"], iter([b"1"]))  # values from an iterator (a TypeError: no len())
+    assert client.get("g", wait=False) == b"1"
 
 
 def test_blocking_get_is_released_by_a_later_set(client, coordinator):
@@ -155,6 +157,8 @@ def test_bad_arguments_are_refused_locally(client, coordinator):
             client.rendezvous(binding, "t", b"", timeout="5")
         with pytest.raises(TypeError, match="thread_index must be an int, got '0'"):
             client.bind_thread("0")
+        with pytest.raises(pr.UsageError, match=r"runtime_ordinal must be an int in \[0, 2\*\*31\), got 1099511627776"):
+            client.bind_thread(0, runtime_ordinal=2**40)  # (protobuf's bare ValueError)
     finally:
         client.unbind_thread()
     numpy = pytest.importorskip("numpy")
