@@ -482,9 +482,18 @@ class Client:
                 return True
             return now - outage["since"] >= self.settings.connect_timeout
 
+        backoff = tenacity.wait_random_exponential(multiplier=0.05, max=_BACKOFF_CAP)
+
+        def wait(state) -> float:  # never past the budget or the deadline (by up to 2 s, it was)
+            now = time.monotonic()
+            left = self.settings.connect_timeout - (now - outage["since"])
+            if deadline is not None:
+                left = min(left, deadline - now)
+            return max(0.0, min(backoff(state), left))
+
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(_retried),
-            wait=tenacity.wait_random_exponential(multiplier=0.05, max=_BACKOFF_CAP),
+            wait=wait,
             stop=stop,
             before=before,
             reraise=True,

@@ -271,6 +271,21 @@ def test_unreachable_coordinator_is_retried_then_reported(monkeypatch, caplog):
     client.close()
 
 
+def test_retries_end_at_connect_timeout_not_a_backoff_after_it():
+    """The last wait before the budget runs out is cut to what is left of it: with the
+    default backoff (random, up to 2 s) a 1.5 s budget ended after 2.6-3.3 s."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = make_client(f"127.0.0.1:{port}", connect_timeout=1.5)
+    for _ in range(3):
+        started = time.monotonic()
+        with pytest.raises(pr.CoordinatorUnavailableError):
+            client.get("k", wait=False)
+        assert 1.4 <= time.monotonic() - started < 2.3
+    client.close()
+
+
 def test_a_waiting_get_gives_up_on_an_unreachable_coordinator_at_its_timeout():
     """A client's first waiting get learns the job's store with a call of its own, which had
     no deadline: against a coordinator down it retried for the whole connect_timeout (a
