@@ -118,6 +118,8 @@ _clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
 # The job's key-value store each client saw last (a KvXResponse's store_id; Client._kv):
 # kept here, not as an attribute, because a 30th attribute slows every round (Client).
 _store_ids: "weakref.WeakKeyDictionary[Client, str]" = weakref.WeakKeyDictionary()
+# The job each client registered in (RegisterResponse.job_id), kept here for the same reason.
+_job_ids: "weakref.WeakKeyDictionary[Client, str]" = weakref.WeakKeyDictionary()
 _inherited: "weakref.WeakKeyDictionary[Client, int]" = weakref.WeakKeyDictionary()
 _forked = False  # whether _inherited may hold any (a bool: cheap to test at every call)
 
@@ -759,15 +761,26 @@ class Client:
         the job restarts; 0 before the first registration)."""
         return self._generation
 
-    def _adopt_generation(self, generation: int, *, registered: bool = False) -> None:
+    def _adopt_generation(self, generation: int, *, registered: bool = False, job_id: str = "") -> None:
         """A new job generation (a process restarted): round counters start again, and the
         first threads of batches of the old one send them now (no sibling joins them: see
-        ``_moved``). A Register answer's (``registered``) is taken even when lower: the
-        coordinator restarted without its state file and the job is new to it."""
+        ``_moved``). A Register answer's (``registered``) is taken even when lower, or the
+        same number of another job (``job_id``): the coordinator restarted without its state
+        file, or dropped the job, and the job is new to it (at generation 1 again, the
+        counters of a process that had been at 1 went on, out of step for good with a new
+        process's)."""
         with self._lock:
-            if generation > self._generation or (registered and generation != self._generation):
+            known = _job_ids.get(self)
+            if job_id:
+                _job_ids[self] = job_id
+            if generation > self._generation or (
+                registered and (generation != self._generation or (known is not None and job_id and job_id != known))
+            ):
                 if self._generation:
-                    log.warning("job %s moved to generation %d; round numbers restart", self.settings.job, generation)
+                    log.warning(
+                        "job %s %s generation %d; round numbers restart", self.settings.job,
+                        "is new to the coordinator, at" if generation == self._generation else "moved to", generation,
+                    )
                     self._rounds.clear()
                 if generation < self._generation:  # (a number its threads may have had before: told again)
                     for ordinal, told in self._told.items():
@@ -970,7 +983,7 @@ class Client:
         self._heartbeat_timeout = response.heartbeat_timeout
         self._learn_session_port(response.session_port)
         self.reads_process_indexes = response.reads_process_indexes
-        self._adopt_generation(response.generation, registered=True)
+        self._adopt_generation(response.generation, registered=True, job_id=response.job_id)
         self._start_background()
         self._start_relay()
         binding = Binding(

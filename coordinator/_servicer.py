@@ -306,6 +306,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
             heartbeat_timeout=self._core.heartbeat_timeout or 0.0,
             session_port=self.session_port,
             reads_process_indexes=True,
+            job_id=self._core.store_id(request.job),
             assignments=[
                 pb.Assignment(thread_index=a.thread_index, ordinal=a.ordinal, local_ordinal=a.local_ordinal)
                 for a in registered.assignments

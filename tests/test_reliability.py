@@ -510,6 +510,32 @@ def test_processes_registering_again_with_a_coordinator_that_lost_its_state_meet
             second.stop(grace=0)
 
 
+def test_a_survivor_meets_a_new_process_after_a_restart_that_lost_the_state_at_the_same_generation():
+    """Generation 1 all along: the coordinator restarts without a state file (with worker 0,
+    say) and the job is new to it at generation 1 again. Task 0 survives and registers again;
+    task 1 is a new process. They meet (the survivor's round numbers went on from before, the
+    new process's from 0: every round failed as calls waiting on each other, for good)."""
+    first = Coordinator(port=0).start()
+    port = first.port
+    survivor = pair_client(first.address, 0)
+    old = pair_client(first.address, 1)
+    with bound([survivor, old]) as pools:
+        assert meet(pools, [survivor, old], "before") == [[b"x", b"x"]] * 2
+        assert meet(pools, [survivor, old], "before") == [[b"x", b"x"]] * 2
+        first.stop(grace=0)
+        second = Coordinator(port=port).start()  # without a state file: the job is forgotten
+        try:
+            pools[0].submit(survivor.unbind_thread).result()
+            pools[0].submit(survivor.bind_thread, 0).result()  # registering again, as the errors say to
+            fresh = pair_client(second.address, 1)
+            with bound([fresh]) as fresh_pools:
+                assert survivor.generation == fresh.generation == 1
+                both = [pools[0], fresh_pools[0]]
+                assert meet(both, [survivor, fresh], "after") == [[b"x", b"x"]] * 2
+        finally:
+            second.stop(grace=0)
+
+
 def test_a_get_waiting_through_a_restart_that_lost_the_keys_is_refused_at_once():
     """Restarted without its state file, the coordinator has none of the keys a waiting get
     was waiting beside: its resend is refused at once, naming why (it waited out its

@@ -50,20 +50,22 @@ class Assignment(_message.Message):
     def __init__(self, thread_index: _Optional[int] = ..., ordinal: _Optional[int] = ..., local_ordinal: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("world_size", "assignments", "generation", "heartbeat_timeout", "session_port", "reads_process_indexes")
+    __slots__ = ("world_size", "assignments", "generation", "heartbeat_timeout", "session_port", "reads_process_indexes", "job_id")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENTS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     SESSION_PORT_FIELD_NUMBER: _ClassVar[int]
     READS_PROCESS_INDEXES_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     assignments: _containers.RepeatedCompositeFieldContainer[Assignment]
     generation: int
     heartbeat_timeout: float
     session_port: int
     reads_process_indexes: bool
-    def __init__(self, world_size: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., generation: _Optional[int] = ..., heartbeat_timeout: _Optional[float] = ..., session_port: _Optional[int] = ..., reads_process_indexes: _Optional[bool] = ...) -> None: ...
+    job_id: str
+    def __init__(self, world_size: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., generation: _Optional[int] = ..., heartbeat_timeout: _Optional[float] = ..., session_port: _Optional[int] = ..., reads_process_indexes: _Optional[bool] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class WaitWorldRequest(_message.Message):
     __slots__ = ("job", "timeout")
