@@ -502,7 +502,8 @@ def replay_journal(core: Core, path: pathlib.Path) -> None:
         raise _cannot_read(f"{journal_path(path)}, the journal of the state file {path} (--state-file)", exc) from exc
     hint = f"; move {path} and {journal_path(path).name} away to start with an empty coordinator"
     lines = data.split(b"\n")
-    lines.pop()  # b"" after the last newline, or a line cut short (never acknowledged)
+    if lines.pop():  # b"" after the last newline, else a line cut short (never acknowledged)
+        log.warning("ignored the last line of %s: it has no end (a write cut short)", journal_path(path))
     for number, line in enumerate(lines, 1):
         digest, _, text = line.partition(b" ")
         if hashlib.sha256(text).hexdigest().encode() != digest:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import pathlib
 import re
@@ -865,9 +866,10 @@ def test_an_append_journals_what_it_appends_not_the_whole_value(tmp_path, monkey
     assert _state.snapshot(restored) == _state.snapshot(core)
 
 
-def test_a_journal_cut_short_loses_only_its_last_unacknowledged_line(tmp_path):
+def test_a_journal_cut_short_loses_only_its_last_unacknowledged_line(tmp_path, caplog):
     """A crash in the middle of an append leaves a partial last line: ignored (its callers
-    were never answered). A damaged line before the last is reported, never skipped."""
+    were never answered), and logged (a line without its end was dropped in silence). A
+    damaged line before the last is reported, never skipped."""
     path = tmp_path / "state.json"
     core, writer = journaled_core(path)
 
@@ -882,7 +884,9 @@ def test_a_journal_cut_short_loses_only_its_last_unacknowledged_line(tmp_path):
     journal = _state.journal_path(path)
     lines = journal.read_bytes().splitlines(keepends=True)
     journal.write_bytes(b"".join(lines) + lines[-1][:40])  # a torn fourth append
-    assert _state.snapshot(_state.load(path, now=0.0, limits=None, heartbeat_timeout=None)) == _state.snapshot(core)
+    with caplog.at_level(logging.WARNING, logger="pjrt_rendezvous.coordinator"):
+        assert _state.snapshot(_state.load(path, now=0.0, limits=None, heartbeat_timeout=None)) == _state.snapshot(core)
+    assert any("it has no end (a write cut short)" in r.getMessage() for r in caplog.records), caplog.text
     journal.write_bytes(lines[0] + lines[1] + lines[2].replace(b'"t"', b'"u"'))  # the last, damaged
     restored = _state.load(path, now=0.0, limits=None, heartbeat_timeout=None)
     assert restored.jobs["j"].rounds_completed == core.jobs["j"].rounds_completed - 1
