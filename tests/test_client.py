@@ -30,6 +30,13 @@ def coordinator():
         yield c
 
 
+def _unused_port() -> int:
+    """A loopback port nothing listens on (bound, then let go)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def make_client(address, *, tasks=1, devices=1, task=0, **settings):
     topology = pr.detect_topology(
         {
@@ -258,9 +265,7 @@ def test_unreachable_coordinator_is_retried_then_reported(monkeypatch, caplog):
     # Retries at most 0.2 s apart: with the default cap (2 s, random waits) the last retry
     # before the 1.5 s budget may come before 0.5 s, and nothing is said (CI saw it once).
     monkeypatch.setattr(_client, "_BACKOFF_CAP", 0.2)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _unused_port()
     client = make_client(f"127.0.0.1:{port}", connect_timeout=1.5)
     started = time.monotonic()
     with pytest.raises(pr.CoordinatorUnavailableError, match=f"127.0.0.1:{port} unavailable.*is that its address"):
@@ -274,9 +279,7 @@ def test_unreachable_coordinator_is_retried_then_reported(monkeypatch, caplog):
 def test_retries_end_at_connect_timeout_not_a_backoff_after_it():
     """The last wait before the budget runs out is cut to what is left of it: with the
     default backoff (random, up to 2 s) a 1.5 s budget ended after 2.6-3.3 s."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _unused_port()
     client = make_client(f"127.0.0.1:{port}", connect_timeout=1.5)
     for _ in range(3):
         started = time.monotonic()
@@ -290,9 +293,7 @@ def test_a_waiting_get_gives_up_on_an_unreachable_coordinator_at_its_timeout():
     """A client's first waiting get learns the job's store with a call of its own, which had
     no deadline: against a coordinator down it retried for the whole connect_timeout (a
     torch Store's get with a timeout of 3 s took 60 s), at every call while it stayed down."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _unused_port()
     client = make_client(f"127.0.0.1:{port}", connect_timeout=30)
     for _ in range(2):
         started = time.monotonic()
@@ -304,9 +305,7 @@ def test_a_waiting_get_gives_up_on_an_unreachable_coordinator_at_its_timeout():
 
 def test_calls_wait_for_a_coordinator_that_starts_late():
     """A client started before its coordinator retries until the coordinator is up, then succeeds."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _unused_port()
     client = make_client(f"127.0.0.1:{port}", connect_timeout=20)
     late = Coordinator(port=port)
     timer = threading.Timer(1.0, late.start)
