@@ -285,7 +285,7 @@ def test_retries_end_at_connect_timeout_not_a_backoff_after_it():
         started = time.monotonic()
         with pytest.raises(pr.CoordinatorUnavailableError):
             client.get("k", wait=False)
-        assert 1.4 <= time.monotonic() - started < 2.5  # (before: 2.6-3.3 s, three times in a row)
+        assert 1.4 <= time.monotonic() - started < 2.5  # (before: up to 3.3 s, at random)
     client.close()
 
 
