@@ -925,8 +925,8 @@ class Client:
             thread_index = operator.index(thread_index)  # (numpy's ints too, as for replicas)
         except TypeError:
             raise TypeError(f"thread_index must be an int, got {thread_index!r}") from None
-        for name, value, low in (("runtime_ordinal", runtime_ordinal, 0), ("runtime_world_size", runtime_world_size, 0)):
-            if value is not None and (type(value) is not int or not low <= value < 2**31):  # (the wire's int32)
+        for name, value in (("runtime_ordinal", runtime_ordinal), ("runtime_world_size", runtime_world_size)):
+            if value is not None and (type(value) is not int or not 0 <= value < 2**31):  # (the wire's int32)
                 raise (TypeError if type(value) is not int else UsageError)(
                     f"{name} must be an int in [0, 2**31), got {value!r}"
                 )

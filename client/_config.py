@@ -159,7 +159,9 @@ def job_problem(job) -> str | None:
         return "is empty"
     if job != job.strip():  # one host's stray space would make it a job of its own
         return "has spaces at an end"
-    if any(c < " " or "\x7f" <= c <= "\x9f" or c in "\u2028\u2029" for c in job):  # (as the coordinator's _control)
+    from pjrt_rendezvous.coordinator._core import _control  # (the coordinator's own test: refused there too)
+
+    if _control(job):
         return "holds a control character"
     return None
 
