@@ -30,7 +30,8 @@ from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
 from ._config import DEFAULT, FAN_IN_AUTO_HOSTS, Settings, check_timeout
 from ._errors import (
-    InvalidArgumentError, MismatchError, ParticipantFailedError, RendezvousError, RendezvousTimeout, UsageError, from_rpc_error,
+    CoordinatorUnavailableError, InvalidArgumentError, MismatchError, ParticipantFailedError, RendezvousError, RendezvousTimeout,
+    UsageError, from_rpc_error,
 )
 from ._relay import Relay, relay_path
 from ._session import PING_EVERY, PING_TIMEOUT, Session, SocketSession, StatusError
@@ -120,6 +121,8 @@ _clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
 _store_ids: "weakref.WeakKeyDictionary[Client, str]" = weakref.WeakKeyDictionary()
 # The job each client registered in (RegisterResponse.job_id), kept here for the same reason.
 _job_ids: "weakref.WeakKeyDictionary[Client, str]" = weakref.WeakKeyDictionary()
+# The rounds each client gave up on without an answer, to tell the coordinator (Client._tell_given_up).
+_given_up: "weakref.WeakKeyDictionary[Client, list[pb.GiveUpRoundRequest]]" = weakref.WeakKeyDictionary()
 _inherited: "weakref.WeakKeyDictionary[Client, int]" = weakref.WeakKeyDictionary()
 _forked = False  # whether _inherited may hold any (a bool: cheap to test at every call)
 
@@ -1159,6 +1162,8 @@ class Client:
                 batch.error = exc
                 if isinstance(exc, ParticipantFailedError):
                     self._refresh_generation()
+                elif isinstance(exc, CoordinatorUnavailableError):
+                    self._give_up(replicas, round_number, batch)
             finally:
                 with self._lock:  # no member is blocked in this round any more
                     batch.done = True
@@ -1292,6 +1297,8 @@ class Client:
         def request(timeout: float | None) -> bytes:
             return encode_rendezvous(job, incarnation, replicas, round_number, timeout, generation, rows, False)
 
+        if _given_up and self in _given_up:
+            self._tell_given_up(batch.deadline)
         started = time.monotonic()
 
         def progress(_: float) -> None:  # (counted from the call, not from its latest resend)
@@ -1302,6 +1309,33 @@ class Client:
             )
 
         return self._call("Rendezvous", request, batch.deadline, waits=True, progress=progress, relay=True)
+
+    def _give_up(self, replicas: list[int], round_number: int, batch: _Batch) -> None:
+        """A round's call ended without an answer, the coordinator out of reach: its threads
+        raise, and their next calls are of the next round. Its peers may reach the
+        coordinator in time and wait there for this process's ordinals in this round; the
+        coordinator is told, before this process's next round, to fail it for them."""
+        request = pb.GiveUpRoundRequest(
+            job=self.settings.job, incarnation=self.incarnation, generation=batch.generation, replicas=replicas,
+            round=round_number, ordinals=sorted(batch.contributions), tag=next(iter(batch.contributions.values()))[1],
+            reason=f"the coordinator was out of its reach for its connect_timeout of {self.settings.connect_timeout:g} s",
+        )
+        _given_up.setdefault(self, []).append(request)
+
+    def _tell_given_up(self, deadline: float | None) -> None:
+        """Before a round: the coordinator fails the rounds this client gave up on (unless they
+        finished), so its peers do not wait there for ordinals that come to later rounds.
+        Unreachable still, the round fails as they did (and is told later as well)."""
+        requests = _given_up.pop(self, [])
+        while requests:
+            try:
+                self._call("GiveUpRound", requests[0], deadline)
+            except CoordinatorUnavailableError:
+                _given_up.setdefault(self, [])[:0] = requests  # (told at the next round)
+                raise
+            except RendezvousError as exc:  # the job or this process gone (a restart without state): void anyway
+                log.debug("could not tell the coordinator that round %d was given up: %s", requests[0].round, exc)
+            requests.pop(0)
 
     def _describe_wait(self, key: tuple, deadline: float | None) -> str:
         """What the coordinator says a pending round waits for (best effort: asked in the

@@ -151,6 +151,13 @@ def describe_group(group: GroupKey) -> str:
     return "all ordinals" if group == ALL else f"replicas [{format_ranges(group)}]"
 
 
+def _one_line(reason: str) -> str:
+    """A reason a client gives, for errors and the log: one line, of _REST_CHARACTERS at most
+    (told by the client: its error's first line)."""
+    reason = "".join(c if c.isprintable() else " " for c in reason)
+    return reason if len(reason) <= _REST_CHARACTERS else reason[: _REST_CHARACTERS - 3] + "..."
+
+
 def _plural(count: int, word: str) -> str:
     return f"{count} {word}" if count == 1 else f"{count} {word}s"
 
@@ -1609,14 +1616,68 @@ class Core:
                 f"this process ({process.label()}, task {process.task_id}), which binds "
                 f"{format_ranges(sorted(process.ordinals)) or 'none'}: it can end only its own",
             )
-        reason = "".join(c if c.isprintable() else " " for c in reason or "ended")  # (logged: one line)
-        if len(reason) > _REST_CHARACTERS:  # (told by the client: its error's first line)
-            reason = reason[: _REST_CHARACTERS - 3] + "..."
+        reason = _one_line(reason or "ended")
         for ordinal in ordinals:
             process.ended[ordinal] = reason
         job.dead.update(ordinals)
         self._changed()
         self._fail_rounds_of_the_dead(job)
+
+    def give_up_round(
+        self,
+        job_name: str,
+        incarnation: str,
+        *,
+        generation: int,
+        replicas: Sequence[int],
+        round_number: int,
+        ordinals: Sequence[int],
+        tag: str,
+        reason: str,
+        now: float,
+    ) -> Round | None:
+        """A process's call of a round ended without an answer (the coordinator out of its
+        reach for its whole retry budget), so its user code saw the round fail and goes on
+        to its next: unless the round finished, it fails now for every member, naming
+        ``reason``. (Else its peers, having resent their calls to a coordinator back in
+        time, would wait there for ordinals that come to the next round instead, and the
+        two rounds fail as waiting on each other, which blames the order of their calls.)
+        Returns the round it failed, None when there was nothing to fail: finished, of
+        another generation (void already), or never to be started (long past)."""
+        job = self._job(job_name)
+        process = self._process(job, incarnation, now)
+        strangers = sorted(set(ordinals) - process.ordinals)
+        if strangers or not ordinals:
+            raise CoreError(
+                Code.INVALID_ARGUMENT,
+                f"a process gives up rounds of its own ordinals ({process.label()} binds "
+                f"{format_ranges(sorted(process.ordinals)) or 'none'}), not of {format_ranges(strangers) or 'none'}",
+            )
+        if generation != job.generation or job.world_size is None:
+            return None
+        members = sorted({r for r in replicas if 0 <= r < job.world_size})
+        if replicas and not members:
+            return None  # (refused when called: no round)
+        group: GroupKey = ALL if not replicas or members == list(range(job.world_size)) else tuple(members)
+        try:
+            rnd = self._round(job, group, round_number, now)
+        except CoreError:  # long past, too far ahead or too many pending: nothing waits in it
+            return None
+        if rnd.finished:
+            return None
+        if not rnd.arrivals:
+            rnd.tag = _one_line(_shown_tag(tag))
+        reason = _one_line(reason or "no answer")
+        self._fail(
+            job,
+            rnd,
+            CoreError(
+                Code.ABORTED,
+                f"{rnd.describe()} cannot complete: {_ordinals_word(sorted(ordinals))} on {process.label()} gave up "
+                f"on it without an answer ({reason}) and went on to its next round",
+            ),
+        )
+        return rnd
 
     def leave(self, job_name: str, incarnation: str) -> None:
         """A process is done: its ordinals are gone now, not after the heartbeat timeout."""

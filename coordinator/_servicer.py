@@ -457,6 +457,18 @@ class Servicer(pb_grpc.CoordinatorServicer):
         await self._persist()
         return pb.EndReplicasResponse()
 
+    @_translated
+    async def GiveUpRound(self, request: pb.GiveUpRoundRequest, context) -> pb.GiveUpRoundResponse:
+        rnd = self._core.give_up_round(
+            request.job, request.incarnation, generation=request.generation, replicas=request.replicas,
+            round_number=request.round, ordinals=request.ordinals, tag=request.tag, reason=request.reason,
+            now=self._clock(),
+        )
+        if rnd is not None:  # (the monitor logs the failed round)
+            self._wake()
+            await self._persist()
+        return pb.GiveUpRoundResponse(failed=rnd is not None)
+
     async def Watch(self, request: pb.WatchRequest, context):
         """Streams the job's events (deaths, restarts) from ``request.after`` on (unset: from
         now on), after a marker naming the index of the next one: a client whose stream broke

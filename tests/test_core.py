@@ -2373,3 +2373,68 @@ def test_a_relay_naming_the_wrong_or_an_unknown_process_is_refused_and_changes_n
         pod.core.arrive(1.0, job=JOB, incarnation=incarnation_of(0), replicas=[], round_number=0,
                         contributions=[unknown], deadline=None)
     assert not pod.core.status(1.0, JOB)[0].pending_rounds
+
+
+# --- a round given up without an answer ----------------------------------------------------------
+
+
+def give_up(pod: Pod, task: int, ordinals: Sequence[int], *, round_number: int = 0, replicas: Sequence[int] = (), generation=None, now: float = 2.0):
+    return pod.core.give_up_round(
+        JOB, incarnation_of(task), generation=pod.core.jobs[JOB].generation if generation is None else generation,
+        replicas=list(replicas), round_number=round_number, ordinals=list(ordinals), tag="t",
+        reason="the coordinator was out of its reach for its connect_timeout of 60 s", now=now,
+    )
+
+
+def test_a_round_given_up_by_a_member_fails_for_the_others_and_the_next_round_meets():
+    """Task 1's call of round 0 ended without an answer (the coordinator out of its reach
+    for its retry budget) and its next call is of round 1: the round its peer waits in
+    fails, naming who gave up and why, instead of waiting for ordinals that come to round
+    1 (the two rounds then failed as waiting on each other, blaming the order of calls)."""
+    pod = make_pod(2, 2)
+    waiting = pod.arrive([0, 1], deadline=100.0)
+    rnd = give_up(pod, 1, [2, 3])
+    assert rnd is not None and rnd.key == waiting
+    assert_message(
+        pod.error(waiting), Code.ABORTED,
+        "rendezvous 't' on all ordinals (round 0) cannot complete: ordinals 2-3 on host-0 pid 1001 gave up on it "
+        "without an answer (the coordinator was out of its reach for its connect_timeout of 60 s) and went on",
+    )
+    assert ("round", JOB, *waiting) in pod.core.take_wakeups()
+    assert pod.arrive([0, 1], now=3.0) == waiting  # (a resend gets the failure)
+    assert pod.error(waiting).code is Code.ABORTED
+    nxt = pod.arrive([2, 3], round_number=1, now=4.0)
+    pod.arrive([0, 1], round_number=1, now=5.0)
+    assert pod.result(nxt) == [b"p0", b"p1", b"p2", b"p3"]
+    assert give_up(pod, 1, [2, 3]) is None  # (told again: failed already)
+
+
+def test_a_round_given_up_before_any_member_came_fails_for_those_who_come():
+    """A coordinator restarted: the round's calls are resent, and the give-up may come
+    first. The round fails then, with the giver's tag, for every member that comes."""
+    pod = make_pod(2, 1)
+    assert give_up(pod, 1, [1], replicas=[0, 1], round_number=3) is not None
+    key = pod.arrive([0], replicas=[0, 1], round_number=3, now=3.0)
+    assert_message(pod.error(key), Code.ABORTED, "rendezvous 't' on all ordinals (round 3) cannot complete: ordinal 1 on")
+
+
+def test_a_finished_void_or_long_past_round_is_not_failed_by_a_give_up():
+    pod = make_pod(2, 1)
+    done = pod.arrive([0])
+    pod.arrive([1])
+    assert give_up(pod, 1, [1]) is None  # its answer was lost, the round completed
+    assert pod.result(done) == [b"p0", b"p1"]
+    for number in (1, 2):
+        pod.arrive([0], round_number=number)
+        pod.arrive([1], round_number=number)
+    assert give_up(pod, 1, [1], round_number=0) is None  # (its result is gone: nothing waits in it)
+    assert give_up(pod, 1, [1], round_number=5, generation=7) is None  # another generation's: void already
+    assert give_up(pod, 1, [1], round_number=5, replicas=[9]) is None  # no member in range: no round
+    assert not pod.core.jobs[JOB].pending
+    with raises(Code.INVALID_ARGUMENT, "a process gives up rounds of its own ordinals (host-0 pid 1001 binds 1), not of 0"):
+        give_up(pod, 1, [0, 1], round_number=3)
+    with raises(Code.INVALID_ARGUMENT, "not of none"):
+        give_up(pod, 1, [], round_number=3)
+    with raises(Code.FAILED_PRECONDITION, "is not registered"):
+        pod.core.give_up_round(JOB, "stranger", generation=0, replicas=[], round_number=3, ordinals=[1], tag="t", reason="", now=3.0)
+    assert not pod.core.jobs[JOB].pending

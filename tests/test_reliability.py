@@ -536,6 +536,44 @@ def test_a_survivor_meets_a_new_process_after_a_restart_that_lost_the_state_at_t
             second.stop(grace=0)
 
 
+def test_a_round_given_up_in_an_outage_fails_for_the_peers_that_waited_it_out(tmp_path):
+    """The coordinator is down while both processes call round 0. Task 1 gives up after its
+    connect_timeout (2 s) and goes on to round 1; task 0, with a longer budget, resends
+    round 0 to the coordinator once it is back. Told of the give-up before task 1's next
+    round, the coordinator fails round 0 for task 0, saying who gave up and why, and both
+    meet in round 1. (Task 0 waited in round 0 for task 1, which waited in round 1 for task
+    0: both failed as calls waiting on each other, an error that blames the order of the
+    program's calls, and task 1 failed twice.)"""
+    state = tmp_path / "state.json"
+    first = Coordinator(port=0, state_file=state).start()
+    port = first.port
+    topologies = [
+        pr.detect_topology({"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": str(task)}, address=first.address)
+        for task in range(2)
+    ]
+    clients = [
+        pr.Client(pr.Settings(address=first.address, timeout=30, connect_timeout=budget), topology)
+        for budget, topology in zip((60, 2), topologies)
+    ]
+    with bound(clients) as pools:
+        assert meet(pools, clients, "before") == [[b"x", b"x"]] * 2
+        first.stop(grace=0)
+        waiting = pools[0].submit(_timed, lambda: clients[0].rendezvous(pr.current_binding(), "r", b"x"))
+        name, _, message = pools[1].submit(_timed, lambda: clients[1].rendezvous(pr.current_binding(), "r", b"x")).result(timeout=60)
+        assert name == "CoordinatorUnavailableError", message
+        second = Coordinator(port=port, state_file=state).start()
+        try:
+            nxt = pools[1].submit(lambda: clients[1].rendezvous(pr.current_binding(), "next", b"y"))
+            name, _, message = waiting.result(timeout=60)
+            assert name == "ParticipantFailedError", message
+            assert "rendezvous 'r' on all ordinals (round 1) cannot complete: ordinal 1 on" in message, message
+            assert "gave up on it without an answer (the coordinator was out of its reach for its connect_timeout of 2 s)" in message
+            mine = pools[0].submit(lambda: clients[0].rendezvous(pr.current_binding(), "next", b"x")).result(timeout=30)
+            assert mine == nxt.result(timeout=30) == [b"x", b"y"]
+        finally:
+            second.stop(grace=0)
+
+
 def test_a_get_waiting_through_a_restart_that_lost_the_keys_is_refused_at_once():
     """Restarted without its state file, the coordinator has none of the keys a waiting get
     was waiting beside: its resend is refused at once, naming why (it waited out its

@@ -237,6 +237,32 @@ class EndReplicasResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class GiveUpRoundRequest(_message.Message):
+    __slots__ = ("job", "incarnation", "generation", "replicas", "round", "ordinals", "reason", "tag")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ORDINALS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    incarnation: str
+    generation: int
+    replicas: _containers.RepeatedScalarFieldContainer[int]
+    round: int
+    ordinals: _containers.RepeatedScalarFieldContainer[int]
+    reason: str
+    tag: str
+    def __init__(self, job: _Optional[str] = ..., incarnation: _Optional[str] = ..., generation: _Optional[int] = ..., replicas: _Optional[_Iterable[int]] = ..., round: _Optional[int] = ..., ordinals: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ..., tag: _Optional[str] = ...) -> None: ...
+
+class GiveUpRoundResponse(_message.Message):
+    __slots__ = ("failed",)
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    failed: bool
+    def __init__(self, failed: _Optional[bool] = ...) -> None: ...
+
 class WatchRequest(_message.Message):
     __slots__ = ("job", "incarnation", "after")
     JOB_FIELD_NUMBER: _ClassVar[int]

@@ -69,6 +69,11 @@ class CoordinatorStub:
                 request_serializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.EndReplicasRequest.SerializeToString,
                 response_deserializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.EndReplicasResponse.FromString,
                 _registered_method=True)
+        self.GiveUpRound = channel.unary_unary(
+                '/pjrt_rendezvous.v1.Coordinator/GiveUpRound',
+                request_serializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.GiveUpRoundRequest.SerializeToString,
+                response_deserializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.GiveUpRoundResponse.FromString,
+                _registered_method=True)
         self.KvSet = channel.unary_unary(
                 '/pjrt_rendezvous.v1.Coordinator/KvSet',
                 request_serializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.KvSetRequest.SerializeToString,
@@ -173,6 +178,16 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GiveUpRound(self, request, context):
+        """A process's rendezvous call ended without an answer (the coordinator out of its
+        reach for its whole retry budget) and its caller went on: unless the round finished,
+        it fails now for every member, instead of waiting for ordinals that come to the
+        next round. Sent by the process once it reaches the coordinator again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def KvSet(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -269,6 +284,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.EndReplicas,
                     request_deserializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.EndReplicasRequest.FromString,
                     response_serializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.EndReplicasResponse.SerializeToString,
+            ),
+            'GiveUpRound': grpc.unary_unary_rpc_method_handler(
+                    servicer.GiveUpRound,
+                    request_deserializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.GiveUpRoundRequest.FromString,
+                    response_serializer=pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.GiveUpRoundResponse.SerializeToString,
             ),
             'KvSet': grpc.unary_unary_rpc_method_handler(
                     servicer.KvSet,
@@ -505,6 +525,33 @@ class Coordinator:
             '/pjrt_rendezvous.v1.Coordinator/EndReplicas',
             pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.EndReplicasRequest.SerializeToString,
             pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.EndReplicasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GiveUpRound(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pjrt_rendezvous.v1.Coordinator/GiveUpRound',
+            pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.GiveUpRoundRequest.SerializeToString,
+            pjrt__rendezvous_dot_protos_dot_v1_dot_coordinator__pb2.GiveUpRoundResponse.FromString,
             options,
             channel_credentials,
             insecure,
