@@ -557,9 +557,12 @@ class Core:
         if job is not None:
             self._uses = job.used = self._uses + 1
             return job
+        raise self._unknown_job(name)
+
+    def _unknown_job(self, name: str) -> CoreError:
         known = ", ".join(repr(j) for j in sorted(self.jobs)[:10]) or "none"
         shown = repr(name) if len(name) <= 80 else repr(name[:80]) + "..."
-        raise CoreError(
+        return CoreError(
             Code.NOT_FOUND,
             f"job {shown} is not known to this coordinator (known jobs: {known}); "
             "processes create a job by registering, or start the coordinator with --world-size "
@@ -1013,7 +1016,11 @@ class Core:
         )
 
     def world_complete(self, job_name: str) -> bool:
-        """Whether every ordinal of the job is registered (cheap: no table is built)."""
+        """Whether every ordinal of the job is registered (cheap: no table is built). A job
+        not created yet is not: its processes may not have registered yet."""
+        if job_name not in self.jobs:
+            self._check_job_name(job_name)
+            return False
         return self._job(job_name).complete
 
     def world(self, job_name: str) -> list[ParticipantView] | None:
@@ -1070,6 +1077,11 @@ class Core:
         return f"{head}{word} ({self.describe_missing(job, missing, now, budget=budget)})"
 
     def world_timeout(self, job_name: str, now: float, waited: float) -> CoreError:
+        if job_name not in self.jobs:
+            error = self._unknown_job(job_name)
+            return CoreError(
+                Code.DEADLINE_EXCEEDED, f"no process registered in {_duration(waited)} s, so {error.message}"
+            )
         job = self._job(job_name)
         if job.world_size is None:
             return CoreError(

@@ -2438,3 +2438,15 @@ def test_a_finished_void_or_long_past_round_is_not_failed_by_a_give_up():
     with raises(Code.FAILED_PRECONDITION, "is not registered"):
         pod.core.give_up_round(JOB, "stranger", generation=0, replicas=[], round_number=3, ordinals=[1], tag="t", reason="", now=3.0)
     assert not pod.core.jobs[JOB].pending
+
+
+def test_a_job_not_created_yet_is_waited_for_and_its_world_timeout_names_the_known_jobs():
+    pod = make_pod(1)
+    assert pod.core.world_complete("later") is False
+    with raises(Code.INVALID_ARGUMENT, "job name must not be empty"):
+        pod.core.world_complete("")
+    assert "later" not in pod.core.jobs  # (a wait creates nothing)
+    assert_message(
+        pod.core.world_timeout("later", now=5.0, waited=5.0), Code.DEADLINE_EXCEEDED,
+        "no process registered in 5.0 s, so job 'later' is not known to this coordinator (known jobs: 'job')",
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import json
 import os
@@ -415,6 +416,33 @@ def test_wait_world_returns_every_ordinal_with_its_process(coordinator):
     assert all(p.pid == os.getpid() and p.alive for p in table)
     for c in clients:
         c.close()
+    for thread, errors in workers:
+        thread.join(30)
+        assert not errors, errors
+
+
+def test_wait_world_before_any_process_registered_waits_for_the_job(coordinator):
+    """A wait for the world made before the job exists (the first process to ask, or a
+    launcher watching) waits for its processes to register; it failed at once with "job ...
+    is not known". One that times out says nobody registered and names the known jobs."""
+    from test_cli import bound_thread, simulated_process
+
+    observer = pr.Client(pr.Settings(address=coordinator.address, job="later"), pr.detect_topology({}, address=coordinator.address))
+    with pytest.raises(pr.RendezvousTimeout, match=r"no process registered in 0\.\d+ s, so job 'later' is not known"):
+        observer.wait_world(timeout=0.3)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(observer.wait_world, timeout=30)
+        time.sleep(0.3)
+        assert not waiting.done()
+        client = simulated_process(coordinator.address, 0, processes=1, threads=2, job="later")
+        workers = [bound_thread(client, i) for i in range(2)]
+        assert [p.ordinal for p in waiting.result(timeout=30)] == [0, 1]
+    with pytest.raises(pr.InvalidArgumentError, match="holds a control character"):
+        pr.Client(pr.Settings(address=coordinator.address), pr.detect_topology({}, address=coordinator.address))._call(
+            "WaitWorld", pb.WaitWorldRequest(job="a\x00b", timeout=1)
+        )
+    client.close()
+    observer.close()
     for thread, errors in workers:
         thread.join(30)
         assert not errors, errors
