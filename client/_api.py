@@ -7,6 +7,7 @@ process client (set once) and the calling thread's binding.
 from __future__ import annotations
 
 import atexit
+import collections.abc
 import logging
 import os
 import sys
@@ -119,6 +120,14 @@ def init(
         TopologyError: the environment does not describe a valid topology.
     """
     global _client, _init_args, _atexit_registered
+    # (an int address failed deep in the address parser with AttributeError: 'strip', a str
+    # topology or env with AttributeError too, and an argument compared with a client's)
+    if address is not None and not isinstance(address, str):
+        raise TypeError(f"init() address must be a str 'host:port' or None, got {address!r}")
+    if topology is not None and not isinstance(topology, Topology):
+        raise TypeError(f"init() topology must be a Topology or None, got {topology!r}")
+    if env is not None and not isinstance(env, collections.abc.Mapping):
+        raise TypeError(f"init() env must be a mapping of variable names to values or None, got {type(env).__name__}")
     args = dict(address=address, job=job, timeout=timeout, topology=topology, env=env, **settings)
     explicit = sorted(k for k, v in args.items() if v is not _DEFAULTS.get(k, DEFAULT))
     with _lock:

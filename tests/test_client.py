@@ -344,6 +344,39 @@ def test_init_is_idempotent_and_refuses_different_arguments(coordinator):
         pr.shutdown()
 
 
+def test_init_refuses_arguments_of_the_wrong_type_by_name(coordinator, tmp_path):
+    """An address, topology or env of the wrong type, a token that is not a str, a token or TLS
+    file that is not a path: a TypeError naming the argument, before and after a client exists
+    (an int address raised AttributeError: 'strip' from the address parser, a str topology or
+    env AttributeError too; an int token_file or tls_ca was opened as that file descriptor)."""
+    pr.shutdown()
+    refused = [
+        ((5,), {}, "init() address must be a str 'host:port' or None, got 5"),
+        ((b"127.0.0.1:1",), {}, "init() address must be a str 'host:port' or None, got b'127.0.0.1:1'"),
+        ((), {"topology": "v4-8"}, "init() topology must be a Topology or None, got 'v4-8'"),
+        ((), {"env": ["PJRT_RENDEZVOUS_JOB=x"]}, "init() env must be a mapping of variable names to values or None, got list"),
+        ((), {"token": 5}, "token must be a str or None, got int"),
+        ((), {"token_file": 5}, "token_file must be a path (str or os.PathLike) or None, got 5"),
+        ((), {"tls_ca": 5}, "tls_ca must be a path (str or os.PathLike) or None, got 5"),
+    ]
+    try:
+        for args, kwargs, words in refused:
+            with pytest.raises(TypeError, match=re.escape(words)):
+                pr.init(*args, **{"env": {}, **kwargs})
+        first = pr.init(coordinator.address, env={})
+        for args, kwargs, words in refused[:4]:
+            with pytest.raises(TypeError, match=re.escape(words)):
+                pr.init(*args, **kwargs)
+        assert pr.get_client() is first
+        (tmp_path / "token").write_text("secret")
+        settings = Settings.resolve({}, address="h:1", token_file=tmp_path / "token")  # a Path is a path
+        assert settings.token == "secret"
+        with pytest.raises(TypeError, match=re.escape("token must be a str or None, got bytes")):
+            Settings(address="h:1", token=b"secret")
+    finally:
+        pr.shutdown()
+
+
 def test_init_with_what_an_init_without_arguments_already_chose_returns_its_client(coordinator, monkeypatch):
     """A client made by init() without arguments (a Store's, spawn's) is what init(address)
     with the same address asks for, however written, and the same job or timeout (it was
