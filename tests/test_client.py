@@ -706,6 +706,24 @@ def test_a_replica_that_ends_fails_the_rounds_waiting_for_it_at_once(coordinator
             c.close()
 
 
+def test_end_replicas_refuses_arguments_of_the_wrong_type_by_name(client):
+    """Ordinals that are not a sequence of ints or a reason that is not a str: a TypeError
+    naming the argument, before anything is sent (protobuf's bare TypeError: "'str' object
+    cannot be interpreted as an integer", "must assign iterable"; a bytes reason was taken)."""
+    refused = [
+        ((5, "returned"), TypeError, "ordinals must be a sequence of ints, got int 5"),
+        ((["0"], "returned"), TypeError, "ordinals must be ints, got ['0']"),
+        (([True], "returned"), TypeError, "ordinals must be ints, got [True]"),
+        (([0], 5), TypeError, "reason must be str, got int"),
+        (([0], b"returned"), TypeError, "reason must be str, got bytes"),
+        (([0], "\udcff"), pr.UsageError, "reason '\\udcff' is not valid text"),
+        (([2**40], "returned"), pr.UsageError, "ordinals must be in [0, 2**31), got [1099511627776]"),
+    ]
+    for args, error, words in refused:
+        with pytest.raises(error, match=re.escape(words)):
+            client.end_replicas(*args)
+
+
 def test_a_timeout_spent_in_the_batch_window_says_so(coordinator):
     """A sibling thread that does not come: the first thread waits for it (the batch window)
     before it sends, and the coordinator, counting from the call's arrival, said "timed out
