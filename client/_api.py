@@ -272,7 +272,8 @@ def rendezvous(
         ``list[bytes]``, one payload per participating ordinal, ordered by ordinal.
 
     Raises:
-        TypeError: ``payload`` is not bytes, ``tag`` not a str, or ``replicas`` not ints.
+        TypeError: ``payload`` is not bytes, ``tag`` not a str, or ``replicas`` not a
+            sequence of ints (a dict, str or bytes is not).
         UsageError: the calling thread is not bound (in a world of more than one).
         MismatchError: members brought different tags, or disagree on replicas.
         InvalidArgumentError: the caller is not in ``replicas``, or replicas repeat.

@@ -8,6 +8,7 @@ never across a call. ``_session_lock`` guards the sessions.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import logging
 import math
@@ -222,8 +223,12 @@ def _text(value, what: str) -> str:
 
 
 def _ints(values, what: str) -> list[int]:
-    """``values``, a sequence of ints (a numpy array's, a range, a generator: read once), as
-    a list of ints; else a TypeError naming ``what``."""
+    """``values``, a sequence of ints (a numpy array's, a range, a set, a generator: read
+    once), as a list of ints; else a TypeError naming ``what``. A str, bytes or mapping is
+    refused: their items are characters, bytes' values or keys (b"\\x00\\x01" was taken as
+    [0, 1], {0: 1} as [0])."""
+    if type(values) is not list and type(values) is not tuple and isinstance(values, _NOT_SEQUENCES):
+        raise TypeError(f"{what} must be a sequence of ints, got {type(values).__name__} {values!r}")
     try:
         values = [] if values is None else list(values)  # (a numpy array has no truth value)
     except TypeError:
@@ -236,6 +241,9 @@ def _ints(values, what: str) -> list[int]:
         except TypeError:
             raise TypeError(f"{what} must be ints, got {values!r}") from None
     return values
+
+
+_NOT_SEQUENCES = (str, bytes, bytearray, memoryview, collections.abc.Mapping)
 
 
 def _check_call(tag, replicas) -> list[int]:

@@ -663,6 +663,24 @@ def test_replicas_may_be_a_numpy_array(coordinator):
         client.close()
 
 
+def test_replicas_may_not_be_a_str_bytes_or_mapping(client):
+    """A dict, str or bytes is not a list of ordinals: a TypeError naming replicas (a dict
+    was taken as its keys, bytes as its byte values: b"\\x00" as [0]; a str said "must be
+    ints, got ['0']"). A range, a tuple and a set are sequences of ordinals (the coordinator
+    reads the group as a set)."""
+    with client.bind_thread(0) as binding:
+        for replicas, words in [
+            ({0: 1}, "replicas must be a sequence of ints, got dict {0: 1}"),
+            (b"\x00", "replicas must be a sequence of ints, got bytes b'\\x00'"),
+            (bytearray(1), "replicas must be a sequence of ints, got bytearray bytearray(b'\\x00')"),
+            ("0", "replicas must be a sequence of ints, got str '0'"),
+        ]:
+            with pytest.raises(TypeError, match=re.escape(words)):
+                client.rendezvous(binding, "t", b"x", replicas)
+        for replicas in (range(1), (0,), {0}, frozenset([0])):
+            assert client.rendezvous(binding, "t", b"x", replicas) == [b"x"]
+
+
 def test_a_replica_that_ends_fails_the_rounds_waiting_for_it_at_once(coordinator):
     """Task 0's thread 1 is done (end_replicas, as xla.spawn says when a replica returns or
     raises) while task 1's threads wait in a round that needs it, one bound thread of task 0
@@ -712,6 +730,7 @@ def test_end_replicas_refuses_arguments_of_the_wrong_type_by_name(client):
     cannot be interpreted as an integer", "must assign iterable"; a bytes reason was taken)."""
     refused = [
         ((5, "returned"), TypeError, "ordinals must be a sequence of ints, got int 5"),
+        (("ab", "returned"), TypeError, "ordinals must be a sequence of ints, got str 'ab'"),
         ((["0"], "returned"), TypeError, "ordinals must be ints, got ['0']"),
         (([True], "returned"), TypeError, "ordinals must be ints, got [True]"),
         (([0], 5), TypeError, "reason must be str, got int"),
