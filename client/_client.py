@@ -1412,6 +1412,8 @@ class Client:
         """Adds ``delta`` to the integer at ``key`` (missing counts as 0); returns the sum.
         Applied once even when the call is retried."""
         try:
+            if isinstance(delta, bool):  # (an int subclass: True was added as 1)
+                raise TypeError
             delta = operator.index(delta)
         except TypeError:
             raise TypeError(f"delta must be an int, got {type(delta).__name__}") from None

@@ -102,6 +102,7 @@ def test_key_value_calls_refuse_what_the_wire_cannot_carry_by_name(client):
         (lambda: client.get(b"k", wait=False), TypeError, "key must be str, got bytes"),
         (lambda: client.delete(5), TypeError, "key must be str"),
         (lambda: client.add("n", "1"), TypeError, "delta must be an int"),
+        (lambda: client.add("n", True), TypeError, "delta must be an int, got bool"),  # (was added as 1)
         (lambda: client.add("n", 2**70), pr.UsageError, "outside the 64-bit integers"),
         (lambda: client.set("\udcff", b"x"), pr.UsageError, "is not valid text"),
         (lambda: client.compare_set("\udcff", b"", b"x"), pr.UsageError, "is not valid text"),
