@@ -247,8 +247,25 @@ def get_world_size() -> int:
     return 1 if binding is None else binding.world_size
 
 
+def master_local(local, what: str) -> bool:
+    """``local`` of an ``is_master_ordinal`` call (``what`` names it) as a bool: True, False,
+    or what equals 1 or 0 (an int, numpy's bool); anything else is a TypeError. torch_xla
+    reads any value by its truth, so local="no" or local=None (meant as "the default"?)
+    asked about global ordinal 0 or local one without a word: refused here instead."""
+    if local is True or local is False:
+        return local
+    try:
+        if not isinstance(local, (str, bytes)) and (local == 1 or local == 0):
+            return bool(local)
+    except (TypeError, ValueError):  # (an array's truth value)
+        pass
+    raise TypeError(f"{what} local must be a bool (True: local ordinal 0, False: global), got {local!r}")
+
+
 def is_master_ordinal(local: bool = True) -> bool:
-    """True for local ordinal 0 (``local=True``) or global ordinal 0."""
+    """True for local ordinal 0 (``local=True``) or global ordinal 0. ``local`` may be 1 or 0
+    too (torch_xla's is read by its truth); a str, None or another type is a TypeError."""
+    local = master_local(local, "is_master_ordinal()")
     binding = _binding("is_master_ordinal")
     return binding is None or (binding.local_ordinal if local else binding.ordinal) == 0
 
