@@ -7,6 +7,7 @@ process client (set once) and the calling thread's binding.
 from __future__ import annotations
 
 import atexit
+import collections.abc
 import logging
 import os
 import sys
@@ -119,6 +120,14 @@ def init(
         TopologyError: the environment does not describe a valid topology.
     """
     global _client, _init_args, _atexit_registered
+    # (an int address failed deep in the address parser with AttributeError: 'strip', a str
+    # topology or env with AttributeError too, and an argument compared with a client's)
+    if address is not None and not isinstance(address, str):
+        raise TypeError(f"init() address must be a str 'host:port' or None, got {address!r}")
+    if topology is not None and not isinstance(topology, Topology):
+        raise TypeError(f"init() topology must be a Topology or None, got {topology!r}")
+    if env is not None and not isinstance(env, collections.abc.Mapping):
+        raise TypeError(f"init() env must be a mapping of variable names to values or None, got {type(env).__name__}")
     args = dict(address=address, job=job, timeout=timeout, topology=topology, env=env, **settings)
     explicit = sorted(k for k, v in args.items() if v is not _DEFAULTS.get(k, DEFAULT))
     with _lock:
@@ -238,8 +247,25 @@ def get_world_size() -> int:
     return 1 if binding is None else binding.world_size
 
 
+def master_local(local, what: str) -> bool:
+    """``local`` of an ``is_master_ordinal`` call (``what`` names it) as a bool: True, False,
+    or what equals 1 or 0 (an int, numpy's bool); anything else is a TypeError. torch_xla
+    reads any value by its truth, so local="no" or local=None (meant as "the default"?)
+    asked about global ordinal 0 or local one without a word: refused here instead."""
+    if local is True or local is False:
+        return local
+    try:
+        if not isinstance(local, (str, bytes)) and (local == 1 or local == 0):
+            return bool(local)
+    except (TypeError, ValueError):  # (an array's truth value)
+        pass
+    raise TypeError(f"{what} local must be a bool (True: local ordinal 0, False: global), got {local!r}")
+
+
 def is_master_ordinal(local: bool = True) -> bool:
-    """True for local ordinal 0 (``local=True``) or global ordinal 0."""
+    """True for local ordinal 0 (``local=True``) or global ordinal 0. ``local`` may be 1 or 0
+    too (torch_xla's is read by its truth); a str, None or another type is a TypeError."""
+    local = master_local(local, "is_master_ordinal()")
     binding = _binding("is_master_ordinal")
     return binding is None or (binding.local_ordinal if local else binding.ordinal) == 0
 
@@ -263,7 +289,8 @@ def rendezvous(
         ``list[bytes]``, one payload per participating ordinal, ordered by ordinal.
 
     Raises:
-        TypeError: ``payload`` is not bytes, ``tag`` not a str, or ``replicas`` not ints.
+        TypeError: ``payload`` is not bytes, ``tag`` not a str, or ``replicas`` not a
+            sequence of ints (a dict, str or bytes is not).
         UsageError: the calling thread is not bound (in a world of more than one).
         MismatchError: members brought different tags, or disagree on replicas.
         InvalidArgumentError: the caller is not in ``replicas``, or replicas repeat.

@@ -8,6 +8,7 @@ never across a call. ``_session_lock`` guards the sessions.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import logging
 import math
@@ -224,22 +225,36 @@ def _text(value, what: str) -> str:
     return value
 
 
+def _ints(values, what: str) -> list[int]:
+    """``values``, a sequence of ints (a numpy array's, a range, a set, a generator: read
+    once), as a list of ints; else a TypeError naming ``what``. A str, bytes or mapping is
+    refused: their items are characters, bytes' values or keys (b"\\x00\\x01" was taken as
+    [0, 1], {0: 1} as [0])."""
+    if type(values) is not list and type(values) is not tuple and isinstance(values, _NOT_SEQUENCES):
+        raise TypeError(f"{what} must be a sequence of ints, got {type(values).__name__} {values!r}")
+    try:
+        values = [] if values is None else list(values)  # (a numpy array has no truth value)
+    except TypeError:
+        raise TypeError(f"{what} must be a sequence of ints, got {type(values).__name__} {values!r}") from None
+    if values and any(type(v) is not int for v in values):  # numpy's ints too, not bools
+        try:
+            if any(isinstance(v, bool) for v in values):
+                raise TypeError
+            values = [operator.index(v) for v in values]
+        except TypeError:
+            raise TypeError(f"{what} must be ints, got {values!r}") from None
+    return values
+
+
+_NOT_SEQUENCES = (str, bytes, bytearray, memoryview, collections.abc.Mapping)
+
+
 def _check_call(tag, replicas) -> list[int]:
     """A rendezvous call's tag and replicas as the coordinator takes them, checked before
     the round counts (its peers must not wait for a call refused here); the replicas as a
     list. :meth:`Client.rendezvous` checks the common case inline."""
     _text(tag, "tag")
-    try:
-        replicas = [] if replicas is None else list(replicas)  # (a numpy array has no truth value)
-    except TypeError:
-        raise TypeError(f"replicas must be a sequence of ints, got {replicas!r}") from None
-    if replicas and any(type(r) is not int for r in replicas):  # numpy's ints too, not bools
-        try:
-            if any(isinstance(r, bool) for r in replicas):
-                raise TypeError
-            replicas = [operator.index(r) for r in replicas]
-        except TypeError:
-            raise TypeError(f"replicas must be ints, got {replicas!r}") from None
+    replicas = _ints(replicas, "replicas")
     if replicas and not -(2**31) <= min(replicas) <= max(replicas) < 2**31:
         # Out of range of any world (ordinals are 32-bit on the wire): sent as the nearest
         # 32-bit value, still out of range, so the coordinator fails the round for every member
@@ -747,7 +762,14 @@ class Client:
         """Tells the coordinator that the threads of these ordinals (this process's) are
         done, the process perhaps going on with others: the rounds that need one fail now
         and later, naming ``reason``, instead of waiting for them until their timeout (best
-        effort: a failure is logged; ``xla.spawn`` refuses this process's own calls anyway)."""
+        effort: a failure is logged; ``xla.spawn`` refuses this process's own calls anyway).
+        ``ordinals`` of the wrong type or ``reason`` not a str: TypeError (they raised
+        protobuf's bare TypeError, "must assign iterable" or "'str' object cannot be
+        interpreted as an integer"); an ordinal outside the wire's 32 bits: UsageError."""
+        ordinals = _ints(ordinals, "ordinals")
+        reason = _text(reason, "reason")
+        if ordinals and not 0 <= min(ordinals) <= max(ordinals) < 2**31:
+            raise UsageError(f"ordinals must be in [0, 2**31), got {ordinals!r}")  # (protobuf's "Value out of range")
         if self._closed:  # (its Leave said more)
             return
         request = pb.EndReplicasRequest(job=self.settings.job, incarnation=self.incarnation, ordinals=ordinals, reason=reason)
@@ -1424,6 +1446,8 @@ class Client:
         """Adds ``delta`` to the integer at ``key`` (missing counts as 0); returns the sum.
         Applied once even when the call is retried."""
         try:
+            if isinstance(delta, bool):  # (an int subclass: True was added as 1)
+                raise TypeError
             delta = operator.index(delta)
         except TypeError:
             raise TypeError(f"delta must be an int, got {type(delta).__name__}") from None

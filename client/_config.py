@@ -150,6 +150,22 @@ def parse_seconds(text: str, what: str = "") -> float | None:
     return None if math.isinf(value) else value
 
 
+_PATHS = ("token_file", "tls_ca", "tls_cert", "tls_key")
+
+
+def check_text_setting(name: str, value: Any) -> None:
+    """A TypeError for a token given as anything but a str, or a file setting as anything but
+    a path (an int ``token_file`` or ``tls_ca`` was opened as that file descriptor; an int
+    token failed with AttributeError: 'strip')."""
+    if value is None or value is DEFAULT or isinstance(value, str):
+        return
+    if name in _PATHS:
+        if not isinstance(value, os.PathLike):
+            raise TypeError(f"{name} must be a path (str or os.PathLike) or None, got {value!r}")
+    else:
+        raise TypeError(f"{name} must be a str or None, got {type(value).__name__}")  # (a secret: not shown)
+
+
 def job_problem(job) -> str | None:
     """Why ``job`` cannot name a job (None: it can). The coordinator's ``serve --job`` asks
     too: a job no client could join must not be served."""
@@ -239,6 +255,8 @@ class Settings:
                 f"got {self.heartbeat_interval!r}"
             )
         object.__setattr__(self, "progress_interval", check_timeout(self.progress_interval, "progress_interval"))
+        for name in ("token", "tls_ca", "tls_cert", "tls_key"):
+            check_text_setting(name, getattr(self, name))
         if self.token is not None:
             source = "PJRT_RENDEZVOUS_TOKEN, the file PJRT_RENDEZVOUS_TOKEN_FILE names, or init(token=)"
             check_token(self.token, source)
@@ -281,6 +299,8 @@ class Settings:
         unknown = set(given) - set(_VARIABLES)
         if unknown:
             raise UsageError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(_VARIABLES)}")
+        for name in ("token", *_PATHS):  # (before a token file is read, or a token compared with it)
+            check_text_setting(name, given.get(name))
         values: dict[str, Any] = {}
         for name, variable in _VARIABLES.items():
             value = given.get(name, DEFAULT)

@@ -313,7 +313,14 @@ class Store(dist.Store):
 
     @_as_torch_errors
     def add(self, key: str, value: int) -> int:
-        return self.client.add(self._key(key), operator.index(value))
+        """Adds the int ``value`` (numpy's too; not a bool, float or str: TypeError) to ``key``."""
+        try:
+            if isinstance(value, bool):  # (an int subclass: True was added as 1)
+                raise TypeError
+            value = operator.index(value)
+        except TypeError:
+            raise TypeError(f"Store add value must be an int, got {type(value).__name__}") from None
+        return self.client.add(self._key(key), value)
 
     @_as_torch_errors
     def compare_set(self, key: str, expected_value, desired_value) -> bytes:

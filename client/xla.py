@@ -312,7 +312,9 @@ def _get_local_ordinal() -> int:
 
 
 def _is_master_ordinal(local: bool = True) -> bool:
-    """True for local ordinal 0 (``local=True``) or global ordinal 0 (pjrt_rendezvous)."""
+    """True for local ordinal 0 (``local=True``) or global ordinal 0 (pjrt_rendezvous).
+    ``local`` as torch_xla takes it, but for what is not a bool or 0/1 (TypeError)."""
+    local = _api.master_local(local, "xm.is_master_ordinal()")
     binding = xm_binding("xm.is_master_ordinal()")
     if binding is not None:
         return (binding.local_ordinal if local else binding.ordinal) == 0

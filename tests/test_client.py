@@ -102,6 +102,7 @@ def test_key_value_calls_refuse_what_the_wire_cannot_carry_by_name(client):
         (lambda: client.get(b"k", wait=False), TypeError, "key must be str, got bytes"),
         (lambda: client.delete(5), TypeError, "key must be str"),
         (lambda: client.add("n", "1"), TypeError, "delta must be an int"),
+        (lambda: client.add("n", True), TypeError, "delta must be an int, got bool"),  # (was added as 1)
         (lambda: client.add("n", 2**70), pr.UsageError, "outside the 64-bit integers"),
         (lambda: client.set("\udcff", b"x"), pr.UsageError, "is not valid text"),
         (lambda: client.compare_set("\udcff", b"", b"x"), pr.UsageError, "is not valid text"),
@@ -340,6 +341,39 @@ def test_init_is_idempotent_and_refuses_different_arguments(coordinator):
         assert pr.init() is first and pr.init(coordinator.address, env={}) is first
         with pytest.raises(pr.UsageError, match="already called"):
             pr.init("127.0.0.1:1", env={})
+    finally:
+        pr.shutdown()
+
+
+def test_init_refuses_arguments_of_the_wrong_type_by_name(coordinator, tmp_path):
+    """An address, topology or env of the wrong type, a token that is not a str, a token or TLS
+    file that is not a path: a TypeError naming the argument, before and after a client exists
+    (an int address raised AttributeError: 'strip' from the address parser, a str topology or
+    env AttributeError too; an int token_file or tls_ca was opened as that file descriptor)."""
+    pr.shutdown()
+    refused = [
+        ((5,), {}, "init() address must be a str 'host:port' or None, got 5"),
+        ((b"127.0.0.1:1",), {}, "init() address must be a str 'host:port' or None, got b'127.0.0.1:1'"),
+        ((), {"topology": "v4-8"}, "init() topology must be a Topology or None, got 'v4-8'"),
+        ((), {"env": ["PJRT_RENDEZVOUS_JOB=x"]}, "init() env must be a mapping of variable names to values or None, got list"),
+        ((), {"token": 5}, "token must be a str or None, got int"),
+        ((), {"token_file": 5}, "token_file must be a path (str or os.PathLike) or None, got 5"),
+        ((), {"tls_ca": 5}, "tls_ca must be a path (str or os.PathLike) or None, got 5"),
+    ]
+    try:
+        for args, kwargs, words in refused:
+            with pytest.raises(TypeError, match=re.escape(words)):
+                pr.init(*args, **{"env": {}, **kwargs})
+        first = pr.init(coordinator.address, env={})
+        for args, kwargs, words in refused[:4]:
+            with pytest.raises(TypeError, match=re.escape(words)):
+                pr.init(*args, **kwargs)
+        assert pr.get_client() is first
+        (tmp_path / "token").write_text("secret")
+        settings = Settings.resolve({}, address="h:1", token_file=tmp_path / "token")  # a Path is a path
+        assert settings.token == "secret"
+        with pytest.raises(TypeError, match=re.escape("token must be a str or None, got bytes")):
+            Settings(address="h:1", token=b"secret")
     finally:
         pr.shutdown()
 
@@ -630,6 +664,24 @@ def test_replicas_may_be_a_numpy_array(coordinator):
         client.close()
 
 
+def test_replicas_may_not_be_a_str_bytes_or_mapping(client):
+    """A dict, str or bytes is not a list of ordinals: a TypeError naming replicas (a dict
+    was taken as its keys, bytes as its byte values: b"\\x00" as [0]; a str said "must be
+    ints, got ['0']"). A range, a tuple and a set are sequences of ordinals (the coordinator
+    reads the group as a set)."""
+    with client.bind_thread(0) as binding:
+        for replicas, words in [
+            ({0: 1}, "replicas must be a sequence of ints, got dict {0: 1}"),
+            (b"\x00", "replicas must be a sequence of ints, got bytes b'\\x00'"),
+            (bytearray(1), "replicas must be a sequence of ints, got bytearray bytearray(b'\\x00')"),
+            ("0", "replicas must be a sequence of ints, got str '0'"),
+        ]:
+            with pytest.raises(TypeError, match=re.escape(words)):
+                client.rendezvous(binding, "t", b"x", replicas)
+        for replicas in (range(1), (0,), {0}, frozenset([0])):
+            assert client.rendezvous(binding, "t", b"x", replicas) == [b"x"]
+
+
 def test_a_replica_that_ends_fails_the_rounds_waiting_for_it_at_once(coordinator):
     """Task 0's thread 1 is done (end_replicas, as xla.spawn says when a replica returns or
     raises) while task 1's threads wait in a round that needs it, one bound thread of task 0
@@ -671,6 +723,25 @@ def test_a_replica_that_ends_fails_the_rounds_waiting_for_it_at_once(coordinator
     finally:
         for c in clients:
             c.close()
+
+
+def test_end_replicas_refuses_arguments_of_the_wrong_type_by_name(client):
+    """Ordinals that are not a sequence of ints or a reason that is not a str: a TypeError
+    naming the argument, before anything is sent (protobuf's bare TypeError: "'str' object
+    cannot be interpreted as an integer", "must assign iterable"; a bytes reason was taken)."""
+    refused = [
+        ((5, "returned"), TypeError, "ordinals must be a sequence of ints, got int 5"),
+        (("ab", "returned"), TypeError, "ordinals must be a sequence of ints, got str 'ab'"),
+        ((["0"], "returned"), TypeError, "ordinals must be ints, got ['0']"),
+        (([True], "returned"), TypeError, "ordinals must be ints, got [True]"),
+        (([0], 5), TypeError, "reason must be str, got int"),
+        (([0], b"returned"), TypeError, "reason must be str, got bytes"),
+        (([0], "\udcff"), pr.UsageError, "reason '\\udcff' is not valid text"),
+        (([2**40], "returned"), pr.UsageError, "ordinals must be in [0, 2**31), got [1099511627776]"),
+    ]
+    for args, error, words in refused:
+        with pytest.raises(error, match=re.escape(words)):
+            client.end_replicas(*args)
 
 
 def test_a_timeout_spent_in_the_batch_window_says_so(coordinator):

@@ -186,6 +186,7 @@ def test_world_of_one_needs_no_coordinator():
             (("t", "text"), TypeError, "payload must be bytes"),
             (("t", b"", [0, "1"]), TypeError, "replicas must be ints"),
             (("t", b"", [True]), TypeError, "replicas must be ints"),
+            (("t", b"", {0: 1}), TypeError, "replicas must be a sequence of ints, got dict"),
             (("t", b"", [0, 0]), pr.InvalidArgumentError, "replicas listing ordinal 0 more than once"),
             (("t", b"", [1, 0]), pr.InvalidArgumentError, "replicas [1] are out of range [0, 1) for a world of one"),
         ]

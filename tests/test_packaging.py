@@ -54,8 +54,10 @@ def test_errors_form_one_tree():
 def test_a_wheel_holds_only_the_package_and_runs_without_the_source_tree(tmp_path):
     """The package-dir mapping works for ``pip install .`` (the image's) as for the
     editable install the suite runs on, and installs no generic top-level names: the wheel
-    holds ``pjrt_rendezvous/`` and its metadata alone, and, installed elsewhere, a coordinator
-    from it serves (its protos, its native module where a compiler is)."""
+    holds ``pjrt_rendezvous/`` and its metadata alone, with the PEP 561 markers of the
+    client and the coordinator and without the development script that regenerates the
+    protos (it shipped as pjrt_rendezvous/protos/generate.py), and, installed elsewhere, a
+    coordinator from it serves (its protos, its native module where a compiler is)."""
     root = pathlib.Path(__file__).resolve().parents[1]
     source = tmp_path / "source"
     for name in ("coordinator", "client", "protos"):
@@ -70,8 +72,10 @@ def test_a_wheel_holds_only_the_package_and_runs_without_the_source_tree(tmp_pat
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"pjrt_rendezvous", "pjrt_rendezvous-0.1.0.dist-info"}, names
     for expected in ("coordinator/_core.py", "client/_native.c", "protos/v1/coordinator_pb2.py",
-                     "protos/pjrt_rendezvous/v1/coordinator.proto", "protos/v1/coordinator_pb2.pyi"):
+                     "protos/pjrt_rendezvous/v1/coordinator.proto", "protos/v1/coordinator_pb2.pyi",
+                     "client/py.typed", "coordinator/py.typed"):
         assert f"pjrt_rendezvous/{expected}" in names, expected
+    assert not [n for n in names if "generate" in n.rsplit("/", 1)[-1]], names
     site = tmp_path / "site"
     install = subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)],
                              capture_output=True, text=True, timeout=300)

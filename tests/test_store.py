@@ -124,8 +124,10 @@ def test_refusals_and_bad_arguments_are_torch_s_kinds_too(client, store, coordin
     assert store.get("bytes-key") == b"v" and store.check([b"bytes-key"])
     with pytest.raises(ValueError, match="UTF-8"):  # (not a bare UnicodeDecodeError)
         store.set(b"\xff\xfe", b"v")
-    with pytest.raises(TypeError):
-        store.add("n", 1.5)
+    for value, kind in [(1.5, "float"), ("1", "str"), (True, "bool"), (False, "bool")]:  # (a bool was added as 1 or 0)
+        with pytest.raises(TypeError, match=f"^Store add value must be an int, got {kind}$"):
+            store.add("n", value)
+    assert not store.check(["n"])
     with pytest.raises(StoreError, match="multi_set got 2 keys but 1 values") as info:  # (was UsageError)
         store.multi_set(["a", "b"], [b"1"])
     assert isinstance(info.value, dist.DistStoreError) and info.value.code == "INVALID_ARGUMENT"

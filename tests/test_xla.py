@@ -487,6 +487,33 @@ def test_bound_threads_answer_xm_calls_through_the_coordinator(xm, torch_xla, co
 
 
 @pytest.mark.xla
+def test_is_master_ordinal_takes_a_bool_or_0_1_and_refuses_other_types(xm, coordinator, no_process_client):
+    """local=1/0 and numpy's bools are read as torch_xla reads them (their truth value); a
+    str, None or 2 is a TypeError naming local, bound or not, from pr and the patched xm
+    (local="no" was true: the local master's answer; None false: the global one's)."""
+    np = pytest.importorskip("numpy")
+    xla.install()
+    client = _client(coordinator.address)
+
+    def replica(index):
+        answers = []
+        for call in (pr.is_master_ordinal, xm.is_master_ordinal):
+            answers.append([call(local) for local in (True, 1, np.True_, False, 0, np.False_)])
+            for local in ("no", None, 2, b"\x01"):
+                with pytest.raises(TypeError, match=r"is_master_ordinal\(\) local must be a bool \(True: local ordinal 0, False: global\), got "):
+                    call(local)
+        return answers
+
+    results, errors = _in_threads(client, replica)
+    client.close()
+    assert not errors, errors
+    assert results == {0: [[True] * 6] * 2, 1: [[False] * 6] * 2}, results
+    for call, name in ((pr.is_master_ordinal, "is_master_ordinal()"), (xm.is_master_ordinal, "xm.is_master_ordinal()")):
+        with pytest.raises(TypeError, match=re.escape(f"{name} local must be a bool (True: local ordinal 0, False: global), got 'no'")):
+            call("no")  # unbound
+
+
+@pytest.mark.xla
 def test_patched_rendezvous_enforces_tags_payloads_and_deadlines(xm, coordinator):
     """A tag mismatch fails every member, a str payload is a TypeError, and a missed call
     times out naming the missing ordinal."""

@@ -1,5 +1,9 @@
 """Regenerate the Python stubs in protos/v1 from protos/pjrt_rendezvous/v1/*.proto.
 
+A development script (``make protos``), kept out of the package folder so that the wheel
+does not ship it (setuptools installs every module of a package; exclude-package-data
+leaves modules alone).
+
 Run: python -m grpc_tools.protoc is called with an import-path mapping so the
 generated modules import each other as ``pjrt_rendezvous.protos.v1`` (the
 installed name) while the .proto keeps its package ``pjrt_rendezvous.v1``.
@@ -14,7 +18,8 @@ import shutil
 import sys
 import tempfile
 
-HERE = pathlib.Path(__file__).resolve().parent
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+HERE = ROOT / "protos"
 SOURCE = HERE / "pjrt_rendezvous" / "v1"
 TARGET = HERE / "v1"
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
@@ -46,5 +51,5 @@ def generate(out: pathlib.Path) -> list[pathlib.Path]:
 
 if __name__ == "__main__":
     for path in generate(TARGET):
-        print(path.relative_to(HERE.parent))
+        print(path.relative_to(ROOT))
     sys.exit(0)
