@@ -249,6 +249,17 @@ def _ints(values, what: str) -> list[int]:
 _NOT_SEQUENCES = (str, bytes, bytearray, memoryview, collections.abc.Mapping)
 
 
+def _integer(value, what: str) -> int:
+    """``value`` as an int (numpy's too); a bool (an int subclass: True was added as 1),
+    float or str is a TypeError naming ``what``."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}") from None
+
+
 def _check_call(tag, replicas) -> list[int]:
     """A rendezvous call's tag and replicas as the coordinator takes them, checked before
     the round counts (its peers must not wait for a call refused here); the replicas as a
@@ -1445,12 +1456,7 @@ class Client:
     def add(self, key: str, delta: int = 1) -> int:
         """Adds ``delta`` to the integer at ``key`` (missing counts as 0); returns the sum.
         Applied once even when the call is retried."""
-        try:
-            if isinstance(delta, bool):  # (an int subclass: True was added as 1)
-                raise TypeError
-            delta = operator.index(delta)
-        except TypeError:
-            raise TypeError(f"delta must be an int, got {type(delta).__name__}") from None
+        delta = _integer(delta, "delta")
         if not -(2**63) <= delta < 2**63:
             raise UsageError(f"delta {delta} is outside the 64-bit integers the store holds")
         request = pb.KvAddRequest(job=self.settings.job, key=_text(key, "key"), delta=delta, request_id=uuid.uuid4().hex)

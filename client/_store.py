@@ -25,7 +25,6 @@ process (they are small, and a process makes a handful).
 from __future__ import annotations
 
 import functools
-import operator
 import os
 import socket
 import threading
@@ -41,7 +40,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.distributed.rendezvous import register_rendezvous_handler
 
 from . import _api
-from ._client import Client, _key_list, inherited
+from ._client import Client, _integer, _key_list, inherited
 from ._config import Settings, check_timeout
 from ._errors import CoordinatorUnavailableError, RemoteError, RendezvousTimeout, UsageError
 from ._topology import DEFAULT_PORT, Topology, host_port
@@ -314,13 +313,7 @@ class Store(dist.Store):
     @_as_torch_errors
     def add(self, key: str, value: int) -> int:
         """Adds the int ``value`` (numpy's too; not a bool, float or str: TypeError) to ``key``."""
-        try:
-            if isinstance(value, bool):  # (an int subclass: True was added as 1)
-                raise TypeError
-            value = operator.index(value)
-        except TypeError:
-            raise TypeError(f"Store add value must be an int, got {type(value).__name__}") from None
-        return self.client.add(self._key(key), value)
+        return self.client.add(self._key(key), _integer(value, "Store add value"))
 
     @_as_torch_errors
     def compare_set(self, key: str, expected_value, desired_value) -> bytes:
