@@ -42,7 +42,7 @@ test-fast: test
 
 ## protos: regenerate protos/v1 from protos/pjrt_rendezvous/v1/*.proto
 protos: $(TEST_VENV)/.installed
-	$(TEST_VENV)/bin/python scripts/generate_protos.py
+	$(TEST_VENV)/bin/python protos/pjrt_rendezvous/generate.py
 
 clean:
 	rm -rf .venv build *.egg-info .pytest_cache .hypothesis

@@ -1351,7 +1351,7 @@ class Client:
         request = pb.GiveUpRoundRequest(
             job=self.settings.job, incarnation=self.incarnation, generation=batch.generation, replicas=replicas,
             round=round_number, ordinals=sorted(batch.contributions), tag=next(iter(batch.contributions.values()))[1],
-            reason=f"the coordinator was out of its reach for its connect_timeout of {self.settings.connect_timeout:g} s",
+            reason=f"the coordinator was out of its reach (connect_timeout {self.settings.connect_timeout:g} s)",
         )
         _given_up.setdefault(self, []).append(request)
 

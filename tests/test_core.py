@@ -2382,7 +2382,7 @@ def give_up(pod: Pod, task: int, ordinals: Sequence[int], *, round_number: int =
     return pod.core.give_up_round(
         JOB, incarnation_of(task), generation=pod.core.jobs[JOB].generation if generation is None else generation,
         replicas=list(replicas), round_number=round_number, ordinals=list(ordinals), tag="t",
-        reason="the coordinator was out of its reach for its connect_timeout of 60 s", now=now,
+        reason="the coordinator was out of its reach (connect_timeout 60 s)", now=now,
     )
 
 
@@ -2398,7 +2398,7 @@ def test_a_round_given_up_by_a_member_fails_for_the_others_and_the_next_round_me
     assert_message(
         pod.error(waiting), Code.ABORTED,
         "rendezvous 't' on all ordinals (round 0) cannot complete: ordinals 2-3 on host-0 pid 1001 gave up on it "
-        "without an answer (the coordinator was out of its reach for its connect_timeout of 60 s) and went on",
+        "without an answer (the coordinator was out of its reach (connect_timeout 60 s)) and went on",
     )
     assert ("round", JOB, *waiting) in pod.core.take_wakeups()
     assert pod.arrive([0, 1], now=3.0) == waiting  # (a resend gets the failure)

@@ -17,14 +17,14 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _generate_module():
-    spec = importlib.util.spec_from_file_location("generate_protos", ROOT / "scripts" / "generate_protos.py")
+    spec = importlib.util.spec_from_file_location("generate_protos", ROOT / "protos" / "pjrt_rendezvous" / "generate.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def test_committed_stubs_are_fresh(tmp_path):
-    """Regenerating the stubs from the .proto gives exactly the committed files (run scripts/generate_protos.py, or make protos, if not)."""
+    """Regenerating the stubs from the .proto gives exactly the committed files (run protos/pjrt_rendezvous/generate.py, or make protos, if not)."""
     pytest.importorskip("grpc_tools")
     generate = _generate_module()
     written = generate.generate(tmp_path)
@@ -32,7 +32,7 @@ def test_committed_stubs_are_fresh(tmp_path):
     for path in written:
         committed = ROOT / "protos" / "v1" / path.name
         assert committed.read_bytes() == path.read_bytes(), (
-            f"protos/v1/{path.name} is stale: run `python scripts/generate_protos.py` and commit the result"
+            f"protos/v1/{path.name} is stale: run `python protos/pjrt_rendezvous/generate.py` and commit the result"
         )
 
 

@@ -1,1 +1,1 @@
-"""Generated stubs of the ``pjrt_rendezvous.v1`` protocol (do not edit; see scripts/generate_protos.py)."""
+"""Generated stubs of the ``pjrt_rendezvous.v1`` protocol (do not edit; see protos/pjrt_rendezvous/generate.py)."""

@@ -1,8 +1,8 @@
 """Regenerate the Python stubs in protos/v1 from protos/pjrt_rendezvous/v1/*.proto.
 
-A development script (``make protos``), kept out of the package folder so that the wheel
-does not ship it (setuptools installs every module of a package; exclude-package-data
-leaves modules alone).
+A development script (``make protos``), kept beside the .proto sources, outside the
+package's modules, so that the wheel does not ship it (setuptools installs every module of
+a package folder; exclude-package-data leaves modules alone).
 
 Run: python -m grpc_tools.protoc is called with an import-path mapping so the
 generated modules import each other as ``pjrt_rendezvous.protos.v1`` (the
@@ -18,7 +18,7 @@ import shutil
 import sys
 import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 HERE = ROOT / "protos"
 SOURCE = HERE / "pjrt_rendezvous" / "v1"
 TARGET = HERE / "v1"
