@@ -122,8 +122,11 @@ _clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
 _store_ids: "weakref.WeakKeyDictionary[Client, str]" = weakref.WeakKeyDictionary()
 # The job each client registered in (RegisterResponse.job_id), kept here for the same reason.
 _job_ids: "weakref.WeakKeyDictionary[Client, str]" = weakref.WeakKeyDictionary()
-# The rounds each client gave up on without an answer, to tell the coordinator (Client._tell_given_up).
+# The rounds each client gave up on without an answer, to tell the coordinator (Client._tell_given_up),
+# one thread at a time: a sibling's next round must not overtake the telling.
 _given_up: "weakref.WeakKeyDictionary[Client, list[pb.GiveUpRoundRequest]]" = weakref.WeakKeyDictionary()
+_telling = threading.Lock()
+_NOT_AFTER_GIVE_UPS = frozenset({"GiveUpRound", "Register"})  # (the telling's own call; a registration is told nothing)
 _inherited: "weakref.WeakKeyDictionary[Client, int]" = weakref.WeakKeyDictionary()
 _forked = False  # whether _inherited may hold any (a bool: cheap to test at every call)
 
@@ -472,6 +475,8 @@ class Client:
             raise UsageError(_CLOSED)
         if _forked:
             self._refuse_if_inherited(method)
+        if _given_up and method not in _NOT_AFTER_GIVE_UPS and self in _given_up:
+            self._tell_given_up(deadline)
         attempt = (method, request, deadline, waits, progress, relay, raw)
         began = time.monotonic()
         try:
@@ -818,6 +823,7 @@ class Client:
                         "is new to the coordinator, at" if generation == self._generation else "moved to", generation,
                     )
                     self._rounds.clear()
+                    _given_up.pop(self, None)  # (rounds of the old generation or job: void)
                 if generation < self._generation:  # (a number its threads may have had before: told again)
                     for ordinal, told in self._told.items():
                         if told is not None:
@@ -1330,8 +1336,6 @@ class Client:
         def request(timeout: float | None) -> bytes:
             return encode_rendezvous(job, incarnation, replicas, round_number, timeout, generation, rows, False)
 
-        if _given_up and self in _given_up:
-            self._tell_given_up(batch.deadline)
         started = time.monotonic()
 
         def progress(_: float) -> None:  # (counted from the call, not from its latest resend)
@@ -1347,28 +1351,38 @@ class Client:
         """A round's call ended without an answer, the coordinator out of reach: its threads
         raise, and their next calls are of the next round. Its peers may reach the
         coordinator in time and wait there for this process's ordinals in this round; the
-        coordinator is told, before this process's next round, to fail it for them."""
+        coordinator is told, before this process's next call (a heartbeat's too), to fail it
+        for them."""
         request = pb.GiveUpRoundRequest(
             job=self.settings.job, incarnation=self.incarnation, generation=batch.generation, replicas=replicas,
             round=round_number, ordinals=sorted(batch.contributions), tag=next(iter(batch.contributions.values()))[1],
-            reason=f"the coordinator was out of its reach (connect_timeout {self.settings.connect_timeout:g} s)",
+            job_id=_job_ids.get(self, ""),
+            reason=f"no answer within connect_timeout ({self.settings.connect_timeout:g} s) or its timeout: the "
+            "coordinator was out of reach",
         )
         _given_up.setdefault(self, []).append(request)
 
     def _tell_given_up(self, deadline: float | None) -> None:
-        """Before a round: the coordinator fails the rounds this client gave up on (unless they
+        """Before a call: the coordinator fails the rounds this client gave up on (unless they
         finished), so its peers do not wait there for ordinals that come to later rounds.
-        Unreachable still, the round fails as they did (and is told later as well)."""
-        requests = _given_up.pop(self, [])
-        while requests:
-            try:
-                self._call("GiveUpRound", requests[0], deadline)
-            except CoordinatorUnavailableError:
-                _given_up.setdefault(self, [])[:0] = requests  # (told at the next round)
-                raise
-            except RendezvousError as exc:  # the job or this process gone (a restart without state): void anyway
-                log.debug("could not tell the coordinator that round %d was given up: %s", requests[0].round, exc)
-            requests.pop(0)
+        Unreachable still, the call fails as they did (and they are told later). A thread
+        that finds another telling them waits for it, up to ``deadline``."""
+        if not _telling.acquire(True, -1 if deadline is None else max(0.0, deadline - time.monotonic())):
+            return  # (its time is up: the call fails at once anyway)
+        try:
+            while requests := _given_up.get(self):
+                try:
+                    self._call("GiveUpRound", requests[0], deadline)
+                except CoordinatorUnavailableError:
+                    raise  # (told at the next call)
+                except RendezvousError as exc:  # this process gone (declared dead, replaced): void anyway
+                    log.debug("could not tell the coordinator that round %d was given up: %s", requests[0].round, exc)
+                if _given_up.get(self) is requests:  # (else cleared meanwhile: the job moved on)
+                    del requests[0]
+                    if not requests:
+                        _given_up.pop(self, None)
+        finally:
+            _telling.release()
 
     def _describe_wait(self, key: tuple, deadline: float | None) -> str:
         """What the coordinator says a pending round waits for (best effort: asked in the

@@ -1078,10 +1078,7 @@ class Core:
 
     def world_timeout(self, job_name: str, now: float, waited: float) -> CoreError:
         if job_name not in self.jobs:
-            error = self._unknown_job(job_name)
-            return CoreError(
-                Code.DEADLINE_EXCEEDED, f"no process registered in {_duration(waited)} s, so {error.message}"
-            )
+            return CoreError(Code.DEADLINE_EXCEEDED, f"after {_duration(waited)} s, {self._unknown_job(job_name).message}")
         job = self._job(job_name)
         if job.world_size is None:
             return CoreError(
@@ -1647,6 +1644,7 @@ class Core:
         tag: str,
         reason: str,
         now: float,
+        job_id: str = "",
     ) -> Round | None:
         """A process's call of a round ended without an answer (the coordinator out of its
         reach for its whole retry budget), so its user code saw the round fail and goes on
@@ -1655,7 +1653,9 @@ class Core:
         time, would wait there for ordinals that come to the next round instead, and the
         two rounds fail as waiting on each other, which blames the order of their calls.)
         Returns the round it failed, None when there was nothing to fail: finished, of
-        another generation (void already), or never to be started (long past)."""
+        another generation or another job of the name (``job_id``, void already), never to
+        be started (long past), or of a group the ordinals are not members of (their call
+        was refused)."""
         job = self._job(job_name)
         process = self._process(job, incarnation, now)
         strangers = sorted(set(ordinals) - process.ordinals)
@@ -1665,11 +1665,11 @@ class Core:
                 f"a process gives up rounds of its own ordinals ({process.label()} binds "
                 f"{format_ranges(sorted(process.ordinals)) or 'none'}), not of {format_ranges(strangers) or 'none'}",
             )
-        if generation != job.generation or job.world_size is None:
+        if generation != job.generation or (job_id and job_id != job.store_id) or job.world_size is None:
             return None
         members = sorted({r for r in replicas if 0 <= r < job.world_size})
-        if replicas and not members:
-            return None  # (refused when called: no round)
+        if replicas and not set(ordinals) <= set(members):
+            return None  # (refused when called: an outsider's call counts no round of the group)
         group: GroupKey = ALL if not replicas or members == list(range(job.world_size)) else tuple(members)
         try:
             rnd = self._round(job, group, round_number, now)
@@ -1686,7 +1686,7 @@ class Core:
             CoreError(
                 Code.ABORTED,
                 f"{rnd.describe()} cannot complete: {_ordinals_word(sorted(ordinals))} on {process.label()} gave up "
-                f"on it without an answer ({reason}) and went on to its next round",
+                f"on it and went on to its next round: {reason}",
             ),
         )
         return rnd

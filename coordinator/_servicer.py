@@ -462,7 +462,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
         rnd = self._core.give_up_round(
             request.job, request.incarnation, generation=request.generation, replicas=request.replicas,
             round_number=request.round, ordinals=request.ordinals, tag=request.tag, reason=request.reason,
-            now=self._clock(),
+            now=self._clock(), job_id=request.job_id,
         )
         if rnd is not None:  # (the monitor logs the failed round)
             self._wake()

@@ -2398,7 +2398,7 @@ def test_a_round_given_up_by_a_member_fails_for_the_others_and_the_next_round_me
     assert_message(
         pod.error(waiting), Code.ABORTED,
         "rendezvous 't' on all ordinals (round 0) cannot complete: ordinals 2-3 on host-0 pid 1001 gave up on it "
-        "without an answer (the coordinator was out of its reach (connect_timeout 60 s)) and went on",
+        "and went on to its next round: the coordinator was out of its reach (connect_timeout 60 s)",
     )
     assert ("round", JOB, *waiting) in pod.core.take_wakeups()
     assert pod.arrive([0, 1], now=3.0) == waiting  # (a resend gets the failure)
@@ -2430,6 +2430,12 @@ def test_a_finished_void_or_long_past_round_is_not_failed_by_a_give_up():
     assert give_up(pod, 1, [1], round_number=0) is None  # (its result is gone: nothing waits in it)
     assert give_up(pod, 1, [1], round_number=5, generation=7) is None  # another generation's: void already
     assert give_up(pod, 1, [1], round_number=5, replicas=[9]) is None  # no member in range: no round
+    assert give_up(pod, 1, [1], round_number=5, replicas=[0]) is None  # an outsider's call counts no round of the group
+    stale = pod.core.give_up_round(  # a job of the name made anew since (a restart without state)
+        JOB, incarnation_of(1), generation=pod.core.jobs[JOB].generation, replicas=[], round_number=3, ordinals=[1],
+        tag="t", reason="", now=3.0, job_id="another job's id",
+    )
+    assert stale is None
     assert not pod.core.jobs[JOB].pending
     with raises(Code.INVALID_ARGUMENT, "a process gives up rounds of its own ordinals (host-0 pid 1001 binds 1), not of 0"):
         give_up(pod, 1, [0, 1], round_number=3)
@@ -2448,5 +2454,5 @@ def test_a_job_not_created_yet_is_waited_for_and_its_world_timeout_names_the_kno
     assert "later" not in pod.core.jobs  # (a wait creates nothing)
     assert_message(
         pod.core.world_timeout("later", now=5.0, waited=5.0), Code.DEADLINE_EXCEEDED,
-        "no process registered in 5.0 s, so job 'later' is not known to this coordinator (known jobs: 'job')",
+        "after 5.0 s, job 'later' is not known to this coordinator (known jobs: 'job')",
     )

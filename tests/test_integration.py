@@ -429,7 +429,7 @@ def test_wait_world_before_any_process_registered_waits_for_the_job(coordinator)
     from test_cli import bound_thread, simulated_process
 
     observer = pr.Client(pr.Settings(address=coordinator.address, job="later"), pr.detect_topology({}, address=coordinator.address))
-    with pytest.raises(pr.RendezvousTimeout, match=r"no process registered in 0\.\d+ s, so job 'later' is not known"):
+    with pytest.raises(pr.RendezvousTimeout, match=r"after 0\.\d+ s, job 'later' is not known"):
         observer.wait_world(timeout=0.3)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(observer.wait_world, timeout=30)

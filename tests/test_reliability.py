@@ -567,9 +567,97 @@ def test_a_round_given_up_in_an_outage_fails_for_the_peers_that_waited_it_out(tm
             name, _, message = waiting.result(timeout=60)
             assert name == "ParticipantFailedError", message
             assert "rendezvous 'r' on all ordinals (round 1) cannot complete: ordinal 1 on" in message, message
-            assert "gave up on it without an answer (the coordinator was out of its reach (connect_timeout 2 s))" in message
+            assert "gave up on it and went on to its next round: no answer within connect_timeout (2 s) or its timeout" in message
             mine = pools[0].submit(lambda: clients[0].rendezvous(pr.current_binding(), "next", b"x")).result(timeout=30)
             assert mine == nxt.result(timeout=30) == [b"x", b"y"]
+        finally:
+            second.stop(grace=0)
+
+
+def test_a_siblings_round_waits_while_its_process_tells_of_a_given_up_round(tmp_path, monkeypatch):
+    """As above with two threads a process: task 1's thread 0 makes a call of another group
+    first, which tells the coordinator of the given-up round (slowly here), and its thread 1
+    meanwhile calls the next round of all ordinals. That round waits for the telling (it
+    reached the coordinator first, and the given-up round and it failed as waiting on each
+    other); so every thread meets in it."""
+    from pjrt_rendezvous.client import _client
+
+    state = tmp_path / "state.json"
+    first = Coordinator(port=0, state_file=state).start()
+    port = first.port
+    clients = [
+        pr.Client(
+            pr.Settings(address=first.address, timeout=30, connect_timeout=budget),
+            pr.detect_topology(simulated_env(address=first.address, accelerator="v3-8", task=task, processes=2, hosts=2, threads=2)),
+        )
+        for task, budget in ((0, 60), (1, 2))
+    ]
+    pools = {(c, i): concurrent.futures.ThreadPoolExecutor(1) for c in range(2) for i in range(2)}
+
+    def call(c: int, i: int, tag: str, **kwargs):
+        return pools[c, i].submit(_timed, lambda: clients[c].rendezvous(pr.current_binding(), tag, tag.encode(), **kwargs))
+
+    try:
+        for (c, i), pool in pools.items():
+            pool.submit(clients[c].bind_thread, i).result()
+        assert {f.result(timeout=30)[0] for f in [call(c, i, "warm") for c, i in pools]} == {"answered"}
+        first.stop(grace=0)
+        waiting = [call(0, i, "r") for i in range(2)]
+        assert [f.result(timeout=60)[0] for f in [call(1, i, "r") for i in range(2)]] == ["CoordinatorUnavailableError"] * 2
+        second = Coordinator(port=port, state_file=state).start()
+        try:
+            real = _client.Client._call
+
+            def slowly(self, method, *args, **kwargs):  # (a coordinator busy as it comes back)
+                if method == "GiveUpRound":
+                    time.sleep(1.0)
+                return real(self, method, *args, **kwargs)
+
+            monkeypatch.setattr(_client.Client, "_call", slowly)
+            solo = call(1, 0, "solo", replicas=[2])
+            time.sleep(0.3)
+            nxt = [call(1, 1, "next")]
+            for name, _, message in (w.result(timeout=60) for w in waiting):
+                assert name == "ParticipantFailedError" and "ordinals 2-3 on" in message and "gave up on it" in message, message
+            assert solo.result(timeout=30)[0] == "answered"
+            nxt += [call(c, i, "next") for c, i in ((0, 0), (0, 1), (1, 0))]
+            assert [n.result(timeout=30)[0] for n in nxt] == ["answered"] * 4
+        finally:
+            second.stop(grace=0)
+    finally:
+        for (c, i), pool in pools.items():
+            pool.submit(clients[c].unbind_thread).result()
+            pool.shutdown()
+        for client in clients:
+            client.close(leave=False)
+
+
+def test_a_round_given_up_before_a_restart_that_lost_the_state_spoils_no_round_of_the_new_job():
+    """Task 1 gave up round 1 in the outage; the coordinator came back without its state, so
+    the job is new to it, at generation 1 again, and the processes' round numbers restart.
+    The given-up round is of the old job: told, it failed the new job's round 1."""
+    first = Coordinator(port=0).start()
+    port = first.port
+    clients = [
+        pr.Client(
+            pr.Settings(address=first.address, timeout=30, connect_timeout=2),
+            pr.detect_topology({"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": str(task)}, address=first.address),
+        )
+        for task in range(2)
+    ]
+    with bound(clients) as pools:
+        assert meet(pools, clients, "before") == [[b"x", b"x"]] * 2
+        first.stop(grace=0)
+        name, _, _ = pools[1].submit(_timed, lambda: clients[1].rendezvous(pr.current_binding(), "r", b"x")).result(timeout=60)
+        assert name == "CoordinatorUnavailableError"
+        second = Coordinator(port=port).start()  # without a state file: the job is forgotten
+        try:
+            for pool, c in zip(pools, clients):  # registering again, as the errors say to
+                pool.submit(c.unbind_thread).result()
+                pool.submit(c.bind_thread, 0).result()
+            assert [c.generation for c in clients] == [1, 1]
+            for number in range(3):
+                assert meet(pools, clients, f"after {number}") == [[b"x", b"x"]] * 2, number
         finally:
             second.stop(grace=0)
 

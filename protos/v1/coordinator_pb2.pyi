@@ -238,7 +238,7 @@ class EndReplicasResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GiveUpRoundRequest(_message.Message):
-    __slots__ = ("job", "incarnation", "generation", "replicas", "round", "ordinals", "reason", "tag")
+    __slots__ = ("job", "incarnation", "generation", "replicas", "round", "ordinals", "reason", "tag", "job_id")
     JOB_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +247,7 @@ class GiveUpRoundRequest(_message.Message):
     ORDINALS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
     job: str
     incarnation: str
     generation: int
@@ -255,7 +256,8 @@ class GiveUpRoundRequest(_message.Message):
     ordinals: _containers.RepeatedScalarFieldContainer[int]
     reason: str
     tag: str
-    def __init__(self, job: _Optional[str] = ..., incarnation: _Optional[str] = ..., generation: _Optional[int] = ..., replicas: _Optional[_Iterable[int]] = ..., round: _Optional[int] = ..., ordinals: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ..., tag: _Optional[str] = ...) -> None: ...
+    job_id: str
+    def __init__(self, job: _Optional[str] = ..., incarnation: _Optional[str] = ..., generation: _Optional[int] = ..., replicas: _Optional[_Iterable[int]] = ..., round: _Optional[int] = ..., ordinals: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ..., tag: _Optional[str] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class GiveUpRoundResponse(_message.Message):
     __slots__ = ("failed",)
