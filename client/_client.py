@@ -32,7 +32,7 @@ from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 from ._config import DEFAULT, FAN_IN_AUTO_HOSTS, Settings, check_timeout
 from ._errors import (
     CoordinatorUnavailableError, InvalidArgumentError, MismatchError, ParticipantFailedError, RendezvousError, RendezvousTimeout,
-    UsageError, from_rpc_error,
+    UnknownJobError, UsageError, from_rpc_error,
 )
 from ._relay import Relay, relay_path
 from ._session import PING_EVERY, PING_TIMEOUT, Session, SocketSession, StatusError
@@ -1071,7 +1071,15 @@ class Client:
         request = pb.WaitWorldRequest(job=self.settings.job)
         if deadline is not None:
             request.timeout = max(1e-3, deadline - time.monotonic())
-        response = self._call("WaitWorld", request, deadline, waits=True)
+        started = time.monotonic()
+
+        def progress(_: float) -> None:
+            log.warning(
+                "still waiting after %.0f s for the world of job %r: %s", time.monotonic() - started, self.settings.job,
+                self._describe_world(deadline),
+            )
+
+        response = self._call("WaitWorld", request, deadline, waits=True, progress=progress)
         table = []
         for process in response.processes:
             for thread in process.threads:
@@ -1384,17 +1392,32 @@ class Client:
         finally:
             _telling.release()
 
-    def _describe_wait(self, key: tuple, deadline: float | None) -> str:
-        """What the coordinator says a pending round waits for (best effort: asked in the
-        waiting thread, so for at most _DESCRIBE_TIMEOUT and never past the round's deadline;
-        with the coordinator unreachable, the retries of a status call would hold the
-        round's wait long after its timeout)."""
+    def _status_while_waiting(self, deadline: float | None) -> pb.JobStatus:
+        """The job's status without its participants, for a "still waiting" line (best effort:
+        asked in the waiting thread, so for at most _DESCRIBE_TIMEOUT and never past the
+        wait's deadline; with the coordinator unreachable, the retries of a status call would
+        hold the wait long after its timeout)."""
         now = time.monotonic()
-        if deadline is not None and now >= deadline:
-            return "its timeout passed; waiting for the coordinator's answer, which names who is missing"
         bound = now + _DESCRIBE_TIMEOUT if deadline is None else min(now + _DESCRIBE_TIMEOUT, deadline)
+        (job,) = self._call("Status", pb.StatusRequest(job=self.settings.job, rounds_only=True), bound).jobs
+        return job
+
+    def _describe_world(self, deadline: float | None) -> str:
+        """How far the job's world is, for wait_world's "still waiting" line."""
         try:
-            (job,) = self._call("Status", pb.StatusRequest(job=self.settings.job, rounds_only=True), bound).jobs
+            job = self._status_while_waiting(deadline)
+        except UnknownJobError:
+            return "the coordinator has no such job yet: no process registered in it (is the job name the same everywhere?)"
+        except RendezvousError as exc:
+            return f"(status unavailable: {exc})"
+        return f"{job.registered} of {job.world_size} ordinals registered" if job.world_size else "no process registered yet"
+
+    def _describe_wait(self, key: tuple, deadline: float | None) -> str:
+        """What the coordinator says a pending round waits for (best effort: _status_while_waiting)."""
+        if deadline is not None and time.monotonic() >= deadline:
+            return "its timeout passed; waiting for the coordinator's answer, which names who is missing"
+        try:
+            job = self._status_while_waiting(deadline)
         except RendezvousError as exc:
             return f"(status unavailable: {exc})"
         for r in job.pending_rounds:

@@ -422,27 +422,36 @@ def test_wait_world_returns_every_ordinal_with_its_process(coordinator):
         assert not errors, errors
 
 
-def test_wait_world_before_any_process_registered_waits_for_the_job(coordinator):
+def test_wait_world_before_any_process_registered_waits_for_the_job(coordinator, caplog):
     """A wait for the world made before the job exists (the first process to ask, or a
     launcher watching) waits for its processes to register; it failed at once with "job ...
-    is not known". One that times out says nobody registered and names the known jobs."""
+    is not known". One that times out says the job is not known, naming the known jobs.
+    While it waits, it says every progress_interval how far the world is (it said nothing)."""
     from test_cli import bound_thread, simulated_process
 
-    observer = pr.Client(pr.Settings(address=coordinator.address, job="later"), pr.detect_topology({}, address=coordinator.address))
+    settings = pr.Settings(address=coordinator.address, job="later", progress_interval=0.2)
+    observer = pr.Client(settings, pr.detect_topology({}, address=coordinator.address))
     with pytest.raises(pr.RendezvousTimeout, match=r"after 0\.\d+ s, job 'later' is not known"):
-        observer.wait_world(timeout=0.3)
+        observer.wait_world(timeout=0.1)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(observer.wait_world, timeout=30)
-        time.sleep(0.3)
+        time.sleep(0.5)
         assert not waiting.done()
-        client = simulated_process(coordinator.address, 0, processes=1, threads=2, job="later")
-        workers = [bound_thread(client, i) for i in range(2)]
-        assert [p.ordinal for p in waiting.result(timeout=30)] == [0, 1]
+        assert "for the world of job 'later': the coordinator has no such job yet: no process registered in it" in caplog.text
+        clients = [simulated_process(coordinator.address, task, processes=2, threads=2, job="later") for task in range(2)]
+        workers = [bound_thread(clients[0], i) for i in range(2)]
+        deadline = time.monotonic() + 30
+        while "for the world of job 'later': 2 of 4 ordinals registered" not in caplog.text:
+            assert time.monotonic() < deadline and not waiting.done(), caplog.text
+            time.sleep(0.05)
+        workers += [bound_thread(clients[1], i) for i in range(2)]
+        assert [p.ordinal for p in waiting.result(timeout=30)] == [0, 1, 2, 3]
     with pytest.raises(pr.InvalidArgumentError, match="holds a control character"):
         pr.Client(pr.Settings(address=coordinator.address), pr.detect_topology({}, address=coordinator.address))._call(
             "WaitWorld", pb.WaitWorldRequest(job="a\x00b", timeout=1)
         )
-    client.close()
+    for client in clients:
+        client.close()
     observer.close()
     for thread, errors in workers:
         thread.join(30)
