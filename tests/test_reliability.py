@@ -61,6 +61,13 @@ def bound(clients):
             client.close(leave=False)
 
 
+def bind_again(pools, clients) -> None:
+    """Each client's bound thread unbinds and binds device 0 again: it registers again."""
+    for pool, client in zip(pools, clients):
+        pool.submit(client.unbind_thread).result()
+        pool.submit(client.bind_thread, 0).result()
+
+
 def meet(pools, clients, tag: str) -> list:
     """Each client's bound thread calls ``rendezvous(tag, b"x")``; their results."""
     rounds = [pool.submit(lambda c=c: c.rendezvous(pr.current_binding(), tag, b"x")) for pool, c in zip(pools, clients)]
@@ -466,9 +473,7 @@ def test_a_process_that_registers_again_after_a_coordinator_restart_watches_agai
         second = Coordinator(port=port, heartbeat_timeout=2.0).start()
         try:
             time.sleep(3.0)  # the Watch streams are refused meanwhile: the job is unknown
-            for pool, c in zip(pools, (idle, peer)):  # the documented recovery: register again
-                pool.submit(c.unbind_thread).result()
-                pool.submit(c.bind_thread, 0).result()
+            bind_again(pools, (idle, peer))  # the documented recovery
             peer._stopped.set()  # the peer goes silent (no more heartbeats): it dies
             deadline = time.monotonic() + 20
             while not any(e.kind == pb.WatchEvent.PROCESS_DEAD for e in idle.events) and time.monotonic() < deadline:
@@ -498,9 +503,7 @@ def test_processes_registering_again_with_a_coordinator_that_lost_its_state_meet
         first.stop(grace=0)
         second = Coordinator(port=port).start()  # without a state file: the job is forgotten
         try:
-            for pool, c in zip(pools, clients):  # registering again, as the errors say to
-                pool.submit(c.unbind_thread).result()
-                pool.submit(c.bind_thread, 0).result()
+            bind_again(pools, clients)  # as the errors say to
             assert [c.generation for c in clients] == [1, 1]
             for pool, c in zip(pools, clients):  # each thread told once that the job moved
                 with pytest.raises(pr.ParticipantFailedError, match="moved from generation 2 to 1"):
@@ -652,9 +655,7 @@ def test_a_round_given_up_before_a_restart_that_lost_the_state_spoils_no_round_o
         assert name == "CoordinatorUnavailableError"
         second = Coordinator(port=port).start()  # without a state file: the job is forgotten
         try:
-            for pool, c in zip(pools, clients):  # registering again, as the errors say to
-                pool.submit(c.unbind_thread).result()
-                pool.submit(c.bind_thread, 0).result()
+            bind_again(pools, clients)  # as the errors say to
             assert [c.generation for c in clients] == [1, 1]
             for number in range(3):
                 assert meet(pools, clients, f"after {number}") == [[b"x", b"x"]] * 2, number
