@@ -1457,7 +1457,7 @@ class Client:
         if len(keys) != len(values):
             raise UsageError(f"multi_set got {len(keys)} keys but {len(values)} values")
         entries = [pb.KvEntry(key=k, value=_payload_bytes(v, "value")) for k, v in zip(keys, values)]
-        self._kv("KvSet", pb.KvSetRequest(job=self.settings.job, entries=entries))
+        self._kv("KvSet", pb.KvSetRequest(job=self.settings.job, entries=entries, request_id=uuid.uuid4().hex))
 
     def get(self, key: str, *, wait: bool = True, timeout=DEFAULT) -> bytes | None:
         """The value of ``key``. With ``wait`` (default) blocks until it is set, up to

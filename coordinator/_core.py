@@ -1896,14 +1896,21 @@ class Core:
         job = self.jobs.get(job_name)
         return self.state_id if job is None else job.store_id
 
-    def kv_set(self, job_name: str, entries: Sequence[tuple[str, bytes]]) -> None:
+    def kv_set(self, job_name: str, entries: Sequence[tuple[str, bytes]], request_id: str = "") -> None:
+        """Sets every entry; with ``request_id``, once (a resend whose first answer was lost
+        must not overwrite what another client set meanwhile)."""
         for key, value in entries:
             self._check_key(key)
             self._check_value(key, value)
+        self._check_request_id(request_id)
         job = self._job_or_create(job_name)
-        self._kv_room(job, {key: len(value) for key, value in entries})
-        for key, value in entries:
-            self._write(job, key, value)
+
+        def apply() -> None:
+            self._kv_room(job, {key: len(value) for key, value in entries})
+            for key, value in entries:
+                self._write(job, key, value)
+
+        self._once(job, request_id, "set", "", apply)
 
     def kv_get(self, job_name: str, keys: Sequence[str]) -> list[bytes | None]:
         for key in keys:

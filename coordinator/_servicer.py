@@ -564,7 +564,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
     async def KvSet(self, request: pb.KvSetRequest, context) -> pb.KvSetResponse:
         core = self._core
         core.check_store(request.job, request.store_id)
-        core.kv_set(request.job, [(e.key, e.value) for e in request.entries])
+        core.kv_set(request.job, [(e.key, e.value) for e in request.entries], request.request_id)
         store_id = core.store_id(request.job)  # (the store changed: not after an await)
         self._wake()
         await self._persist()

@@ -1411,6 +1411,20 @@ def test_kv_add_with_the_same_request_id_is_applied_once():
     assert core.kv_add(JOB, "n", 3) == 12
 
 
+def test_a_retried_set_does_not_overwrite_a_newer_value():
+    """A set whose answer was lost is resent with its request id after another client set the
+    key: the resend is not applied again (the newer value was lost)."""
+    core = Core()
+    core.kv_set(JOB, [("k", b"first"), ("j", b"1")], request_id="s1")
+    core.kv_set(JOB, [("k", b"newer")], request_id="s2")
+    core.kv_set(JOB, [("k", b"first"), ("j", b"1")], request_id="s1")
+    assert core.kv_get(JOB, ["k", "j"]) == [b"newer", b"1"]
+    core.kv_set(JOB, [("k", b"again")])  # (without an id: applied each time)
+    assert core.kv_get(JOB, ["k"]) == [b"again"]
+    with raises(Code.INVALID_ARGUMENT, "request id of 300 characters"):
+        core.kv_set(JOB, [("k", b"v")], request_id="x" * 300)
+
+
 def test_a_retried_delete_says_the_key_existed():
     """A delete whose answer was lost and is resent with its request id answers True again (the
     key existed when it was deleted); another delete of the key answers False."""

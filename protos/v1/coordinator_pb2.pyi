@@ -312,14 +312,16 @@ class KvEntry(_message.Message):
     def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
 
 class KvSetRequest(_message.Message):
-    __slots__ = ("job", "entries", "store_id")
+    __slots__ = ("job", "entries", "request_id", "store_id")
     JOB_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STORE_ID_FIELD_NUMBER: _ClassVar[int]
     job: str
     entries: _containers.RepeatedCompositeFieldContainer[KvEntry]
+    request_id: str
     store_id: str
-    def __init__(self, job: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[KvEntry, _Mapping]]] = ..., store_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[KvEntry, _Mapping]]] = ..., request_id: _Optional[str] = ..., store_id: _Optional[str] = ...) -> None: ...
 
 class KvSetResponse(_message.Message):
     __slots__ = ("store_id",)
