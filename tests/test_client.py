@@ -22,6 +22,7 @@ import pjrt_rendezvous.client as pr
 from pjrt_rendezvous.client._client import _Batch, _allocate_lock, _pass_on
 from pjrt_rendezvous.client._config import Settings
 from pjrt_rendezvous.coordinator import Coordinator, Limits
+from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
 
 @pytest.fixture
@@ -236,6 +237,17 @@ def test_payload_over_limit_is_resource_exhausted_for_the_caller_and_its_waiting
     waiting.shutdown()
     client.close()
     peer.close()
+
+
+def test_a_set_resent_after_another_clients_set_is_not_applied_again(client):
+    """A set's answer lost and the set resent (the client's retry sends the same request)
+    after another client set the key: the newer value stays (it was overwritten)."""
+    client.set("warm", b"x")  # (the job exists; the request names its store)
+    request = pb.KvSetRequest(job=client.settings.job, entries=[pb.KvEntry(key="k", value=b"first")], request_id="r1")
+    client._call("KvSet", request)
+    client.set("k", b"newer")
+    client._call("KvSet", request)
+    assert client.get("k", wait=False) == b"newer"
 
 
 def test_unknown_job_is_not_found(client):
