@@ -60,7 +60,8 @@ def machine() -> dict[str, str]:
         "memory": mem,
         "cpu": model,
         "kernel": platform.release(),
-        "python": sys.version.split()[0],
+        # The interpreter's build matters to every Python side (bench/HISTORY.md): which one ran.
+        "python": f"{sys.version.split()[0]} ({os.path.realpath(sys.executable)})",
     }
 
 
