@@ -238,6 +238,77 @@ def test_a_tag_mismatch_reaches_every_member_through_the_relays(coordinator):
         c.close()
 
 
+@pytest.mark.parametrize("ended", [3, 1], ids=["sibling's replica", "relay process's replica"])
+@pytest.mark.parametrize("order", ["waiting", "later"], ids=["round waiting", "round entered after"])
+def test_a_replica_that_ends_fails_the_rounds_that_need_it_through_the_relays(coordinator, monkeypatch, ended, order):
+    """One replica of host 0 ends (end_replicas, as xla.spawn says once its thread unbound)
+    while its peers, on its host and on the other, all through their relays, wait in a round
+    that needs it, or before they enter one: each fails within seconds of a 60 s timeout
+    (entered after: at once, or once host 0's relay held it its batch window, 1 s, for the
+    ordinal that does not come), with the error the direct path gives, naming the ordinal
+    and how its replica ended. A round of the others without it (``replicas=``) completes
+    through the relays, exact."""
+    clients = make_clients(coordinator.address)
+    run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
+    others = [o for o in range(PROCESSES * THREADS) if o != ended]
+    told = threading.Event()
+    ended_at = []
+    sent = set()  # (relay, replicas, round) of each call a relay made
+    send_one = Relay._send_one
+
+    def record(relay, request, deadline):
+        sent.add((relay, tuple(request.replicas), request.round))
+        return send_one(relay, request, deadline)
+
+    monkeypatch.setattr(Relay, "_send_one", record)
+
+    def end(client, binding):
+        client.unbind_thread()
+        ended_at.append(time.monotonic())
+        client.end_replicas([ended], "raised ValueError: gave up")
+        told.set()
+
+    def body(client, binding):
+        if binding.ordinal == ended:
+            if order == "waiting":  # once every other contribution reached the coordinator
+                deadline = time.monotonic() + 30
+                while [list(r.missing) for j in client.status().jobs for r in j.pending_rounds] != [[ended]]:
+                    assert time.monotonic() < deadline, "the others never waited at the coordinator"
+                    time.sleep(0.05)
+            return end(client, binding)
+        if order == "later":
+            assert told.wait(30)
+        with pytest.raises(pr.ParticipantFailedError) as raised:
+            client.rendezvous(binding, "needs", b"%d" % binding.ordinal)
+        failed_at = time.monotonic()
+        without = client.rendezvous(binding, "without", b"%d" % binding.ordinal, replicas=others)
+        return str(raised.value), failed_at, without
+
+    results = run_threads(clients, body)
+    # The coordinator's error, as every member's call pending when the round failed has it
+    # (and the call that failed it); a process's call that came after has it with its own
+    # ordinals, saying the round failed before it came: as each process's, made directly.
+    error = (rf"rendezvous 'needs' on all ordinals \(round 1\) cannot complete: a member ended \(ordinal {ended} on "
+             r"sim-host-0 pid \d+: its replica raised ValueError: gave up\)")
+    for ordinal in others:
+        assert isinstance(results[ordinal], tuple), (ordinal, results[ordinal])
+        message, failed_at, without = results[ordinal]
+        own = [o for o in range(ordinal // THREADS * THREADS, (ordinal // THREADS + 1) * THREADS) if o != ended]
+        late = (f"{'ordinal' if len(own) == 1 else 'ordinals'} {'-'.join(map(str, own))} called with tag 'needs' as "
+                f"rendezvous 'needs' on all ordinals (round 1), which had failed before it came (its round counter "
+                f"for the group moves on with its peers'): ")
+        late = f"(?:{re.escape(late)})?" if order == "later" else ""
+        assert re.fullmatch(late + error, message), (ordinal, message)
+        assert failed_at - ended_at[0] < 5, (ordinal, failed_at - ended_at[0])
+        assert without == [b"%d" % o for o in others], (ordinal, without)
+    relays = [clients[0]._relay, clients[2]._relay]
+    assert {(r, (), 1) for r in relays} | {(r, tuple(others), 0) for r in relays} <= sent, sent
+    (job,) = clients[0].status().jobs
+    assert {p.ordinal: p.ended for p in job.participants if p.ended} == {ended: "raised ValueError: gave up"}
+    for c in clients:
+        c.close()
+
+
 def test_processes_fall_back_to_the_coordinator_when_their_relay_goes_away(coordinator):
     """Host 0's relay stops (its process keeps running): its processes' rounds still
     complete, sent directly, each once."""
