@@ -466,7 +466,10 @@ class Servicer(pb_grpc.CoordinatorServicer):
         )
         if rnd is not None:  # (the monitor logs the failed round)
             self._wake()
-            await self._persist()
+        # Failed or not, on disk first: "not failed" may rest on a round's end (or a new
+        # generation) still being written, which a crash would take back, and the process
+        # forgets the round once told.
+        await self._persist()
         return pb.GiveUpRoundResponse(failed=rnd is not None)
 
     async def Watch(self, request: pb.WatchRequest, context):

@@ -813,6 +813,41 @@ def test_a_watch_s_first_message_waits_for_the_events_it_counts_to_be_on_disk(tm
     assert restored.events("j", 0) == core.events("j", 0)
 
 
+def test_a_give_up_answered_not_failed_waits_for_the_round_s_end_on_disk(tmp_path, monkeypatch):
+    """A process that gave up on round 0 tells the coordinator, which answers failed=False
+    when the round finished meanwhile, and the process forgets the round. It answered at
+    once, from a finish still being written: killed then, the coordinator came back with
+    round 0 pending, its peers resent it and waited there for ordinals that had gone on to
+    round 1, which the give-up exists to prevent. The answer now waits for the write."""
+    from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
+
+    path = tmp_path / "state.json"
+    core, writer, servicer, gate = _stalling(path, monkeypatch, "append")
+
+    async def main():
+        await writer.flush()
+        gate.clear()  # the disk stalls from here on
+        for task in range(2):  # round 0 finishes in memory; its journal line waits for the disk
+            core.arrive(1.0, job="j", incarnation=f"i{task}", replicas=[], round_number=0,
+                        contributions=[Contribution(ordinal=task, tag="t", payload=b"")], deadline=None)
+        request = pb.GiveUpRoundRequest(job="j", incarnation="i0", generation=core.jobs["j"].generation,
+                                        round=0, ordinals=[0], tag="t", reason="out of reach")
+        told = asyncio.ensure_future(servicer.GiveUpRound(request, None))
+        await asyncio.sleep(0.3)
+        early = told.done()
+        on_disk = _state.load(path, now=0.0, limits=None, heartbeat_timeout=None).jobs["j"].rounds_completed
+        gate.set()
+        answer = await told
+        writer.close()
+        return early, on_disk, answer.failed
+
+    early, on_disk, failed = asyncio.run(main())
+    assert not early, f"told failed=False while the round's end was not on disk (rounds on disk: {on_disk})"
+    assert failed is False
+    restored = _state.load(path, now=0.0, limits=None, heartbeat_timeout=None)
+    assert restored.jobs["j"].rounds_completed == core.jobs["j"].rounds_completed == 1
+
+
 def test_temporary_files_a_crash_left_are_removed_at_the_next_start(tmp_path, monkeypatch):
     """A rewrite killed before its rename (kill -9, out of memory) leaves a temporary file as
     large as the state; they piled up until no rewrite fitted on the volume. The next start
