@@ -482,7 +482,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
             self._core.touch(request.job, request.incarnation, self._clock())
             first, events = self._core.events(request.job, 0)
             known = first + len(events)
-        except CoreError as exc:
+        except CoreError as exc:  # (declared dead, replaced: on disk first, as any refusal)
+            exc = await self._refusal(exc)
             await _abort(context, exc.code, exc.message)
         seen = request.after if request.HasField("after") else known
         if not 0 <= seen <= known:  # past the end: a coordinator restarted without its state

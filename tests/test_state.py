@@ -848,6 +848,43 @@ def test_a_give_up_answered_not_failed_waits_for_the_round_s_end_on_disk(tmp_pat
     assert restored.jobs["j"].rounds_completed == core.jobs["j"].rounds_completed == 1
 
 
+def test_a_watch_refused_for_a_death_waits_for_the_death_to_be_on_disk(tmp_path, monkeypatch):
+    """A Watch of a process declared dead is refused (ABORTED), and its client stops watching
+    for good. It was refused at once, from a death still being written: killed then, the
+    coordinator came back with the process alive, which no longer heard of any event. The
+    refusal now waits for the write, as every other call's does."""
+    from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        async def abort(self, code, message):
+            raise Aborted(code, message)
+
+    path = tmp_path / "state.json"
+    core, writer, servicer, gate = _stalling(path, monkeypatch, "rewrite")
+
+    async def main():
+        await writer.flush()
+        gate.clear()  # the disk stalls from here on
+        core.declare_dead("j", "i1", "silent")  # not on disk yet
+        stream = servicer.Watch(pb.WatchRequest(job="j", incarnation="i1"), Context())
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.3)
+        early = first.done()
+        alive_on_disk = _state.load(path, now=0.0, limits=None, heartbeat_timeout=None).jobs["j"].processes["i1"].alive
+        gate.set()
+        with pytest.raises(Aborted) as refused:
+            await first
+        writer.close()
+        return early, alive_on_disk, refused.value.args
+
+    early, alive_on_disk, (code, message) = asyncio.run(main())
+    assert not early, f"the Watch was refused for a death not on disk (alive on disk: {alive_on_disk})"
+    assert code.name == "ABORTED" and "declared dead" in message, (code, message)
+
+
 def test_temporary_files_a_crash_left_are_removed_at_the_next_start(tmp_path, monkeypatch):
     """A rewrite killed before its rename (kill -9, out of memory) leaves a temporary file as
     large as the state; they piled up until no rewrite fitted on the volume. The next start
