@@ -911,6 +911,45 @@ def test_temporary_files_a_crash_left_are_removed_at_the_next_start(tmp_path, mo
     assert [p.exists() for p in left + kept] == [False, False, True, True, True]
 
 
+def test_a_journal_left_without_its_state_file_is_not_replayed_onto_a_new_one(tmp_path, monkeypatch, caplog):
+    """A state file moved away (as its error says to, when it is corrupt) leaves its journal
+    behind. The next coordinator starts empty, and its first write replaces the state file,
+    then the journal: killed between the two, it came back replaying the old run's lines onto
+    the new, empty state (keys of the old run back, or a refusal to start naming a job it
+    never had). A journal without its state file belongs to nothing: it goes at the start."""
+    path = tmp_path / "state.json"
+    core = Core()
+    from pjrt_rendezvous.coordinator._server import _StateWriter
+
+    writer = _StateWriter(core, _state.Files(path))
+
+    async def first_run():
+        await writer.flush()
+        core.kv_set("store", [("old", b"1")])
+        await writer.flush()  # (journaled)
+        writer.close()
+
+    asyncio.run(first_run())
+    assert _state.journal_path(path).stat().st_size > 0
+    path.unlink()  # moved away; its journal stays
+    real = _state.write_atomic
+
+    def killed_before_the_journal(target, data):
+        if target == _state.journal_path(path):
+            raise KeyboardInterrupt("killed between the state file and its journal")
+        real(target, data)
+
+    with caplog.at_level(logging.WARNING, logger="pjrt_rendezvous.coordinator"):
+        files = _state.Files(path)
+    monkeypatch.setattr(_state, "write_atomic", killed_before_the_journal)
+    with pytest.raises(KeyboardInterrupt):
+        files.rewrite(_state.encode(_state.snapshot(Core())))
+    files.close()
+    restored = _state.load(path, now=0.0, limits=None, heartbeat_timeout=None)
+    assert restored.jobs == {}, f"the old run's keys came back: {restored.jobs}"
+    assert "without its state file" in caplog.text, caplog.text
+
+
 def test_an_append_journals_what_it_appends_not_the_whole_value(tmp_path, monkeypatch):
     """Each append to a large value adds a line of its own bytes to the journal (it wrote
     the whole value each time: ten 1-byte appends to 1 MB wrote over 10 MB), and the
