@@ -481,8 +481,8 @@ class Files:
     def rewrite(self, data: bytes) -> None:
         """Replaces the state file with ``data`` (from :func:`encode`) and empties its journal
         (also the way back after a failed append: a partial line goes with the old journal)."""
-        self._close_journal()
         try:
+            self._close_journal()
             _with_files(lambda: write_atomic(self.path, data))
             _with_files(lambda: write_atomic(journal_path(self.path), b""))  # a crash between the two: the lines are older, skipped
         except OSError as exc:
@@ -499,16 +499,18 @@ class Files:
 
     def _close_journal(self) -> None:
         if self._journal is not None:
-            os.close(self._journal)
-            self._journal = None
+            fd, self._journal = self._journal, None  # (a close that fails frees the descriptor too)
+            os.close(fd)
 
     def close(self) -> None:
         """Closes the journal and lets go of the lock: another coordinator may start on it."""
-        self._close_journal()
-        if self._lock is not None:
-            _held.discard(self._lock)
-            os.close(self._lock)  # (lets go of the flock)
-            self._lock = None
+        try:
+            self._close_journal()
+        finally:  # (the lock goes even when closing the journal fails)
+            if self._lock is not None:
+                lock, self._lock = self._lock, None
+                _held.discard(lock)
+                os.close(lock)  # (lets go of the flock)
 
 
 def replay_journal(core: Core, path: pathlib.Path) -> None:

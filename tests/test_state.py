@@ -950,6 +950,33 @@ def test_a_journal_left_without_its_state_file_is_not_replayed_onto_a_new_one(tm
     assert "without its state file" in caplog.text, caplog.text
 
 
+def test_a_journal_whose_close_failed_is_not_closed_again(tmp_path, monkeypatch):
+    """close(2) of the journal failing (EIO, on NFS) still frees its descriptor, but Files kept
+    the number: every later rewrite closed it again and failed (EBADF), or closed whatever
+    file had been given that number since (a client's connection). The rewrite that met the
+    error fails; the next ones work."""
+    import errno
+
+    path = tmp_path / "state.json"
+    files = _state.Files(path)
+    files.rewrite(_state.encode(_state.snapshot(Core())))
+    files.append(_state.journal_entry(1, [], {}))
+    journal_fd = files._journal
+    real_close = os.close
+
+    def close(fd):
+        real_close(fd)
+        if fd == journal_fd:
+            raise OSError(errno.EIO, "Input/output error")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(_state.os, "close", close)
+        with pytest.raises(OSError, match="Input/output error"):
+            files.rewrite(_state.encode(_state.snapshot(Core())))
+    files.rewrite(_state.encode(_state.snapshot(Core())))
+    files.close()
+
+
 def test_an_append_journals_what_it_appends_not_the_whole_value(tmp_path, monkeypatch):
     """Each append to a large value adds a line of its own bytes to the journal (it wrote
     the whole value each time: ten 1-byte appends to 1 MB wrote over 10 MB), and the
