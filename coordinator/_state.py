@@ -19,7 +19,7 @@ events) rewrites the state file and empties the journal, as does a journal grown
 ``JOURNAL_LIMIT``. Loading replays the lines newer than the state file (each carries the
 core's version); a last line cut short by a crash was never acknowledged and is ignored, a
 damaged line before it is reported. A journal found without its state file (moved away)
-belongs to no state: it is removed at the start.
+belongs to no state: it is moved aside at the start (``PATH.journal.orphaned``).
 
 Also beside it, ``PATH.lock``: a coordinator holds an ``flock`` on it from before it reads
 the state file until it stops (or its start fails; a forked child closes its copy), so a
@@ -416,21 +416,23 @@ def _remove_leftovers(real: pathlib.Path) -> None:
                 log.warning("cannot remove %s, left by a write a crash cut short: %s", leftover, exc.strerror)
 
 
-def _remove_orphaned_journal(real: pathlib.Path) -> None:
-    """Removes a journal whose state file is gone (moved away, as its error says to when it
-    is corrupt): its lines are changes to a state nobody has. Left there, the next start's
-    first write (the new state file, then an empty journal) killed between its two renames
-    came back replaying them onto the new state. Called with the lock held."""
+def _set_aside_orphaned_journal(real: pathlib.Path) -> None:
+    """Moves a journal whose state file is gone (moved away, as its error says to when it
+    is corrupt) to ``<journal>.orphaned``: its lines are changes to a state nobody has. Left
+    there, the next start's first write (the new state file, then an empty journal) killed
+    between its two renames came back replaying them onto the new state. Kept, not removed,
+    beside the state file it belongs to wherever that went. Called with the lock held."""
     journal = journal_path(real)
     if os.path.lexists(real) or not os.path.lexists(journal):
         return
+    aside = journal.with_name(journal.name + ".orphaned")
     try:
-        journal.unlink()
+        os.replace(journal, aside)
         _fsync_folder(real.parent)
     except OSError as exc:
-        log.warning("cannot remove %s, a journal without its state file %s: %s", journal, real, exc.strerror)
+        log.warning("cannot move %s, a journal without its state file %s, aside: %s", journal, real, exc.strerror)
         return
-    log.warning("removed %s: a journal without its state file %s (moved away?) belongs to no state", journal, real)
+    log.warning("moved %s to %s: a journal without its state file %s (moved away?) belongs to no state", journal, aside, real)
 
 
 def _with_files(open_and_write):
@@ -462,7 +464,7 @@ class Files:
         self._lock: int | None = _lock(self.path, path)
         self._journal: int | None = None  # the journal's descriptor, open for appends
         _remove_leftovers(self.path)
-        _remove_orphaned_journal(self.path)
+        _set_aside_orphaned_journal(self.path)
 
     def append(self, data: bytes) -> None:
         """Appends ``data`` to the journal, on disk when this returns."""

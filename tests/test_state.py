@@ -948,6 +948,7 @@ def test_a_journal_left_without_its_state_file_is_not_replayed_onto_a_new_one(tm
     restored = _state.load(path, now=0.0, limits=None, heartbeat_timeout=None)
     assert restored.jobs == {}, f"the old run's keys came back: {restored.jobs}"
     assert "without its state file" in caplog.text, caplog.text
+    assert (tmp_path / "state.json.journal.orphaned").stat().st_size > 0  # kept aside, not removed
 
 
 def test_a_journal_whose_close_failed_is_not_closed_again(tmp_path, monkeypatch):
