@@ -600,9 +600,15 @@ def write_atomic(path: pathlib.Path, data: bytes) -> None:
 
 
 def _fsync_folder(folder: pathlib.Path) -> None:
+    """Makes a rename in ``folder`` durable. A file system that cannot sync a folder (EINVAL:
+    some network and FUSE ones) makes its renames durable by itself, or never: as PostgreSQL
+    and SQLite do, that is not a failed write (every rewrite would fail, so no state file)."""
     dir_fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
     finally:
         os.close(dir_fd)
 

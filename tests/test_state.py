@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -11,6 +12,7 @@ import pathlib
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -975,6 +977,37 @@ def test_a_journal_whose_close_failed_is_not_closed_again(tmp_path, monkeypatch)
         with pytest.raises(OSError, match="Input/output error"):
             files.rewrite(_state.encode(_state.snapshot(Core())))
     files.rewrite(_state.encode(_state.snapshot(Core())))
+    files.close()
+
+
+def test_a_folder_that_cannot_be_synced_does_not_fail_the_writes(tmp_path, monkeypatch):
+    """Some file systems (network, FUSE) refuse fsync on a folder with EINVAL: every rewrite
+    failed there, so a coordinator could not keep a state file at all. Like PostgreSQL and
+    SQLite, the folder's sync is skipped there; a file's own fsync failing still fails."""
+    path = tmp_path / "state.json"
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    core = Core()
+    core.kv_set("store", [("k", b"v")])
+    files = _state.Files(path)
+    files.rewrite(_state.encode(_state.snapshot(core)))
+    files.close()
+    restored = _state.load(path, now=0.0, limits=None, heartbeat_timeout=None)
+    assert restored.kv_get("store", ["k"]) == [b"v"]
+
+    def broken(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", broken)
+    files = _state.Files(path)
+    with pytest.raises(OSError, match="Input/output error"):
+        files.rewrite(_state.encode(_state.snapshot(core)))
     files.close()
 
 
