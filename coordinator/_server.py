@@ -449,7 +449,10 @@ class _StateWriter:
         """On the loop: the write under way is done. The bookkeeping comes first: a caller
         must never find a finished write still under way (it would wait on it in a loop)."""
         done, self._inflight = self._inflight, None
-        if error is None:
+        if isinstance(error, _state.Removed):  # written again whole, at once (flush's next pass)
+            log.warning("%s: writing the whole state again", error, extra={"event": "state_file_removed"})
+            self._state_written, error = -1, None
+        elif error is None:
             self._written, self._state_written, self._journal_size = after
         else:
             self._state_written = -1  # the changes taken are not on disk: the next write is whole

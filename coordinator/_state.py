@@ -452,6 +452,12 @@ def _with_files(open_and_write):
         pause = min(2 * pause, 1.0)
 
 
+class Removed(OSError):
+    """The journal or the state file was removed while the coordinator ran (by hand, or a
+    cleaner of old files): what the journal held is no longer on disk, so the next write is
+    a whole one."""
+
+
 class Files:
     """The state file and its journal, as the state writer's thread writes them, locked
     against other coordinators (``PATH.lock``) from construction to :meth:`close`. The
@@ -477,8 +483,14 @@ class Files:
             while view:
                 view = view[os.write(self._journal, view):]
             os.fsync(self._journal)
+            # (two system calls against an fsync's milliseconds)
+            gone = journal_path(self.path) if os.fstat(self._journal).st_nlink == 0 else None
+            if gone is None and not os.path.lexists(self.path):
+                gone = self.path
         except OSError as exc:
             raise self._cannot_write(exc) from exc
+        if gone is not None:
+            raise Removed(errno.ENOENT, f"{gone} was removed while the coordinator ran")
 
     def rewrite(self, data: bytes) -> None:
         """Replaces the state file with ``data`` (from :func:`encode`) and empties its journal

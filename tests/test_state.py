@@ -980,6 +980,37 @@ def test_a_journal_whose_close_failed_is_not_closed_again(tmp_path, monkeypatch)
     files.close()
 
 
+@pytest.mark.parametrize("removed", ["journal", "state file"])
+def test_a_state_file_or_journal_removed_while_it_runs_is_written_again_whole(tmp_path, caplog, removed):
+    """The journal or the state file removed under a running coordinator (by hand, or a
+    cleaner of old files in /tmp): the journal's appends went on into the removed file (or
+    beside no state file), so what was acknowledged before and after was lost at the next
+    restart. The next write finds it gone and writes the whole state again."""
+    from pjrt_rendezvous.coordinator._server import _StateWriter
+
+    path = tmp_path / "state.json"
+    core = Core()
+    writer = _StateWriter(core, _state.Files(path))
+
+    async def run():
+        await writer.flush()
+        core.kv_set("store", [("before", b"1")])
+        await writer.flush()  # (journaled)
+        (_state.journal_path(path) if removed == "journal" else path).unlink()
+        core.kv_set("store", [("after", b"2")])
+        await writer.flush()
+        core.kv_set("store", [("later", b"3")])
+        await writer.flush()
+        writer.close()
+
+    with caplog.at_level(logging.WARNING, logger="pjrt_rendezvous.coordinator"):
+        asyncio.run(run())
+    assert "was removed while the coordinator ran: writing the whole state again" in caplog.text, caplog.text
+    assert path.exists() and _state.journal_path(path).exists()
+    restored = _state.load(path, now=0.0, limits=None, heartbeat_timeout=None)
+    assert restored.kv_get("store", ["before", "after", "later"]) == [b"1", b"2", b"3"]
+
+
 def test_a_folder_that_cannot_be_synced_does_not_fail_the_writes(tmp_path, monkeypatch):
     """Some file systems (network, FUSE) refuse fsync on a folder with EINVAL: every rewrite
     failed there, so a coordinator could not keep a state file at all. Like PostgreSQL and
