@@ -265,7 +265,10 @@ class Store(dist.Store):
             _kept.append(self)
 
     def set_timeout(self, timeout: timedelta) -> None:
-        _seconds(timeout)  # refused here, not at the next wait
+        seconds = _seconds(timeout)  # refused here, not at the next wait
+        if seconds is not None and seconds < 0.001:
+            # torch keeps whole milliseconds: under one became 0, which is no timeout
+            timeout = timedelta(milliseconds=1)
         super().set_timeout(timeout)
 
     @property

@@ -151,6 +151,21 @@ def test_refusals_and_bad_arguments_are_torch_s_kinds_too(client, store, coordin
     away.close()
 
 
+def test_a_timeout_under_a_millisecond_expires_and_is_not_no_timeout(client, store):
+    """torch keeps a store's timeout in whole milliseconds, and 0 is no timeout: a timeout
+    under a millisecond (set_timeout's or the constructor's) is kept as one millisecond, so a
+    get of a missing key times out as on a TCPStore (it became 0 and waited forever)."""
+    store.set_timeout(datetime.timedelta(microseconds=500))
+    assert store.timeout == datetime.timedelta(milliseconds=1)
+    assert Store(client, prefix=store.prefix, timeout=0.0005).timeout == datetime.timedelta(milliseconds=1)
+    started = time.monotonic()
+    with pytest.raises(StoreTimeout, match="never-set"):
+        store.get("never-set")
+    assert time.monotonic() - started < 5
+    store.set_timeout(datetime.timedelta(0))  # (zero itself stays no timeout)
+    assert store.timeout == datetime.timedelta(0)
+
+
 def test_stores_and_their_clones_outlive_the_caller_s_reference(client):
     """torch's C++ side does not keep a Python store alive (pytorch#106633): a Store passed
     inline, and the clones PrefixStore makes, still answer once Python dropped them."""
