@@ -296,9 +296,10 @@ class Store(dist.Store):
 
     def _wait_seconds(self, timeout=None) -> float | None:
         timeout = self.timeout if timeout is None else timeout
-        if self.timeout < timedelta(0) and timeout == self.timeout:
-            # Set from C++ (PrefixStore.set_timeout), past our set_timeout's check: it expires
-            # at once, as in torch's stores (it refused every wait, for keys present too).
+        if isinstance(timeout, timedelta) and timeout < timedelta(0):
+            # Set from C++ (PrefixStore.set_timeout), past our set_timeout's check, or given to
+            # a wait (C++ passes any): it expires at once, as in torch's stores (it refused
+            # every wait, for keys present too).
             return _AT_ONCE
         return _seconds(timeout)
 

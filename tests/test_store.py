@@ -166,6 +166,23 @@ def test_a_timeout_under_a_millisecond_expires_and_is_not_no_timeout(client, sto
     assert store.timeout == datetime.timedelta(0)
 
 
+def test_a_negative_timeout_given_to_a_wait_expires_at_once(store):
+    """A negative timeout given to wait (C++ passes any: PrefixStore.wait, a deadline already
+    past) expires at once, as a negative store timeout does and as in torch's stores: keys
+    present are there, missing ones a StoreTimeout (a DistStoreError), not a UsageError."""
+    store.set("k", b"v")
+    prefixed = dist.PrefixStore("neg-wait", store)
+    prefixed.set("k", b"v")
+    past = datetime.timedelta(seconds=-1)
+    store.wait(["k"], past)
+    prefixed.wait(["k"], past)
+    started = time.monotonic()
+    for waiting in (store, prefixed):
+        with pytest.raises(StoreTimeout, match="missing"):
+            waiting.wait(["missing"], past)
+    assert time.monotonic() - started < 5
+
+
 def test_stores_and_their_clones_outlive_the_caller_s_reference(client):
     """torch's C++ side does not keep a Python store alive (pytorch#106633): a Store passed
     inline, and the clones PrefixStore makes, still answer once Python dropped them."""
