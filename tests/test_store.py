@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import concurrent.futures
 import gc
+import itertools
 import multiprocessing
 import os
 import queue
@@ -16,6 +17,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import pjrt_rendezvous.client as pr
 from pjrt_rendezvous.coordinator import Coordinator
@@ -203,6 +206,126 @@ def test_a_waiting_get_is_released_by_a_set_from_another_store(client, store):
     Store(client, prefix=store.prefix).set("late", b"here")
     assert got.get(timeout=10) == b"here"
     waiter.join(10)
+
+
+# --- the same calls on a TCPStore ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tcp_store():
+    """torch's TCPStore (master, on loopback): what a Store is meant to stand in for."""
+    return dist.TCPStore("127.0.0.1", 0, 1, True, timeout=SECOND, wait_for_workers=False)
+
+
+# Left out, where a Store answers otherwise on purpose: keys not UTF-8 (a ValueError: the
+# coordinator's keys are text), add on a value that is not an integer or leaves int64 (a
+# DistStoreError; a TCPStore drops its connection or wraps around), a timeout of 0 (no
+# timeout, c10d's kNoTimeout, as FileStore and HashStore; a TCPStore's expires at once) or
+# negative (at once; a TCPStore's waits forever), keys over --max-key-length or values over
+# --max-value-bytes (a DistStoreError), the queue methods (README), num_keys's count (a
+# TCPStore counts its own "init/" key and every prefix's keys: compared as differences).
+_examples = itertools.count()
+DIFF_KEYS = ["", "a", "\u00e9", "k/1"]  # (the prefix makes the empty key a key of the coordinator's)
+DIFF_VALUES = [b"", b"0", b"7", b"-3", b" 12", b"x", b"\xff\x00", b"v" * 70_000]
+# add on a value both read as the same integer: a TCPStore drops the connection on others
+# ("x", "") and reads "7 12" as 7 (std::stoll), where the coordinator refuses them
+DIFF_INTEGER = re.compile(rb" ?-?[0-9]{1,15}")
+_key = st.tuples(st.sampled_from(DIFF_KEYS), st.booleans()).map(lambda kb: kb[0].encode() if kb[1] else kb[0])
+_value = st.tuples(st.sampled_from(DIFF_VALUES), st.booleans()).map(
+    lambda vb: vb[0].decode() if vb[1] and vb[0].isascii() else vb[0]
+)
+_keys = st.lists(_key, max_size=3)
+DIFF_OPS = st.one_of(
+    st.tuples(st.just("set"), _key, _value),
+    st.tuples(st.just("get"), _key),
+    st.tuples(st.just("add"), _key, st.integers(-5, 5)),
+    st.tuples(st.just("compare_set"), _key, _value, _value),
+    st.tuples(st.just("check"), _keys),
+    st.tuples(st.just("wait"), _keys, st.just(datetime.timedelta(milliseconds=50))),
+    st.tuples(st.just("multi_get"), _keys),
+    _keys.flatmap(  # (now and then a value too many: a DistStoreError)
+        lambda keys: st.tuples(st.just("multi_set"), st.just(keys), st.lists(_value, min_size=len(keys), max_size=len(keys) + 1))
+    ),
+    st.tuples(st.just("append"), _key, _value),
+    st.tuples(st.just("delete_key"), _key),
+    st.tuples(st.just("num_keys")),
+    st.tuples(st.just("set_timeout"), st.sampled_from([datetime.timedelta(milliseconds=m) for m in (50, 100)])),
+)
+DIST_ERRORS = (dist.DistNetworkError, dist.DistStoreError, dist.DistError, TypeError, ValueError, RuntimeError)
+
+
+def _outcome(store, start, op):
+    """What a call answers (num_keys: how many keys more than ``start``), or the first of
+    torch's error kinds it raised."""
+    try:
+        result = getattr(store, op[0])(*op[1:])
+    except DIST_ERRORS as exc:
+        return "raised", next(kind.__name__ for kind in DIST_ERRORS if isinstance(exc, kind))
+    return "ok", result - start if op[0] == "num_keys" else result
+
+
+def _observed(store, start):
+    """The keys' values (None: missing) and how many keys more than ``start`` there are."""
+    return [store.get(k) if store.check([k]) else None for k in DIFF_KEYS], store.num_keys() - start
+
+
+@pytest.mark.parametrize("via", ["python", "cpp"])
+@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(DIFF_OPS, max_size=12))
+def test_a_store_answers_every_call_as_a_tcpstore(client, tcp_store, via, ops):
+    """The same calls on a Store and on torch's TCPStore answer the same values, raise the
+    same kinds of torch errors (a get or wait of a missing key a DistStoreError after the
+    timeout, multi_set of unequal lengths one too) and leave the same keys, values and key
+    count: keys str or bytes (empty, non-ASCII), values str or bytes (empty, not UTF-8,
+    70 kB), add on missing keys and integers, compare_set on missing keys with an empty or
+    other expected value. Called from Python (the Store's methods) and from C++ (through a
+    PrefixStore on each: torch's bridge calls the Store's methods as gloo does)."""
+    n = next(_examples)
+    reference = dist.PrefixStore(f"diff/{n}", tcp_store)
+    ours = Store(client, prefix=f"test/diff/{via}/{n}")
+    if via == "cpp":
+        reference, ours = dist.PrefixStore("cpp", reference), dist.PrefixStore("cpp", ours)
+    for store in (reference, ours):
+        store.set_timeout(datetime.timedelta(milliseconds=80))  # (a get of a missing key waits that long)
+    start = {"ours": ours.num_keys(), "reference": reference.num_keys()}  # (a TCPStore counts every key it holds)
+    for op in ops:
+        if op[0] == "add" and reference.check([op[1]]) and not DIFF_INTEGER.fullmatch(reference.get(op[1])):
+            continue
+        assert _outcome(ours, start["ours"], op) == _outcome(reference, start["reference"], op), op
+    assert _observed(ours, start["ours"]) == _observed(reference, start["reference"])
+
+
+def _gloo_calls(store):
+    """A process group of one on ``store`` (torch's C++ side calls it: gloo, new_group, the
+    barriers), then torch's Python callers of a store; what they return, and how many keys
+    they made."""
+    from torch.distributed.elastic.utils import store as elastic_store
+
+    start = store.num_keys()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=20))
+    try:
+        dist.barrier()
+        summed = torch.ones(3)
+        dist.all_reduce(summed)
+        group = dist.new_group([0])
+        dist.barrier(group=group)
+        objects = [None]
+        dist.all_gather_object(objects, {"rank": 0})
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=20))
+    finally:
+        dist.destroy_process_group()
+    synced = elastic_store.synchronize(store, b"data", 0, 1, "sync/", timeout=20)
+    elastic_store.barrier(store, 1, "barrier/", 20, rank=0, rank_tracing_decoder=str, trace_timeout=1)
+    return summed.tolist(), objects, synced, store.num_keys() - start
+
+
+def test_gloo_and_torch_s_store_callers_see_what_they_see_on_a_tcpstore(client, tcp_store):
+    """A gloo process group on a Store (barrier, all_reduce, new_group, all_gather_object,
+    monitored_barrier) and torchelastic's store helpers (synchronize, barrier) answer as on a
+    TCPStore, and make as many keys."""
+    reference = _gloo_calls(dist.PrefixStore("gloo", tcp_store))
+    assert _gloo_calls(Store(client, prefix="test/gloo-diff", timeout=datetime.timedelta(seconds=20))) == reference
+    assert reference[:3] == ([1.0, 1.0, 1.0], [{"rank": 0}], [b"data"]) and reference[3] > 0
 
 
 # --- the pjrt-rendezvous:// handler --------------------------------------------------------------
