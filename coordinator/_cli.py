@@ -756,16 +756,26 @@ def summarize_job(job) -> dict:
             }
         )
     not_registered = [o for o in range(job.world_size) if o not in by_ordinal]
+    # An ordinal not registered whose task's process registered others (a thread not bound
+    # yet) is that process's, as the coordinator's messages say: by task, the live one first.
+    by_task: dict[int, object] = {}
+    for p in sorted(job.participants, key=lambda p: p.alive):
+        by_task[p.task_id] = p
+    per_task = job.devices_per_task
+
+    def owner(o: int):
+        return by_ordinal.get(o) or (by_task.get(o // per_task) if per_task else None)
+
     rounds = []
     for r in job.pending_rounds:
         groups: dict[str | None, list[int]] = {}
         for o in r.missing:
-            p = by_ordinal.get(o)
+            p = owner(o)
             groups.setdefault(None if p is None else p.host, []).append(o)
         missing_by_host = []
         for host in sorted(groups, key=lambda h: min(groups[h])):
             ordinals = groups[host]
-            procs = {by_ordinal[o].incarnation: by_ordinal[o] for o in ordinals if o in by_ordinal}
+            procs = {p.incarnation: p for p in map(owner, ordinals) if p is not None}
             missing_by_host.append(
                 {
                     "host": host,

@@ -328,6 +328,7 @@ class JobView:
     kv_keys: int
     # Task id -> (its ordinals, why its latest registration was refused), while it has none.
     refused: dict[int, tuple[list[int], str]] = dataclasses.field(default_factory=dict)
+    devices_per_task: int = 0  # 0 until known
 
 
 class Contribution(NamedTuple):
@@ -2093,6 +2094,7 @@ class Core:
                         for task, why in sorted(job.refused.items())
                         if task not in job.tasks
                     },
+                    devices_per_task=job.devices_per_task or 0,
                 )
             )
         return views

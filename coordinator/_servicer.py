@@ -688,6 +688,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
                         pb.RefusedTask(task_id=task, ordinals=ordinals, reason=why)
                         for task, (ordinals, why) in v.refused.items()
                     ],
+                    devices_per_task=v.devices_per_task,
                 )
                 for v in views
             ]

@@ -281,6 +281,47 @@ def test_status_table_and_json_show_a_stuck_round():
         assert server.stop() == 0
 
 
+def test_status_names_the_process_of_a_missing_ordinal_whose_thread_is_not_bound():
+    """A round waits for ordinal 3, whose process (task 1) registered its thread 0 but not yet
+    thread 1: the error, the serve log and the round's missingSummary say "3 on sim-host-1",
+    but the status table said "3 not registered" and its JSON ``host`` null, as for a task
+    nobody started: the operator could not tell which process to look at. Now the table
+    names its host, pid and last-seen age as for any other missing ordinal."""
+    with Serve("--world-size", "4") as server:
+        clients = [simulated_process(server.address, task, processes=2) for task in range(2)]
+
+        def step(binding):
+            binding.client.rendezvous(binding, "step", b"", timeout=60)
+
+        threads = [bound_thread(clients[0], thread, step)[0] for thread in (0, 1)]
+        threads.append(bound_thread(clients[1], 0, step)[0])  # its thread 1 never binds
+        wait_until(
+            lambda: [r for j in clients[0].status().jobs for r in j.pending_rounds if len(r.arrived) == 3],
+            what="three arrivals",
+        )
+        (pending,) = clients[0].status().jobs[0].pending_rounds
+        assert pending.missing_summary.startswith("3 on sim-host-1 (last seen"), pending.missing_summary
+
+        table = run_cli("status", "--address", server.address)
+        assert table.returncode == 0, table.stderr
+        text = table.stdout
+        assert "not registered: ordinals 3" in text, text
+        (round_row,) = [line for line in text.splitlines() if "'step'" in line]
+        assert re.search(r"3/4\s+\d+\.\d s\s+3 on sim-host-1 \(pid %d, last seen \d+\.\d s ago\)$" % os.getpid(), round_row), text
+
+        as_json = run_cli("status", "--address", server.address, "--json")
+        assert as_json.returncode == 0, as_json.stderr
+        (missing,) = json.loads(as_json.stdout)["jobs"][0]["pendingRounds"][0]["missingByHost"]
+        assert (missing["host"], missing["ordinals"], missing["pids"]) == ("sim-host-1", [3], [os.getpid()]), missing
+        assert missing["lastSeenAge"] >= 0
+
+        for client in clients:
+            client.close()  # the waiting calls end
+        for thread in threads:
+            thread.join(30)
+        assert server.stop() == 0
+
+
 def test_status_of_an_unknown_job_or_an_absent_coordinator_fails_with_a_message():
     """`status --job nope` exits 1 naming the known jobs; an address nobody listens on exits 1."""
     with Serve("--world-size", "2") as server:
