@@ -1410,7 +1410,10 @@ class Client:
             return "the coordinator has no such job yet: no process registered in it (is the job name the same everywhere?)"
         except RendezvousError as exc:
             return f"(status unavailable: {exc})"
-        return f"{job.registered} of {job.world_size} ordinals registered" if job.world_size else "no process registered yet"
+        if not job.world_size:
+            return "no process registered yet"
+        missing = f"; missing {job.world_missing_summary}" if job.world_missing_summary else ""
+        return f"{job.registered} of {job.world_size} ordinals registered{missing}"
 
     def _describe_wait(self, key: tuple, deadline: float | None) -> str:
         """What the coordinator says a pending round waits for (best effort: _status_while_waiting)."""

@@ -329,6 +329,8 @@ class JobView:
     # Task id -> (its ordinals, why its latest registration was refused), while it has none.
     refused: dict[int, tuple[list[int], str]] = dataclasses.field(default_factory=dict)
     devices_per_task: int = 0  # 0 until known
+    # While the world is incomplete: its missing ordinals and where they are (world_timeout).
+    world_missing_summary: str = ""
 
 
 class Contribution(NamedTuple):
@@ -1076,6 +1078,14 @@ class Core:
         word = _missing_word(missing)
         budget = max(_MESSAGE_CHARACTERS - len(head) - len(word) - 3, 2 * _REST_CHARACTERS)
         return f"{head}{word} ({self.describe_missing(job, missing, now, budget=budget)})"
+
+    def _world_missing(self, job: Job, now: float) -> str:
+        """The ordinals a job's incomplete world lacks and where they are, within
+        _MESSAGE_CHARACTERS ("" when complete or of no known size)."""
+        if job.world_size is None or job.complete:
+            return ""
+        missing = [o for o in range(job.world_size) if o not in job.members]
+        return self._with_missing(job, "", missing, now)
 
     def world_timeout(self, job_name: str, now: float, waited: float) -> CoreError:
         if job_name not in self.jobs:
@@ -2095,6 +2105,7 @@ class Core:
                         if task not in job.tasks
                     },
                     devices_per_task=job.devices_per_task or 0,
+                    world_missing_summary=self._world_missing(job, now),
                 )
             )
         return views

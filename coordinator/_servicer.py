@@ -689,6 +689,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
                         for task, (ordinals, why) in v.refused.items()
                     ],
                     devices_per_task=v.devices_per_task,
+                    world_missing_summary=v.world_missing_summary,
                 )
                 for v in views
             ]

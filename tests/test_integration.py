@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import io
 import json
+import logging
 import os
 import pathlib
 import re
@@ -453,6 +454,30 @@ def test_wait_world_before_any_process_registered_waits_for_the_job(coordinator,
     for client in clients:
         client.close()
     observer.close()
+    for thread, errors in workers:
+        thread.join(30)
+        assert not errors, errors
+
+
+def test_wait_world_still_waiting_lines_name_the_missing_ordinals(coordinator, caplog):
+    """A wait for a world missing a process and a thread says, every progress_interval,
+    which ordinals are missing and where, as its timeout does: it said only "5 of 8 ordinals
+    registered", and who was missing took `pjrt-rendezvous status` on the coordinator's host."""
+    from test_cli import bound_thread, simulated_process
+
+    clients = [simulated_process(coordinator.address, task, processes=4, threads=2, progress_interval=0.2) for task in range(3)]
+    workers = [bound_thread(c, i) for c in clients[:2] for i in range(2)]
+    workers.append(bound_thread(clients[2], 0))  # ordinal 5 (its thread 1) and task 3 (6-7) never come
+    caplog.set_level(logging.WARNING, logger="pjrt_rendezvous.client")
+    with pytest.raises(pr.RendezvousTimeout) as timeout:
+        clients[0].wait_world(timeout=1.0)
+    assert "missing ordinals 5-7 (5 on sim-host-2 (last seen" in str(timeout.value), timeout.value
+    lines = [r.getMessage() for r in caplog.records if "for the world of job" in r.getMessage()]
+    assert lines, caplog.text
+    assert "5 of 8 ordinals registered; missing ordinals 5-7 (5 on sim-host-2 (last seen" in lines[0], lines[0]
+    assert lines[0].endswith("; 6-7 never registered)"), lines[0]
+    for client in clients:
+        client.close()
     for thread, errors in workers:
         thread.join(30)
         assert not errors, errors

@@ -556,7 +556,7 @@ class RefusedTask(_message.Message):
     def __init__(self, task_id: _Optional[int] = ..., ordinals: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job", "world_size", "registered", "generation", "participants", "pending_rounds", "rounds_completed", "kv_keys", "refused", "devices_per_task")
+    __slots__ = ("job", "world_size", "registered", "generation", "participants", "pending_rounds", "rounds_completed", "kv_keys", "refused", "devices_per_task", "world_missing_summary")
     JOB_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
@@ -567,6 +567,7 @@ class JobStatus(_message.Message):
     KV_KEYS_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     DEVICES_PER_TASK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_MISSING_SUMMARY_FIELD_NUMBER: _ClassVar[int]
     job: str
     world_size: int
     registered: int
@@ -577,7 +578,8 @@ class JobStatus(_message.Message):
     kv_keys: int
     refused: _containers.RepeatedCompositeFieldContainer[RefusedTask]
     devices_per_task: int
-    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., registered: _Optional[int] = ..., generation: _Optional[int] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., pending_rounds: _Optional[_Iterable[_Union[PendingRound, _Mapping]]] = ..., rounds_completed: _Optional[int] = ..., kv_keys: _Optional[int] = ..., refused: _Optional[_Iterable[_Union[RefusedTask, _Mapping]]] = ..., devices_per_task: _Optional[int] = ...) -> None: ...
+    world_missing_summary: str
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., registered: _Optional[int] = ..., generation: _Optional[int] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., pending_rounds: _Optional[_Iterable[_Union[PendingRound, _Mapping]]] = ..., rounds_completed: _Optional[int] = ..., kv_keys: _Optional[int] = ..., refused: _Optional[_Iterable[_Union[RefusedTask, _Mapping]]] = ..., devices_per_task: _Optional[int] = ..., world_missing_summary: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("jobs",)
