@@ -1046,7 +1046,9 @@ class Core:
                 by_where["never registered" if refused is None else f"not registered ({refused})"].append(ordinal)
                 continue
             process = job.processes[member.incarnation if member else owner]
-            where = f"on {process.host or 'an unnamed host'}" + ("" if process.alive else " (dead)")
+            where = f"on {process.host or 'an unnamed host'}" + (
+                "" if process.alive else " (left)" if process.left else " (dead)"
+            )
             by_where[where].append(ordinal)
             ages[where] = max(ages.get(where, 0.0), now - process.last_seen)
         parts = []

@@ -621,6 +621,17 @@ def test_world_timeout_lists_missing_ordinals_as_ranges():
     )
 
 
+def test_world_timeout_says_a_missing_ordinal_s_process_left_not_died():
+    """Task 1 bound thread 0, then closed its client: the world's timeout called its process
+    "(dead)" for ordinal 3, where its event, the log and `status` say it left."""
+    pod = make_pod(2, 2, register=False)
+    pod.register(0)
+    pod.register(1, threads=[0])
+    pod.core.leave(JOB, incarnation_of(1))
+    message = pod.core.world_timeout(JOB, now=30.0, waited=30.0).message
+    assert "missing ordinal 3 (3 on host-0 (left) (last seen 30.0 s ago))" in message, message
+
+
 def test_a_wait_for_the_ordinals_of_a_refused_registration_says_why_they_are_missing():
     """Task 1 was refused (another world size): the world's timeout and a round's said its
     ordinals "never registered", the reason only in task 1's own log; they name its host and
