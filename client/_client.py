@@ -1347,10 +1347,12 @@ class Client:
         started = time.monotonic()
 
         def progress(_: float) -> None:  # (counted from the call, not from its latest resend)
-            log.warning(
+            from pjrt_rendezvous.coordinator._core import describe_group, format_ranges
+
+            log.warning(  # (the group and ordinals named as the coordinator names them)
                 "still waiting after %.0f s in round %d of %s (ordinals %s here): %s",
-                time.monotonic() - started, round_number, f"replicas {list(group)}" if group else "all ordinals",
-                sorted(batch.contributions), self._describe_wait((group, round_number), batch.deadline),
+                time.monotonic() - started, round_number, describe_group(group),
+                format_ranges(batch.contributions), self._describe_wait((group, round_number), batch.deadline),
             )
 
         return self._call("Rendezvous", request, batch.deadline, waits=True, progress=progress, relay=True)

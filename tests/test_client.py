@@ -491,6 +491,35 @@ def test_still_waiting_lines_name_the_missing_ordinals(coordinator, caplog):
     client.close()
 
 
+def test_still_waiting_lines_name_groups_and_ordinals_as_ranges_as_the_coordinator_does(coordinator, caplog):
+    """The line named the round's group and the process's ordinals as Python lists
+    ("replicas [0, 1, 2] (ordinals [0, 1] here)") where the coordinator's log and errors
+    name the same round "replicas [0-2]": now ranges, as everywhere else."""
+    client = make_client(coordinator.address, tasks=2, devices=2, progress_interval=0.3)
+    caplog.set_level(logging.WARNING, logger="pjrt_rendezvous.client")
+    errors = []
+    bound = threading.Barrier(2)
+
+    def member(index: int) -> None:
+        with client.bind_thread(index) as binding:
+            bound.wait(30)  # (both bound first: one call for the process)
+            try:
+                client.rendezvous(binding, "sub", b"", replicas=[0, 1, 2], timeout=1.5)
+            except pr.RendezvousTimeout as exc:
+                errors.append(str(exc))
+
+    threads = [threading.Thread(target=member, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(errors) == 2 and "rendezvous 'sub' on replicas [0-2] (round 0)" in errors[0], errors
+    lines = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
+    assert lines and all("in round 0 of replicas [0-2] (ordinals 0-1 here): " in line for line in lines), lines
+    assert "(ordinals 0-1 here): tag 'sub', missing 1 of 3: 2 never registered" in lines[0], lines
+    client.close()
+
+
 @pytest.mark.parametrize("wait", [False, True], ids=["plain-get", "blocking-get"])
 def test_a_value_is_read_only_once_it_is_on_disk(tmp_path, monkeypatch, wait):
     """With a state file, a get (plain, or blocked until the key is set) answers a value only
