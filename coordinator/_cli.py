@@ -297,7 +297,7 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "--late-after",
         _seconds,
         DEFAULT_LATE_AFTER,
-        f"log a round still waiting after this many seconds, naming who is missing (default "
+        f"log a round still waiting, or a world still incomplete, after this many seconds, naming who is missing (default "
         f"{DEFAULT_LATE_AFTER:g}; 'none' never)",
     )
     for field in dataclasses.fields(Limits):

@@ -13,6 +13,8 @@ Events (the ``event`` field of JSON log lines; registration is logged by the ser
 ``registered``           INFO     a process registered threads (task, host, pid)
 ``world_formed``         INFO     every ordinal of a job (generation) registered
 ``round_late``           WARNING  a round waited ``late_after`` s: who is missing
+``world_late``           WARNING  a job's world still incomplete ``late_after`` s
+                                  after it was first seen so: who is missing
 ``round_failed``         WARNING  a round failed (timeout, mismatch, death, restart)
 ``rounds_failed_again``  WARNING  at most once a minute: how many more rounds failed
                                   for a cause told ten times (a member died, left or
@@ -77,6 +79,8 @@ class Monitor:
         self._events_seen = {name: len(job.events) for name, job in core.jobs.items()}
         self._late: set[tuple[str, tuple]] = set()  # (job, round key) already reported late
         self._formed: set[tuple[str, int]] = set()  # (job, generation) whose world formed
+        # (job, generation) whose world is incomplete -> [first seen so, reported late]
+        self._worlds: dict[tuple[str, int], list] = {}
         # (job, why a member is gone) -> [when last counted, rounds failed for it since, told]
         self._causes: dict[tuple[str, str], list] = {}
         core.finished = []  # the core keeps the rounds it finishes for us from now on
@@ -236,6 +240,7 @@ class Monitor:
             return
         now = self._clock()
         jobs = self._core.jobs
+        self._check_worlds(now)
         if len(self._late) > self.LATE_KEPT:  # forget the rounds that are no longer pending
             self._late = {(name, key) for name, key in self._late if name in jobs and key in jobs[name].pending}
         budget = self.LATE_PER_CHECK
@@ -276,6 +281,42 @@ class Monitor:
         # Rounds that finished are dropped in _round; this catches any other way out.
         if len(self._late) > 1024:
             self._late = {(j, k) for j, k in self._late if j in self._core.jobs and k in self._core.jobs[j].pending}
+
+
+    def _check_worlds(self, now: float) -> None:
+        """Logs, once, every job whose world (of a known size, with a live process) has been
+        incomplete for ``late_after`` since a check first found it so: a world that does not
+        form left nothing in the log but the registrations that came."""
+        incomplete = set()
+        for name, job in self._core.jobs.items():
+            if job.world_size is None or job.complete or not any(p.alive for p in job.processes.values()):
+                continue
+            key = (name, job.generation)
+            incomplete.add(key)
+            seen = self._worlds.setdefault(key, [now, False])
+            if seen[1] or now - seen[0] < self.late_after:
+                continue
+            seen[1] = True
+            missing = [o for o in range(job.world_size) if o not in job.members]
+            log.warning(
+                "world late in job %r: %d of %d ordinals registered after %.1f s; missing %s",
+                name,
+                len(job.members),
+                job.world_size,
+                now - seen[0],
+                self._core._world_missing(job, now),
+                extra={
+                    "event": "world_late",
+                    "job": name,
+                    "generation": job.generation,
+                    "registered": len(job.members),
+                    "expected": job.world_size,
+                    **_missing_fields(missing),
+                    "waited": round(now - seen[0], 3),
+                },
+            )
+        if self._worlds.keys() - incomplete:  # formed, or gone: forgotten
+            self._worlds = {key: seen for key, seen in self._worlds.items() if key in incomplete}
 
 
 def _missing_fields(missing: list[int]) -> dict:

@@ -139,7 +139,8 @@ class ServerOptions:
             Heartbeat answers). Cheaper than gRPC's stream for both ends; None serves none.
             With TLS, 0 means none: the session port has no TLS.
         late_after: log a rendezvous round still waiting after this long (once per
-            round, naming who is missing); None never.
+            round, naming who is missing), and a job's world still incomplete (once, until
+            it forms); None never.
     """
 
     host: str = "127.0.0.1"

@@ -396,6 +396,50 @@ def test_late_rounds_are_reported_a_few_per_check_and_forgotten_once_gone(caplog
     assert len(monitor._late) == 10
 
 
+def test_a_world_still_incomplete_after_late_after_is_logged_once_naming_who_is_missing(caplog):
+    """A world that does not form (task 2 never starts, task 1 binds one of its two threads)
+    left nothing in the coordinator's log past the registrations that came: who was missing
+    took `status`, or a wait_world's timeout in some process. Now, as for a late round, one
+    line once the world has waited --late-after, naming the missing ordinals and where they are."""
+    from pjrt_rendezvous.coordinator import Core
+    from pjrt_rendezvous.coordinator._core import Registration, ThreadRequest
+    from pjrt_rendezvous.coordinator._monitor import Monitor
+
+    def register(now: float, task: int, threads: tuple[int, ...]) -> None:
+        core.register(now, Registration(job="j", incarnation=f"i{task}", host=f"h{task}", pid=task, task_id=task,
+                                        num_tasks=3, devices_per_task=2, local_rank=0,
+                                        threads=tuple(ThreadRequest(thread_index=i) for i in threads)))
+
+    core, clock = Core(), [0.0]
+    monitor = Monitor(core, None, clock=lambda: clock[0], late_after=10.0)
+    register(0.0, 0, (0, 1))
+    register(0.0, 1, (0,))
+
+    def late() -> list:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="pjrt_rendezvous.coordinator"):
+            monitor.check_late()
+        return [r for r in caplog.records if getattr(r, "event", "") == "world_late"]
+
+    for now in (0.0, 5.0, 9.9):
+        clock[0] = now
+        assert late() == []
+    clock[0] = 10.5
+    (line,) = late()
+    assert line.getMessage() == (
+        "world late in job 'j': 3 of 6 ordinals registered after 10.5 s; missing ordinals 3-5 "
+        "(3 on h1 (last seen 10.5 s ago); 4-5 never registered)"
+    ), line.getMessage()
+    assert (line.job, line.generation, line.registered, line.expected, line.missing, line.missing_count) == (
+        "j", 1, 3, 6, "3-5", 3
+    )
+    clock[0] = 30.0
+    assert late() == []  # once
+    register(30.0, 1, (0, 1))
+    register(30.0, 2, (0, 1))
+    assert late() == [] and not monitor._worlds  # formed: forgotten
+
+
 def test_every_round_a_death_fails_is_counted_and_logged(caplog):
     """A death fails three pending rounds of one group at once: each is counted and logged
     (the monitor looked each up after the fact, and the core keeps a group's last two)."""
