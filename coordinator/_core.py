@@ -1038,6 +1038,7 @@ class Core:
         anywhere and named nobody past the cut."""
         by_where: dict[str, list[int]] = collections.defaultdict(list)
         ages: dict[str, float] = {}
+        hosts_of: dict[str, str] = {}  # where -> its host (a host's dead processes are told apart)
         for ordinal in ordinals:
             member = job.members.get(ordinal)
             owner = job.tasks.get(ordinal // job.devices_per_task) if job.devices_per_task else None
@@ -1051,12 +1052,13 @@ class Core:
             )
             by_where[where].append(ordinal)
             ages[where] = max(ages.get(where, 0.0), now - process.last_seen)
+            hosts_of[where] = process.host
         parts = []
         for where, group in sorted(by_where.items(), key=lambda item: min(item[1])):
             text = f"{format_ranges(group)} {where}"
             if where in ages:
                 text += f" (last seen {_duration(ages[where])} s ago)"
-            parts.append((text, len(group), where in ages))
+            parts.append((text, len(group), hosts_of.get(where)))
         described = "; ".join(text for text, _, _ in parts)
         if budget is None or len(described) <= budget:
             return described
@@ -1067,10 +1069,10 @@ class Core:
             shown.append(text)
             used += len(text) + 2
         rest = parts[len(shown):]
-        hosts = sum(on_host for _, _, on_host in rest)
+        hosts = len({host for _, _, host in rest if host is not None})  # (each once)
         where = " or ".join(
             ([f"on {hosts} more {'host' if hosts == 1 else 'hosts'}"] if hosts else [])
-            + (["not registered"] if hosts < len(rest) else [])
+            + (["not registered"] if any(host is None for _, _, host in rest) else [])
         )
         count = sum(n for _, n, _ in rest)
         return "; ".join(shown + [f"and {_plural(count, 'more ordinal')} {where} (`pjrt-rendezvous status` lists them all)"])

@@ -1168,6 +1168,24 @@ def test_a_timeout_missing_many_hosts_names_those_that_fit_and_counts_the_rest()
     assert listed + int(rest) == 200, (listed, rest)
 
 
+def test_a_cut_description_counts_each_host_left_out_once():
+    """800 tasks of 2 on 200 hosts, each task's thread 1 not bound and one process per host
+    dead: a host's missing ordinals are told in two parts, "(dead)" and not, and the count
+    of the hosts left out of a message cut to fit counted parts, not hosts ("on 361 more
+    hosts" of 200)."""
+    pod = make_pod(800, 2, register=False, limits=Limits(max_world_size=4096))
+    for task in range(800):
+        pod.register(task, threads=[0])
+    for task in range(0, 800, 4):
+        pod.core.declare_dead(JOB, incarnation_of(task), "silent")
+    message = pod.core.world_timeout(JOB, now=30.0, waited=30.0).message
+    rest, hosts = re.search(r"; and (\d+) more ordinals on (\d+) more hosts \(`pjrt-rendezvous status`", message).groups()
+    named = re.findall(r"on (host-\d+)", message)
+    last = int(named[-1].split("-")[1])  # (the last host named may have a part left out)
+    assert int(hosts) in (199 - last, 200 - last), (hosts, last, message[-300:])
+    assert int(rest) + sum(len(part.split(", ")) for part in re.findall(r"([\d, ]+) on host-", message)) == 800
+
+
 def test_the_round_deadline_is_the_earliest_member_deadline():
     """A later member with an earlier deadline moves the round's deadline forward; None never extends it."""
     pod = make_pod(4)
