@@ -169,8 +169,11 @@ def _agree(client: Client, base: str, rank: int, world: int, timeout: float | No
         if not waiting:
             return attempt
         if deadline is not None and time.monotonic() >= deadline:
+            from pjrt_rendezvous.coordinator._core import format_ranges
+
             raise RendezvousTimeout(
-                f"rank 0 waited {timeout:g} s for ranks {waiting} of this torchrun attempt to start "
+                f"rank 0 waited {timeout:g} s for rank{'s' if len(waiting) > 1 else ''} {format_ranges(waiting)} "
+                "of this torchrun attempt to start "
                 f"(keys under {base!r}): every worker makes a Store or a {SCHEME}:// rendezvous"
             )
         time.sleep(pause)

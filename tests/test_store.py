@@ -482,7 +482,7 @@ def test_under_torchrun_the_default_prefix_is_the_run_s_own(client, coordinator,
         attempt = _store._agree(client, "torch.distributed/run-threads/attempts/", 1, 2, 20)  # (rank 1, elsewhere)
         assert [f.result().prefix for f in both] == [f"torch.distributed/run-threads/{attempt}"] * 2
     monkeypatch.setenv("WORLD_SIZE", "2")  # a rank that never comes: torch's kind of timeout, naming it
-    for rank, says in (("0", "rank 0 waited 1 s for ranks [1] of this torchrun attempt to start"), ("1", "still not set")):
+    for rank, says in (("0", "rank 0 waited 1 s for rank 1 of this torchrun attempt to start"), ("1", "still not set")):
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"run-9-{rank}")
         with pytest.raises(StoreTimeout, match=re.escape(says)) as info:
@@ -493,6 +493,16 @@ def test_under_torchrun_the_default_prefix_is_the_run_s_own(client, coordinator,
     with pytest.raises(dist.DistNetworkError):  # (a bare CoordinatorUnavailableError, no RuntimeError)
         Store(unreachable, timeout=5)
     unreachable.close()
+
+
+def test_rank_0_names_the_ranks_that_never_came_as_ranges(client):
+    """Rank 0 of a torchrun attempt of 64 whose other ranks never start named them as a
+    Python list, [1, 2, 3, ..., 63]; now as ranges, as every other wait names who is missing."""
+    from pjrt_rendezvous.client import _store
+
+    with pytest.raises(pr.RendezvousTimeout) as info:
+        _store._agree(client, "agree-ranges/", 0, 64, 0.3)
+    assert "rank 0 waited 0.3 s for ranks 1-63 of this torchrun attempt to start" in str(info.value), info.value
 
 
 def test_url_handler_needs_rank_and_world_size(coordinator, monkeypatch):
