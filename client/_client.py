@@ -1433,14 +1433,14 @@ class Client:
 
     # -- key-value ------------------------------------------------------------------------
 
-    def _kv(self, method: str, request, deadline: float | None = None, *, waits: bool = False):
+    def _kv(self, method: str, request, deadline: float | None = None, *, waits: bool = False, progress=None):
         """A key-value call, naming the job's store this client saw: when the coordinator no
         longer has it (restarted without its state file), the call is refused at once
         (MismatchError), not answered from an empty store as if it were the one it used.
         Each call that saw the old store is refused; those made after one was use the new."""
         seen = request.store_id = _store_ids.get(self, "")
         try:
-            response = self._call(method, request, deadline, waits=waits)
+            response = self._call(method, request, deadline, waits=waits, progress=progress)
         except MismatchError:  # (the one FAILED_PRECONDITION of key-value calls: Core.check_store)
             if seen and _store_ids.get(self) == seen:
                 _store_ids.pop(self, None)  # (another thread's refusal may have taken it already)
@@ -1483,8 +1483,37 @@ class Client:
         request = pb.KvGetRequest(job=self.settings.job, keys=_key_list(keys, text=True), wait=wait)
         if deadline is not None and wait:
             request.timeout = max(1e-3, deadline - time.monotonic())
-        response = self._kv("KvGet", request, deadline, waits=wait)
+        progress = self._keys_progress(list(request.keys), deadline) if wait else None
+        response = self._kv("KvGet", request, deadline, waits=wait, progress=progress)
         return [v.value if v.found else None for v in response.values]
+
+    def _keys_progress(self, keys: list[str], deadline: float | None):
+        """A blocked get's or wait's "still waiting" line: the keys still not set (asked
+        without waiting, as _status_while_waiting asks, for at most _DESCRIBE_TIMEOUT)."""
+        started, job = time.monotonic(), self.settings.job
+        what = f"key {keys[0]!r}" if len(keys) == 1 else f"{len(keys)} keys"
+
+        def progress(_: float) -> None:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                said = "its timeout passed; waiting for the coordinator's answer, which names the keys not set"
+                log.warning("still waiting after %.0f s for %s of job %r: %s", now - started, what, job, said)
+                return
+            try:
+                bound = now + _DESCRIBE_TIMEOUT if deadline is None else min(now + _DESCRIBE_TIMEOUT, deadline)
+                request = pb.KvGetRequest(job=job, keys=keys, found_only=True, store_id=_store_ids.get(self, ""))
+                found = self._call("KvGet", request, bound).values
+                missing = [k for k, v in zip(keys, found) if not v.found]
+                if len(keys) == 1:
+                    said = "not set yet" if missing else "set (its answer is on the way)"
+                else:
+                    shown = ", ".join(repr(k) for k in missing[:20]) + (" ..." if len(missing) > 20 else "")
+                    said = f"{len(missing)} not set yet: {shown}" if missing else "all set (the answer is on the way)"
+            except RendezvousError as exc:
+                said = f"(which are set is unavailable: {exc})"
+            log.warning("still waiting after %.0f s for %s of job %r: %s", time.monotonic() - started, what, job, said)
+
+        return progress
 
     def check(self, keys: Sequence[str]) -> bool:
         """True when every key exists (no waiting; their values are not sent)."""

@@ -210,9 +210,9 @@ class Settings:
         heartbeat_interval: seconds between heartbeats (shortened to a third of the
             coordinator's heartbeat timeout when that is smaller).
         progress_interval: while blocked in a rendezvous round, log a "still waiting ..."
-            line naming the missing ordinals this often, and in ``wait_world`` one saying
-            how many ordinals registered and which are missing (a key's wait logs nothing
-            until its timeout, which names what is missing); None never logs.
+            line naming the missing ordinals this often, in ``wait_world`` one saying
+            how many ordinals registered and which are missing, and in a blocking get or
+            wait one naming the keys not set yet; None never logs.
         token: the coordinator's shared secret, sent with every call (never shown in repr).
         tls_ca: PEM file of the CA that signed the coordinator's certificate; enables TLS.
         tls_cert, tls_key: PEM client certificate and key, for mutual TLS.

@@ -520,6 +520,31 @@ def test_still_waiting_lines_name_groups_and_ordinals_as_ranges_as_the_coordinat
     client.close()
 
 
+def test_a_blocking_get_or_wait_says_every_interval_which_keys_are_still_not_set(coordinator, caplog):
+    """A get or wait blocked on keys nobody sets said nothing until its timeout (torch's
+    Store waits up to 30 minutes in init_process_group): now, as a round does, a "still
+    waiting" line every progress_interval naming the keys still not set."""
+    client = make_client(coordinator.address, progress_interval=0.3)
+    caplog.set_level(logging.WARNING, logger="pjrt_rendezvous.client")
+    with pytest.raises(pr.RendezvousTimeout, match="still not set"):
+        client.get("ckpt/step", timeout=1.0)
+    lines = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
+    assert lines and "for key 'ckpt/step' of job 'default': not set yet" in lines[0], lines
+    caplog.clear()
+    client.set("a", b"1")
+    with pytest.raises(pr.RendezvousTimeout, match="2 keys of job 'default' still not set"):
+        client.wait(["a", "b", "c/d"], timeout=1.0)
+    lines = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
+    assert lines and "for 3 keys of job 'default': 2 not set yet: 'b', 'c/d'" in lines[0], lines
+    quiet = make_client(coordinator.address, progress_interval=None)
+    caplog.clear()
+    with pytest.raises(pr.RendezvousTimeout):
+        quiet.get("ckpt/step", timeout=0.5)
+    assert "still waiting" not in caplog.text
+    client.close()
+    quiet.close()
+
+
 @pytest.mark.parametrize("wait", [False, True], ids=["plain-get", "blocking-get"])
 def test_a_value_is_read_only_once_it_is_on_disk(tmp_path, monkeypatch, wait):
     """With a state file, a get (plain, or blocked until the key is set) answers a value only
