@@ -1289,10 +1289,14 @@ class Client:
     def _wait_for_sender(self, key: tuple, batch: _Batch, waiter) -> bool:
         """The first thread of a batch waits until the round is done; True when it must send
         it instead: its siblings did not complete the round within the batch window (or an
-        arrival elsewhere completed it, ``_signal_gathered``)."""
-        end = time.monotonic() + self.settings.batch_window
+        arrival elsewhere completed it, ``_signal_gathered``). It waits at most half the time
+        left before the batch's deadline, as a host relay holds a round: held until its own
+        deadline, the call came after the round's (its peers', called earlier), and the round
+        named the ordinals that had come in time missing too."""
+        now = time.monotonic()
+        end = now + self.settings.batch_window
         if batch.deadline is not None:
-            end = min(end, batch.deadline)
+            end = min(end, now + (batch.deadline - now) / 2)
         released = waiter.acquire(True, max(0.0, end - time.monotonic()))
         with self._lock:
             if self._batches.get(key) is batch:  # no sibling sends it: send what arrived

@@ -836,10 +836,51 @@ def test_a_timeout_spent_in_the_batch_window_says_so(coordinator):
             t.join(30)
         (message,) = caught
         assert "missing ordinal 1" in message, message
-        assert re.search(r"\(this process sent its call 0\.[45]\d* s after its first thread arrived: it waited for "
+        # (held at most half the time left: the rest is the coordinator's, counted from the call)
+        assert re.search(r"\(this process sent its call 0\.2\d* s after its first thread arrived: it waited for "
                          r"ordinal 1 of its own for up to the batch window\)$", message), message
     finally:
         client.close()
+
+
+def test_a_process_holds_a_round_for_a_sibling_at_most_half_the_time_left_before_its_deadline(coordinator):
+    """Task 1's threads call with a timeout of 1 s; task 0's thread 0 comes 0.3 s later, its
+    thread 1 never. Waiting for its sibling for the whole batch window (15 s) but for its
+    deadline (at 1.3 s), task 0 sent its call after the round's deadline (at 1 s), so every
+    member was told ordinals 0-1 were missing: ordinal 0, which came in time, too. As a host
+    relay does, a process now holds a round at most half the time left before its deadline."""
+    clients = [make_client(coordinator.address, tasks=2, devices=2, task=t, timeout=60, batch_window=15.0) for t in (0, 1)]
+    bound = threading.Barrier(4)
+    errors: dict[int, str] = {}
+    done = threading.Event()
+
+    def thread(client: pr.Client, index: int) -> None:
+        with client.bind_thread(index) as binding:
+            bound.wait(10)
+            if binding.ordinal == 1:
+                done.wait(30)  # bound, never comes
+                return
+            if binding.ordinal == 0:
+                time.sleep(0.3)
+            try:
+                client.rendezvous(binding, "quick", timeout=1.0)
+            except pr.RendezvousTimeout as exc:
+                errors[binding.ordinal] = str(exc)
+            if binding.ordinal == 0:
+                done.set()
+
+    threads = [threading.Thread(target=thread, args=(c, i)) for c in clients for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    try:
+        assert sorted(errors) == [0, 2, 3], errors
+        for ordinal, message in errors.items():
+            assert "with 3 of 4 arrived; missing ordinal 1 (" in message, (ordinal, message)
+    finally:
+        for client in clients:
+            client.close()
 
 
 @pytest.mark.parametrize("watch", [True, False], ids=["watch-heard-it", "watch-silent"])
