@@ -385,6 +385,7 @@ class _StateWriter:
         # Set by the first write that fails: what is in memory is no longer on disk, so the
         # coordinator stops (serve_forever) and restarts from what is, as etcd does.
         self.failed = asyncio.Event()
+        self._removed_said = float("-inf")  # when a removed journal or state file was last logged
 
     async def flush(self) -> None:
         """Returns once the core's changes so far are on disk; raises UNAVAILABLE (clients
@@ -451,7 +452,10 @@ class _StateWriter:
         must never find a finished write still under way (it would wait on it in a loop)."""
         done, self._inflight = self._inflight, None
         if isinstance(error, _state.Removed):  # written again whole, at once (flush's next pass)
-            log.warning("%s: writing the whole state again", error, extra={"event": "state_file_removed"})
+            now = time.monotonic()
+            if now - self._removed_said >= 60:  # (a file system that keeps saying so must not flood the log)
+                self._removed_said = now
+                log.warning("%s: writing the whole state again", error, extra={"event": "state_file_removed"})
             self._state_written, error = -1, None
         elif error is None:
             self._written, self._state_written, self._journal_size = after
