@@ -918,7 +918,7 @@ def test_a_journal_left_without_its_state_file_is_not_replayed_onto_a_new_one(tm
     behind. The next coordinator starts empty, and its first write replaces the state file,
     then the journal: killed between the two, it came back replaying the old run's lines onto
     the new, empty state (keys of the old run back, or a refusal to start naming a job it
-    never had). A journal without its state file belongs to nothing: it goes at the start."""
+    never had). A journal without its state file belongs to nothing: it is moved aside at the start."""
     path = tmp_path / "state.json"
     core = Core()
     from pjrt_rendezvous.coordinator._server import _StateWriter
