@@ -182,6 +182,13 @@ class Binding:
         self.client.unbind_thread()
 
 
+def _asked_by(deadline: float | None) -> float:
+    """The deadline of a call a waiting thread makes to describe its wait: _DESCRIBE_TIMEOUT
+    from now, never past the wait's own ``deadline``."""
+    bound = time.monotonic() + _DESCRIBE_TIMEOUT
+    return bound if deadline is None else min(bound, deadline)
+
+
 def current_binding() -> Binding | None:
     """The calling thread's binding, or None (also once its client was closed: the thread
     may then bind again, to a new client)."""
@@ -1403,9 +1410,7 @@ class Client:
         asked in the waiting thread, so for at most _DESCRIBE_TIMEOUT and never past the
         wait's deadline; with the coordinator unreachable, the retries of a status call would
         hold the wait long after its timeout)."""
-        now = time.monotonic()
-        bound = now + _DESCRIBE_TIMEOUT if deadline is None else min(now + _DESCRIBE_TIMEOUT, deadline)
-        (job,) = self._call("Status", pb.StatusRequest(job=self.settings.job, rounds_only=True), bound).jobs
+        (job,) = self._call("Status", pb.StatusRequest(job=self.settings.job, rounds_only=True), _asked_by(deadline)).jobs
         return job
 
     def _describe_world(self, deadline: float | None) -> str:
@@ -1504,9 +1509,8 @@ class Client:
                 log.warning("still waiting after %.0f s for %s of job %r: %s", now - started, what, job, said)
                 return
             try:
-                bound = now + _DESCRIBE_TIMEOUT if deadline is None else min(now + _DESCRIBE_TIMEOUT, deadline)
                 request = pb.KvGetRequest(job=job, keys=keys, found_only=True, store_id=_store_ids.get(self, ""))
-                found = self._call("KvGet", request, bound).values
+                found = self._call("KvGet", request, _asked_by(deadline)).values
                 missing = [k for k, v in zip(keys, found) if not v.found]
                 if len(keys) == 1:
                     said = "not set yet" if missing else "set (its answer is on the way)"
