@@ -1081,8 +1081,10 @@ class Client:
         started = time.monotonic()
 
         def progress(_: float) -> None:
+            from pjrt_rendezvous.coordinator._core import _duration
+
             log.warning(
-                "still waiting after %.0f s for the world of job %r: %s", time.monotonic() - started, self.settings.job,
+                "still waiting after %s s for the world of job %r: %s", _duration(time.monotonic() - started), self.settings.job,
                 self._describe_world(deadline),
             )
 
@@ -1358,11 +1360,11 @@ class Client:
         started = time.monotonic()
 
         def progress(_: float) -> None:  # (counted from the call, not from its latest resend)
-            from pjrt_rendezvous.coordinator._core import describe_group, format_ranges
+            from pjrt_rendezvous.coordinator._core import _duration, describe_group, format_ranges
 
             log.warning(  # (the group and ordinals named as the coordinator names them)
-                "still waiting after %.0f s in round %d of %s (ordinals %s here): %s",
-                time.monotonic() - started, round_number, describe_group(group),
+                "still waiting after %s s in round %d of %s (ordinals %s here): %s",
+                _duration(time.monotonic() - started), round_number, describe_group(group),
                 format_ranges(batch.contributions), self._describe_wait((group, round_number), batch.deadline),
             )
 
@@ -1503,10 +1505,12 @@ class Client:
         what = f"key {keys[0]!r}" if len(keys) == 1 else f"{len(keys)} keys"
 
         def progress(_: float) -> None:
+            from pjrt_rendezvous.coordinator._core import _duration
+
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 said = "its timeout passed; waiting for the coordinator's answer, which names the keys not set"
-                log.warning("still waiting after %.0f s for %s of job %r: %s", now - started, what, job, said)
+                log.warning("still waiting after %s s for %s of job %r: %s", _duration(now - started), what, job, said)
                 return
             try:
                 request = pb.KvGetRequest(job=job, keys=keys, found_only=True, store_id=_store_ids.get(self, ""))
@@ -1519,7 +1523,7 @@ class Client:
                     said = f"{len(missing)} not set yet: {shown}" if missing else "all set (the answer is on the way)"
             except RendezvousError as exc:
                 said = f"(which are set is unavailable: {exc})"
-            log.warning("still waiting after %.0f s for %s of job %r: %s", time.monotonic() - started, what, job, said)
+            log.warning("still waiting after %s s for %s of job %r: %s", _duration(time.monotonic() - started), what, job, said)
 
         return progress
 

@@ -159,7 +159,8 @@ def _one_line(reason: str) -> str:
 
 
 def _plural(count: int, word: str) -> str:
-    return f"{count} {word}" if count == 1 else f"{count} {word}s"
+    """``_plural(2, "process")`` -> ``"2 processes"``."""
+    return f"{count} {word}" if count == 1 else f"{count} {word}{'es' if word.endswith('s') else 's'}"
 
 
 def _ordinals_word(ordinals: Sequence[int]) -> str:

@@ -35,7 +35,7 @@ import asyncio
 import logging
 from typing import Callable, Iterable
 
-from ._core import _MESSAGE_CHARACTERS, ALL, Core, CoreError, Round, describe_group, format_ranges
+from ._core import _MESSAGE_CHARACTERS, ALL, Core, CoreError, Round, _plural, describe_group, format_ranges
 from ._metrics import Metrics
 
 log = logging.getLogger("pjrt_rendezvous.coordinator")
@@ -185,11 +185,11 @@ class Monitor:
         self._formed.add((job_name, job.generation))
         hosts = {p.host for p in job.processes.values()}
         log.info(
-            "world formed in job %r: %d ordinals, %d processes on %d hosts, generation %d",
+            "world formed in job %r: %s, %s on %s, generation %d",
             job_name,
-            job.world_size,
-            len(job.processes),
-            len(hosts),
+            _plural(job.world_size, "ordinal"),
+            _plural(len(job.processes), "process"),
+            _plural(len(hosts), "host"),
             job.generation,
             extra={
                 "event": "world_formed",

@@ -440,6 +440,24 @@ def test_a_world_still_incomplete_after_late_after_is_logged_once_naming_who_is_
     assert late() == [] and not monitor._worlds  # formed: forgotten
 
 
+def test_world_formed_line_counts_in_words(caplog):
+    """The world's line says "1 host" and "2 processes" ("on 1 hosts" before)."""
+    from pjrt_rendezvous.coordinator import Core
+    from pjrt_rendezvous.coordinator._core import Registration, ThreadRequest
+    from pjrt_rendezvous.coordinator._monitor import Monitor
+
+    core = Core()
+    monitor = Monitor(core, None, clock=lambda: 1.0)
+    for task in range(2):
+        core.register(1.0, Registration(job="j", incarnation=f"i{task}", host="h", pid=task, task_id=task,
+                                        num_tasks=2, devices_per_task=1, local_rank=task,
+                                        threads=(ThreadRequest(thread_index=0),)))
+    with caplog.at_level("INFO", logger="pjrt_rendezvous.coordinator"):
+        monitor.woke(core.take_wakeups())
+    (line,) = [r.getMessage() for r in caplog.records if getattr(r, "event", "") == "world_formed"]
+    assert line == "world formed in job 'j': 2 ordinals, 2 processes on 1 host, generation 1", line
+
+
 def test_every_round_a_death_fails_is_counted_and_logged(caplog):
     """A death fails three pending rounds of one group at once: each is counted and logged
     (the monitor looked each up after the fact, and the core keeps a group's last two)."""
