@@ -197,7 +197,7 @@ class Settings:
         batch_window: how long the first thread of a process to reach a round waits for its
             sibling threads, so one call carries them all. Costs no latency: the round cannot
             finish without them anyway. A host relay (``fan_in``) waits as long for the
-            host's processes. Either waits at most half the time left before the round's
+            host's processes that have not called yet. Either waits at most half the time left before the round's
             deadline (past the round's, the call would find it failed, its own ordinals
             named missing).
         fan_in: "host": the rendezvous calls of a host's processes go through a relay in

@@ -11,10 +11,12 @@ round for the whole host, each contribution naming its process, and hands the an
 to every caller. The coordinator still checks every contribution's owner and accounts per
 ordinal.
 
-- The relay waits for a round's contributions from the host's processes it has heard from
-  that it has not sent on yet, at most ``batch_window`` and at most half the time left
-  before the round's earliest deadline; a later process's contributions follow in a call of
-  their own, at once when nobody else of the host is awaited. So the coordinator knows who
+- The relay waits for a round's calls from the host's processes it has heard from that have
+  not called in it yet, at most ``batch_window`` and at most half the time left before the
+  round's earliest deadline; a later process's contributions follow in a call of their own,
+  at once when nobody else of the host is awaited. A process that called is not waited for
+  again: its own client held its threads' contributions for the batch window already (and
+  sends none for a replica that ended). So the coordinator knows who
   is missing (but for a contribution that reaches the relay within ``batch_window`` of
   another host's deadline), and no round waits for the relay.
 - A combined call that fails is resent per process, so each process gets the answer it
@@ -55,7 +57,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("pjrt_rendezvous.client")
 
 _parse_rendezvous = parser(pb.RendezvousRequest)
-_FORWARDED_KEPT = 256  # rounds whose ordinals sent on a relay remembers (Relay._forwarded)
+_FORWARDED_KEPT = 256  # rounds whose callers a relay remembers once sent on (Relay._forwarded)
 
 def relay_path(address: str, job: str, host: str) -> str:
     """The Unix socket of the relay for ``job`` of the coordinator at ``address`` on ``host``
@@ -83,15 +85,16 @@ class _HostRound:
     rows: list[Row] = dataclasses.field(default_factory=list)  # their contributions, each naming its process
     answers: list[asyncio.Future] = dataclasses.field(default_factory=list)
     deadlines: list[float | None] = dataclasses.field(default_factory=list)  # each request's own
-    # Their ordinals, and those of the round sent on already (a later process's call goes
-    # at once when nobody else of the host is awaited).
-    arrived: set[int] = dataclasses.field(default_factory=set)
+    # The task ids of the host's processes that called, and of those that called in the
+    # round sent on already (a later process's call goes at once when nobody else of the
+    # host is awaited).
+    called: set[int] = dataclasses.field(default_factory=set)
     deadline: float | None = None  # the earliest of them
     timer: asyncio.TimerHandle | None = None
     send_at: float = 0.0  # the timer's time (time.monotonic())
     first_at: float = 0.0  # when its first call came
-    # Once sent on: how long it was held, and the host's ordinals it was held for, which did
-    # not come (a timeout says so: the coordinator counts from when the call reached it).
+    # Once sent on: how long it was held, and the host's ordinals it was held for, whose
+    # processes did not call (a timeout says so: the coordinator counts from when the call reached it).
     held: float = 0.0
     absent: list[int] = dataclasses.field(default_factory=list)
 
@@ -106,7 +109,7 @@ class Relay:
         self._devices = client.topology.devices_per_process
         self._tasks: dict[str, int] = {}  # incarnation -> task id, of processes with an open connection
         self._rounds: dict[tuple, _HostRound] = {}
-        # The ordinals sent on for the latest rounds (_FORWARDED_KEPT), by round key.
+        # The callers of the latest rounds sent on (_FORWARDED_KEPT), by round key.
         self._forwarded: collections.OrderedDict[tuple, set[int]] = collections.OrderedDict()
         # Sending blocks a thread until the round ends; rounds of different groups can be
         # pending at once, so the pool must not be what bounds them.
@@ -198,22 +201,22 @@ class Relay:
         if not rows:  # malformed: the coordinator refuses it, with its own message
             return _answer(call_id, await self._loop.run_in_executor(self._senders, self._send_one, request, None))
         heard.add(request.incarnation)
-        self._tasks[request.incarnation] = rows[0][0] // self._devices
+        task = self._tasks[request.incarnation] = rows[0][0] // self._devices
         key = (request.job, request.generation, tuple(request.replicas), request.round)
         host_round = self._rounds.get(key)
         now = time.monotonic()
         if host_round is None:
-            host_round = self._rounds[key] = _HostRound(arrived=set(self._forwarded.get(key, ())), first_at=now)
+            host_round = self._rounds[key] = _HostRound(called=set(self._forwarded.get(key, ())), first_at=now)
         answer = self._loop.create_future()
         deadline = now + request.timeout if request.HasField("timeout") else None
         host_round.requests.append(request)
         host_round.deadlines.append(deadline)
         host_round.rows += ((o, tag, payload, incarnation or request.incarnation) for o, tag, payload, incarnation in rows)
         host_round.answers.append(answer)
-        host_round.arrived.update(row[0] for row in rows)
+        host_round.called.add(task)
         if deadline is not None:
             host_round.deadline = deadline if host_round.deadline is None else min(host_round.deadline, deadline)
-        if self._expected(request.replicas) <= host_round.arrived or request.generation < self._client.generation:
+        if not self._awaited(request.replicas, host_round.called) or request.generation < self._client.generation:
             self._send_on(key)  # (a call of an older generation: no sibling joins it, see Client._moved)
         else:
             # Held at most the window, and at most half the time left before its deadline
@@ -243,10 +246,11 @@ class Relay:
         except RuntimeError:  # closed
             pass
 
-    def _expected(self, replicas) -> set[int]:
-        """The ordinals of the host's processes heard from that belong to the group."""
-        mine = {t * self._devices + d for t in set(self._tasks.values()) for d in range(self._devices)}
-        return mine & set(replicas) if replicas else mine
+    def _awaited(self, replicas, called: set[int]) -> list[int]:
+        """The group's ordinals of the host's processes heard from that have not called."""
+        group = set(replicas)
+        waiting = set(self._tasks.values()) - called
+        return sorted(o for t in waiting for o in range(t * self._devices, (t + 1) * self._devices) if not group or o in group)
 
     def _send_on(self, key: tuple) -> None:
         host_round = self._rounds.pop(key, None)
@@ -255,8 +259,8 @@ class Relay:
         if host_round.timer is not None:
             host_round.timer.cancel()
         host_round.held = time.monotonic() - host_round.first_at
-        host_round.absent = sorted(self._expected(host_round.requests[0].replicas) - host_round.arrived)
-        self._forwarded[key] = host_round.arrived
+        host_round.absent = self._awaited(host_round.requests[0].replicas, host_round.called)
+        self._forwarded[key] = host_round.called
         self._forwarded.move_to_end(key)
         if len(self._forwarded) > _FORWARDED_KEPT:
             self._forwarded.popitem(last=False)

@@ -195,6 +195,38 @@ def test_a_process_later_than_the_window_is_sent_on_at_once(coordinator, late):
         c.close()
 
 
+def test_a_relay_does_not_wait_again_for_a_thread_its_process_held_its_call_for(coordinator, monkeypatch):
+    """Ordinal 1 comes 5 s late to a round of replicas 0-1 and 4-5 (host 0's first process
+    and host 1's): its process holds ordinal 0's call for the batch window (3 s), then
+    sends it; the relay sends it on at once. (It waited for ordinal 1 another window: the
+    round reached the coordinator 6 s in, named missing until then.)"""
+    clients = make_clients(coordinator.address, batch_window=3.0)
+    run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
+    held = []  # (relay, round, how long it held the call)
+    send = Relay._send
+
+    def record(relay, host_round):
+        held.append((relay, host_round.requests[0].round, host_round.held))
+        return send(relay, host_round)
+
+    monkeypatch.setattr(Relay, "_send", record)
+    group = [0, 1, 4, 5]
+
+    def body(client, binding):
+        if binding.ordinal not in group:
+            return None
+        if binding.ordinal == 1:
+            time.sleep(5.0)
+        return client.rendezvous(binding, "step", b"%d" % binding.ordinal, replicas=group)
+
+    results = run_threads(clients, body)
+    assert all(results[o] == [b"%d" % g for g in group] for o in group), results
+    host0 = [h for r, n, h in held if r is clients[0]._relay and n == 0]
+    assert len(host0) == 2 and max(host0) < 1.5, held  # ordinal 0's call, then ordinal 1's
+    for c in clients:
+        c.close()
+
+
 def test_a_relay_holds_a_round_at_most_half_the_time_left_before_its_deadline(coordinator):
     """A round with a timeout far shorter than the batch window, whose sibling process never
     comes: the relay sends it on within half its time left, so it ends at its timeout,
@@ -243,12 +275,12 @@ def test_a_tag_mismatch_reaches_every_member_through_the_relays(coordinator):
 def test_a_replica_that_ends_fails_the_rounds_that_need_it_through_the_relays(coordinator, monkeypatch, ended, order):
     """One replica of host 0 ends (end_replicas, as xla.spawn says once its thread unbound)
     while its peers, on its host and on the other, all through their relays, wait in a round
-    that needs it, or before they enter one: each fails within seconds of a 60 s timeout
-    (entered after: at once, or once host 0's relay held it its batch window, 1 s, for the
-    ordinal that does not come), with the error the direct path gives, naming the ordinal
-    and how its replica ended. A round of the others without it (``replicas=``) completes
-    through the relays, exact."""
-    clients = make_clients(coordinator.address)
+    that needs it, or before they enter one: each fails within seconds of a 60 s timeout,
+    with the error the direct path gives, naming the ordinal and how its replica ended. A
+    round of the others without it (``replicas=``) completes through the relays, exact.
+    Entered after, the round is not held by host 0's relay for the ordinal that ended (its
+    process sends no call for it; the relay held the round its batch window, here 20 s)."""
+    clients = make_clients(coordinator.address, batch_window=20.0 if order == "later" else 1.0)
     run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
     others = [o for o in range(PROCESSES * THREADS) if o != ended]
     told = threading.Event()
