@@ -174,6 +174,8 @@ def _variable(env: Mapping[str, str], dest: str, convert: Callable[[str], Any], 
     text = env.get(variable, "")
     if text == "":
         return default
+    if comment_hint(text):  # (a path or job name took it in: files and a job named with it)
+        raise ValueError(f"{variable}={text!r} holds a blank followed by '#'{comment_hint(text)}")
     try:
         return convert(text)
     except (ValueError, argparse.ArgumentTypeError) as exc:
@@ -622,11 +624,11 @@ def _health(args, env: Mapping[str, str]) -> int:
             address, address_source = local_address(env), SERVE_VARIABLES["host"]
         except ValueError as exc:
             print(f"pjrt-rendezvous health: {exc}", file=sys.stderr)
-            return 1
+            return 2
     # No token: health checks are exempt from it, so a probe does not depend on it.
     dialed = _dial("health", address, address_source, env, args.tls_server_name, token=False)
     if dialed is None:
-        return 1
+        return 2
     address, channel, _ = dialed
     request = health_pb2.HealthCheckRequest(service=args.service)
     serving = health_pb2.HealthCheckResponse.SERVING
@@ -804,8 +806,8 @@ def summarize_job(job) -> dict:
 
 def status_json(response, address: str) -> dict:
     """``status --json``: every field of the StatusResponse (proto3 JSON names, numbers as
-    numbers) plus, per job, ``hosts``, ``notRegistered`` and per pending round ``expected``
-    and ``missingByHost``."""
+    numbers) plus the ``address`` asked and, per job, ``hosts``, ``notRegistered`` and per
+    pending round ``group``, ``expected`` and ``missingByHost``."""
     jobs = []
     for job in response.jobs:
         data = _plain(job)
@@ -914,13 +916,13 @@ def _status(args, env: Mapping[str, str]) -> int:
             address, address_source = client_address(env), "the coordinator's address"
     except RendezvousError as exc:  # (from client_address)
         print(f"pjrt-rendezvous status: {exc} (or name the coordinator: --address)", file=sys.stderr)
-        return 1
+        return 2
     except ValueError as exc:  # (from local_address)
         print(f"pjrt-rendezvous status: {exc}", file=sys.stderr)
-        return 1
+        return 2
     dialed = _dial("status", address, address_source, env, args.tls_server_name, token=True)
     if dialed is None:
-        return 1
+        return 2
     address, channel, metadata = dialed
     with channel:  # waits up to --timeout for a coordinator that is starting
         stub = pb_grpc.CoordinatorStub(channel)

@@ -351,8 +351,8 @@ def test_status_and_health_read_an_address_as_clients_do_and_need_no_known_tpu_l
         for command in ("health", "status"):
             default_port = run_cli(command, "--address", "nowhere.invalid", "--timeout", "2")
             assert default_port.returncode == 1 and "nowhere.invalid:7481" in default_port.stderr, default_port.stderr
-            bad = run_cli(command, "--address", "127.0.0.1:99999")
-            assert bad.returncode == 1 and "--address has an invalid port" in bad.stderr, bad.stderr
+            bad = run_cli(command, "--address", "127.0.0.1:99999")  # (2: a bad argument, not a coordinator down)
+            assert bad.returncode == 2 and "--address has an invalid port" in bad.stderr, bad.stderr
         server.stop()
 
 
@@ -601,12 +601,12 @@ def test_health_and_status_name_the_variable_that_gave_a_bad_address():
     link = {"PJRT_RENDEZVOUS_PORT": "tcp://10.0.0.1:7481"}
     for command in ("health", "status"):
         out = run_cli(command, env=link)
-        assert out.returncode == 1 and "PJRT_RENDEZVOUS_PORT='tcp://10.0.0.1:7481': port must be an integer" in out.stderr, out.stderr
+        assert out.returncode == 2 and "PJRT_RENDEZVOUS_PORT='tcp://10.0.0.1:7481': port must be an integer" in out.stderr, out.stderr
         assert "--address" not in out.stderr, out.stderr
         free = run_cli(command, env={"PJRT_RENDEZVOUS_PORT": "0"})
-        assert free.returncode == 1 and "PJRT_RENDEZVOUS_PORT=0 makes serve pick a free port" in free.stderr, free.stderr
+        assert free.returncode == 2 and "PJRT_RENDEZVOUS_PORT=0 makes serve pick a free port" in free.stderr, free.stderr
     address = run_cli("status", env={"PJRT_RENDEZVOUS_ADDRESS": "127.0.0.1:99999"})
-    assert address.returncode == 1 and "PJRT_RENDEZVOUS_ADDRESS has an invalid port" in address.stderr, address.stderr
+    assert address.returncode == 2 and "PJRT_RENDEZVOUS_ADDRESS has an invalid port" in address.stderr, address.stderr
 
 
 # -- serve settings -------------------------------------------------------------------------
@@ -689,15 +689,25 @@ def test_serve_refuses_a_token_grpc_cannot_send_naming_where_it_came_from(tmp_pa
 
 def test_a_comment_left_in_a_variable_s_value_is_named():
     """systemd's EnvironmentFile= keeps a comment after a value in the value (a shell drops
-    it). A number then fails to parse, and a token took the comment as part of the secret:
-    `health` passed while every client was refused. serve refuses both, saying so."""
+    it). A number then fails to parse, a token took the comment as part of the secret
+    (`health` passed while every client was refused), a state file's path or a job name took
+    it in (a state file named "c.state # file"; a job "train # fixed size" given the world
+    size meant for "train"), a host failed to listen, exit 1, naming flags nobody gave.
+    serve refuses each, saying so (exit 2, which the unit does not restart); health and
+    status refuse the host and port."""
     hint = "a comment after the value? systemd's EnvironmentFile= keeps everything after '='"
     for variable, value in [
         ("PJRT_RENDEZVOUS_WORLD_SIZE", "32          # fix the default job's world size up front"),
         ("PJRT_RENDEZVOUS_TOKEN", "s3cret              # shared secret"),
+        ("PJRT_RENDEZVOUS_STATE_FILE", "/var/lib/pjrt-rendezvous/c.state # file"),
+        ("PJRT_RENDEZVOUS_JOB", "train # fixed size"),
+        ("PJRT_RENDEZVOUS_HOST", "127.0.0.1 # where"),
     ]:
         out = run_cli("serve", "--port", "0", env={variable: value}, timeout=30)
         assert out.returncode == 2 and variable in out.stderr and hint in out.stderr, (variable, out.stderr)
+    for command in ("health", "status"):
+        out = run_cli(command, env={"PJRT_RENDEZVOUS_HOST": "127.0.0.1 # where", "PJRT_RENDEZVOUS_PORT": "7481"})
+        assert out.returncode == 2 and "PJRT_RENDEZVOUS_HOST" in out.stderr and hint in out.stderr, (command, out.stderr)
     with pytest.raises(pr.UsageError, match="holds a blank followed by '#'"):
         pr.Settings(address="127.0.0.1:1", token="s3cret # shared secret")
     assert pr.Settings(address="127.0.0.1:1", token="a#b c").token == "a#b c"  # '#' alone is no comment
@@ -1226,7 +1236,7 @@ def test_bad_demo_serve_and_health_arguments_get_a_message_not_a_traceback(tmp_p
         server.wait_for_line(r"--job 'train' does nothing without --world-size")
     for command in ("status", "health"):  # an empty address is refused, not taken for none (status dialled localhost)
         empty = run_cli(command, "--address", "", "--timeout", "2")
-        assert empty.returncode == 1 and "--address must not be empty" in empty.stderr, empty
+        assert empty.returncode == 2 and "--address must not be empty" in empty.stderr, empty
     for command in (["demo", "--timeout", "0"], ["health", "--timeout", "nan"], ["status", "--timeout", "-1"]):
         refused = run_cli(*command)
         assert refused.returncode == 2 and "must be a finite number of seconds > 0" in refused.stderr, refused
