@@ -118,6 +118,7 @@ def init(
     Raises:
         UsageError: called again with different arguments, or bad settings.
         TopologyError: the environment does not describe a valid topology.
+        TypeError: an argument or setting of the wrong type (``timeout="10"``, ``job=5``).
     """
     global _client, _init_args, _atexit_registered
     # (an int address failed deep in the address parser with AttributeError: 'strip', a str

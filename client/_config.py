@@ -235,7 +235,10 @@ class Settings:
     tls_key: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.address or not isinstance(self.address, str):
+        for name in ("address", "job", "fan_in", "transport"):  # (a wrong type is a TypeError, as elsewhere)
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a str, got {getattr(self, name)!r}")
+        if not self.address:
             raise UsageError(f"address must be 'host:port', got {self.address!r}")
         problem = job_problem(self.job)
         if problem is not None:
@@ -246,7 +249,9 @@ class Settings:
                 f"connect_timeout must be a finite number of seconds (PJRT_RENDEZVOUS_CONNECT_TIMEOUT), got {self.connect_timeout!r}"
             )
         window = self.batch_window
-        if isinstance(window, bool) or not isinstance(window, (int, float)) or not 0 <= window < math.inf:
+        if isinstance(window, bool) or not isinstance(window, (int, float)):
+            raise TypeError(f"batch_window must be a number of seconds, got {window!r}")
+        if not 0 <= window < math.inf:
             raise UsageError(f"batch_window must be a finite number of seconds >= 0 (PJRT_RENDEZVOUS_BATCH_WINDOW), got {window!r}")
         if self.fan_in not in FAN_IN_MODES:
             raise UsageError(f"fan_in must be one of {', '.join(FAN_IN_MODES)} (PJRT_RENDEZVOUS_FAN_IN), got {self.fan_in!r}")

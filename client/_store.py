@@ -258,7 +258,7 @@ class Store(dist.Store):
         if prefix is None:
             prefix = _run_prefix(DEFAULT_PREFIX, client, seconds)
         if not isinstance(prefix, str):
-            raise UsageError(f"prefix must be a str, got {prefix!r}")
+            raise TypeError(f"prefix must be a str, got {prefix!r}")
         self._client = client
         self._url: tuple | None = None  # (address, job, timeout) when made for a URL (rendezvous_handler)
         self.prefix = prefix

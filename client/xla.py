@@ -551,6 +551,7 @@ def spawn(
         SpawnError: a replica raised (the message names its ordinal and carries its
             traceback), a process died before reporting, or ``timeout`` passed.
         UsageError: bad arguments, or an unsupported ``PJRT_DEVICE``.
+        TypeError: ``nprocs`` or ``devices_per_process`` not an int.
     """
     import multiprocessing
 
@@ -668,7 +669,9 @@ def spawn(
 
 
 def _check_count(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a positive int, got {value!r}")
+    if value < 1:
         raise UsageError(f"{name} must be a positive int, got {value!r}")
 
 
@@ -1215,9 +1218,10 @@ def seed(base_seed: int) -> ReplicaSeed:
 
     Raises:
         UsageError: unbound thread in a world of more than one.
+        TypeError: ``base_seed`` not an int.
     """
     if isinstance(base_seed, bool) or not isinstance(base_seed, int):
-        raise UsageError(f"base_seed must be an int, got {base_seed!r}")
+        raise TypeError(f"base_seed must be an int, got {base_seed!r}")
     binding = current_binding()
     ordinal = binding.ordinal if binding is not None else _api.get_ordinal()
     thread_index = binding.thread_index if binding is not None else 0

@@ -124,6 +124,31 @@ def test_key_value_calls_refuse_what_the_wire_cannot_carry_by_name(client):
     assert client.get("g", wait=False) == b"1"
 
 
+def test_settings_spawn_seed_and_store_of_the_wrong_type_are_type_errors(client):
+    """"An argument of the wrong type is a TypeError" (README): settings given as arguments,
+    spawn's counts, seed's base and a Store's prefix were UsageErrors; a value of the right
+    type out of range stays a UsageError."""
+    from pjrt_rendezvous.client import xla
+    from pjrt_rendezvous.client._store import Store
+
+    wrong = [
+        (lambda: pr.Settings(address=7481), "address must be a str, got 7481"),
+        (lambda: pr.Settings(address="127.0.0.1:1", job=5), "job must be a str, got 5"),
+        (lambda: pr.Settings(address="127.0.0.1:1", batch_window="1"), "batch_window must be a number of seconds, got '1'"),
+        (lambda: pr.Settings(address="127.0.0.1:1", fan_in=1), "fan_in must be a str, got 1"),
+        (lambda: pr.Settings(address="127.0.0.1:1", transport=None), "transport must be a str, got None"),
+        (lambda: xla.spawn(print, nprocs="2"), "nprocs must be a positive int, got '2'"),
+        (lambda: xla.seed("x"), "base_seed must be an int, got 'x'"),
+        (lambda: Store(client, prefix=5), "prefix must be a str, got 5"),
+    ]
+    for call, words in wrong:
+        with pytest.raises(TypeError, match=re.escape(words)):
+            call()
+    for call in (lambda: pr.Settings(address="127.0.0.1:1", batch_window=-1.0), lambda: xla.spawn(print, nprocs=0)):
+        with pytest.raises(pr.UsageError):
+            call()
+
+
 def test_blocking_get_is_released_by_a_later_set(client, coordinator):
     """A waiting get returns the value set afterwards by another client."""
     other = make_client(coordinator.address)
@@ -470,7 +495,7 @@ def test_settings_read_variables_as_written_by_hand():
     for bad in ("nan", "inf", "-1"):
         with pytest.raises(pr.UsageError, match="batch_window"):
             Settings.resolve({"PJRT_RENDEZVOUS_BATCH_WINDOW": bad}, address="127.0.0.1:1")
-    with pytest.raises(pr.UsageError, match="batch_window"):
+    with pytest.raises(TypeError, match="batch_window"):  # (a bool is no number of seconds)
         Settings(address="127.0.0.1:1", batch_window=True)
     with pytest.raises(pr.UsageError, match="job 'train ' has spaces at an end"):
         Settings.resolve({"PJRT_RENDEZVOUS_JOB": "train "}, address="127.0.0.1:1")
