@@ -8,9 +8,10 @@ Each value is taken from the first source that has it:
    ``TPU_CHIPS_PER_PROCESS_BOUNDS``, ``TPU_CHIPS_PER_HOST_BOUNDS``, ``CHIPS_PER_HOST_BOUNDS``,
    ``TPU_WORKER_HOSTNAMES``);
 3. the GCE metadata server (``tpu-env``, ``worker-network-endpoints``), only when a fetcher is
-   passed and ``TPU_SKIP_MDS_QUERY`` is not set; ``tpu-env`` is read only when
-   ``TPU_ACCELERATOR_TYPE`` is unset, or ``TPU_WORKER_ID`` is while the metadata names several
-   workers, and a fetch that fails with ``OSError`` counts as absent;
+   passed and ``TPU_SKIP_MDS_QUERY`` is not set (or is ``0``, ``false``); ``tpu-env`` is read
+   only when ``TPU_ACCELERATOR_TYPE`` is unset, when no chip bounds variable is set (for the
+   host's chips), or when ``TPU_WORKER_ID`` is unset while the metadata names several workers,
+   and a fetch that fails with ``OSError`` counts as absent;
 4. defaults for a single process off TPU: a world of one at ``localhost:7481``.
 
 ``detect_address`` finds the coordinator's address the same way, and asks for nothing else

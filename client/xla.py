@@ -1078,8 +1078,9 @@ def broadcast_master_params(model) -> None:
             CPU, which goes through the coordinator).
 
     Raises:
-        UsageError: the model's tensors do not match ordinal 0's (names, shapes, dtypes), or
-            complex tensors on the XLA path.
+        UsageError: through the coordinator, the model's tensors do not match ordinal 0's in
+            number, shapes or dtypes (on the XLA path, a pod's, a mismatch fails in XLA's
+            all-reduce, as torch_xla's own broadcast does); complex tensors on the XLA path.
     """
     import torch
 
