@@ -197,9 +197,9 @@ class Settings:
         batch_window: how long the first thread of a process to reach a round waits for its
             sibling threads, so one call carries them all. Costs no latency: the round cannot
             finish without them anyway. A host relay (``fan_in``) waits as long for the
-            host's processes that have not called yet. Either waits at most half the time left before the round's
-            deadline (past the round's, the call would find it failed, its own ordinals
-            named missing).
+            host's processes that have not called yet. Either waits at most half the time
+            left before the round's deadline (past the round's, the call would find it
+            failed, its own ordinals named missing).
         fan_in: "host": the rendezvous calls of a host's processes go through a relay in
             the host's first process (local rank 0), which sends one call per round for
             the host, so the coordinator handles one message per host instead of one per

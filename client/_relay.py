@@ -16,9 +16,9 @@ ordinal.
   round's earliest deadline; a later process's contributions follow in a call of their own,
   at once when nobody else of the host is awaited. A process that called is not waited for
   again: its own client held its threads' contributions for the batch window already (and
-  sends none for a replica that ended). So the coordinator knows who
-  is missing (but for a contribution that reaches the relay within ``batch_window`` of
-  another host's deadline), and no round waits for the relay.
+  sends none for a replica that ended). So the coordinator knows who is missing (but for a
+  contribution that reaches the relay within ``batch_window`` of another host's deadline),
+  and no round waits for the relay.
 - A combined call that fails is resent per process, so each process gets the answer it
   would have had alone (one process's bad call does not fail its siblings').
 - A process that cannot reach the relay (not started yet, its process gone, or frozen: it
@@ -94,7 +94,8 @@ class _HostRound:
     send_at: float = 0.0  # the timer's time (time.monotonic())
     first_at: float = 0.0  # when its first call came
     # Once sent on: how long it was held, and the host's ordinals it was held for, whose
-    # processes did not call (a timeout says so: the coordinator counts from when the call reached it).
+    # processes did not call (a timeout says so: the coordinator counts from when the call
+    # reached it).
     held: float = 0.0
     absent: list[int] = dataclasses.field(default_factory=list)
 
