@@ -29,7 +29,7 @@ import tenacity
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
-from ._config import DEFAULT, FAN_IN_AUTO_HOSTS, Settings, check_timeout
+from ._config import DEFAULT, FAN_IN_AUTO_HOSTS, Settings, check_timeout, package_version
 from ._errors import (
     CoordinatorUnavailableError, InvalidArgumentError, MismatchError, ParticipantFailedError, RendezvousError, RendezvousTimeout,
     UnknownJobError, UsageError, from_rpc_error,
@@ -1022,6 +1022,7 @@ class Client:
                     local_rank=topo.local_rank,
                     threads=[thread],
                     runtime_world_size=runtime_world_size,
+                    client_version=package_version(),
                 ),
             )
         except BaseException:

@@ -7,6 +7,7 @@ and is refused.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -49,6 +50,18 @@ FAN_IN_MODES = ("auto", "host", "off")
 # With fan_in="auto", hosts relay for their processes from this many hosts on.
 FAN_IN_AUTO_HOSTS = 16
 TRANSPORTS = ("auto", "grpc")
+
+
+@functools.cache
+def package_version() -> str:
+    """This package's version, as clients tell the coordinator and the coordinator exports
+    it ("unknown" run from a checkout that was never installed)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("pjrt-rendezvous")
+    except metadata.PackageNotFoundError:  # pragma: no cover - a bare checkout
+        return "unknown"
 
 
 def comment_hint(value: str) -> str:

@@ -826,9 +826,11 @@ def render_status(response, address: str) -> str:
     """The ``status`` table of every job in ``response``."""
     from ._core import format_ranges
 
+    ours = response.coordinator_version
+    coordinator = f"coordinator {address}" + (f" (pjrt-rendezvous {ours})" if ours else "")
     if not response.jobs:
-        return f"coordinator {address}: no jobs\n"
-    lines = [f"coordinator {address}: {_count(len(response.jobs), 'job')}"]
+        return f"{coordinator}: no jobs\n"
+    lines = [f"{coordinator}: {_count(len(response.jobs), 'job')}"]
     for job in response.jobs:
         summary = summarize_job(job)
         refused = {o for t in job.refused for o in t.ordinals}
@@ -839,6 +841,14 @@ def render_status(response, address: str) -> str:
             f"{_count(job.rounds_completed, 'round')} completed, {_count(job.kv_keys, 'key')}, "
             f"{_count(len(job.pending_rounds), 'pending round')}",
         ]
+        others: dict[str, dict[str, str]] = {}  # a client version not the coordinator's -> its processes
+        for p in job.participants:
+            if p.client_version and ours and p.client_version != ours:
+                others.setdefault(p.client_version, {})[p.incarnation] = f"{p.host} pid {p.pid}"
+        for version, processes in sorted(others.items()):
+            named = sorted(processes.values())
+            more = f" and {len(named) - 4} more" if len(named) > 4 else ""
+            lines.append(f"  client version {version} (not the coordinator's): {', '.join(named[:4])}{more}")
         if summary["notRegistered"] and job.registered:
             lines.append(f"  not registered: ordinals {format_ranges(summary['notRegistered'])}")
         if summary["hosts"]:

@@ -196,6 +196,7 @@ class Process:
     death: str = ""
     # Ordinals of its threads whose replicas ended (Core.end_replicas) -> how.
     ended: dict[int, str] = dataclasses.field(default_factory=dict)
+    client_version: str = ""  # its client's package version, as it registered
 
     def label(self) -> str:
         return f"{self.host} pid {self.pid}"
@@ -274,6 +275,7 @@ class Registration:
     local_rank: int
     threads: tuple[ThreadRequest, ...]
     runtime_world_size: int = 0
+    client_version: str = ""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -304,6 +306,7 @@ class ParticipantView:
     alive: bool
     left: bool = False  # not alive: it closed its client
     ended: str = ""  # how its replica ended (end_replicas); empty while it runs
+    client_version: str = ""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -739,7 +742,7 @@ class Core:
                 f"local rank {r.local_rank} is out of range [0, {r.num_tasks}) for {r.num_tasks} tasks; "
                 "check PJRT_LOCAL_PROCESS_RANK / PJRT_RENDEZVOUS_LOCAL_RANK",
             )
-        for name, value in (("incarnation", r.incarnation), ("host", r.host)):
+        for name, value in (("incarnation", r.incarnation), ("host", r.host), ("client version", r.client_version)):
             if _control(value):  # (logged and shown by status: a line end or an escape forges lines)
                 raise CoreError(Code.INVALID_ARGUMENT, f"{name} {value!r} holds a control character")
             if len(value) > self.limits.max_name_length:
@@ -902,6 +905,7 @@ class Core:
                 local_rank=r.local_rank,
                 registered_at=now,
                 last_seen=now,
+                client_version=r.client_version,
             )
             job.tasks[r.task_id] = r.incarnation
         process.last_seen = now
@@ -2072,6 +2076,7 @@ class Core:
                     alive=p.alive,
                     left=p.left,
                     ended=p.ended.get(ordinal, ""),
+                    client_version=p.client_version,
                 )
             )
         return views

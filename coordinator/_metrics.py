@@ -163,7 +163,7 @@ class Metrics:
 
     def render(self, core, now: float) -> str:
         """The text exposition: live gauges of ``core`` at ``now`` plus the counters."""
-        from importlib import metadata
+        from pjrt_rendezvous.client._config import package_version
 
         def family(name: str, kind: str, help: str) -> Family:
             made = Family(f"pjrt_rendezvous_{name}", kind, help)
@@ -171,12 +171,8 @@ class Metrics:
             return made
 
         families: list[Family] = []
-        try:
-            version = metadata.version("pjrt-rendezvous")
-        except metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
-            version = "unknown"
         family("build_info", "gauge", "Always 1; the version label is the coordinator's package version.").add(
-            {"version": version}, 1
+            {"version": package_version()}, 1
         )
         expected = family("participants_expected", "gauge", "World size of the job (0 until known).")
         registered = family("participants_registered", "gauge", "Ordinals registered in the job.")

@@ -17,6 +17,7 @@ from typing import Awaitable, Callable
 
 import grpc
 
+from pjrt_rendezvous.client._config import package_version
 from pjrt_rendezvous.client._session import Call, Malformed, Wakeup, clip, decode_session_calls, parser, serve_session, session_answer
 from pjrt_rendezvous.client._wire import RendezvousCall, decode_rendezvous, encode_payloads
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
@@ -56,6 +57,7 @@ def _serialize(message) -> bytes:
 
 # Decoded to tuples (natively where built): the messages of every round.
 _DECODERS = {"Rendezvous": decode_rendezvous, "Session": decode_session_calls}
+_VERSIONS_TOLD_KEPT = 1024  # (job, version) pairs logged once each (Servicer._tell_version)
 
 
 def _decoder(method) -> Callable:
@@ -146,6 +148,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
         self._stopping = False  # streams end (see end_streams)
         self._streams: dict[asyncio.Task, Callable[[], bool]] = {}  # Session streams -> idle?
         self._ended: set[asyncio.Task] = set()  # Session streams end_streams cancelled
+        self._versions_told: set[tuple[str, str]] = set()  # (job, client version) logged as not ours
 
     def end_streams(self) -> bool:
         """On stop, called until it returns False: every Watch stream ends (UNAVAILABLE; its
@@ -296,8 +299,10 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 "registered": len(job.members),
                 "world_size": registered.world_size,
                 "generation": registered.generation,
+                "client_version": request.client_version,
             },
         )
+        self._tell_version(request)
         self._wake()
         await self._persist()
         return pb.RegisterResponse(
@@ -311,6 +316,26 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 pb.Assignment(thread_index=a.thread_index, ordinal=a.ordinal, local_ordinal=a.local_ordinal)
                 for a in registered.assignments
             ],
+        )
+
+    def _tell_version(self, request: pb.RegisterRequest) -> None:
+        """Logs, once per job and version, a process whose client is not of this coordinator's
+        version (an image and a training environment upgraded apart): what differs between
+        versions is the first thing to rule out when they disagree."""
+        ours, theirs = package_version(), request.client_version
+        if not theirs or theirs == ours or (request.job, theirs) in self._versions_told:
+            return  # (a client that does not say is older than the field: nothing to compare)
+        if len(self._versions_told) >= _VERSIONS_TOLD_KEPT:
+            self._versions_told.clear()
+        self._versions_told.add((request.job, theirs))
+        log.warning(
+            "task %d (%s pid %d) in job %r runs pjrt-rendezvous %s, this coordinator %s: upgrade both to "
+            "one version (`pjrt-rendezvous status` names each process's)",
+            request.task_id, request.host, request.pid, request.job, theirs, ours,
+            extra={
+                "event": "version_mismatch", "job": request.job, "task": request.task_id, "host": request.host,
+                "pid": request.pid, "client_version": theirs, "coordinator_version": ours,
+            },
         )
 
     def _register(self, request: pb.RegisterRequest) -> Registered:
@@ -333,6 +358,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
                     for t in request.threads
                 ),
                 runtime_world_size=request.runtime_world_size,
+                client_version=request.client_version,
             ),
         )
 
@@ -692,7 +718,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
                     world_missing_summary=v.world_missing_summary,
                 )
                 for v in views
-            ]
+            ],
+            coordinator_version=package_version(),
         )
         await self._persist()  # (what it tells, as WaitWorld)
         return response
@@ -733,6 +760,7 @@ def _participant(view) -> pb.Participant:
         alive=view.alive,
         left=view.left,
         ended=view.ended,
+        client_version=view.client_version,
     )
     if view.runtime_ordinal is not None:
         message.runtime_ordinal = view.runtime_ordinal

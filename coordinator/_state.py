@@ -138,6 +138,7 @@ def snapshot(core: Core, now: float | None = None) -> dict:
                         "left": p.left,
                         "death": p.death,
                         "ended": [[o, how] for o, how in sorted(p.ended.items())],
+                        "client_version": p.client_version,
                         **({"seen_ago": now - p.last_seen} if now is not None and not p.alive else {}),
                     }
                     for p in job.processes.values()
@@ -211,6 +212,7 @@ def restore(
                 left=p["left"],
                 death=p["death"],
                 ended={o: how for o, how in p.get("ended", ())},  # (not in files before it was kept)
+                client_version=p.get("client_version", ""),  # (nor this)
             )
         job.tasks = {int(t): i for t, i in d["tasks"].items()}
         for ordinal, local_ordinal, thread_index, incarnation, runtime_ordinal in d["members"]:

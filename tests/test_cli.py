@@ -419,6 +419,50 @@ def test_status_of_a_pod_larger_than_grpcs_default_message(capsys):
     assert "job 'a'" in out and "job 'b'" in out and "t1v-n-4095" in out
 
 
+def test_a_client_of_another_version_is_logged_once_and_named_by_status(capsys, caplog):
+    """Each process's client tells its package version at registration: status names the
+    coordinator's and every process whose client is of another (an image and a training
+    environment upgraded apart), and the coordinator logs such a process once per job and
+    version (`version_mismatch`). A version that could forge a log line is refused."""
+    import grpc
+
+    from pjrt_rendezvous.client._config import package_version
+    from pjrt_rendezvous.coordinator import Coordinator
+    from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
+
+    ours = package_version()
+    with Coordinator(port=0, heartbeat_timeout=None) as coordinator:
+        client = simulated_process(coordinator.address, 0, processes=3, threads=1)
+        bound_thread(client, 0)
+        caplog.set_level("WARNING", logger="pjrt_rendezvous.coordinator")
+        with grpc.insecure_channel(coordinator.address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+
+            def register(task: int, version: str):
+                return stub.Register(pb.RegisterRequest(
+                    job="default", incarnation=f"old-{task}", host="t1v-n-9", pid=100 + task, task_id=task,
+                    num_tasks=3, devices_per_task=1, threads=[pb.ThreadSpec(thread_index=0)], client_version=version,
+                ), timeout=10)
+
+            register(1, "0.0.9")
+            register(2, "0.0.9")
+            with pytest.raises(grpc.RpcError) as refused:
+                register(2, "0.0.9\n2026-12-03 INFO forged")
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+            assert "client version" in refused.value.details() and "control character" in refused.value.details()
+        told = [r for r in caplog.records if getattr(r, "event", "") == "version_mismatch"]
+        assert len(told) == 1 and told[0].getMessage() == (
+            f"task 1 (t1v-n-9 pid 101) in job 'default' runs pjrt-rendezvous 0.0.9, this coordinator {ours}: "
+            "upgrade both to one version (`pjrt-rendezvous status` names each process's)"
+        ), [r.getMessage() for r in told]
+        assert {p.client_version for j in client.status().jobs for p in j.participants} == {ours, "0.0.9"}
+        assert _cli.main(["status", "--address", coordinator.address]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"coordinator {coordinator.address} (pjrt-rendezvous {ours}): 1 job\n"), out
+        assert "  client version 0.0.9 (not the coordinator's): t1v-n-9 pid 101, t1v-n-9 pid 102\n" in out, out
+        client.close()
+
+
 def test_render_status_marks_dead_processes_and_groups_hosts_naturally():
     """Rendering alone: hosts sort as host-2 before host-10, a dead pid is marked and one that
     closed its client marked as left, both listed first, plural words agree."""

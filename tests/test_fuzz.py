@@ -235,6 +235,7 @@ def register_requests(draw):
         local_rank=local_rank,
         threads=threads,
         runtime_world_size=draw(int32s),
+        client_version=draw(texts),
     )
 
 

@@ -38,6 +38,7 @@ def populated_core() -> Core:
             Registration(
                 job="j", incarnation=f"inc{task}", host=f"h{task}", pid=100 + task, task_id=task,
                 num_tasks=2, devices_per_task=1, local_rank=0, threads=(ThreadRequest(thread_index=0),),
+                client_version=f"0.{task}.0",
             ),
         )
     for task in range(2):
@@ -51,10 +52,13 @@ def populated_core() -> Core:
 
 
 def test_snapshot_round_trip_keeps_ranks_rounds_and_keys():
-    """A restored core has the same rank table, finished rounds, keys and applied request ids."""
+    """A restored core has the same rank table (with each process's client version), finished
+    rounds, keys and applied request ids."""
     core, key = populated_core()
     restored = _state.restore(_state.decode(_state.encode(_state.snapshot(core))), now=50.0)
     assert restored.world("j") == core.world("j")
+    (view,) = restored.status(50.0, "j")
+    assert [p.client_version for p in view.participants] == ["0.0.0", "0.1.0"]
     assert restored.outcome("j", key).result == [b"\x00\xff", b"\x01\xff"]
     assert restored.kv_get("j", ["k", "n"]) == [b"\x00\x01", b"3"]
     assert restored.kv_add("j", "n", 3, request_id="r1") == 3  # a retried add is not applied twice

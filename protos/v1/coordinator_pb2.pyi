@@ -16,7 +16,7 @@ class ThreadSpec(_message.Message):
     def __init__(self, thread_index: _Optional[int] = ..., runtime_ordinal: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("job", "incarnation", "host", "pid", "task_id", "num_tasks", "devices_per_task", "local_rank", "threads", "runtime_world_size")
+    __slots__ = ("job", "incarnation", "host", "pid", "task_id", "num_tasks", "devices_per_task", "local_rank", "threads", "runtime_world_size", "client_version")
     JOB_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class RegisterRequest(_message.Message):
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     job: str
     incarnation: str
     host: str
@@ -37,7 +38,8 @@ class RegisterRequest(_message.Message):
     local_rank: int
     threads: _containers.RepeatedCompositeFieldContainer[ThreadSpec]
     runtime_world_size: int
-    def __init__(self, job: _Optional[str] = ..., incarnation: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., task_id: _Optional[int] = ..., num_tasks: _Optional[int] = ..., devices_per_task: _Optional[int] = ..., local_rank: _Optional[int] = ..., threads: _Optional[_Iterable[_Union[ThreadSpec, _Mapping]]] = ..., runtime_world_size: _Optional[int] = ...) -> None: ...
+    client_version: str
+    def __init__(self, job: _Optional[str] = ..., incarnation: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., task_id: _Optional[int] = ..., num_tasks: _Optional[int] = ..., devices_per_task: _Optional[int] = ..., local_rank: _Optional[int] = ..., threads: _Optional[_Iterable[_Union[ThreadSpec, _Mapping]]] = ..., runtime_world_size: _Optional[int] = ..., client_version: _Optional[str] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("thread_index", "ordinal", "local_ordinal")
@@ -76,7 +78,7 @@ class WaitWorldRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., timeout: _Optional[float] = ...) -> None: ...
 
 class Participant(_message.Message):
-    __slots__ = ("ordinal", "local_ordinal", "task_id", "thread_index", "host", "pid", "incarnation", "last_seen_age", "runtime_ordinal", "alive", "left", "ended")
+    __slots__ = ("ordinal", "local_ordinal", "task_id", "thread_index", "host", "pid", "incarnation", "last_seen_age", "runtime_ordinal", "alive", "left", "ended", "client_version")
     ORDINAL_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ORDINAL_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +91,7 @@ class Participant(_message.Message):
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     LEFT_FIELD_NUMBER: _ClassVar[int]
     ENDED_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     ordinal: int
     local_ordinal: int
     task_id: int
@@ -101,7 +104,8 @@ class Participant(_message.Message):
     alive: bool
     left: bool
     ended: str
-    def __init__(self, ordinal: _Optional[int] = ..., local_ordinal: _Optional[int] = ..., task_id: _Optional[int] = ..., thread_index: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., incarnation: _Optional[str] = ..., last_seen_age: _Optional[float] = ..., runtime_ordinal: _Optional[int] = ..., alive: _Optional[bool] = ..., left: _Optional[bool] = ..., ended: _Optional[str] = ...) -> None: ...
+    client_version: str
+    def __init__(self, ordinal: _Optional[int] = ..., local_ordinal: _Optional[int] = ..., task_id: _Optional[int] = ..., thread_index: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., incarnation: _Optional[str] = ..., last_seen_age: _Optional[float] = ..., runtime_ordinal: _Optional[int] = ..., alive: _Optional[bool] = ..., left: _Optional[bool] = ..., ended: _Optional[str] = ..., client_version: _Optional[str] = ...) -> None: ...
 
 class WaitWorldResponse(_message.Message):
     __slots__ = ("world_size", "processes")
@@ -582,7 +586,9 @@ class JobStatus(_message.Message):
     def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., registered: _Optional[int] = ..., generation: _Optional[int] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., pending_rounds: _Optional[_Iterable[_Union[PendingRound, _Mapping]]] = ..., rounds_completed: _Optional[int] = ..., kv_keys: _Optional[int] = ..., refused: _Optional[_Iterable[_Union[RefusedTask, _Mapping]]] = ..., devices_per_task: _Optional[int] = ..., world_missing_summary: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("jobs",)
+    __slots__ = ("jobs", "coordinator_version")
     JOBS_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_VERSION_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
-    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ...) -> None: ...
+    coordinator_version: str
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., coordinator_version: _Optional[str] = ...) -> None: ...
