@@ -34,7 +34,7 @@ from pjrt_rendezvous.client._topology import host_port
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
 from . import _notify, _state
-from ._core import Code, Core, CoreError, Limits
+from ._core import Code, Core, CoreError, Limits, _plural
 from ._listener import Listener
 from ._metrics import HttpServer, Metrics, RpcInterceptor, start_http_server
 from ._monitor import DEFAULT_LATE_AFTER, Monitor
@@ -605,7 +605,7 @@ def _core_to_serve(options: ServerOptions, core: Core | None, files: "_state.Fil
                 options.state_file,
                 ", ".join(
                     f"{j.name} ({len(j.members)}/{j.world_size} ordinals, generation {j.generation})"
-                    if j.world_size is not None else f"{j.name} ({len(j.kv)} keys, no world yet)"
+                    if j.world_size is not None else f"{j.name} ({_plural(len(j.kv), 'key')}, no world yet)"
                     for j in core.jobs.values()
                 ),
                 extra={"event": "restored", "jobs": len(core.jobs)},
