@@ -805,9 +805,10 @@ def summarize_job(job) -> dict:
 
 
 def status_json(response, address: str) -> dict:
-    """``status --json``: every field of the StatusResponse (proto3 JSON names, numbers as
-    numbers) plus the ``address`` asked and, per job, ``hosts``, ``notRegistered`` and per
-    pending round ``group``, ``expected`` and ``missingByHost``."""
+    """``status --json``: every field of the StatusResponse (``coordinatorVersion``, ``jobs``;
+    proto3 JSON names, numbers as numbers) plus the ``address`` asked and, per job,
+    ``hosts``, ``notRegistered`` and per pending round ``group``, ``expected`` and
+    ``missingByHost``."""
     jobs = []
     for job in response.jobs:
         data = _plain(job)
@@ -819,7 +820,7 @@ def status_json(response, address: str) -> dict:
             plain["expected"] = derived["expected"]
             plain["missingByHost"] = derived["missingByHost"]
         jobs.append(data)
-    return {"address": address, "jobs": jobs}
+    return {"address": address, "coordinatorVersion": response.coordinator_version, "jobs": jobs}
 
 
 def render_status(response, address: str) -> str:

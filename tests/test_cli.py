@@ -460,6 +460,10 @@ def test_a_client_of_another_version_is_logged_once_and_named_by_status(capsys, 
         out = capsys.readouterr().out
         assert out.startswith(f"coordinator {coordinator.address} (pjrt-rendezvous {ours}): 1 job\n"), out
         assert "  client version 0.0.9 (not the coordinator's): t1v-n-9 pid 101, t1v-n-9 pid 102\n" in out, out
+        assert _cli.main(["status", "--address", coordinator.address, "--json"]) == 0
+        as_json = json.loads(capsys.readouterr().out)
+        assert as_json["coordinatorVersion"] == ours, as_json
+        assert sorted(p["clientVersion"] for p in as_json["jobs"][0]["participants"]) == ["0.0.9", "0.0.9", ours]
         client.close()
 
 
