@@ -8,7 +8,7 @@ Each value is taken from the first source that has it:
    ``TPU_CHIPS_PER_PROCESS_BOUNDS``, ``TPU_CHIPS_PER_HOST_BOUNDS``, ``CHIPS_PER_HOST_BOUNDS``,
    ``TPU_WORKER_HOSTNAMES``);
 3. the GCE metadata server (``tpu-env``, ``worker-network-endpoints``), only when a fetcher is
-   passed and ``TPU_SKIP_MDS_QUERY`` is not set (or is ``0``, ``false``); ``tpu-env`` is read
+   passed and ``TPU_SKIP_MDS_QUERY`` is unset or empty (as torch_xla reads it); ``tpu-env`` is read
    only when ``TPU_ACCELERATOR_TYPE`` is unset, when no chip bounds variable is set (for the
    host's chips), or when ``TPU_WORKER_ID`` is unset while the metadata names several workers,
    and a fetch that fails with ``OSError`` counts as absent;
@@ -228,7 +228,9 @@ def _bounds(raw: _Raw) -> int:
 
 
 def _skip_mds(value: str | None) -> bool:
-    return value is not None and value.strip().lower() not in ("", "0", "false")
+    """As torch_xla reads ``TPU_SKIP_MDS_QUERY`` (``_internal/tpu.py``): any value but an
+    empty one skips the metadata server, "0" and "false" too, so that both agree."""
+    return bool(value)
 
 
 def _parse_tpu_env(text: str) -> dict[str, str]:
