@@ -36,7 +36,7 @@ from ._errors import (
 )
 from ._relay import Relay, relay_path
 from ._session import PING_EVERY, PING_TIMEOUT, Session, SocketSession, StatusError
-from ._topology import Topology
+from ._topology import DEFAULT_PORT, Topology
 from ._wire import Row, decode_payloads, encode_rendezvous
 
 log = logging.getLogger("pjrt_rendezvous.client")
@@ -492,7 +492,7 @@ class Client:
             if self._closed:  # cancelled by close(), not refused by the coordinator
                 raise UsageError(_CLOSED) from exc
             if not _retried(exc) or (deadline is not None and time.monotonic() >= deadline):
-                raise from_rpc_error(exc, address=self.settings.address, method=method) from exc
+                raise from_rpc_error(exc, address=self.settings.address, method=method, where=self._where()) from exc
             log.debug("%s to %s failed (%s); retrying", method, self.settings.address, exc)
         # The retry budget counts from the start of the current outage, not of the call: a
         # round that waited ten minutes and then lost its coordinator still gets the full
@@ -547,13 +547,27 @@ class Client:
         except grpc.RpcError as exc:
             if self._closed:
                 raise UsageError(_CLOSED) from exc
-            error = from_rpc_error(exc, address=self.settings.address, method=method)
+            error = from_rpc_error(exc, address=self.settings.address, method=method, where=self._where())
             if isinstance(error, RendezvousTimeout):  # (its times count from the resend the coordinator saw)
                 error = RendezvousTimeout(
                     f"{error} (the call waited {time.monotonic() - began:.1f} s in all: it was sent again "
                     "after an attempt failed)"
                 )
             raise error from exc
+
+    def _where(self) -> str:
+        """For an unreachable coordinator at localhost:7481: that it is where a client looks
+        when nothing names the coordinator, and, in a world of several hosts, that a process
+        on any host but the coordinator's must be told where it is."""
+        topo = self.topology
+        if self.settings.address != f"localhost:{DEFAULT_PORT}" or topo.worker_hostnames:
+            return ""
+        hosts = topo.num_tasks > topo.local_world_size
+        return " localhost:7481 is where a client looks when nothing names the coordinator" + (
+            f"; this world's {topo.num_tasks} tasks span {topo.num_tasks // topo.local_world_size} hosts (local world "
+            f"size {topo.local_world_size}): on every host but the coordinator's, set PJRT_RENDEZVOUS_ADDRESS "
+            "(or TPU_WORKER_HOSTNAMES)." if hosts else "."
+        )
 
     def _attempt(
         self, method: str, request, deadline: float | None, waits: bool, progress, relay: bool, raw: bool,

@@ -116,8 +116,9 @@ def tls_hint(details: str) -> str:
     )
 
 
-def from_rpc_error(exc: grpc.RpcError, *, address: str, method: str) -> RemoteError:
-    """The one place a gRPC error becomes ours; callers ``raise ... from exc``."""
+def from_rpc_error(exc: grpc.RpcError, *, address: str, method: str, where: str = "") -> RemoteError:
+    """The one place a gRPC error becomes ours; callers ``raise ... from exc``. ``where``:
+    more on how the client came to ``address``, for an unreachable coordinator's error."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
     cls = _BY_CODE.get(code, RemoteError)
@@ -126,6 +127,6 @@ def from_rpc_error(exc: grpc.RpcError, *, address: str, method: str) -> RemoteEr
         details = (
             f"coordinator at {address} unavailable for {method}: {details}. Is "
             f"`pjrt-rendezvous serve` running there, and is that its address (from init(address=), a Store's "
-            f"URL, PJRT_RENDEZVOUS_ADDRESS, or worker 0 of TPU_WORKER_HOSTNAMES)?{hint}"
+            f"URL, PJRT_RENDEZVOUS_ADDRESS, or worker 0 of TPU_WORKER_HOSTNAMES)?{where}{hint}"
         )
     return cls(details, code=code.name)

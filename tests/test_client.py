@@ -39,6 +39,19 @@ def _unused_port() -> int:
         return s.getsockname()[1]
 
 
+def _port_taken(port: int) -> bool:
+    """Whether something listens on ``port`` of localhost (IPv4 or IPv6)."""
+    for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+        try:
+            with socket.socket(family) as s:
+                s.settimeout(1.0)
+                if s.connect_ex((host, port)) == 0:
+                    return True
+        except OSError:  # no IPv6 here
+            pass
+    return False
+
+
 def make_client(address, *, tasks=1, devices=1, task=0, **settings):
     topology = pr.detect_topology(
         {
@@ -313,6 +326,33 @@ def test_unreachable_coordinator_is_retried_then_reported(monkeypatch, caplog):
     warned = [r.getMessage() for r in caplog.records if "has not answered for" in r.getMessage()]
     assert warned and all(f"127.0.0.1:{port}" in m and "KvSet" in m and "up to 2 s" in m for m in warned), warned
     client.close()
+
+
+def test_an_unreachable_default_address_says_it_was_the_default():
+    """Nothing named the coordinator (no address, PJRT_RENDEZVOUS_ADDRESS or worker
+    hostnames): the client dials localhost:7481, and in a world spanning hosts only host 0
+    finds it there. The error says so, and what to set on the other hosts (it named the
+    possible sources, not that none was given)."""
+    if _port_taken(7481):
+        pytest.skip("port 7481 is in use here")
+    env = {"PJRT_RENDEZVOUS_NUM_TASKS": "4", "PJRT_RENDEZVOUS_TASK_ID": "2", "PJRT_RENDEZVOUS_LOCAL_WORLD_SIZE": "2",
+           "PJRT_RENDEZVOUS_LOCAL_RANK": "0"}
+    topology = pr.detect_topology(env)
+    assert topology.address == "localhost:7481"
+    client = pr.Client(pr.Settings(address=topology.address, connect_timeout=1.0), topology)
+    with pytest.raises(pr.CoordinatorUnavailableError) as raised:
+        client.get("k", wait=False)
+    assert str(raised.value).endswith(
+        " localhost:7481 is where a client looks when nothing names the coordinator; this world's 4 tasks span 2 "
+        "hosts (local world size 2): on every host but the coordinator's, set PJRT_RENDEZVOUS_ADDRESS (or "
+        "TPU_WORKER_HOSTNAMES)."
+    ), str(raised.value)
+    client.close()
+    named = make_client(f"127.0.0.1:{_unused_port()}", connect_timeout=1.0)
+    with pytest.raises(pr.CoordinatorUnavailableError) as raised:
+        named.get("k", wait=False)
+    assert "nothing names" not in str(raised.value)
+    named.close()
 
 
 def test_retries_end_at_connect_timeout_not_a_backoff_after_it():
