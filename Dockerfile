@@ -47,7 +47,8 @@ VOLUME ["/var/lib/pjrt-rendezvous"]
 WORKDIR /var/lib/pjrt-rendezvous
 USER 10001:10001
 EXPOSE 7481 7482
-# The gRPC health service through the project's own CLI: exit code 0 when SERVING. It
+# The gRPC health service through the project's own CLI: exit code 0 when SERVING (1 when
+# not; 2, a bad setting, which Docker reserves, it counts as unhealthy as well). It
 # checks this container (127.0.0.1 at PJRT_RENDEZVOUS_PORT) and needs no token; with TLS,
 # set PJRT_RENDEZVOUS_TLS_CA (and PJRT_RENDEZVOUS_TLS_SERVER_NAME if the certificate does
 # not name 127.0.0.1), and with mutual TLS (--tls-ca) also PJRT_RENDEZVOUS_TLS_CERT and

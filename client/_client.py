@@ -36,7 +36,7 @@ from ._errors import (
 )
 from ._relay import Relay, relay_path
 from ._session import PING_EVERY, PING_TIMEOUT, Session, SocketSession, StatusError
-from ._topology import DEFAULT_PORT, Topology
+from ._topology import Topology
 from ._wire import Row, decode_payloads, encode_rendezvous
 
 log = logging.getLogger("pjrt_rendezvous.client")
@@ -556,17 +556,15 @@ class Client:
             raise error from exc
 
     def _where(self) -> str:
-        """For an unreachable coordinator at localhost:7481: that it is where a client looks
-        when nothing names the coordinator, and, in a world of several hosts, that a process
-        on any host but the coordinator's must be told where it is."""
+        """For an unreachable coordinator at the address a client takes when nothing names
+        one: that it was that default, and, in a world of more tasks than one host runs,
+        that a process on any host but the coordinator's must be told where it is."""
         topo = self.topology
-        if self.settings.address != f"localhost:{DEFAULT_PORT}" or topo.worker_hostnames:
+        if not topo.address_defaulted or self.settings.address != topo.address:
             return ""
-        hosts = topo.num_tasks > topo.local_world_size
-        return " localhost:7481 is where a client looks when nothing names the coordinator" + (
-            f"; this world's {topo.num_tasks} tasks span {topo.num_tasks // topo.local_world_size} hosts (local world "
-            f"size {topo.local_world_size}): on every host but the coordinator's, set PJRT_RENDEZVOUS_ADDRESS "
-            "(or TPU_WORKER_HOSTNAMES)." if hosts else "."
+        return f" Nothing named the coordinator, so this client looked on its own host ({topo.address})" + (
+            f"; in a world of {topo.num_tasks} tasks on more than one host, set PJRT_RENDEZVOUS_ADDRESS (or "
+            "TPU_WORKER_HOSTNAMES) on every host but the coordinator's." if topo.num_tasks > topo.local_world_size else "."
         )
 
     def _attempt(

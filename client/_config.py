@@ -327,6 +327,8 @@ class Settings:
             value = given.get(name, DEFAULT)
             if value is DEFAULT and env.get(variable):
                 text = env[variable]
+                if name in ("job", *_PATHS) and comment_hint(text):  # (the token's check says it too)
+                    raise UsageError(f"{variable}={text!r} holds a blank followed by '#'{comment_hint(text)}")
                 if name in ("fan_in", "transport"):
                     value = text.strip().lower()  # as parse_seconds reads its words
                 elif name in _TEXT:

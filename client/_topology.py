@@ -57,6 +57,9 @@ class Topology:
     worker_hostnames: tuple[str, ...]
     host: str
     address: str
+    # Nothing named the coordinator (no address, PJRT_RENDEZVOUS_ADDRESS or worker
+    # hostnames): ``address`` is localhost's, which only its own host reaches.
+    address_defaulted: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "worker_hostnames", tuple(self.worker_hostnames))
@@ -607,7 +610,7 @@ def detect_topology(
         )
 
     # Coordinator address (as detect_address finds it).
-    resolved = _given_address(env, address) or _default_address(hostnames)
+    given = _given_address(env, address)
 
     return Topology(
         accelerator_type=accelerator_type,
@@ -620,5 +623,6 @@ def detect_topology(
         worker_id=worker.value,
         worker_hostnames=hostnames,
         host=hostnames[worker.value] if hostnames else hostname(),
-        address=resolved,
+        address=given or _default_address(hostnames),
+        address_defaulted=given is None and not hostnames,
     )

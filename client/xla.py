@@ -551,12 +551,14 @@ def spawn(
         SpawnError: a replica raised (the message names its ordinal and carries its
             traceback), a process died before reporting, or ``timeout`` passed.
         UsageError: bad arguments, or an unsupported ``PJRT_DEVICE``.
-        TypeError: ``nprocs`` or ``devices_per_process`` not an int.
+        TypeError: ``nprocs`` or ``devices_per_process`` not an int, ``grace`` not a number.
     """
     import multiprocessing
 
     timeout = check_timeout(timeout)
-    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)):
+        raise TypeError(f"grace must be a number of seconds, got {grace!r}")
+    if not grace >= 0:
         raise UsageError(f"grace must be >= 0 seconds, got {grace!r}")
     device_type = _device_type()
     env: dict[str, str] = {}

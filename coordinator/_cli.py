@@ -337,9 +337,10 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
 
     health = commands.add_parser(
         "health",
-        help="check the coordinator's gRPC health service; exit code 0 when serving, else 1",
+        help="check the coordinator's gRPC health service; exit code 0 when serving, 1 if not, 2 for a bad setting",
         description="Ask the standard gRPC health service (grpc.health.v1.Health) of a coordinator. "
-        "Exit code 0 when it is SERVING, 1 otherwise (unreachable, NOT_SERVING, timeout). TLS comes "
+        "Exit code 0 when it is SERVING, 1 otherwise (unreachable, NOT_SERVING, timeout), 2 for a bad "
+        "argument or setting (a malformed address or port, a TLS file that cannot be read). TLS comes "
         "from the client variables (PJRT_RENDEZVOUS_TLS_CA, ...); health checks need no token, and it "
         "sends none.",
     )
@@ -844,7 +845,7 @@ def render_status(response, address: str) -> str:
         ]
         others: dict[str, dict[str, str]] = {}  # a client version not the coordinator's -> its processes
         for p in job.participants:
-            if p.client_version and ours and p.client_version != ours:
+            if p.client_version not in ("", ours, "unknown") and ours not in ("", "unknown"):
                 others.setdefault(p.client_version, {})[p.incarnation] = f"{p.host} pid {p.pid}"
         for version, processes in sorted(others.items()):
             named = sorted(processes.values())

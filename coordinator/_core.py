@@ -742,7 +742,9 @@ class Core:
                 f"local rank {r.local_rank} is out of range [0, {r.num_tasks}) for {r.num_tasks} tasks; "
                 "check PJRT_LOCAL_PROCESS_RANK / PJRT_RENDEZVOUS_LOCAL_RANK",
             )
-        for name, value in (("incarnation", r.incarnation), ("host", r.host), ("client version", r.client_version)):
+        if _control(r.client_version):  # (shown by status, logged: kept to its first characters below)
+            raise CoreError(Code.INVALID_ARGUMENT, f"client version {r.client_version[:40]!r} holds a control character")
+        for name, value in (("incarnation", r.incarnation), ("host", r.host)):
             if _control(value):  # (logged and shown by status: a line end or an escape forges lines)
                 raise CoreError(Code.INVALID_ARGUMENT, f"{name} {value!r} holds a control character")
             if len(value) > self.limits.max_name_length:
@@ -905,7 +907,7 @@ class Core:
                 local_rank=r.local_rank,
                 registered_at=now,
                 last_seen=now,
-                client_version=r.client_version,
+                client_version=r.client_version[: self.limits.max_name_length],  # (told only: a long one is cut, not refused)
             )
             job.tasks[r.task_id] = r.incarnation
         process.last_seen = now

@@ -299,7 +299,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 "registered": len(job.members),
                 "world_size": registered.world_size,
                 "generation": registered.generation,
-                "client_version": request.client_version,
+                "client_version": request.client_version[: self._core.limits.max_name_length],
             },
         )
         self._tell_version(request)
@@ -322,9 +322,9 @@ class Servicer(pb_grpc.CoordinatorServicer):
         """Logs, once per job and version, a process whose client is not of this coordinator's
         version (an image and a training environment upgraded apart): what differs between
         versions is the first thing to rule out when they disagree."""
-        ours, theirs = package_version(), request.client_version
-        if not theirs or theirs == ours or (request.job, theirs) in self._versions_told:
-            return  # (a client that does not say is older than the field: nothing to compare)
+        ours, theirs = package_version(), request.client_version[: self._core.limits.max_name_length]
+        if theirs in ("", ours, "unknown") or ours == "unknown" or (request.job, theirs) in self._versions_told:
+            return  # (a client that does not say is older than the field; a checkout never installed knows none)
         if len(self._versions_told) >= _VERSIONS_TOLD_KEPT:
             self._versions_told.clear()
         self._versions_told.add((request.job, theirs))

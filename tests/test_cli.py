@@ -742,7 +742,7 @@ def test_a_comment_left_in_a_variable_s_value_is_named():
     it in (a state file named "c.state # file"; a job "train # fixed size" given the world
     size meant for "train"), a host failed to listen, exit 1, naming flags nobody gave.
     serve refuses each, saying so (exit 2, which the unit does not restart); health and
-    status refuse the host and port."""
+    status refuse the host and port; a client its job name and file paths."""
     hint = "a comment after the value? systemd's EnvironmentFile= keeps everything after '='"
     for variable, value in [
         ("PJRT_RENDEZVOUS_WORLD_SIZE", "32          # fix the default job's world size up front"),
@@ -758,6 +758,9 @@ def test_a_comment_left_in_a_variable_s_value_is_named():
         assert out.returncode == 2 and "PJRT_RENDEZVOUS_HOST" in out.stderr and hint in out.stderr, (command, out.stderr)
     with pytest.raises(pr.UsageError, match="holds a blank followed by '#'"):
         pr.Settings(address="127.0.0.1:1", token="s3cret # shared secret")
+    for variable, value in [("PJRT_RENDEZVOUS_JOB", "train # fixed size"), ("PJRT_RENDEZVOUS_TLS_CA", "/etc/ca.pem # ca")]:
+        with pytest.raises(pr.UsageError, match=re.escape(f"{variable}={value!r} holds a blank followed by '#'")):
+            pr.Settings.resolve({variable: value}, address="127.0.0.1:1")  # (clients read the same files)
     assert pr.Settings(address="127.0.0.1:1", token="a#b c").token == "a#b c"  # '#' alone is no comment
 
 

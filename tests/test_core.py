@@ -481,6 +481,18 @@ def test_hosts_and_incarnations_with_control_characters_are_refused(field, bad):
     assert core.jobs[JOB].processes[incarnation_of(0)].ended[1] == "raised ValueError : x"
 
 
+def test_a_client_version_is_kept_to_the_name_limit_and_refused_with_a_control_character():
+    """A client's version is only told (status, the log): one past max_name_length (a long
+    development build's) is cut there, not refused (a registration refused for it would
+    stop the job); one with a control character is refused, as a host is."""
+    core = Core(Limits(max_name_length=32))
+    long = "0.1.1.dev123+g1a2b3c4d.d20261203.extra"
+    core.register(0.0, dataclasses.replace(registration(0, 1, 2), client_version=long))
+    assert [p.client_version for p in core.status(0.0, JOB)[0].participants] == [long[:32]] * 2
+    with raises(Code.INVALID_ARGUMENT, "client version '0.1\\n' holds a control character"):
+        Core().register(0.0, dataclasses.replace(registration(0, 1, 2), client_version="0.1\n"))
+
+
 def test_the_name_limit_leaves_room_for_the_clients_incarnation_ids():
     """max_name_length bounds incarnation ids too, which clients make 32 characters long: a
     lower limit refused every registration, so it is refused at start instead."""
