@@ -279,6 +279,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
             raise
         ordinals = format_ranges(a.ordinal for a in registered.assignments)
         job = self._core.jobs[request.job]
+        version = job.processes[request.incarnation].client_version  # (as the core keeps it: cut to a name's length)
         log.info(
             "registered task %d (%s pid %d) in job %r: %s %s; %d of %d ordinals registered",
             request.task_id,
@@ -299,10 +300,10 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 "registered": len(job.members),
                 "world_size": registered.world_size,
                 "generation": registered.generation,
-                "client_version": request.client_version[: self._core.limits.max_name_length],
+                "client_version": version,
             },
         )
-        self._tell_version(request)
+        self._tell_version(request, version)
         self._wake()
         await self._persist()
         return pb.RegisterResponse(
@@ -318,11 +319,11 @@ class Servicer(pb_grpc.CoordinatorServicer):
             ],
         )
 
-    def _tell_version(self, request: pb.RegisterRequest) -> None:
+    def _tell_version(self, request: pb.RegisterRequest, theirs: str) -> None:
         """Logs, once per job and version, a process whose client is not of this coordinator's
         version (an image and a training environment upgraded apart): what differs between
         versions is the first thing to rule out when they disagree."""
-        ours, theirs = package_version(), request.client_version[: self._core.limits.max_name_length]
+        ours = package_version()
         if theirs in ("", ours, "unknown") or ours == "unknown" or (request.job, theirs) in self._versions_told:
             return  # (a client that does not say is older than the field; a checkout never installed knows none)
         if len(self._versions_told) >= _VERSIONS_TOLD_KEPT:
