@@ -197,6 +197,7 @@ class Process:
     # Ordinals of its threads whose replicas ended (Core.end_replicas) -> how.
     ended: dict[int, str] = dataclasses.field(default_factory=dict)
     client_version: str = ""  # its client's package version, as it registered
+    restored: bool = False  # restored from a state file and not heard from since
 
     def label(self) -> str:
         return f"{self.host} pid {self.pid}"
@@ -672,7 +673,7 @@ class Core:
                 f"this process ({process.label()}, task {process.task_id}) was declared dead: "
                 f"{process.death}; its ordinals are lost to job {job.name!r}; start a new process",
             )
-        process.last_seen = now
+        process.last_seen, process.restored = now, False
         return process
 
     # -- world ----------------------------------------------------------------------------
@@ -910,7 +911,7 @@ class Core:
                 client_version=r.client_version[: self.limits.max_name_length],  # (told only: a long one is cut, not refused)
             )
             job.tasks[r.task_id] = r.incarnation
-        process.last_seen = now
+        process.last_seen, process.restored = now, False
         self._changed()
         owners = job.runtime_owners
         for a in assignments:  # a thread bound again after its replica ended is back
@@ -1601,10 +1602,13 @@ class Core:
             for process in list(job.processes.values()):
                 silent = now - process.last_seen
                 if process.alive and silent > self.heartbeat_timeout:
+                    # (one silent since a restore may have died while the coordinator was down)
+                    silence = (
+                        f"not heard from since the coordinator restarted from its state file {silent:.1f} s ago"
+                        if process.restored else f"no heartbeat for {silent:.1f} s"
+                    )
                     self.declare_dead(
-                        job.name,
-                        process.incarnation,
-                        f"no heartbeat for {silent:.1f} s (heartbeat timeout {self.heartbeat_timeout:g} s)",
+                        job.name, process.incarnation, f"{silence} (heartbeat timeout {self.heartbeat_timeout:g} s)"
                     )
 
     def declare_dead(self, job_name: str, incarnation: str, reason: str, *, left: bool = False) -> None:

@@ -213,6 +213,7 @@ def restore(
                 death=p["death"],
                 ended={o: how for o, how in p.get("ended", ())},  # (not in files before it was kept)
                 client_version=p.get("client_version", ""),  # (nor this)
+                restored=True,
             )
         job.tasks = {int(t): i for t, i in d["tasks"].items()}
         for ordinal, local_ordinal, thread_index, incarnation, runtime_ordinal in d["members"]:
