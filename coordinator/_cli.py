@@ -23,7 +23,7 @@ from pjrt_rendezvous.client._config import check_token, comment_hint, job_proble
 from pjrt_rendezvous.client._topology import host_port
 from pjrt_rendezvous.client._errors import UsageError
 
-from ._core import MIN_HEARTBEAT_TIMEOUT, MIN_NAME_LENGTH, Limits
+from ._core import MIN_HEARTBEAT_TIMEOUT, MIN_NAME_LENGTH, Limits, _plural
 from ._monitor import DEFAULT_LATE_AFTER
 from ._server import DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_SESSION_PORT, listen_host
 
@@ -693,10 +693,6 @@ def _age(seconds: float) -> str:
     return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60)} min"
 
 
-def _count(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
 def _pids(pids: list[int], dead: set[int] = frozenset(), left: set[int] = frozenset(), limit: int = 4) -> str:
     """The first ``limit`` pids, the dead then the departed first (a host of 8 processes hid
     its dead one behind "+4 more")."""
@@ -832,7 +828,7 @@ def render_status(response, address: str) -> str:
     coordinator = f"coordinator {address}" + (f" (pjrt-rendezvous {ours})" if ours else "")
     if not response.jobs:
         return f"{coordinator}: no jobs\n"
-    lines = [f"{coordinator}: {_count(len(response.jobs), 'job')}"]
+    lines = [f"{coordinator}: {_plural(len(response.jobs), 'job')}"]
     for job in response.jobs:
         summary = summarize_job(job)
         refused = {o for t in job.refused for o in t.ordinals}
@@ -840,8 +836,8 @@ def render_status(response, address: str) -> str:
         lines += [
             "",
             f"job {job.job!r}: {job.registered}/{world} ordinals registered, generation {job.generation}, "
-            f"{_count(job.rounds_completed, 'round')} completed, {_count(job.kv_keys, 'key')}, "
-            f"{_count(len(job.pending_rounds), 'pending round')}",
+            f"{_plural(job.rounds_completed, 'round')} completed, {_plural(job.kv_keys, 'key')}, "
+            f"{_plural(len(job.pending_rounds), 'pending round')}",
         ]
         others: dict[str, dict[str, str]] = {}  # a client version not the coordinator's -> its processes
         for p in job.participants:
