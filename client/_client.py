@@ -164,7 +164,9 @@ def _fan_in(settings: Settings, topology: Topology) -> bool:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Binding:
-    """A thread's place in the world. Usable as a context manager that unbinds on exit."""
+    """A thread's place in the world. Usable as a context manager that unbinds on exit; left by
+    an exception (but a clean ``sys.exit``), it ends the thread's replica first
+    (:meth:`Client.end_replicas`, naming the exception)."""
 
     client: "Client" = dataclasses.field(repr=False)
     thread_index: int
@@ -178,8 +180,30 @@ class Binding:
     def __enter__(self) -> "Binding":
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.client.unbind_thread()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            clean = exc is None or (isinstance(exc, SystemExit) and exc.code in (None, 0))
+            # (A coordinator out of reach cannot be told: that would only hold the raise 5 s.)
+            if not clean and not isinstance(exc, CoordinatorUnavailableError):
+                client = self.client
+                if current_binding() is self and not inherited(client):
+                    # Its thread is out of its rounds: the rounds that need it, waiting anywhere
+                    # or called later, fail now naming why (they waited for it until their
+                    # timeout, 10 minutes by default), as ``xla.spawn``'s do; bound again, it is back.
+                    client.end_replicas([self.ordinal], how_it_ended(exc))
+        finally:
+            self.client.unbind_thread()
+
+
+def how_it_ended(exc: BaseException) -> str:
+    """How a replica that raised ended, for the errors of the rounds that needed it."""
+    if isinstance(exc, ParticipantFailedError):  # (its message names the member that went first)
+        return f"raised {type(exc).__name__} (another member had gone)"
+    try:
+        line = str(exc).partition("\n")[0]
+    except Exception:  # noqa: BLE001 -- a broken __str__
+        line = ""
+    return f"raised {type(exc).__name__}" + (f": {line}" if line else "")
 
 
 def _asked_by(deadline: float | None) -> float:
@@ -973,7 +997,8 @@ class Client:
             runtime_world_size: the XLA runtime's world size, if known.
 
         Returns:
-            The :class:`Binding`; also a context manager that unbinds on exit.
+            The :class:`Binding`; also a context manager that unbinds on exit (and, left by
+            an exception, ends the replica first: see :class:`Binding`).
 
         Raises:
             UsageError: the thread is already bound, or another thread holds the index.

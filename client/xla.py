@@ -107,9 +107,9 @@ from itertools import chain
 from typing import Any, Callable, Sequence
 
 from . import _api
-from ._client import Binding, Client, current_binding, xm_binding
+from ._client import Binding, Client, current_binding, how_it_ended, xm_binding
 from ._config import check_timeout
-from ._errors import ParticipantFailedError, RendezvousError, TopologyError, UsageError
+from ._errors import RendezvousError, TopologyError, UsageError
 
 log = logging.getLogger("pjrt_rendezvous.client")
 
@@ -922,8 +922,9 @@ def _child_main(task: int, nprocs: int, env: dict, payload: bytes, reports) -> N
         ordinal = ordinals[index]
         bound, how = False, "returned"
         try:
-            with bind_device(index, client=client) as binding:  # devices[index] is xla:<index>
-                bound = True
+            binding = bind_device(index, client=client)  # devices[index] is xla:<index>
+            bound = True
+            try:  # (not `with binding`: a raise would end the replica before its report, below)
                 try:
                     result = fn(binding.ordinal, *args)
                 except SystemExit as exc:
@@ -931,10 +932,12 @@ def _child_main(task: int, nprocs: int, env: dict, payload: bytes, reports) -> N
                         raise
                     result = None  # a clean exit, as a process per device's sys.exit(0) was
                 blob = _pickled_result(result, torch_xla._XLAC, ordinal)
+            finally:
+                client.unbind_thread()
             put("result", ordinal, blob)
         except BaseException as exc:  # noqa: BLE001 -- every failure goes to the parent
             put("error", ordinal, _pickled_error(exc), traceback.format_exc())
-            how = _how_it_ended(exc)
+            how = how_it_ended(exc)
         finally:  # after its report (the parent orders reports by when they were put)
             _api._ended[ordinal] = how  # its siblings' later calls fail here (_check_ended)
             if bound:  # and the rounds already waiting for it, anywhere, and later ones
@@ -1019,17 +1022,6 @@ def _unpickled_with_tensors(stream: bytes, tensors: list) -> Any:
 
 
 _IN_PARENT = "(in the calling process)\n"  # marks a traceback of the parent's, not the replica's
-
-
-def _how_it_ended(exc: BaseException) -> str:
-    """How a replica that raised ended, for the errors of the rounds that needed it."""
-    if isinstance(exc, ParticipantFailedError):  # (its message names the member that went first)
-        return f"raised {type(exc).__name__} (another member had gone)"
-    try:
-        line = str(exc).partition("\n")[0]
-    except Exception:  # noqa: BLE001 -- a broken __str__
-        line = ""
-    return f"raised {type(exc).__name__}" + (f": {line}" if line else "")
 
 
 def _reporter(task: int, reports) -> Callable[..., None]:

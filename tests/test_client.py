@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import faulthandler
 import gc
 import logging
@@ -858,6 +859,69 @@ def test_a_replica_that_ends_fails_the_rounds_waiting_for_it_at_once(coordinator
             2: lambda: clients[1].rendezvous(waiters[0], "pair", b"p2", [0, 2]),
         })
         assert paired == {0: [b"p0", b"p2"], 2: [b"p0", b"p2"]}, paired
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_a_thread_that_leaves_its_binding_on_an_exception_ends_its_replica(coordinator):
+    """A thread whose ``with bind_thread(...)`` block raises is out of its rounds: the rounds
+    that need it, in another process, fail at once naming the exception (they waited for it
+    until their timeout, 10 minutes by default). A block left cleanly, or by ``sys.exit(0)``,
+    ends nothing; bound again, the thread is back."""
+    clients = [make_client(coordinator.address, tasks=2, devices=2, task=t, timeout=60, batch_window=0.01) for t in (0, 1)]
+    try:
+        _threads({0: lambda: clients[0].bind_thread(0)})
+        waiters = _threads({t: (lambda t=t: clients[1].bind_thread(t)) for t in (0, 1)})
+
+        def leaves(index: int, exc: BaseException | None) -> None:
+            with clients[0].bind_thread(index):
+                if exc is not None:
+                    raise exc
+
+        def ended() -> list[str]:
+            (job,) = clients[0].status().jobs
+            return [p.ended for p in job.participants]
+
+        for exc in (None, SystemExit(0), SystemExit(None)):
+            with contextlib.suppress(SystemExit):
+                leaves(1, exc)
+            assert ended() == ["", "", "", ""]
+        outcome = {}
+
+        def waiting(index: int) -> None:
+            started = time.monotonic()
+            with pytest.raises(pr.ParticipantFailedError) as raised:
+                clients[1].rendezvous(waiters[index], "needs-1")
+            outcome[index] = (str(raised.value), time.monotonic() - started)
+
+        threads = [in_thread(lambda i=i: waiting(i)) for i in (0, 1)]
+        deadline = time.monotonic() + 30
+        while sum(len(r.missing) for j in clients[0].status().jobs for r in j.pending_rounds) != 2:
+            assert time.monotonic() < deadline, "task 1 never waited"
+            time.sleep(0.05)
+        with pytest.raises(ValueError):
+            leaves(1, ValueError("bad batch\nsecond line"))
+        assert pr.current_binding() is None  # unbound all the same
+        for t in threads:
+            t.join(30)
+        assert ended() == ["", "raised ValueError: bad batch", "", ""]
+        for index in (0, 1):
+            message, waited = outcome[index]
+            assert "cannot complete: a member ended (ordinal 1 on " in message, message
+            assert message.endswith(": its replica raised ValueError: bad batch)"), message
+            assert waited < 20, waited
+        # Bound again, it is back: a round that needs it completes.
+        def pair(client, binding, index):
+            return client.rendezvous(binding, "pair", b"%d" % index, [1, 2])
+
+        def rebound():
+            with clients[0].bind_thread(1) as binding:
+                return pair(clients[0], binding, 1)
+
+        paired = _threads({1: rebound, 2: lambda: pair(clients[1], waiters[0], 2)})
+        assert paired == {1: [b"1", b"2"], 2: [b"1", b"2"]}, paired
+        assert ended() == ["", "", "", ""]
     finally:
         for c in clients:
             c.close()
