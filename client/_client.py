@@ -166,7 +166,8 @@ def _fan_in(settings: Settings, topology: Topology) -> bool:
 class Binding:
     """A thread's place in the world. Usable as a context manager that unbinds on exit; left by
     an exception (but a clean ``sys.exit``), it ends the thread's replica first
-    (:meth:`Client.end_replicas`, naming the exception)."""
+    (:meth:`Client.end_replicas`, naming the exception), as a thread that dies bound does
+    (``_thread_failed``)."""
 
     client: "Client" = dataclasses.field(repr=False)
     thread_index: int
@@ -204,6 +205,30 @@ def how_it_ended(exc: BaseException) -> str:
     except Exception:  # noqa: BLE001 -- a broken __str__
         line = ""
     return f"raised {type(exc).__name__}" + (f": {line}" if line else "")
+
+
+_hook_before: Callable = threading.excepthook  # the one ours passes each thread's failure on to
+
+
+def _thread_failed(args) -> None:
+    """``threading.excepthook`` once a thread is bound: a thread that dies bound (not in a
+    ``with`` block, which did this on its way out) of an uncaught exception ends its replica
+    and unbinds first, then the hook before ours reports the exception."""
+    try:
+        binding = current_binding()  # (the hook runs in the dying thread)
+        if binding is not None and args.thread is binding._thread:
+            binding.__exit__(args.exc_type, args.exc_value, args.exc_traceback)
+    finally:
+        _hook_before(args)
+
+
+def _hook_thread_failures() -> None:
+    """Puts ``_thread_failed`` in front of the current ``threading.excepthook`` (again, should
+    a hook set since have replaced it)."""
+    global _hook_before
+    current = threading.excepthook  # (read once: two threads binding at once set the same)
+    if current is not _thread_failed:
+        _hook_before, threading.excepthook = current, _thread_failed
 
 
 def _asked_by(deadline: float | None) -> float:
@@ -1073,6 +1098,7 @@ class Client:
         self._adopt_generation(response.generation, registered=True, job_id=response.job_id)
         self._start_background()
         self._start_relay()
+        _hook_thread_failures()
         binding = Binding(
             client=self,
             thread_index=thread_index,

@@ -821,39 +821,56 @@ def test_replicas_may_not_be_a_str_bytes_or_mapping(client):
             assert client.rendezvous(binding, "t", b"x", replicas) == [b"x"]
 
 
+def _ends_ordinal_1(clients, end, why: str) -> list:
+    """Task 1's two threads wait in a round that needs ordinal 1 (task 0's thread 1); ``end()``
+    ends it: they fail at once naming it and ``why`` (they waited out their timeout of 60 s:
+    its process had not left), and the coordinator's status shows it ended. Returns task 1's
+    bindings."""
+    waiters = _threads({t: (lambda t=t: clients[1].bind_thread(t)) for t in (0, 1)})
+    outcome = {}
+
+    def waiting(index: int) -> None:
+        started = time.monotonic()
+        with pytest.raises(pr.ParticipantFailedError) as raised:
+            clients[1].rendezvous(waiters[index], "needs-1")
+        outcome[index] = (str(raised.value), time.monotonic() - started)
+
+    threads = [in_thread(lambda i=i: waiting(i)) for i in (0, 1)]
+    deadline = time.monotonic() + 30
+    while sum(len(r.missing) for j in clients[0].status().jobs for r in j.pending_rounds) != 2:
+        assert time.monotonic() < deadline, "task 1 never waited"
+        time.sleep(0.05)
+    end()
+    for t in threads:
+        t.join(30)
+    assert _ended(clients[0]) == ["", why, "", ""]
+    for index in (0, 1):
+        message, waited = outcome[index]
+        assert "cannot complete: a member ended (ordinal 1 on " in message, message
+        assert message.endswith(f": its replica {why})"), message
+        assert waited < 20, waited
+    return waiters
+
+
+def _ended(client) -> list[str]:
+    """How each participant's replica ended, in ordinal order ("" while it runs)."""
+    (job,) = client.status().jobs
+    return [p.ended for p in job.participants]
+
+
+def _two_tasks(coordinator) -> list:
+    return [make_client(coordinator.address, tasks=2, devices=2, task=t, timeout=60, batch_window=0.01) for t in (0, 1)]
+
+
 def test_a_replica_that_ends_fails_the_rounds_waiting_for_it_at_once(coordinator):
     """Task 0's thread 1 is done (end_replicas, as xla.spawn says when a replica returns or
     raises) while task 1's threads wait in a round that needs it, one bound thread of task 0
-    still running: they fail at once naming it (they waited out their
-    timeout: its process had not left). A round without it still completes."""
-    clients = [make_client(coordinator.address, tasks=2, devices=2, task=t, timeout=60, batch_window=0.01) for t in (0, 1)]
-    outcome = {}
+    still running: they fail at once naming it. A round without it still completes."""
+    clients = _two_tasks(coordinator)
     try:
         bindings = _threads({t: (lambda t=t: clients[0].bind_thread(t)) for t in (0, 1)})
-
-        waiters = _threads({t: (lambda t=t: clients[1].bind_thread(t)) for t in (0, 1)})
-
-        def waiting(index: int) -> None:
-            started = time.monotonic()
-            with pytest.raises(pr.ParticipantFailedError) as raised:
-                clients[1].rendezvous(waiters[index], "needs-1")
-            outcome[index] = (str(raised.value), time.monotonic() - started)
-
-        threads = [in_thread(lambda i=i: waiting(i)) for i in (0, 1)]
-        deadline = time.monotonic() + 30
-        while sum(len(r.missing) for j in clients[0].status().jobs for r in j.pending_rounds) != 2:
-            assert time.monotonic() < deadline, "task 1 never waited"
-            time.sleep(0.05)
-        clients[0].end_replicas([1], "raised ValueError: gave up")
-        for t in threads:
-            t.join(30)
-        (job,) = clients[0].status().jobs  # (status shows it)
-        assert [p.ended for p in job.participants] == ["", "raised ValueError: gave up", "", ""]
-        for index in (0, 1):
-            message, waited = outcome[index]
-            assert "cannot complete: a member ended (ordinal 1 on " in message, message
-            assert message.endswith(": its replica raised ValueError: gave up)"), message
-            assert waited < 20, waited
+        why = "raised ValueError: gave up"
+        waiters = _ends_ordinal_1(clients, lambda: clients[0].end_replicas([1], why), why)
         paired = _threads({
             0: lambda: clients[0].rendezvous(bindings[0], "pair", b"p0", [0, 2]),
             2: lambda: clients[1].rendezvous(waiters[0], "pair", b"p2", [0, 2]),
@@ -869,48 +886,27 @@ def test_a_thread_that_leaves_its_binding_on_an_exception_ends_its_replica(coord
     that need it, in another process, fail at once naming the exception (they waited for it
     until their timeout, 10 minutes by default). A block left cleanly, or by ``sys.exit(0)``,
     ends nothing; bound again, the thread is back."""
-    clients = [make_client(coordinator.address, tasks=2, devices=2, task=t, timeout=60, batch_window=0.01) for t in (0, 1)]
+    clients = _two_tasks(coordinator)
     try:
         _threads({0: lambda: clients[0].bind_thread(0)})
-        waiters = _threads({t: (lambda t=t: clients[1].bind_thread(t)) for t in (0, 1)})
 
-        def leaves(index: int, exc: BaseException | None) -> None:
-            with clients[0].bind_thread(index):
+        def leaves(exc: BaseException | None) -> None:
+            with clients[0].bind_thread(1):
                 if exc is not None:
                     raise exc
 
-        def ended() -> list[str]:
-            (job,) = clients[0].status().jobs
-            return [p.ended for p in job.participants]
-
         for exc in (None, SystemExit(0), SystemExit(None)):
             with contextlib.suppress(SystemExit):
-                leaves(1, exc)
-            assert ended() == ["", "", "", ""]
-        outcome = {}
+                leaves(exc)
+            assert _ended(clients[0]) == ["", ""]  # (task 1 not registered yet)
 
-        def waiting(index: int) -> None:
-            started = time.monotonic()
-            with pytest.raises(pr.ParticipantFailedError) as raised:
-                clients[1].rendezvous(waiters[index], "needs-1")
-            outcome[index] = (str(raised.value), time.monotonic() - started)
+        def fails() -> None:
+            with pytest.raises(ValueError):
+                leaves(ValueError("bad batch\nsecond line"))
+            assert pr.current_binding() is None  # unbound all the same
 
-        threads = [in_thread(lambda i=i: waiting(i)) for i in (0, 1)]
-        deadline = time.monotonic() + 30
-        while sum(len(r.missing) for j in clients[0].status().jobs for r in j.pending_rounds) != 2:
-            assert time.monotonic() < deadline, "task 1 never waited"
-            time.sleep(0.05)
-        with pytest.raises(ValueError):
-            leaves(1, ValueError("bad batch\nsecond line"))
-        assert pr.current_binding() is None  # unbound all the same
-        for t in threads:
-            t.join(30)
-        assert ended() == ["", "raised ValueError: bad batch", "", ""]
-        for index in (0, 1):
-            message, waited = outcome[index]
-            assert "cannot complete: a member ended (ordinal 1 on " in message, message
-            assert message.endswith(": its replica raised ValueError: bad batch)"), message
-            assert waited < 20, waited
+        waiters = _ends_ordinal_1(clients, fails, "raised ValueError: bad batch")
+
         # Bound again, it is back: a round that needs it completes.
         def pair(client, binding, index):
             return client.rendezvous(binding, "pair", b"%d" % index, [1, 2])
@@ -921,7 +917,35 @@ def test_a_thread_that_leaves_its_binding_on_an_exception_ends_its_replica(coord
 
         paired = _threads({1: rebound, 2: lambda: pair(clients[1], waiters[0], 2)})
         assert paired == {1: [b"1", b"2"], 2: [b"1", b"2"]}, paired
-        assert ended() == ["", "", "", ""]
+        assert _ended(clients[0]) == ["", "", "", ""]
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_a_thread_that_dies_bound_ends_its_replica(coordinator, monkeypatch):
+    """A thread bound without a ``with`` block that dies of an uncaught exception ends its
+    replica and unbinds (``threading.excepthook``), then the hook set before ours reports the
+    exception: its peers' rounds fail at once naming it; its index is free again."""
+    reported = []
+    monkeypatch.setattr(threading, "excepthook", reported.append)
+    clients = _two_tasks(coordinator)
+    try:
+        _threads({0: lambda: clients[0].bind_thread(0)})
+
+        def dies() -> None:
+            clients[0].bind_thread(1)
+            raise KeyError("step 7")
+
+        def end() -> None:
+            thread = threading.Thread(target=dies)
+            thread.start()
+            thread.join(30)
+
+        _ends_ordinal_1(clients, end, "raised KeyError: 'step 7'")
+        assert [type(args.exc_value) for args in reported] == [KeyError], reported
+        assert threading.excepthook is not reported.append  # (ours, in front of it)
+        assert 1 not in clients[0]._bindings
     finally:
         for c in clients:
             c.close()
