@@ -167,7 +167,7 @@ class Binding:
     """A thread's place in the world. Usable as a context manager that unbinds on exit; left by
     an exception (but a clean ``sys.exit``), it ends the thread's replica first
     (:meth:`Client.end_replicas`, naming the exception), as a thread that dies bound does
-    (``_thread_failed``)."""
+    (``_ThreadFailed``)."""
 
     client: "Client" = dataclasses.field(repr=False)
     thread_index: int
@@ -183,15 +183,19 @@ class Binding:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
-            clean = exc is None or (isinstance(exc, SystemExit) and exc.code in (None, 0))
-            # (A coordinator out of reach cannot be told: that would only hold the raise 5 s.)
+            # (A generator closed early is not a failure; a coordinator out of reach cannot
+            # be told: trying would only hold the raise 5 s.)
+            clean = exc is None or isinstance(exc, GeneratorExit) or (isinstance(exc, SystemExit) and exc.code in (None, 0))
             if not clean and not isinstance(exc, CoordinatorUnavailableError):
                 client = self.client
                 if current_binding() is self and not inherited(client):
                     # Its thread is out of its rounds: the rounds that need it, waiting anywhere
                     # or called later, fail now naming why (they waited for it until their
                     # timeout, 10 minutes by default), as ``xla.spawn``'s do; bound again, it is back.
-                    client.end_replicas([self.ordinal], how_it_ended(exc))
+                    try:
+                        client.end_replicas([self.ordinal], how_it_ended(exc))
+                    except Exception as error:  # noqa: BLE001 -- never in place of the user's exception
+                        log.warning("could not tell the coordinator that ordinal %d ended: %r", self.ordinal, error)
         finally:
             self.client.unbind_thread()
 
@@ -207,28 +211,34 @@ def how_it_ended(exc: BaseException) -> str:
     return f"raised {type(exc).__name__}" + (f": {line}" if line else "")
 
 
-_hook_before: Callable = threading.excepthook  # the one ours passes each thread's failure on to
-
-
-def _thread_failed(args) -> None:
+class _ThreadFailed:
     """``threading.excepthook`` once a thread is bound: a thread that dies bound (not in a
     ``with`` block, which did this on its way out) of an uncaught exception ends its replica
-    and unbinds first, then the hook before ours reports the exception."""
-    try:
-        binding = current_binding()  # (the hook runs in the dying thread)
-        if binding is not None and args.thread is binding._thread:
-            binding.__exit__(args.exc_type, args.exc_value, args.exc_traceback)
-    finally:
-        _hook_before(args)
+    and unbinds first, then the hook that was in place when this one was put in front of it
+    reports the exception. Each keeps its own: a hook set later that calls the one it replaced
+    (ours), put behind a new one of ours at the next bind, ends the chain there, and ours
+    restored by whoever replaced it (a test's monkeypatch) passes on to its own again."""
+
+    __slots__ = ("before",)
+
+    def __init__(self, before: Callable) -> None:
+        self.before = before
+
+    def __call__(self, args) -> None:
+        try:
+            binding = current_binding()  # (the hook runs in the dying thread)
+            if binding is not None and args.thread is binding._thread:
+                binding.__exit__(args.exc_type, args.exc_value, args.exc_traceback)
+        finally:
+            self.before(args)
 
 
 def _hook_thread_failures() -> None:
-    """Puts ``_thread_failed`` in front of the current ``threading.excepthook`` (again, should
-    a hook set since have replaced it)."""
-    global _hook_before
+    """Puts a ``_ThreadFailed`` in front of ``threading.excepthook`` unless one is there (a
+    hook set since may have replaced it)."""
     current = threading.excepthook  # (read once: two threads binding at once set the same)
-    if current is not _thread_failed:
-        _hook_before, threading.excepthook = current, _thread_failed
+    if not isinstance(current, _ThreadFailed):
+        threading.excepthook = _ThreadFailed(current)
 
 
 def _asked_by(deadline: float | None) -> float:
@@ -1116,7 +1126,8 @@ class Client:
         return binding
 
     def unbind_thread(self) -> None:
-        """Forgets the calling thread's binding (its ordinal stays registered)."""
+        """Forgets the calling thread's binding (its ordinal stays registered, its replica not
+        ended: unlike a ``with`` block left by an exception, see :class:`Binding`)."""
         binding = current_binding()
         _bound.closed = None
         if binding is not None and binding.client is not self and inherited(binding.client):

@@ -21,7 +21,7 @@ import time
 import pytest
 
 import pjrt_rendezvous.client as pr
-from pjrt_rendezvous.client._client import _Batch, _allocate_lock, _pass_on
+from pjrt_rendezvous.client._client import _Batch, _ThreadFailed, _allocate_lock, _pass_on
 from pjrt_rendezvous.client._config import Settings
 from pjrt_rendezvous.coordinator import Coordinator, Limits
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
@@ -895,8 +895,8 @@ def test_a_thread_that_leaves_its_binding_on_an_exception_ends_its_replica(coord
                 if exc is not None:
                     raise exc
 
-        for exc in (None, SystemExit(0), SystemExit(None)):
-            with contextlib.suppress(SystemExit):
+        for exc in (None, SystemExit(0), SystemExit(None), GeneratorExit()):
+            with contextlib.suppress(SystemExit, GeneratorExit):
                 leaves(exc)
             assert _ended(clients[0]) == ["", ""]  # (task 1 not registered yet)
 
@@ -918,6 +918,9 @@ def test_a_thread_that_leaves_its_binding_on_an_exception_ends_its_replica(coord
         paired = _threads({1: rebound, 2: lambda: pair(clients[1], waiters[0], 2)})
         assert paired == {1: [b"1", b"2"], 2: [b"1", b"2"]}, paired
         assert _ended(clients[0]) == ["", "", "", ""]
+        with pytest.raises(SystemExit):
+            leaves(SystemExit(1))  # (an exit with an error code is a failure)
+        assert _ended(clients[0]) == ["", "raised SystemExit: 1", "", ""]
     finally:
         for c in clients:
             c.close()
@@ -944,8 +947,17 @@ def test_a_thread_that_dies_bound_ends_its_replica(coordinator, monkeypatch):
 
         _ends_ordinal_1(clients, end, "raised KeyError: 'step 7'")
         assert [type(args.exc_value) for args in reported] == [KeyError], reported
-        assert threading.excepthook is not reported.append  # (ours, in front of it)
         assert 1 not in clients[0]._bindings
+        ours = threading.excepthook
+        assert isinstance(ours, _ThreadFailed) and ours.before == reported.append, ours
+        # A hook set later that calls the one it replaced (ours), itself put behind ours at the
+        # next bind: each failure goes through the chain once, to its end.
+        passed = []
+        threading.excepthook = lambda args: (passed.append(args), ours(args))
+        end()
+        assert isinstance(threading.excepthook, _ThreadFailed) and threading.excepthook is not ours
+        assert len(passed) == 1 and [type(args.exc_value) for args in reported] == [KeyError, KeyError]
+        assert _ended(clients[0]) == ["", "raised KeyError: 'step 7'", "", ""]
     finally:
         for c in clients:
             c.close()
