@@ -165,7 +165,7 @@ def _fan_in(settings: Settings, topology: Topology) -> bool:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Binding:
     """A thread's place in the world. Usable as a context manager that unbinds on exit; left by
-    an exception (but a clean ``sys.exit``), it ends the thread's replica first
+    an exception (but a clean ``sys.exit`` or a generator's close), it ends the thread's replica first
     (:meth:`Client.end_replicas`, naming the exception), as a thread that dies bound does
     (``_ThreadFailed``)."""
 
