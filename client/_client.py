@@ -124,6 +124,8 @@ _store_ids: "weakref.WeakKeyDictionary[Client, str]" = weakref.WeakKeyDictionary
 _job_ids: "weakref.WeakKeyDictionary[Client, str]" = weakref.WeakKeyDictionary()
 # The rounds each client gave up on without an answer, to tell the coordinator (Client._tell_given_up),
 # one thread at a time: a sibling's next round must not overtake the telling.
+# Bindings whose thread ended bound, said so (Client._wait_for_sender): once each.
+_said_ended: "weakref.WeakSet[Binding]" = weakref.WeakSet()
 _given_up: "weakref.WeakKeyDictionary[Client, list[pb.GiveUpRoundRequest]]" = weakref.WeakKeyDictionary()
 _telling = threading.Lock()
 _NOT_AFTER_GIVE_UPS = frozenset({"GiveUpRound", "Register"})  # (the telling's own call; a registration is told nothing)
@@ -1383,18 +1385,34 @@ class Client:
             end = min(end, now + (batch.deadline - now) / 2)
         released = waiter.acquire(True, max(0.0, end - time.monotonic()))
         with self._lock:
-            if self._batches.get(key) is batch:  # no sibling sends it: send what arrived
+            send = self._batches.get(key) is batch
+            if send:  # no sibling sends it: send what arrived
                 del self._batches[key]
                 if waiter in batch.waiters:
                     batch.waiters.remove(waiter)
-                return True
-            if waiter not in batch.waiters:  # signalled, but a late sibling sends it
+                ended = [
+                    b for b in self._bindings.values()
+                    if b is not None and b.ordinal not in batch.contributions
+                    and (batch.members is None or b.ordinal in batch.members)
+                    and b._thread is not None and not b._thread.is_alive() and b not in _said_ended
+                ]
+                _said_ended.update(ended)
+            elif waiter not in batch.waiters:  # signalled, but a late sibling sends it
                 if batch.done:
                     return False
                 waiter = _allocate_lock()
                 waiter.acquire()
                 batch.waiters.append(waiter)
                 released = False
+        if send:
+            for b in ended:  # (a binding may be used from another thread: this only says so)
+                log.warning(
+                    "ordinal %d (thread index %d) was bound by thread %r, which ended without unbinding; "
+                    "rounds that need it wait for it until their timeout unless another thread calls "
+                    "with its binding (bind in a `with bind_thread(...)` block, or call unbind_thread())",
+                    b.ordinal, b.thread_index, b._thread.name,
+                )
+            return True
         if not released:  # else the round is done, and it is this waiter's turn
             waiter.acquire()
         _pass_on(batch, waiter)

@@ -963,6 +963,26 @@ def test_a_thread_that_dies_bound_ends_its_replica(coordinator, monkeypatch):
             c.close()
 
 
+def test_a_thread_that_ended_bound_is_named_when_its_siblings_wait_for_it(coordinator, caplog):
+    """A thread that ended bound without an exception (no ``with`` block, no unbind_thread)
+    still holds its ordinal: when a sibling's round waits out the batch window for it, the
+    process says so, once per binding, naming the thread (it said nothing: the round only
+    timed out naming the ordinal missing, its process alive)."""
+    client = make_client(coordinator.address, devices=2, timeout=1, batch_window=0.05)
+    try:
+        _threads({1: lambda: client.bind_thread(1)})  # its thread returns, bound
+        binding = _threads({0: lambda: client.bind_thread(0)})[0]
+        with caplog.at_level(logging.WARNING, logger="pjrt_rendezvous.client"):
+            for tag in ("first", "second"):
+                outcome = _threads({0: lambda tag=tag: client.rendezvous(binding, tag)})[0]
+                assert isinstance(outcome, pr.RendezvousTimeout), outcome
+        said = [r.getMessage() for r in caplog.records if "ended without unbinding" in r.getMessage()]
+        assert len(said) == 1, said
+        assert said[0].startswith("ordinal 1 (thread index 1) was bound by thread 'Thread-"), said
+    finally:
+        client.close()
+
+
 def test_end_replicas_refuses_arguments_of_the_wrong_type_by_name(client):
     """Ordinals that are not a sequence of ints or a reason that is not a str: a TypeError
     naming the argument, before anything is sent (protobuf's bare TypeError: "'str' object
