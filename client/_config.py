@@ -64,6 +64,12 @@ def package_version() -> str:
         return "unknown"
 
 
+def versions_differ(theirs: str, ours: str) -> bool:
+    """Whether two package versions are known to differ: "" (a side older than the field)
+    and "unknown" (a checkout never installed) say nothing."""
+    return theirs != ours and not {theirs, ours} & {"", "unknown"}
+
+
 def comment_hint(value: str) -> str:
     """For an error about a setting's ``value``: a hint when it holds what looks like a
     comment, which systemd's ``EnvironmentFile=`` keeps in the value (a shell drops it)."""

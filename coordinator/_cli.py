@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any, Callable, Mapping
 
-from pjrt_rendezvous.client._config import check_token, comment_hint, job_problem, parse_seconds, read_token_file, token_conflict
+from pjrt_rendezvous.client._config import check_token, comment_hint, job_problem, parse_seconds, read_token_file, token_conflict, versions_differ
 from pjrt_rendezvous.client._topology import host_port
 from pjrt_rendezvous.client._errors import UsageError
 
@@ -841,7 +841,7 @@ def render_status(response, address: str) -> str:
         ]
         others: dict[str, dict[str, str]] = {}  # a client version not the coordinator's -> its processes
         for p in job.participants:
-            if p.client_version not in ("", ours, "unknown") and ours not in ("", "unknown"):
+            if versions_differ(p.client_version, ours):
                 others.setdefault(p.client_version, {})[p.incarnation] = f"{p.host} pid {p.pid}"
         for version, processes in sorted(others.items()):
             named = sorted(processes.values())

@@ -17,7 +17,7 @@ from typing import Awaitable, Callable
 
 import grpc
 
-from pjrt_rendezvous.client._config import package_version
+from pjrt_rendezvous.client._config import package_version, versions_differ
 from pjrt_rendezvous.client._session import Call, Malformed, Wakeup, clip, decode_session_calls, parser, serve_session, session_answer
 from pjrt_rendezvous.client._wire import RendezvousCall, decode_rendezvous, encode_payloads
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
@@ -324,8 +324,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
         version (an image and a training environment upgraded apart): what differs between
         versions is the first thing to rule out when they disagree."""
         ours = package_version()
-        if theirs in ("", ours, "unknown") or ours == "unknown" or (request.job, theirs) in self._versions_told:
-            return  # (a client that does not say is older than the field; a checkout never installed knows none)
+        if not versions_differ(theirs, ours) or (request.job, theirs) in self._versions_told:
+            return
         if len(self._versions_told) >= _VERSIONS_TOLD_KEPT:
             self._versions_told.clear()
         self._versions_told.add((request.job, theirs))
