@@ -29,7 +29,7 @@ import tenacity
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
-from ._config import DEFAULT, FAN_IN_AUTO_HOSTS, Settings, check_timeout, package_version
+from ._config import DEFAULT, FAN_IN_AUTO_HOSTS, Settings, check_timeout
 from ._errors import (
     CoordinatorUnavailableError, InvalidArgumentError, MismatchError, ParticipantFailedError, RendezvousError, RendezvousTimeout,
     UnknownJobError, UsageError, from_rpc_error,
@@ -37,6 +37,7 @@ from ._errors import (
 from ._relay import Relay, relay_path
 from ._session import PING_EVERY, PING_TIMEOUT, Session, SocketSession, StatusError
 from ._topology import Topology
+from ._version import VERSION
 from ._wire import Row, decode_payloads, encode_rendezvous
 
 log = logging.getLogger("pjrt_rendezvous.client")
@@ -1096,7 +1097,7 @@ class Client:
                     local_rank=topo.local_rank,
                     threads=[thread],
                     runtime_world_size=runtime_world_size,
-                    client_version=package_version(),
+                    client_version=VERSION,
                 ),
             )
         except BaseException:

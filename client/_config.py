@@ -7,7 +7,6 @@ and is refused.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 import os
@@ -52,21 +51,9 @@ FAN_IN_AUTO_HOSTS = 16
 TRANSPORTS = ("auto", "grpc")
 
 
-@functools.cache
-def package_version() -> str:
-    """This package's version, as clients tell the coordinator and the coordinator exports
-    it ("unknown" run from a checkout that was never installed)."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("pjrt-rendezvous")
-    except metadata.PackageNotFoundError:  # pragma: no cover - a bare checkout
-        return "unknown"
-
-
 def versions_differ(theirs: str, ours: str) -> bool:
     """Whether two package versions are known to differ: "" (a side older than the field)
-    and "unknown" (a checkout never installed) say nothing."""
+    and "unknown" (sent by earlier versions run from a checkout never installed) say nothing."""
     return theirs != ours and not {theirs, ours} & {"", "unknown"}
 
 
@@ -194,10 +181,11 @@ def job_problem(job) -> str | None:
         return "is empty"
     if job != job.strip():  # one host's stray space would make it a job of its own
         return "has spaces at an end"
-    from pjrt_rendezvous.coordinator._core import _control  # (the coordinator's own test: refused there too)
+    if not job.isprintable():  # (only then can it hold one: the core is not imported for every client)
+        from pjrt_rendezvous.coordinator._core import _control  # (the coordinator's own test: refused there too)
 
-    if _control(job):
-        return "holds a control character"
+        if _control(job):
+            return "holds a control character"
     return None
 
 

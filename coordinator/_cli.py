@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 
 from pjrt_rendezvous.client._config import check_token, comment_hint, job_problem, parse_seconds, read_token_file, token_conflict, versions_differ
 from pjrt_rendezvous.client._topology import host_port
+from pjrt_rendezvous.client._version import VERSION
 from pjrt_rendezvous.client._errors import UsageError
 
 from ._core import MIN_HEARTBEAT_TIMEOUT, MIN_NAME_LENGTH, Limits, _plural
@@ -204,7 +205,7 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         prog="pjrt-rendezvous",
         description="Coordinator and tools for PJRT thread-per-core rendezvous on TPU pod slices.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {VERSION}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser(
@@ -374,15 +375,6 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "--timeout", type=_positive_seconds, default=120.0, help="seconds for the whole run before giving up (default 120)"
     )
     return parser
-
-
-def _version() -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version("pjrt-rendezvous")
-    except metadata.PackageNotFoundError:  # pragma: no cover - a bare checkout
-        return "unknown"
 
 
 # -- serve ----------------------------------------------------------------------------------

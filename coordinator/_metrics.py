@@ -27,6 +27,8 @@ from typing import Callable, Iterable, Sequence
 
 import grpc
 
+from pjrt_rendezvous.client._version import VERSION
+
 from ._listener import Listener
 
 log = logging.getLogger("pjrt_rendezvous.coordinator")
@@ -163,8 +165,6 @@ class Metrics:
 
     def render(self, core, now: float) -> str:
         """The text exposition: live gauges of ``core`` at ``now`` plus the counters."""
-        from pjrt_rendezvous.client._config import package_version
-
         def family(name: str, kind: str, help: str) -> Family:
             made = Family(f"pjrt_rendezvous_{name}", kind, help)
             families.append(made)
@@ -172,7 +172,7 @@ class Metrics:
 
         families: list[Family] = []
         family("build_info", "gauge", "Always 1; the version label is the coordinator's package version.").add(
-            {"version": package_version()}, 1
+            {"version": VERSION}, 1
         )
         expected = family("participants_expected", "gauge", "World size of the job (0 until known).")
         registered = family("participants_registered", "gauge", "Ordinals registered in the job.")

@@ -17,7 +17,8 @@ from typing import Awaitable, Callable
 
 import grpc
 
-from pjrt_rendezvous.client._config import package_version, versions_differ
+from pjrt_rendezvous.client._config import versions_differ
+from pjrt_rendezvous.client._version import VERSION
 from pjrt_rendezvous.client._session import Call, Malformed, Wakeup, clip, decode_session_calls, parser, serve_session, session_answer
 from pjrt_rendezvous.client._wire import RendezvousCall, decode_rendezvous, encode_payloads
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
@@ -323,7 +324,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
         """Logs, once per job and version, a process whose client is not of this coordinator's
         version (an image and a training environment upgraded apart): what differs between
         versions is the first thing to rule out when they disagree."""
-        ours = package_version()
+        ours = VERSION
         if not versions_differ(theirs, ours) or (request.job, theirs) in self._versions_told:
             return
         if len(self._versions_told) >= _VERSIONS_TOLD_KEPT:
@@ -720,7 +721,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 )
                 for v in views
             ],
-            coordinator_version=package_version(),
+            coordinator_version=VERSION,
         )
         await self._persist()  # (what it tells, as WaitWorld)
         return response

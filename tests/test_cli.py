@@ -21,6 +21,7 @@ import pytest
 
 import pjrt_rendezvous.client as pr
 from pjrt_rendezvous.client._demo import simulated_env
+from pjrt_rendezvous.client._version import VERSION
 from pjrt_rendezvous.coordinator import _cli
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
@@ -419,6 +420,17 @@ def test_status_of_a_pod_larger_than_grpcs_default_message(capsys):
     assert "job 'a'" in out and "job 'b'" in out and "t1v-n-4095" in out
 
 
+def test_the_version_is_the_installed_distributions():
+    """The package's version has one source, client/_version.py, which the build reads
+    (pyproject.toml's dynamic version): what clients tell the coordinator, what the
+    coordinator exports and `--version` prints is what pip installed."""
+    from importlib import metadata
+
+    assert metadata.version("pjrt-rendezvous") == VERSION
+    done = run_cli("--version")
+    assert done.returncode == 0 and done.stdout.split() == ["pjrt-rendezvous", VERSION], done
+
+
 def test_a_client_of_another_version_is_logged_once_and_named_by_status(capsys, caplog):
     """Each process's client tells its package version at registration: status names the
     coordinator's and every process whose client is of another (an image and a training
@@ -426,11 +438,10 @@ def test_a_client_of_another_version_is_logged_once_and_named_by_status(capsys, 
     version (`version_mismatch`). A version that could forge a log line is refused."""
     import grpc
 
-    from pjrt_rendezvous.client._config import package_version
     from pjrt_rendezvous.coordinator import Coordinator
     from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
-    ours = package_version()
+    ours = VERSION
     with Coordinator(port=0, heartbeat_timeout=None) as coordinator:
         client = simulated_process(coordinator.address, 0, processes=3, threads=1)
         bound_thread(client, 0)
@@ -1141,6 +1152,7 @@ _REGISTER_AND_SLEEP = """
 import sys, time
 import pjrt_rendezvous.client as pr
 from pjrt_rendezvous.client._demo import simulated_env
+from pjrt_rendezvous.client._version import VERSION
 address = sys.argv[1]
 env = simulated_env(address=address, accelerator="v3-8", task=0, processes=1, hosts=1, threads=1)
 client = pr.Client(pr.Settings(address=address, connect_timeout=10), pr.detect_topology(env, address=address))

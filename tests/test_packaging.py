@@ -10,6 +10,7 @@ import zipfile
 
 import pjrt_rendezvous.client as client
 import pjrt_rendezvous.coordinator as coordinator
+from pjrt_rendezvous.client._version import VERSION
 
 
 def test_client_exports_exactly_the_public_api():
@@ -41,6 +42,37 @@ def test_coordinator_and_client_do_not_import_torch():
     assert out.stdout.strip() == "[]"
 
 
+def test_a_client_process_loads_no_part_of_the_coordinator():
+    """A training process's client, bound and through a round with a peer, loads neither
+    the coordinator's server (its gRPC services, reflection, health checking) nor its core:
+    importing them cost every process tens of milliseconds of its start (a job name's check
+    imported the whole coordinator package). The client uses the core's wording of its
+    errors only when it has one to word."""
+    from pjrt_rendezvous.client._demo import simulated_env
+    from pjrt_rendezvous.coordinator import Coordinator
+
+    code = (
+        "import sys, pjrt_rendezvous.client as pr;"
+        "pr.init(timeout=60);"
+        "b = pr.bind_thread(0); out = pr.rendezvous('hello', b'x'); pr.shutdown();"
+        # (grpc's own import names the top packages of grpc_health and grpc_reflection)
+        "print(out, sorted(m for m in sys.modules if m.startswith(('pjrt_rendezvous.coordinator.', 'grpc_health.', "
+        "'grpc_reflection.'))))"
+    )
+    with Coordinator(port=0) as coordinator:
+        runs = [
+            subprocess.Popen(
+                [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                env=simulated_env(address=coordinator.address, accelerator="v4-16", task=task, processes=2, hosts=2, threads=None),
+            )
+            for task in range(2)
+        ]
+        outs = [run.communicate(timeout=120) for run in runs]
+    for run, (out, err) in zip(runs, outs):
+        assert run.returncode == 0, err
+        assert out.strip() == "[b'x', b'x'] []", out
+
+
 def test_errors_form_one_tree():
     """Every exception the client exports derives from RendezvousError; timeouts are also TimeoutError."""
     for name in client.__all__:
@@ -70,7 +102,7 @@ def test_a_wheel_holds_only_the_package_and_runs_without_the_source_tree(tmp_pat
     assert build.returncode == 0, build.stderr
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert {n.split("/")[0] for n in names} == {"pjrt_rendezvous", "pjrt_rendezvous-0.1.0.dist-info"}, names
+    assert {n.split("/")[0] for n in names} == {"pjrt_rendezvous", f"pjrt_rendezvous-{VERSION}.dist-info"}, names
     for expected in ("coordinator/_core.py", "client/_native.c", "protos/v1/coordinator_pb2.py",
                      "protos/pjrt_rendezvous/v1/coordinator.proto", "protos/v1/coordinator_pb2.pyi",
                      "client/py.typed", "coordinator/py.typed"):
