@@ -9,6 +9,7 @@ never across a call. ``_session_lock`` guards the sessions.
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import dataclasses
 import logging
 import math
@@ -16,6 +17,7 @@ import operator
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -170,7 +172,7 @@ class Binding:
     """A thread's place in the world. Usable as a context manager that unbinds on exit; left by
     an exception (but a clean ``sys.exit`` or a generator's close), it ends the thread's replica first
     (:meth:`Client.end_replicas`, naming the exception), as a thread that dies bound does
-    (``_ThreadFailed``)."""
+    (``_ThreadFailed``; the main thread, ``_main_thread_died``)."""
 
     client: "Client" = dataclasses.field(repr=False)
     thread_index: int
@@ -238,10 +240,38 @@ class _ThreadFailed:
 
 def _hook_thread_failures() -> None:
     """Puts a ``_ThreadFailed`` in front of ``threading.excepthook`` unless one is there (a
-    hook set since may have replaced it)."""
+    hook set since may have replaced it); bound in the main thread, has ``_main_thread_died``
+    run at the interpreter's exit, once per process."""
     current = threading.excepthook  # (read once: two threads binding at once set the same)
     if not isinstance(current, _ThreadFailed):
         threading.excepthook = _ThreadFailed(current)
+    global _main_hooked
+    if not _main_hooked and threading.current_thread() is threading.main_thread():
+        # (the hook the interpreter's exit runs before it waits for the other threads, as
+        # concurrent.futures uses it; private, so where it is missing nothing is hooked)
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            with contextlib.suppress(RuntimeError):  # (the interpreter is shutting down already)
+                register(_main_thread_died)
+                _main_hooked = True
+
+
+_main_hooked = False
+
+
+def _main_thread_died() -> None:
+    """At the interpreter's exit, before it waits for the process's other threads: a main
+    thread still bound (no ``with`` block left) that died of an uncaught exception ends its
+    replica as any thread does (``_ThreadFailed``; threading.excepthook never sees the main
+    thread's), so threads that run on need not wait for it until their rounds' timeout (a
+    worker thread that is not a daemon keeps the process alive; Ctrl-C stops the main thread
+    alone). ``sys.last_value`` is that exception (the interpreter sets it before it prints
+    one); at an interactive prompt it is the latest one shown, which ended nothing."""
+    binding = current_binding()  # (run in the main thread)
+    exc = getattr(sys, "last_value", None)
+    if binding is None or exc is None or inherited(binding.client) or hasattr(sys, "ps1") or sys.flags.interactive:
+        return
+    binding.__exit__(type(exc), exc, exc.__traceback__)
 
 
 def _asked_by(deadline: float | None) -> float:

@@ -963,6 +963,54 @@ def test_a_thread_that_dies_bound_ends_its_replica(coordinator, monkeypatch):
             c.close()
 
 
+_MAIN_DIES_BOUND = """
+import sys, threading
+import pjrt_rendezvous.client as pr
+
+address = sys.argv[1]
+env = {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": "0", "PJRT_RENDEZVOUS_CORES_PER_CHIP": "2"}
+client = pr.Client(pr.Settings(address=address, timeout=30, batch_window=0.01), pr.detect_topology(env, address=address))
+client.bind_thread(1)  # the main thread, without a `with` block
+
+
+def worker():
+    with client.bind_thread(0) as binding:
+        try:
+            client.rendezvous(binding, "step")
+        except pr.ParticipantFailedError as exc:
+            print("worker:", exc, flush=True)
+
+
+threading.Thread(target=worker).start()  # not a daemon: the process lives on for it
+raise ValueError("loss is nan")
+"""
+
+
+def test_a_main_thread_that_dies_bound_ends_its_replica(coordinator):
+    """A process's main thread bound without a ``with`` block dies of an uncaught exception
+    while a worker thread (not a daemon) keeps the process alive: at the interpreter's exit,
+    before it waits for the worker, its replica ends, so the rounds that need it fail at once
+    naming the exception, in its own process and in others (they waited for it until their
+    timeout); the exception is reported as ever and the process exits."""
+    client = make_client(coordinator.address, tasks=2, devices=2, task=1, timeout=30, batch_window=0.01)
+    try:
+        bindings = _threads({t: (lambda t=t: client.bind_thread(t)) for t in (0, 1)})
+        task0 = subprocess.Popen(
+            [sys.executable, "-c", _MAIN_DIES_BOUND, coordinator.address],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        outcome = _threads({t: (lambda t=t: client.rendezvous(bindings[t], "step")) for t in (0, 1)})
+        out, err = task0.communicate(timeout=60)
+    finally:
+        client.close()
+    why = "its replica raised ValueError: loss is nan)"
+    for error in outcome.values():
+        assert isinstance(error, pr.ParticipantFailedError), error
+        assert "a member ended (ordinal 1 on " in str(error) and str(error).endswith(why), error
+    assert task0.returncode == 1 and err.rstrip().endswith("ValueError: loss is nan"), err
+    assert out.startswith("worker: ") and out.rstrip().endswith(why), out
+
+
 def test_a_thread_that_ended_bound_is_named_when_its_siblings_wait_for_it(coordinator, caplog):
     """A thread that ended bound without an exception (no ``with`` block, no unbind_thread)
     still holds its ordinal: when a sibling's round waits out the batch window for it, the
