@@ -20,9 +20,9 @@ import time
 from typing import Any, Callable, Mapping
 
 from pjrt_rendezvous.client._config import check_token, comment_hint, job_problem, parse_seconds, read_token_file, token_conflict, versions_differ
+from pjrt_rendezvous.client._errors import UsageError
 from pjrt_rendezvous.client._topology import host_port
 from pjrt_rendezvous.client._version import VERSION
-from pjrt_rendezvous.client._errors import UsageError
 
 from ._core import MIN_HEARTBEAT_TIMEOUT, MIN_NAME_LENGTH, Limits, _plural
 from ._monitor import DEFAULT_LATE_AFTER
