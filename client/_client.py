@@ -171,8 +171,9 @@ def _fan_in(settings: Settings, topology: Topology) -> bool:
 class Binding:
     """A thread's place in the world. Usable as a context manager that unbinds on exit; left by
     an exception (but a clean ``sys.exit`` or a generator's close), it ends the thread's replica first
-    (:meth:`Client.end_replicas`, naming the exception), as a thread that dies bound does
-    (``_ThreadFailed``; the main thread, ``_main_thread_died``)."""
+    (:meth:`Client.end_replicas`, naming the exception), as a thread that dies bound of an
+    uncaught exception does (``_ThreadFailed``; the main thread, ``_main_thread_died``, which
+    cannot tell ``sys.exit(1)``)."""
 
     client: "Client" = dataclasses.field(repr=False)
     thread_index: int
@@ -251,6 +252,10 @@ def _hook_thread_failures() -> None:
         # concurrent.futures uses it; private, so where it is missing nothing is hooked)
         register = getattr(threading, "_register_atexit", None)
         if register is not None:
+            # The hooks run newest first: a thread pool's, registered at its module's import,
+            # joins its workers, which may wait in rounds that need the main thread's ordinal.
+            import concurrent.futures.thread  # noqa: F401
+
             with contextlib.suppress(RuntimeError):  # (the interpreter is shutting down already)
                 register(_main_thread_died)
                 _main_hooked = True
@@ -266,12 +271,17 @@ def _main_thread_died() -> None:
     thread's), so threads that run on need not wait for it until their rounds' timeout (a
     worker thread that is not a daemon keeps the process alive; Ctrl-C stops the main thread
     alone). ``sys.last_value`` is that exception (the interpreter sets it before it prints
-    one); at an interactive prompt it is the latest one shown, which ended nothing."""
+    one) only if its traceback starts at the bottom of the main thread's stack (the script's
+    module, or runpy's for ``-m``): pytest, ``code.interact`` and tkinter set it for
+    exceptions they caught, which ended nothing; so does an interactive prompt."""
     binding = current_binding()  # (run in the main thread)
     exc = getattr(sys, "last_value", None)
     if binding is None or exc is None or inherited(binding.client) or hasattr(sys, "ps1") or sys.flags.interactive:
         return
-    binding.__exit__(type(exc), exc, exc.__traceback__)
+    tb = exc.__traceback__
+    if tb is None or tb.tb_frame.f_back is not None:  # caught on its way, by a caller of that frame
+        return
+    binding.__exit__(type(exc), exc, tb)
 
 
 def _asked_by(deadline: float | None) -> float:

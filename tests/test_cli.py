@@ -1152,7 +1152,6 @@ _REGISTER_AND_SLEEP = """
 import sys, time
 import pjrt_rendezvous.client as pr
 from pjrt_rendezvous.client._demo import simulated_env
-from pjrt_rendezvous.client._version import VERSION
 address = sys.argv[1]
 env = simulated_env(address=address, accelerator="v3-8", task=0, processes=1, hosts=1, threads=1)
 client = pr.Client(pr.Settings(address=address, connect_timeout=10), pr.detect_topology(env, address=address))

@@ -986,17 +986,60 @@ raise ValueError("loss is nan")
 """
 
 
-def test_a_main_thread_that_dies_bound_ends_its_replica(coordinator):
+def test_a_main_thread_that_returns_bound_ends_nothing_for_an_exception_caught_before(coordinator):
+    """The exit hook takes ``sys.last_value`` for the main thread's death only when its
+    traceback starts at the bottom of the main thread's stack: one that pytest, code.interact
+    or tkinter set for an exception they caught, in a main thread that then returns, ends
+    nothing (it ended the replica, naming that old exception)."""
+    script = _MAIN_DIES_BOUND.split("def worker")[0] + (
+        "def handled():\n"
+        "    try:\n"
+        "        raise ValueError('handled long ago')\n"
+        "    except ValueError as exc:  # as pytest keeps a failed test's, for post-mortem debugging\n"
+        "        sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__\n"
+        "def worker():  # keeps the process alive past the exit hooks, which run before the main thread is stopped\n"
+        "    while threading.main_thread().is_alive():\n"
+        "        threading.Event().wait(0.01)\n"
+        "    print('main ended', flush=True)\n"
+        "    sys.stdin.readline()\n"
+        "threading.Thread(target=worker).start()\n"
+        "handled()\n"
+    )
+    client = make_client(coordinator.address, tasks=2, devices=2, task=1, timeout=30)
+    task0 = subprocess.Popen(
+        [sys.executable, "-c", script, coordinator.address],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert task0.stdout.readline() == "main ended\n", task0.stderr.read()
+        (job,) = client.status().jobs
+        assert [(p.ordinal, p.alive, p.ended) for p in job.participants] == [(1, True, "")]
+    finally:
+        out, err = task0.communicate("\n", timeout=60)
+        client.close()
+    assert task0.returncode == 0, err
+
+
+@pytest.mark.parametrize("worker", ["thread", "pool"])
+def test_a_main_thread_that_dies_bound_ends_its_replica(coordinator, worker):
     """A process's main thread bound without a ``with`` block dies of an uncaught exception
-    while a worker thread (not a daemon) keeps the process alive: at the interpreter's exit,
+    while a worker thread (not a daemon, or a thread pool's, whose module, imported after the
+    main thread bound, joins it at exit) keeps the process alive: at the interpreter's exit,
     before it waits for the worker, its replica ends, so the rounds that need it fail at once
     naming the exception, in its own process and in others (they waited for it until their
     timeout); the exception is reported as ever and the process exits."""
+    script = _MAIN_DIES_BOUND
+    if worker == "pool":
+        script = script.replace(
+            "threading.Thread(target=worker).start()",
+            "import concurrent.futures; concurrent.futures.ThreadPoolExecutor(1).submit(worker)",
+        )
+        assert script != _MAIN_DIES_BOUND
     client = make_client(coordinator.address, tasks=2, devices=2, task=1, timeout=30, batch_window=0.01)
     try:
         bindings = _threads({t: (lambda t=t: client.bind_thread(t)) for t in (0, 1)})
         task0 = subprocess.Popen(
-            [sys.executable, "-c", _MAIN_DIES_BOUND, coordinator.address],
+            [sys.executable, "-c", script, coordinator.address],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         outcome = _threads({t: (lambda t=t: client.rendezvous(bindings[t], "step")) for t in (0, 1)})
