@@ -125,10 +125,10 @@ _clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
 _store_ids: "weakref.WeakKeyDictionary[Client, str]" = weakref.WeakKeyDictionary()
 # The job each client registered in (RegisterResponse.job_id), kept here for the same reason.
 _job_ids: "weakref.WeakKeyDictionary[Client, str]" = weakref.WeakKeyDictionary()
-# The rounds each client gave up on without an answer, to tell the coordinator (Client._tell_given_up),
-# one thread at a time: a sibling's next round must not overtake the telling.
 # Bindings whose thread ended bound, said so (Client._wait_for_sender): once each.
 _said_ended: "weakref.WeakSet[Binding]" = weakref.WeakSet()
+# The rounds each client gave up on without an answer, to tell the coordinator (Client._tell_given_up),
+# one thread at a time: a sibling's next round must not overtake the telling.
 _given_up: "weakref.WeakKeyDictionary[Client, list[pb.GiveUpRoundRequest]]" = weakref.WeakKeyDictionary()
 _telling = threading.Lock()
 _NOT_AFTER_GIVE_UPS = frozenset({"GiveUpRound", "Register"})  # (the telling's own call; a registration is told nothing)
@@ -239,6 +239,9 @@ class _ThreadFailed:
             self.before(args)
 
 
+_main_hooked = False  # whether _main_thread_died is registered (_hook_thread_failures)
+
+
 def _hook_thread_failures() -> None:
     """Puts a ``_ThreadFailed`` in front of ``threading.excepthook`` unless one is there (a
     hook set since may have replaced it); bound in the main thread, has ``_main_thread_died``
@@ -259,9 +262,6 @@ def _hook_thread_failures() -> None:
             with contextlib.suppress(RuntimeError):  # (the interpreter is shutting down already)
                 register(_main_thread_died)
                 _main_hooked = True
-
-
-_main_hooked = False
 
 
 def _main_thread_died() -> None:
