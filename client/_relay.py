@@ -32,12 +32,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import logging
 import os
 import queue
 import stat
+import sys
 import tempfile
 import threading
 import time
@@ -75,6 +78,33 @@ def _private_folder(path: str) -> None:
     info = os.lstat(folder)
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
         raise PermissionError(f"{folder} must be a folder of user {os.getuid()} closed to others (mode 0700)")
+
+
+_PATH_LOCK_WAIT = 5.0  # seconds a relay waits for another's change of the socket's path
+
+
+@contextlib.contextmanager
+def _path_lock(path: str):
+    """Held while a relay changes the socket at ``path`` (removes a stale one and binds, or
+    removes its own on close): a relay that closes while a restarted process's new one
+    starts at the same path must not remove the new socket between finding its own there
+    and removing it. Waits for another holder at most _PATH_LOCK_WAIT (it holds the lock for
+    a few system calls), then goes on without it, saying so."""
+    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        end = time.monotonic() + _PATH_LOCK_WAIT
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= end:
+                    log.warning("%s.lock has been held for %g s; changing the relay's socket without it", path, _PATH_LOCK_WAIT)
+                    break
+                time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)  # (releases the lock)
 
 
 @dataclasses.dataclass
@@ -139,11 +169,14 @@ class Relay:
 
     async def _start(self) -> None:
         _private_folder(self.path)
-        if os.path.exists(self.path):
-            os.unlink(self.path)  # left by an earlier run: its relay is gone
-        self._server = await self._loop.create_unix_server(self._connection, path=self.path)
-        info = os.stat(self.path)
-        self._socket_id = (info.st_dev, info.st_ino)
+        with _path_lock(self.path):
+            if os.path.exists(self.path):
+                os.unlink(self.path)  # left by an earlier run, or taken over from a replaced process
+            # (From 3.13 asyncio removes the socket on close too, but without the lock.)
+            keep = {"cleanup_socket": False} if sys.version_info >= (3, 13) else {}
+            self._server = await self._loop.create_unix_server(self._connection, path=self.path, **keep)
+            info = os.stat(self.path)
+            self._socket_id = (info.st_dev, info.st_ino)
 
     def _connection(self) -> FramedSession:
         """One process's SocketSession: length-prefixed SessionRequests in, SessionResponses out."""
@@ -179,9 +212,10 @@ class Relay:
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._senders.shutdown(wait=False, cancel_futures=True)
         try:  # ours only: a restarted process's new relay may have taken the path since
-            info = os.stat(self.path)
-            if (info.st_dev, info.st_ino) == self._socket_id:
-                os.unlink(self.path)
+            with _path_lock(self.path):
+                info = os.stat(self.path)
+                if (info.st_dev, info.st_ino) == self._socket_id:
+                    os.unlink(self.path)
         except OSError:
             pass
 

@@ -640,6 +640,63 @@ def test_a_relay_removes_only_its_own_socket_and_siblings_use_only_their_users_r
         c.close()
 
 
+def test_a_relay_that_closes_leaves_a_new_relay_s_socket_made_while_it_looked(coordinator, monkeypatch):
+    """A restarted process's relay starts at the same path just as the old one, closing, has
+    found its own socket there: the old one removes its own (under the path's lock), and
+    the new one binds after, so its socket stays."""
+    from pjrt_rendezvous.client._session import SocketSession
+
+    clients = make_clients(coordinator.address)
+    run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
+    old, closing, real_stat = clients[0]._relay, threading.current_thread(), os.stat
+    started: dict = {}
+
+    def stat(path, *args, **kwargs):
+        info = real_stat(path, *args, **kwargs)
+        if path == old.path and threading.current_thread() is closing and not started:
+            started["thread"] = threading.Thread(target=lambda: started.setdefault("relay", Relay(clients[0], old.path)))
+            started["thread"].start()
+            started["thread"].join(1.0)  # (unlocked, the new relay would bind here)
+        return info
+
+    monkeypatch.setattr(os, "stat", stat)
+    old.close()
+    monkeypatch.undo()
+    started["thread"].join(30)
+    new = started["relay"]
+    assert os.path.exists(new.path)
+    SocketSession.local(new.path).close()
+    new.close()
+    assert not os.path.exists(new.path)
+    for c in clients:
+        c.close()
+
+
+def test_a_relay_goes_on_without_a_path_lock_held_too_long(coordinator, monkeypatch, caplog):
+    """The path's lock held by a process frozen in the middle of its change: a relay waits
+    for it only a while, then starts without it, saying so."""
+    import fcntl
+
+    from pjrt_rendezvous.client import _relay
+
+    clients = make_clients(coordinator.address)
+    run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
+    path = clients[0]._relay.path
+    monkeypatch.setattr(_relay, "_PATH_LOCK_WAIT", 0.3)
+    fd = os.open(f"{path}.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        started = time.monotonic()
+        new = Relay(clients[0], path)
+        assert 0.3 <= time.monotonic() - started < 10
+    finally:
+        os.close(fd)
+    assert f"{path}.lock has been held for 0.3 s; changing the relay's socket without it" in caplog.text
+    new.close()
+    for c in clients:
+        c.close()
+
+
 _RELAYING_PROCESS = """
 import sys, time
 import pjrt_rendezvous.client as pr
