@@ -88,23 +88,41 @@ def _path_lock(path: str):
     """Held while a relay changes the socket at ``path`` (removes a stale one and binds, or
     removes its own on close): a relay that closes while a restarted process's new one
     starts at the same path must not remove the new socket between finding its own there
-    and removing it. Waits for another holder at most _PATH_LOCK_WAIT (it holds the lock for
-    a few system calls), then goes on without it, saying so."""
-    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        end = time.monotonic() + _PATH_LOCK_WAIT
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    and removing it. The lock file goes with the socket, removed under the lock (so a
+    relay that waited for it takes it only if it is still the file at its path). Waits for
+    another holder at most _PATH_LOCK_WAIT (it holds the lock for a few system calls), then
+    goes on without it, saying so."""
+    lock = f"{path}.lock"
+    end = time.monotonic() + _PATH_LOCK_WAIT
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            if time.monotonic() >= end:
+                log.warning("%s has been held for %g s; changing the relay's socket without it", lock, _PATH_LOCK_WAIT)
+                fd = None
                 break
-            except BlockingIOError:
-                if time.monotonic() >= end:
-                    log.warning("%s.lock has been held for %g s; changing the relay's socket without it", path, _PATH_LOCK_WAIT)
-                    break
-                time.sleep(0.01)
+            time.sleep(0.01)
+            continue
+        if _same_file(fd, lock):
+            break
+        os.close(fd)  # removed by the holder before: the next file at the path is the lock
+    try:
         yield
     finally:
-        os.close(fd)  # (releases the lock)
+        if fd is not None:
+            os.close(fd)  # (releases the lock)
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (info.st_dev, info.st_ino)
 
 
 @dataclasses.dataclass
@@ -216,6 +234,7 @@ class Relay:
                 info = os.stat(self.path)
                 if (info.st_dev, info.st_ino) == self._socket_id:
                     os.unlink(self.path)
+                    os.unlink(f"{self.path}.lock")
         except OSError:
             pass
 

@@ -667,7 +667,7 @@ def test_a_relay_that_closes_leaves_a_new_relay_s_socket_made_while_it_looked(co
     assert os.path.exists(new.path)
     SocketSession.local(new.path).close()
     new.close()
-    assert not os.path.exists(new.path)
+    assert not os.path.exists(new.path) and not os.path.exists(f"{new.path}.lock")
     for c in clients:
         c.close()
 
@@ -695,6 +695,32 @@ def test_a_relay_goes_on_without_a_path_lock_held_too_long(coordinator, monkeypa
     new.close()
     for c in clients:
         c.close()
+
+
+def test_the_path_lock_is_held_only_on_the_file_at_its_path(tmp_path, monkeypatch):
+    """A relay that got the lock of a file its holder removed meanwhile (as a closing relay
+    removes it) takes the lock of the file at the path instead."""
+    import fcntl
+
+    from pjrt_rendezvous.client import _relay
+
+    path, real, tries = str(tmp_path / "relay.sock"), fcntl.flock, []
+
+    def flock(fd, operation):
+        if not tries:
+            os.unlink(f"{path}.lock")  # the holder removes it just before it lets go
+        tries.append(fd)
+        return real(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    with _relay._path_lock(path):
+        fd = os.open(f"{path}.lock", os.O_RDWR)
+        try:
+            with pytest.raises(BlockingIOError):
+                real(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+    assert len(tries) == 2
 
 
 _RELAYING_PROCESS = """
