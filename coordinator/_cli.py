@@ -241,6 +241,7 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
             _positive: "N",
             _seconds: "SECONDS",
             _non_negative_seconds: "SECONDS",
+            _heartbeat_seconds: "SECONDS",
             pathlib.Path: "PATH",
             _log_level: "{" + ",".join(LOG_LEVELS) + "}",
             _log_format: "{text,json}",

@@ -951,6 +951,8 @@ def test_every_serve_option_has_a_variable():
     assert dests == set(_cli.SERVE_VARIABLES)
     assert all(v.startswith("PJRT_RENDEZVOUS_") for v in _cli.SERVE_VARIABLES.values())
     assert len(set(_cli.SERVE_VARIABLES.values())) == len(_cli.SERVE_VARIABLES)
+    timed = [a for a in serve._actions if a.type is not None and a.type.__name__.endswith("seconds")]
+    assert len(timed) == 3 and all(a.metavar == "SECONDS" for a in timed), [(a.dest, a.metavar) for a in timed]
 
 
 @pytest.mark.parametrize("text, seconds", [("2.5", 2.5), ("none", None), ("inf", None), (" Forever ", None)])
