@@ -13,6 +13,7 @@ status codes they got. ``PJRT_RENDEZVOUS_FUZZ_EXAMPLES`` scales the example coun
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import os
 import queue
@@ -412,6 +413,66 @@ def test_fuzz_status(server, job):
     """Status of random jobs and of every job (150 examples)."""
     request = pb.StatusRequest(job=job)
     judge("Status", lambda t: server.stub.Status(request, timeout=t), may_wait_forever=False)
+    server.check_health()
+
+
+# The calls that end things (a process leaving, its replicas ending, a round given up) are
+# sent as a process of a world of two made for the example (None), whose rounds wait, or as
+# random jobs and incarnations; never as the fixture's processes, which the other tests need.
+ENDERS = itertools.count()
+enders = st.one_of(
+    st.integers(0, 2**16).map(lambda _: None),  # (not st.none(): hypothesis draws one value once)
+    st.tuples(jobs, st.one_of(st.just(""), texts, huge_text(20_000))),
+)
+
+
+def as_ender(server: Server, who) -> tuple[str, str]:
+    if who is not None:
+        return who
+    job, incarnation = f"ender{next(ENDERS)}", uuid.uuid4().hex
+    server.stub.Register(
+        pb.RegisterRequest(
+            job=job, incarnation=incarnation, host="fixture", pid=1, task_id=0, num_tasks=2,
+            devices_per_task=1, threads=[pb.ThreadSpec(thread_index=0)],
+        ),
+        timeout=5,
+    )
+    return job, incarnation
+
+
+@FUZZ
+@given(who=enders)
+def test_fuzz_leave(server, who):
+    """Leave as a registered process or random ones (150 examples)."""
+    job, incarnation = as_ender(server, who)
+    request = pb.LeaveRequest(job=job, incarnation=incarnation)
+    judge("Leave", lambda t: server.stub.Leave(request, timeout=t), may_wait_forever=False)
+    server.check_health()
+
+
+@FUZZ
+@given(who=enders, ordinals=st.lists(int32s, max_size=6), reason=texts)
+def test_fuzz_end_replicas(server, who, ordinals, reason):
+    """EndReplicas with random ordinals and reasons (150 examples)."""
+    job, incarnation = as_ender(server, who)
+    request = pb.EndReplicasRequest(job=job, incarnation=incarnation, ordinals=ordinals, reason=reason)
+    judge("EndReplicas", lambda t: server.stub.EndReplicas(request, timeout=t), may_wait_forever=False)
+    server.check_health()
+
+
+@FUZZ
+@given(
+    who=enders, generation=int64s, replicas=st.lists(int32s, max_size=6), round_number=int64s,
+    ordinals=st.lists(int32s, max_size=6), reason=texts, tag=texts, job_id=st.one_of(st.just(""), texts),
+)
+def test_fuzz_give_up_round(server, who, generation, replicas, round_number, ordinals, reason, tag, job_id):
+    """GiveUpRound of random rounds, generations and ordinals (150 examples)."""
+    job, incarnation = as_ender(server, who)
+    request = pb.GiveUpRoundRequest(
+        job=job, incarnation=incarnation, generation=generation, replicas=replicas, round=round_number,
+        ordinals=ordinals, reason=reason, tag=tag, job_id=job_id,
+    )
+    judge("GiveUpRound", lambda t: server.stub.GiveUpRound(request, timeout=t), may_wait_forever=False)
     server.check_health()
 
 
