@@ -528,7 +528,9 @@ def spawn(
     Args:
         fn: a picklable (module-level) function called as ``fn(ordinal, *args)``.
         args: further arguments (picklable).
-        nprocs: processes on this host (CPU: default 1; TPU: must be None).
+        nprocs: processes on this host (CPU: default 1, each with ``devices_per_process``
+            replicas: ``xmp.spawn``'s ``nprocs=1``, one replica, is ``devices_per_process=1``
+            here, and ``nprocs=1`` with more devices warns; TPU: must be None).
         join, daemon: accepted and ignored, as torch_xla 2.9's ``xmp.spawn`` does: the call
             waits for the replicas and returns their results.
         start_method: the multiprocessing start method; ``spawn`` (default) or ``forkserver``
@@ -564,12 +566,21 @@ def spawn(
     env: dict[str, str] = {}
     topology = None
     if device_type == "CPU":
+        ported = nprocs == 1 and devices_per_process is None  # (xmp.spawn's one device in this process)
         nprocs = 1 if nprocs is None else nprocs
         if devices_per_process is None:
             text = os.environ.get("CPU_NUM_DEVICES", "").strip() or "1"
             if not text.isdigit():
                 raise UsageError(f"CPU_NUM_DEVICES={text!r} is not a number of devices")
             devices_per_process = int(text)
+            if ported and devices_per_process > 1:
+                warnings.warn(
+                    f"spawn(nprocs=1) on CPU runs CPU_NUM_DEVICES={devices_per_process} replicas in one "
+                    "child process, where xmp.spawn(nprocs=1) runs one in the calling process: pass "
+                    "devices_per_process=1 for one replica",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         _check_count("nprocs", nprocs)
         _check_count("devices_per_process", devices_per_process)
         env.update(

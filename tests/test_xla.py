@@ -923,6 +923,22 @@ def test_spawn_refusing_its_function_or_start_method_leaves_no_coordinator_behin
     assert not multiprocessing.active_children()
 
 
+def test_spawn_with_nprocs_1_warns_that_it_runs_every_cpu_device(monkeypatch):
+    """xmp.spawn(nprocs=1) runs one replica in the calling process; ours, with
+    CPU_NUM_DEVICES=2, two in a child: said at once (the function is refused next, so
+    nothing starts). Without nprocs, or with devices_per_process, nothing is said."""
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.setenv("CPU_NUM_DEVICES", "2")
+    with pytest.warns(RuntimeWarning, match=r"spawn\(nprocs=1\) on CPU runs CPU_NUM_DEVICES=2 replicas"):
+        with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+            xla.spawn(lambda i: i, nprocs=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for kwargs in ({}, {"nprocs": 1, "devices_per_process": 2}):
+            with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+                xla.spawn(lambda i: i, **kwargs)
+
+
 @pytest.mark.xla
 def test_spawn_timeout_stops_a_run_that_does_not_finish(torch_xla):
     """A run still going at ``timeout`` is stopped and reported, instead of blocking the caller."""
