@@ -86,7 +86,8 @@ def _as_torch_errors(method):
 def _torch_error(exc: RemoteError, root: str) -> RemoteError:
     """``exc`` as torch's kind too (module docstring); ``root``: the prefix of its keys."""
     if isinstance(exc, RendezvousTimeout):
-        return StoreTimeout(f"{exc} (keys are stored under the prefix {root!r})")
+        # ("wait timeout", as torch's stores begin it: callers look for "timeout" in it)
+        return StoreTimeout(f"wait timeout: {exc} (keys are stored under the prefix {root!r})")
     if isinstance(exc, CoordinatorUnavailableError):
         return StoreUnavailable(str(exc))
     return StoreError(str(exc), code=exc.code)

@@ -109,9 +109,12 @@ def test_get_and_wait_time_out_naming_the_key(store):
     with pytest.raises(StoreTimeout, match="never-set") as info:
         store.get("never-set")
     assert isinstance(info.value, pr.RendezvousTimeout) and isinstance(info.value, dist.DistStoreError)
-    with pytest.raises(dist.DistStoreError, match="also-never-set"):
+    with pytest.raises(dist.DistStoreError, match="also-never-set") as waited:
         store.wait(["also-never-set"], datetime.timedelta(milliseconds=300))
     assert time.monotonic() - started < 5
+    # Begun as torch's stores begin theirs ("Wait timeout", "wait timeout after 100ms"):
+    # callers tell an idle wait from a broken store by "timeout" in it.
+    assert str(info.value).startswith("wait timeout: ") and str(waited.value).startswith("wait timeout: ")
 
 
 def test_refusals_and_bad_arguments_are_torch_s_kinds_too(client, store, coordinator):
