@@ -114,6 +114,11 @@ class StatusError(grpc.RpcError):
 _READER_JOIN = 5.0  # seconds close() waits for the session's reader thread
 
 
+class _NotSent(StatusError):
+    """A call not sent: the connection was busy sending another's message for longer than
+    the call may wait (``SocketSession._write_bytes``). The session goes on."""
+
+
 class _Pending:
     __slots__ = ("done", "response", "error", "woken")
 
@@ -147,7 +152,11 @@ class Session:
 
     # -- transport: gRPC (SocketSession overrides these) --------------------------------------
 
-    def _send(self, call_id: int, method: str = "", request: bytes = b"", cancel: bool = False) -> None:
+    def _send(
+        self, call_id: int, method: str = "", request: bytes = b"", cancel: bool = False, within: float | None = None
+    ) -> None:
+        """Sends a call (``within``: seconds it may wait for the connection, None: no limit;
+        gRPC's stream queues it at once)."""
         with self._lock:  # never after retire()'s end of the stream, where nothing is sent
             if self.broken is not None:
                 if cancel:
@@ -253,14 +262,14 @@ class Session:
                 raise self.broken
             call_id = next(self._ids)
             self._pending[call_id] = pending
+        started = time.monotonic()
+        end = None if timeout is None else started + timeout
         try:
-            self._send(call_id, method, request)
+            self._send(call_id, method, request, within=timeout)
         except BaseException:
             with self._lock:
                 self._pending.pop(call_id, None)
             raise
-        started = time.monotonic()
-        end = None if timeout is None else started + timeout
         reports = 0
         try:
             while True:
@@ -281,9 +290,9 @@ class Session:
                 abandoned = self._pending.pop(call_id, None) is not None and self.broken is None
             if abandoned:
                 try:
-                    self._send(call_id, cancel=True)
+                    self._send(call_id, cancel=True, within=0.0)
                 except grpc.RpcError:
-                    pass  # the session broke meanwhile: nothing left to stop
+                    pass  # broke meanwhile (nothing left to stop), or busy sending: its answer is dropped
             raise
         if pending.error is not None:
             raise pending.error
@@ -369,7 +378,8 @@ class SocketSession(Session):
         self._sending = 0.0  # when the send under way last got bytes out (_send_all)
         self._receiving = 0.0  # when a read last got part of a message (_read_until)
         self._init_calls()
-        self._reading = threading.Lock()  # held by the caller reading answers for all
+        # Held by the caller reading answers for all: an RLock for its _is_owned (_left).
+        self._reading = threading.RLock()
         self._parked: set[_Pending] = set()  # callers blocked for their answer, who may read next
         self._buffer = bytearray()  # received bytes not yet taken as messages
         self._received = bytearray(_RECEIVE)  # where a read lands (see _RECEIVE)
@@ -398,6 +408,8 @@ class SocketSession(Session):
             self._send_lock.release()
             try:
                 self.call("", _PING, timeout)
+            except _NotSent:
+                continue  # a large send started meanwhile: bytes going out (checked above)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - self._receiving < timeout:
                     continue  # its answer is behind a large one still coming in
@@ -456,10 +468,19 @@ class SocketSession(Session):
     def _write(self, message) -> None:
         self._write_bytes(frame(message.SerializeToString()))
 
-    def _write_bytes(self, data: bytes) -> None:
+    def _write_bytes(self, data: bytes, within: float | None = None) -> None:
+        """Sends ``data``, waiting at most ``within`` seconds (None: no limit) for another
+        call's message to have gone out (a large one, to a slow peer, takes a while)."""
+        if not self._send_lock.acquire(True, -1 if within is None else within):
+            raise _NotSent(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"not sent within {within:.3g} s: another call's message to {self._peer} was still going out",
+            )
         try:
-            with self._send_lock:
+            try:
                 self._send_all(data)
+            finally:
+                self._send_lock.release()
         except OSError as exc:
             self._break(StatusError(grpc.StatusCode.UNAVAILABLE, f"{self._peer} went away: {exc}"))
             self._close_unless_read()  # (the next call opens a new session)
@@ -483,46 +504,52 @@ class SocketSession(Session):
             self._sending = time.monotonic()
             view = view[self._socket.send(view[:_SEND_PIECE]) :]
 
-    def _send(self, call_id: int, method: str = "", request: bytes = b"", cancel: bool = False) -> None:
-        self._write_bytes(encode_call(call_id, method, request, cancel, True))
+    def _send(
+        self, call_id: int, method: str = "", request: bytes = b"", cancel: bool = False, within: float | None = None
+    ) -> None:
+        self._write_bytes(encode_call(call_id, method, request, cancel, True), within)
 
     # -- reading, by the waiting callers in turn ------------------------------------------------
 
     def _wait(self, pending: _Pending, timeout: float) -> bool:
         end = None if timeout < 0 else time.monotonic() + timeout
-        while pending.response is None and pending.error is None:
-            if self._take_turn(pending):
-                try:
+        try:
+            while pending.response is None and pending.error is None:
+                if self._take_turn(pending):
                     self._read_until(pending, end)
-                except BaseException as exc:  # interrupted: what it read for others may be lost
-                    self._interrupted(exc)
-                    raise
-                finally:
                     self._reading.release()
                     self._hand_over()
-                return pending.response is not None or pending.error is not None
-            # Parked: the reader hands over our answer, or its turn when it leaves.
-            try:
+                    return pending.response is not None or pending.error is not None
+                # Parked: the reader hands over our answer, or its turn when it leaves.
                 woke = pending.done.acquire(True, -1 if end is None else max(0.0, end - time.monotonic()))
-            except BaseException:  # interrupted: no turn may be handed to a caller gone
                 with self._lock:
                     self._parked.discard(pending)
                     turn = pending.woken and pending.response is None and pending.error is None
-                if turn:
-                    self._hand_over()
-                raise
-            with self._lock:
-                self._parked.discard(pending)
-                turn = pending.woken and pending.response is None and pending.error is None
-                if pending.woken:
-                    pending.woken = False
-                    if not woke:  # released as we gave up: held again, as it must be
-                        pending.done.acquire()
-            if not woke:
-                if turn:  # handed to us as we gave up: it must not be lost
-                    self._hand_over()
-                return pending.response is not None or pending.error is not None
-        return True
+                    if pending.woken:
+                        pending.woken = False
+                        if not woke:  # released as we gave up: held again, as it must be
+                            pending.done.acquire()
+                if not woke:
+                    if turn:  # handed to us as we gave up: it must not be lost
+                        self._hand_over()
+                    return pending.response is not None or pending.error is not None
+            return True
+        except BaseException as exc:  # interrupted (Ctrl-C), even as it took or left its turn
+            self._left(pending, exc)
+            raise
+
+    def _left(self, pending: _Pending, exc: BaseException) -> None:
+        """A caller interrupted anywhere in ``_wait`` (a signal is raised as a C call returns:
+        right after the turn was taken, or given up before it was handed on): the turn is
+        not kept, nor lost. One that held it read for every caller, and what it read for
+        others may be lost: the session ends (``_interrupted``). Another parked caller
+        reads next (one more wake than needed does no harm)."""
+        if self._reading._is_owned():
+            self._interrupted(exc)
+            self._reading.release()
+        with self._lock:
+            self._parked.discard(pending)
+        self._hand_over()
 
     def _take_turn(self, pending: _Pending) -> bool:
         """Whether the caller of ``pending`` reads now (it holds ``_reading``); else it is
@@ -651,14 +678,14 @@ class SocketSession(Session):
     def _close_unless_read(self) -> None:
         """Closes the (broken) socket now unless a caller reads or writes it: that one closes
         it (a descriptor closed under a thread's feet could be another socket's by then)."""
-        if self._reading.acquire(False):
-            try:
-                if self._send_lock.acquire(False):
-                    try:
-                        self._socket.close()
-                    finally:
-                        self._send_lock.release()
-            finally:
+        try:
+            if self._reading.acquire(False) and self._send_lock.acquire(False):
+                try:
+                    self._socket.close()
+                finally:
+                    self._send_lock.release()
+        finally:
+            if self._reading._is_owned():  # (an interrupt right after the acquire too)
                 self._reading.release()
 
 

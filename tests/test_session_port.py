@@ -755,6 +755,90 @@ def test_a_turn_to_read_is_never_handed_to_a_caller_that_is_not_waiting_for_it()
     assert all(isinstance(done[n], float) and 0 < done[n] < 5 for n in ("reader", "inner", "outer", "last")), done
 
 
+class _InterruptingLock:
+    """A session's ``_reading`` that raises _Interrupt once in the main thread right after
+    it took the lock (``on="acquire"``) or gave it up (``"release"``): where a signal is
+    raised, as the C call returns."""
+
+    def __init__(self, on: str) -> None:
+        self._lock, self._on, self.fired = threading.RLock(), on, False
+
+    def _fire(self, now: bool) -> None:
+        if now and not self.fired and threading.current_thread() is threading.main_thread():
+            self.fired = True
+            raise _Interrupt()
+
+    def acquire(self, *args) -> bool:
+        got = self._lock.acquire(*args)
+        self._fire(got and self._on == "acquire")
+        return got
+
+    def release(self) -> None:
+        self._lock.release()
+        self._fire(self._on == "release")
+
+    def _is_owned(self) -> bool:
+        return self._lock._is_owned()
+
+
+def test_a_caller_interrupted_as_it_takes_or_leaves_its_turn_to_read_strands_nobody():
+    """Interrupted right after it took its turn to read, a caller kept the turn for good:
+    every later call parked, unread, until the keepalive closed the session (which could
+    not close its socket). Interrupted right after it left its turn, before handing it on,
+    it left a parked caller's answer unread until the keepalive's ping, 10 s on."""
+    peer = FakePeer()
+    peer.session._reading = _InterruptingLock("acquire")
+    with pytest.raises(_Interrupt):
+        peer.session.call("mine", b"", 20.0)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as failed:  # (it held the turn: what it read may be lost)
+        peer.session.call("after", b"", 3.0)
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE and "was interrupted" in failed.value.details()
+    assert time.monotonic() - started < 1
+
+    peer = FakePeer()
+    peer.session._reading = _InterruptingLock("release")
+    waiting = concurrent.futures.ThreadPoolExecutor(1).submit(
+        lambda: (time.sleep(0.2), peer.session.call("theirs", b"", 20.0))[1]  # parked: this thread reads
+    )
+    threading.Timer(0.5, peer.answer, args=("mine",)).start()
+    with pytest.raises(_Interrupt):
+        peer.session.call("mine", b"", 20.0)
+    started = time.monotonic()
+    peer.answer("theirs")
+    assert waiting.result(5) == b"" and time.monotonic() - started < 2
+    assert peer.session.broken is None  # (it read nothing for others after its own answer)
+
+
+def test_a_call_waits_for_another_s_message_going_out_no_longer_than_its_timeout():
+    """A call behind another's message going out (a large one, to a slow peer) waited for
+    it whatever its timeout, and so did a call's cancel once its timeout passed: now it
+    fails at its timeout, unsent, and its cancel is not sent; the session goes on."""
+    peer = FakePeer()
+    session = peer.session
+    session._send_lock.acquire()  # (the other message going out)
+    try:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as failed:
+            session.call("unsent", b"", 0.5)
+        assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "not sent within 0.5 s" in failed.value.details()
+        assert time.monotonic() - started < 2
+    finally:
+        session._send_lock.release()
+    sent = concurrent.futures.ThreadPoolExecutor(1).submit(session.call, "sent", b"", 0.5)
+    time.sleep(0.2)
+    session._send_lock.acquire()  # it times out while another message goes out: no cancel
+    try:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as failed:
+            sent.result(5)
+        assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - started < 1
+    finally:
+        session._send_lock.release()
+    threading.Timer(0.2, peer.answer, args=("after",)).start()
+    assert session.call("after", b"", 5.0) == b"" and session.broken is None
+
+
 def test_a_call_cancelled_as_its_future_completes_is_not_resumed(caplog):
     """A cancel (or a lost connection) in the same loop pass as the future a call waits on
     completes: the call ends once, cancelled, with no resume of a finished coroutine."""
