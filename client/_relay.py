@@ -91,7 +91,7 @@ def _path_lock(path: str):
     and removing it. The lock file goes with the socket, removed under the lock (so a
     relay that waited for it takes it only if it is still the file at its path). Waits for
     another holder at most _PATH_LOCK_WAIT (it holds the lock for a few system calls), then
-    goes on without it, saying so."""
+    goes on without it, saying so; yields whether it holds it."""
     lock = f"{path}.lock"
     end = time.monotonic() + _PATH_LOCK_WAIT
     while True:
@@ -110,7 +110,7 @@ def _path_lock(path: str):
             break
         os.close(fd)  # removed by the holder before: the next file at the path is the lock
     try:
-        yield
+        yield fd is not None
     finally:
         if fd is not None:
             os.close(fd)  # (releases the lock)
@@ -230,11 +230,12 @@ class Relay:
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._senders.shutdown(wait=False, cancel_futures=True)
         try:  # ours only: a restarted process's new relay may have taken the path since
-            with _path_lock(self.path):
+            with _path_lock(self.path) as held:
                 info = os.stat(self.path)
                 if (info.st_dev, info.st_ino) == self._socket_id:
                     os.unlink(self.path)
-                    os.unlink(f"{self.path}.lock")
+                    if held:  # (else another holds it)
+                        os.unlink(f"{self.path}.lock")
         except OSError:
             pass
 
