@@ -90,18 +90,20 @@ class Server:
         reply = self.health.Check(health_pb2.HealthCheckRequest(service="pjrt_rendezvous.v1.Coordinator"), timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
+    def register(self, job: str, incarnation: str, *, num_tasks: int, host: str = "fixture") -> pb.RegisterResponse:
+        """Task 0, with one thread, of a world of ``num_tasks`` one-device tasks."""
+        request = pb.RegisterRequest(
+            job=job, incarnation=incarnation, host=host, pid=1, task_id=0, num_tasks=num_tasks,
+            devices_per_task=1, threads=[pb.ThreadSpec(thread_index=0)],
+        )
+        return self.stub.Register(request, timeout=5)
+
     def probe(self) -> None:
         """The server still does real work: a new world of one meets itself, and KV works."""
         self.check_health()
         self.probes += 1
         job, incarnation = f"{PROBE_JOB}{self.probes}", uuid.uuid4().hex
-        registered = self.stub.Register(
-            pb.RegisterRequest(
-                job=job, incarnation=incarnation, host="probe", pid=1, task_id=0, num_tasks=1,
-                devices_per_task=1, threads=[pb.ThreadSpec(thread_index=0)],
-            ),
-            timeout=5,
-        )
+        registered = self.register(job, incarnation, num_tasks=1, host="probe")
         assert registered.world_size == 1 and registered.assignments[0].ordinal == 0
         payload = os.urandom(16)
         reply = self.stub.Rendezvous(
@@ -124,13 +126,7 @@ def server():
     with Coordinator(port=0, limits=LIMITS) as coordinator:
         s = Server(coordinator)
         for job, incarnation, num_tasks in ((SOLO, SOLO_INC, 1), (DUO, DUO_INC, 2)):
-            s.stub.Register(
-                pb.RegisterRequest(
-                    job=job, incarnation=incarnation, host="fixture", pid=1, task_id=0,
-                    num_tasks=num_tasks, devices_per_task=1, threads=[pb.ThreadSpec(thread_index=0)],
-                ),
-                timeout=5,
-            )
+            s.register(job, incarnation, num_tasks=num_tasks)
         s.probe()
         yield s
         s.probe()
@@ -430,13 +426,7 @@ def as_ender(server: Server, who) -> tuple[str, str]:
     if who is not None:
         return who
     job, incarnation = f"ender{next(ENDERS)}", uuid.uuid4().hex
-    server.stub.Register(
-        pb.RegisterRequest(
-            job=job, incarnation=incarnation, host="fixture", pid=1, task_id=0, num_tasks=2,
-            devices_per_task=1, threads=[pb.ThreadSpec(thread_index=0)],
-        ),
-        timeout=5,
-    )
+    server.register(job, incarnation, num_tasks=2)
     return job, incarnation
 
 

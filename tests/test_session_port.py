@@ -795,6 +795,7 @@ def test_a_caller_interrupted_as_it_takes_or_leaves_its_turn_to_read_strands_nob
         peer.session.call("after", b"", 3.0)
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE and "was interrupted" in failed.value.details()
     assert time.monotonic() - started < 1
+    peer.session.close()
 
     peer = FakePeer()
     peer.session._reading = _InterruptingLock("release")
@@ -808,6 +809,7 @@ def test_a_caller_interrupted_as_it_takes_or_leaves_its_turn_to_read_strands_nob
     peer.answer("theirs")
     assert waiting.result(5) == b"" and time.monotonic() - started < 2
     assert peer.session.broken is None  # (it read nothing for others after its own answer)
+    peer.session.close()
 
 
 def test_a_call_waits_for_another_s_message_going_out_no_longer_than_its_timeout():
@@ -837,6 +839,7 @@ def test_a_call_waits_for_another_s_message_going_out_no_longer_than_its_timeout
         session._send_lock.release()
     threading.Timer(0.2, peer.answer, args=("after",)).start()
     assert session.call("after", b"", 5.0) == b"" and session.broken is None
+    session.close()
 
 
 def test_a_call_cancelled_as_its_future_completes_is_not_resumed(caplog):
