@@ -1265,7 +1265,11 @@ def test_a_death_found_by_the_liveness_watch_is_in_the_state_file(tmp_path):
         proc.kill()
         proc.wait(10)
         server.wait_for_line("no heartbeat for")
-        time.sleep(1.0)  # the write that follows; then no stop's last write, a crash
+        deadline = time.monotonic() + 10
+        while b"no heartbeat for" not in state.read_bytes():  # the write that follows
+            assert time.monotonic() < deadline, "the death was not written to the state file"
+            time.sleep(0.05)
+        # then no stop's last write: a crash
         server.proc.kill()
         server.proc.wait(10)
     with Serve("--state-file", str(state)) as server:

@@ -327,6 +327,7 @@ def test_unreachable_coordinator_is_retried_then_reported(monkeypatch, caplog):
     assert time.monotonic() - started >= 1.4
     warned = [r.getMessage() for r in caplog.records if "has not answered for" in r.getMessage()]
     assert warned and all(f"127.0.0.1:{port}" in m and "KvSet" in m and "up to 2 s" in m for m in warned), warned
+    assert len(warned) <= 3, warned  # once in 0.5 s at most (retried every 0.2 s: about 5)
     client.close()
 
 
@@ -526,7 +527,7 @@ def test_still_waiting_counts_from_the_call_across_a_resend(coordinator, caplog)
         cut.join()
     waited = [float(m.group(1)) for r in caplog.records if (m := re.search(r"still waiting after ([\d.]+) s", r.getMessage()))]
     assert len(waited) >= 4 and waited == sorted(waited) and waited[-1] >= 2, waited
-    assert 0.3 < waited[0] < 1.0, waited  # in figures that show it below a second: it said "after 0 s"
+    assert waited[0] > 0.3, waited  # in figures that show it below a second: it said "after 0 s"
     client.close()
 
 
@@ -1120,7 +1121,7 @@ def test_a_timeout_spent_in_the_batch_window_says_so(coordinator):
         (message,) = caught
         assert "missing ordinal 1" in message, message
         # (held at most half the time left: the rest is the coordinator's, counted from the call)
-        assert re.search(r"\(this process sent its call 0\.2\d* s after its first thread arrived: it waited for "
+        assert re.search(r"\(this process sent its call 0\.[2-4]\d* s after its first thread arrived: it waited for "
                          r"ordinal 1 of its own for up to the batch window\)$", message), message
     finally:
         client.close()

@@ -1,8 +1,8 @@
 """Through a fault-injecting TCP proxy (tests/_proxy.py) on loopback: dropped, refused and
 cut connections make the client retry (UNAVAILABLE), and every call still takes effect
 exactly once - rendezvous rounds by their (group, round), key-value changes by their request
-id; delayed bytes only slow calls down; a silently dead (blackholed) connection is pinned as
-a bug.
+id; delayed bytes only slow calls down; a silently dead (blackholed) connection is noticed
+by the session's ping and its waiting call resent.
 
 The client's own debug line "METHOD to ADDRESS failed (ERROR); retry N" is how the tests
 see which status codes a fault produced; any other code than UNAVAILABLE would not be
@@ -409,7 +409,7 @@ def test_a_silently_dead_connection_is_noticed_and_the_waiting_call_resent(coord
         assert proxy.blackhole() == 2  # its gRPC channel (the watch stream) and its session
         with direct.bind_thread(0) as binding:
             assert direct.rendezvous(binding, "r", b"b") == [b"a", b"b"]
-        a.join(20)
+        a.join(40)  # (noticed by the session's ping: about 15 s)
         noticed = not a.is_alive()
         silent.close()  # cancels the hung call, if any
         direct.close()

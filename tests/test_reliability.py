@@ -118,7 +118,7 @@ def test_killed_process_aborts_the_round_and_its_replacement_starts_a_new_genera
     """SIGKILL of a participant mid-round: its peer gets ABORTED naming it within the heartbeat
     timeout; a replacement process takes over the task in a new generation and the job goes on."""
     record, after, detected = kill_and_replace(HEARTBEAT_TIMEOUT, after_death=True)
-    assert detected < HEARTBEAT_TIMEOUT + 2.0
+    assert detected < HEARTBEAT_TIMEOUT + 4.0
     assert record["first"].startswith("ParticipantFailedError: rendezvous 'before-death' on all ordinals")
     assert "ordinal 1 on sim-host-1 pid" in record["first"] and "no heartbeat for" in record["first"]
     assert record["aborted_after"] < 30
@@ -188,14 +188,14 @@ def test_a_coordinator_held_up_longer_than_the_heartbeat_timeout_declares_nobody
     host, or an embedded coordinator starved by its training process) while every client
     keeps heartbeating: the heartbeats that came in meanwhile count before anyone is judged,
     so nobody is declared dead and the next round runs."""
-    with Coordinator(port=0, heartbeat_timeout=1.0) as coordinator:
+    with Coordinator(port=0, heartbeat_timeout=3.0) as coordinator:
         clients = [pair_client(coordinator.address, task) for task in range(2)]
-        with bound(clients) as pools:  # heartbeats every 1/3 s
+        with bound(clients) as pools:  # heartbeats every second
             time.sleep(1.0)
             stalled = threading.Event()
-            coordinator._loop.call_soon_threadsafe(lambda: (stalled.set(), time.sleep(2.5)))
+            coordinator._loop.call_soon_threadsafe(lambda: (stalled.set(), time.sleep(4.5)))
             assert stalled.wait(10)
-            time.sleep(3.5)  # the stall, then a second of heartbeats after it
+            time.sleep(6.5)  # the stall, then two seconds of heartbeats after it
             status = clients[0].status()
             assert all(p.alive for p in status.jobs[0].participants), status
             assert not clients[0].events
