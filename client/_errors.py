@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import grpc
 
+from ._version import VERSION
+
 
 class RendezvousError(Exception):
     """Root of every error this library raises (apart from TypeError for arguments of the wrong type)."""
@@ -128,5 +130,11 @@ def from_rpc_error(exc: grpc.RpcError, *, address: str, method: str, where: str 
             f"coordinator at {address} unavailable for {method}: {details}. Is "
             f"`pjrt-rendezvous serve` running there, and is that its address (from init(address=), a Store's "
             f"URL, PJRT_RENDEZVOUS_ADDRESS, or worker 0 of TPU_WORKER_HOSTNAMES)?{where}{hint}"
+        )
+    elif code == grpc.StatusCode.UNIMPLEMENTED:  # another gRPC server, an HTTP one (404), or an older coordinator
+        details = (
+            f"{address} does not serve {method}: {details}. Is that the gRPC port of `pjrt-rendezvous serve` "
+            f"(not its session or metrics port, nor another server), and is the coordinator's version at least "
+            f"this client's ({VERSION})?{where}"
         )
     return cls(details, code=code.name)

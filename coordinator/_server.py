@@ -166,6 +166,8 @@ class ServerOptions:
             raise ValueError("--metrics-host (where the metrics endpoint listens) needs --metrics-port: without it there is no endpoint")
         if self.metrics_host is not None:
             object.__setattr__(self, "metrics_host", listen_host(self.metrics_host))
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics port must be in [0, 65535], got {self.metrics_port}")
         if self.late_after is not None and not self.late_after > 0:
@@ -771,6 +773,10 @@ class Coordinator:
         return host_port(host, self.port)
 
     def start(self) -> "Coordinator":
+        """Starts serving in a thread of its own; returns once it listens (or raises why it
+        cannot). A coordinator serves once at a time: starting a running one is refused."""
+        if self._running is not None:
+            raise RuntimeError(f"the coordinator is already running at {self.address}; stop() it first")
         started = threading.Event()
         failure: list[BaseException] = []
 
@@ -785,16 +791,12 @@ class Coordinator:
                 started.set()
             await self._stopping.wait()
             await self._running.stop(self._grace)
+            await _let_calls_end()
 
         def run() -> None:
             self._loop = asyncio.new_event_loop()
             try:
                 self._loop.run_until_complete(main())
-                # Calls cancelled by the stop still have tasks winding down: let them end
-                # before the loop closes, so nothing is destroyed while pending.
-                leftovers = asyncio.all_tasks(self._loop)
-                if leftovers:
-                    self._loop.run_until_complete(asyncio.wait(leftovers, timeout=1.0))
             finally:
                 self._loop.close()
 
@@ -817,10 +819,21 @@ class Coordinator:
         self._running = None
 
     def __enter__(self) -> "Coordinator":
-        return self.start()
+        # (``with Coordinator(...).start() as c:`` enters one already running)
+        return self if self._running is not None else self.start()
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+async def _let_calls_end() -> None:
+    """Calls cancelled by a stop still have tasks winding down: lets them end (for up to a
+    second) before the loop closes, so that nothing is destroyed while pending, nor
+    cancelled twice (``asyncio.run`` cancels what is left, and gRPC logs a call cancelled
+    again as an unhandled error, with a traceback on stderr)."""
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    if others:
+        await asyncio.wait(others, timeout=1.0)
 
 
 async def _keep_watchdog_fed(interval: float) -> None:
@@ -942,6 +955,7 @@ def serve_forever(options: ServerOptions, *, on_ready=None) -> None:
         await running.stop(options.grace)
         if watchdog is not None:  # fed through the drain: systemd may still be watching
             watchdog.cancel()
+        await _let_calls_end()
         log.info("stopped after %.1f s", time.monotonic() - started, extra={"event": "stopped"})
         if running.writer is not None and running.writer.failed.is_set():
             raise RuntimeError(f"stopped: the state file {options.state_file} could not be written (see the log)")

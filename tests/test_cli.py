@@ -1204,6 +1204,25 @@ def test_stop_ends_idle_streams_at_once_and_a_second_signal_ends_the_drain():
         thread.join(10)
 
 
+def test_a_call_cut_by_the_end_of_the_grace_is_not_logged_as_an_error():
+    """A round waiting on a gRPC Session stream when the grace runs out: the stop cancels it
+    and the stream is reset (its client resends to the next coordinator), quietly (gRPC
+    logged an unhandled CancelledError, with a traceback outside the log's format, once
+    per waiting process, after 'stopped')."""
+    with Serve("--grace", "1") as server:
+        clients = [simulated_process(server.address, t, processes=2, threads=1, transport="grpc") for t in range(2)]
+        threads = [bound_thread(clients[0], 0, lambda b: clients[0].rendezvous(b, "never", b"", timeout=60))[0]]
+        threads.append(bound_thread(clients[1], 0)[0])
+        server.wait_for_line("world formed")
+        wait_until(lambda: clients[1].status().jobs[0].pending_rounds, what="the round in flight")
+        assert server.stop() == 0
+        assert "ERROR" not in server.stderr() and "Traceback" not in server.stderr(), server.stderr()
+        for c in clients:
+            c.close()
+        for t in threads:
+            t.join(10)
+
+
 def test_sighup_stops_serve_as_sigterm_does():
     """The terminal of a `serve` in the foreground closes (an ssh session ends): it drains and
     exits 0, as for SIGTERM (it died at once, exit 129, no drain nor last state write).
@@ -1393,6 +1412,27 @@ def test_an_embedded_coordinator_stops_with_the_grace_it_was_made_with():
         coordinator.stop()
     thread.join(30)
     assert not thread.is_alive()
+
+
+def test_an_embedded_coordinator_serves_once_at_a_time_on_a_port_in_range():
+    """start() on a running coordinator is refused (a second start opened a second server
+    and lost the first's, which stop() then left running, or failed on its own port);
+    ``with Coordinator(...).start()`` enters the running one; a stopped one starts again. A port out of range is
+    refused (-1 listened on 65535, 70000 on 4464)."""
+    from pjrt_rendezvous.coordinator import Coordinator
+
+    coordinator = Coordinator(port=0).start()
+    address = coordinator.address
+    with pytest.raises(RuntimeError, match=f"already running at {address}"):
+        coordinator.start()
+    with coordinator as entered:
+        assert entered is coordinator and entered.address == address
+    assert run_cli("health", "--address", address, "--timeout", "2").returncode == 1  # stopped: nothing left
+    with coordinator.start():  # (and started again)
+        assert run_cli("health", "--address", coordinator.address, "--timeout", "5").returncode == 0
+    for port in (-1, 65536, 70000):
+        with pytest.raises(ValueError, match=rf"port must be in \[0, 65535\], got {port}"):
+            Coordinator(port=port)
 
 
 def test_an_embedded_stop_without_grace_cancels_a_waiting_call_at_once():

@@ -23,6 +23,7 @@ import pytest
 import pjrt_rendezvous.client as pr
 from pjrt_rendezvous.client._client import _Batch, _ThreadFailed, _allocate_lock, _pass_on
 from pjrt_rendezvous.client._config import Settings
+from pjrt_rendezvous.client._version import VERSION
 from pjrt_rendezvous.coordinator import Coordinator, Limits
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
@@ -329,6 +330,29 @@ def test_unreachable_coordinator_is_retried_then_reported(monkeypatch, caplog):
     assert warned and all(f"127.0.0.1:{port}" in m and "KvSet" in m and "up to 2 s" in m for m in warned), warned
     assert len(warned) <= 3, warned  # once in 0.5 s at most (retried every 0.2 s: about 5)
     client.close()
+
+
+def test_another_grpc_server_at_the_address_is_named_as_such():
+    """A client pointed at a gRPC server that is not the coordinator (or at an older one)
+    fails at once, naming the address and what to check (it said "Method not found!")."""
+    import grpc
+    from concurrent import futures
+
+    other = grpc.server(futures.ThreadPoolExecutor(1))
+    port = other.add_insecure_port("127.0.0.1:0")
+    other.start()
+    try:
+        client = make_client(f"127.0.0.1:{port}", connect_timeout=30)
+        started = time.monotonic()
+        with pytest.raises(pr.RemoteError) as raised:
+            client.get("k", wait=False)
+        assert time.monotonic() - started < 10  # (not retried for the connect timeout)
+        message = str(raised.value)
+        assert f"127.0.0.1:{port} does not serve " in message and "Method not found!" in message, message
+        assert "gRPC port of `pjrt-rendezvous serve`" in message and f"({VERSION})" in message, message
+        client.close()
+    finally:
+        other.stop(None)
 
 
 def test_an_unreachable_default_address_says_it_was_the_default():
