@@ -68,6 +68,10 @@ _CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # Directly, as the session port's plain sockets connect: the coordinator is on the pod's
+    # own network, and a proxy set for the internet (http_proxy, https_proxy, grpc_proxy)
+    # sent every call, loopback's too, through it.
+    ("grpc.enable_http_proxy", 0),
 ]
 
 _METHODS = pb.DESCRIPTOR.services_by_name["Coordinator"].methods

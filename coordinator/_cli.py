@@ -565,7 +565,8 @@ def _dial(
         print(f"pjrt-rendezvous {command}: {exc}", file=sys.stderr)
         return None
     # (the answer of a large pod's status is over gRPC's default 4 MiB)
-    options = [("grpc.max_receive_message_length", -1)]
+    # (and directly, as the client connects: not through http_proxy, https_proxy or grpc_proxy)
+    options = [("grpc.max_receive_message_length", -1), ("grpc.enable_http_proxy", 0)]
     options += [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else []
     if credentials is None:
         channel = grpc.insecure_channel(address, options=options)

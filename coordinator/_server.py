@@ -98,6 +98,18 @@ def listen_host(text: str) -> str:
         except ValueError:
             raise ValueError(f"brackets are for an IPv6 address, as in [::1], got {text!r}") from None
         host = host[1:-1]
+    try:
+        if ":" in host:  # (only an IPv6 address has one: not host:port, nor a URL)
+            ipaddress.IPv6Address(host)
+        elif host.replace(".", "").isdigit():  # (a name is not all digits)
+            ipaddress.IPv4Address(host)
+        elif "/" in host or " " in host:
+            raise ValueError
+    except ValueError:
+        raise ValueError(
+            f"the host to listen on is an address or a name of this machine, without a port or a scheme "
+            f"(0.0.0.0, ::, 10.0.0.2, worker-0), got {text!r}"
+        ) from None
     return host
 
 
@@ -713,7 +725,7 @@ async def _why_not_bound(address: str, options: ServerOptions) -> str:
         finally:
             await probe.stop(None)
 
-    port_taken = f"cannot listen on {address} (--host, --port): the port is in use, or the host is not an address of this machine"
+    port_taken = f"cannot listen on {address} (--host, --port): {_bind_error(options.host, options.port)}"
     if options.tls_cert is None or not await takes(address):
         return port_taken
     if not await takes(host_port(options.host, 0), grpc.ssl_server_credentials([(options.tls_key, options.tls_cert)])):
@@ -721,6 +733,20 @@ async def _why_not_bound(address: str, options: ServerOptions) -> str:
     if options.tls_ca is not None:
         return "the client CA (--tls-ca) holds no valid PEM certificate"
     return port_taken  # (taken meanwhile, or free again)
+
+
+def _bind_error(host: str, port: int) -> str:
+    """What the system says to listening on ``host:port`` (a port in use, one below 1024
+    without the privilege, a host that is not this machine's or that does not resolve),
+    which gRPC does not."""
+    try:
+        for family, kind, proto, _, where in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as gRPC's port)
+                sock.bind(where)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return "the port is in use, or the host is not an address of this machine"  # (free again meanwhile)
 
 
 _MADE_WITH = object()  # Coordinator.stop's grace when not given: the one it was made with

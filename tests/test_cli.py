@@ -889,6 +889,19 @@ def test_serve_refuses_an_empty_host():
         server.stop()
 
 
+def test_serve_refuses_a_host_with_a_port_or_a_scheme_and_says_why_it_cannot_listen():
+    """A host with a port, a scheme or an IPv4 address out of range is refused as malformed
+    (exit 2); one that does not resolve, or is not this machine's, exits 1 with the system's
+    reason (both said "the port is in use, or the host is not an address of this machine")."""
+    for host in ("127.0.0.1:80", "http://127.0.0.1", "256.1.1.1", "worker 0"):
+        out = run_cli("serve", "--port", "0", "--host", host, timeout=30)
+        assert out.returncode == 2 and "without a port or a scheme" in out.stderr, (host, out.stderr)
+    for host, reasons in (("bogus.invalid", ("not known", "name resolution")), ("192.0.2.1", ("Cannot assign",))):
+        out = run_cli("serve", "--port", "0", "--session-port", "off", "--host", host, timeout=30)
+        assert out.returncode == 1 and f"cannot listen on {host}:0 (--host, --port): " in out.stderr, out.stderr
+        assert any(r in out.stderr for r in reasons) and "in use" not in out.stderr, out.stderr
+
+
 def test_serve_setting_errors_name_what_set_them():
     """A metrics host without a metrics port is refused (it was ignored: no endpoint, no word),
     naming the variable when one set it; a bad session port names its words too."""
@@ -1268,7 +1281,7 @@ def test_serve_refuses_a_busy_session_port_and_an_endless_grace_with_a_message()
         taken = subprocess.run(
             [*CLI, "serve", "--port", str(first.port)], env=clean_env(), capture_output=True, text=True, timeout=60
         )
-        assert taken.returncode == 1 and f"cannot listen on 127.0.0.1:{first.port} (--host, --port)" in taken.stderr
+        assert taken.returncode == 1 and f"cannot listen on 127.0.0.1:{first.port} (--host, --port): Address already in use" in taken.stderr
         assert "Traceback" not in taken.stderr
         first.stop()
     endless = run_cli("serve", "--port", "0", "--grace", "inf")

@@ -332,6 +332,26 @@ def test_unreachable_coordinator_is_retried_then_reported(monkeypatch, caplog):
     client.close()
 
 
+def test_a_proxy_in_the_environment_is_not_used(coordinator, monkeypatch):
+    """http_proxy, https_proxy and grpc_proxy (set for the internet) are not used to reach
+    the coordinator: every gRPC call went through the proxy, loopback's too, and failed
+    for the whole connect timeout where nothing listened at the proxy's address."""
+    proxy = f"http://127.0.0.1:{_unused_port()}"
+    for name in ("http_proxy", "https_proxy", "grpc_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.setenv(name, proxy)
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    client = make_client(coordinator.address, connect_timeout=5, transport="grpc")
+    client.set("k", b"v")
+    assert client.get("k") == b"v"
+    client.close()
+    health = subprocess.run(
+        [sys.executable, "-m", "pjrt_rendezvous.coordinator", "health", "--address", coordinator.address, "--timeout", "5"],
+        env=dict(os.environ), capture_output=True, text=True, timeout=60,
+    )
+    assert health.returncode == 0, health.stdout + health.stderr
+
+
 def test_another_grpc_server_at_the_address_is_named_as_such():
     """A client pointed at a gRPC server that is not the coordinator (or at an older one)
     fails at once, naming the address and what to check (it said "Method not found!")."""
