@@ -106,10 +106,16 @@ _BY_CODE: dict[grpc.StatusCode, type[RemoteError]] = {
 }
 
 
-def tls_hint(details: str) -> str:
+def connection_hint(details: str) -> str:
     """For an UNAVAILABLE error's details: a TLS mismatch looks like a connection cut (a
     plaintext client against a TLS coordinator, or mutual TLS without a client certificate
-    from its CA); "" when the details do not look like one."""
+    from its CA), and a server that does not speak HTTP/2 like one that cannot parse it; ""
+    when the details do not look like either."""
+    if "failed parsing http/2" in details.lower() or "http1.x" in details.lower():
+        return (
+            " The server there does not speak gRPC: is that the coordinator's gRPC port (7481 by default), "
+            "not its session port or metrics port?"
+        )
     if not any(word in details.lower() for word in ("handshake", "socket closed", "ssl", "tls")):
         return ""
     return (
@@ -125,7 +131,7 @@ def from_rpc_error(exc: grpc.RpcError, *, address: str, method: str, where: str 
     details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
     cls = _BY_CODE.get(code, RemoteError)
     if cls is CoordinatorUnavailableError:
-        hint = tls_hint(details)
+        hint = connection_hint(details)
         details = (
             f"coordinator at {address} unavailable for {method}: {details}. Is "
             f"`pjrt-rendezvous serve` running there, and is that its address (from init(address=), a Store's "

@@ -1069,6 +1069,16 @@ class FramedSession(asyncio.Protocol):
         until the start of the message names its call."""
         with received:
             if self._hello is not None:
+                if size == _HTTP2_PREFACE:
+                    global _http2_said
+                    now = time.monotonic()
+                    if now - _http2_said >= 60:  # (anyone can connect: once a minute at most)
+                        _http2_said = now
+                        log.warning(
+                            "a gRPC (HTTP/2) client connected to the session port from %s: gRPC clients, "
+                            "`status` and `health` dial the gRPC port (7481 by default)",
+                            self.transport.get_extra_info("peername"),
+                        )
                 self._refuse(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"the first message of a session must be a SessionHello of at most {MAX_HELLO} bytes; "
@@ -1153,6 +1163,8 @@ class FramedSession(asyncio.Protocol):
 
 
 _refused_said = float("-inf")  # when a call too big was last refused with a warning (FramedSession._too_big)
+_http2_said = float("-inf")  # when a gRPC client on a session port was last warned of
+_HTTP2_PREFACE = int.from_bytes(b"PRI ", "big")  # the start of HTTP/2's preface, read as a message's length
 _parse_hello = parser(pb.SessionHello)
 _parse_request = parser(pb.SessionRequest)
 

@@ -602,10 +602,10 @@ def _rpc_failure(exc) -> str:
     """A failed call's status for ``health`` and ``status``, with the clients' TLS hint."""
     import grpc
 
-    from pjrt_rendezvous.client._errors import tls_hint
+    from pjrt_rendezvous.client._errors import connection_hint
 
     details = exc.details() or "(no details)"
-    hint = tls_hint(details) if exc.code() == grpc.StatusCode.UNAVAILABLE else ""
+    hint = connection_hint(details) if exc.code() == grpc.StatusCode.UNAVAILABLE else ""
     return f"{exc.code().name}: {details}{'.' if hint and not details.endswith('.') else ''}{hint}"
 
 

@@ -129,6 +129,25 @@ def test_garbage_on_the_session_port_ends_only_that_connection():
             c.close()
 
 
+def test_a_grpc_client_at_the_session_port_is_told_where_to_dial(caplog, monkeypatch):
+    """A client (or `status`) given the session port instead of the gRPC port: its error
+    says the server there does not speak gRPC and which port to dial, and the coordinator
+    warns of it (the client retried "Failed parsing HTTP/2" for its connect timeout with
+    the usual "is `pjrt-rendezvous serve` running there", and the coordinator said nothing)."""
+    from pjrt_rendezvous.client import _session
+
+    monkeypatch.setattr(_session, "_http2_said", float("-inf"))
+    caplog.set_level(logging.WARNING)
+    with Coordinator(port=0) as coordinator:
+        address = f"127.0.0.1:{coordinator.session_port}"
+        (client,) = make_clients(address, processes=1, hosts=1, fan_in="off", connect_timeout=2)
+        with pytest.raises(pr.CoordinatorUnavailableError, match="does not speak gRPC: is that the coordinator's gRPC port"):
+            client.get("k", wait=False)
+        client.close()
+    warned = [r.getMessage() for r in caplog.records if "client connected to the session port" in r.getMessage()]
+    assert len(warned) == 1 and "dial the gRPC port" in warned[0], warned
+
+
 class BoundOnce:
     """A thread per device of every client, bound once (a Register answer names the
     coordinator's session port again, which the tests below set by hand)."""
