@@ -107,24 +107,35 @@ def _heartbeat_seconds(text: str) -> float | None:
     return value
 
 
-def _positive_seconds(text: str) -> float:
+def _path(text: str) -> pathlib.Path:
+    if not text.strip():  # (pathlib takes "" for ".", this folder)
+        raise argparse.ArgumentTypeError("must not be empty")
+    return pathlib.Path(text)
+
+
+# The longest a command waits or a drain lasts: gRPC's deadlines end about 292 years on, and
+# one past it failed at once as a timeout.
+_MAX_SECONDS = 1e9
+
+
+def _seconds_within(text: str, *, positive: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
+    if not (0 < value if positive else 0 <= value) or value == math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds {'>' if positive else '>='} 0, got {text}")
+    if value > _MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be at most {_MAX_SECONDS:g} s (about 31 years), got {text}")
     return value
+
+
+def _positive_seconds(text: str) -> float:
+    return _seconds_within(text, positive=True)
 
 
 def _non_negative_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
-    return value
+    return _seconds_within(text, positive=False)
 
 
 def _positive(text: str) -> int:
@@ -242,7 +253,7 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
             _seconds: "SECONDS",
             _non_negative_seconds: "SECONDS",
             _heartbeat_seconds: "SECONDS",
-            pathlib.Path: "PATH",
+            _path: "PATH",
             _log_level: "{" + ",".join(LOG_LEVELS) + "}",
             _log_format: "{text,json}",
         }.get(convert)
@@ -271,16 +282,16 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         f"declare a process dead after this many seconds without a heartbeat (default "
         f"{DEFAULT_HEARTBEAT_TIMEOUT:g}; 'none' disables)",
     )
-    option("--state-file", pathlib.Path, None, "keep ranks, job config, finished rounds and keys here across restarts")
+    option("--state-file", _path, None, "keep ranks, job config, finished rounds and keys here across restarts")
     option(
         "--token-file",
-        pathlib.Path,
+        _path,
         None,
         f"file holding the shared secret every client must send (or the secret itself in {TOKEN_VARIABLE})",
     )
-    option("--tls-cert", pathlib.Path, None, "PEM server certificate (enables TLS)")
-    option("--tls-key", pathlib.Path, None, "PEM private key of --tls-cert")
-    option("--tls-ca", pathlib.Path, None, "PEM CA that must sign client certificates (mutual TLS)")
+    option("--tls-cert", _path, None, "PEM server certificate (enables TLS)")
+    option("--tls-key", _path, None, "PEM private key of --tls-cert")
+    option("--tls-ca", _path, None, "PEM CA that must sign client certificates (mutual TLS)")
     option("--grace", _non_negative_seconds, 5.0, "seconds in-flight calls get on shutdown (default 5)")
     option(
         "--session-port",

@@ -18,6 +18,7 @@ import gc
 import hmac
 import ipaddress
 import logging
+import os
 import pathlib
 import queue
 import signal
@@ -205,6 +206,9 @@ class ServerOptions:
                 f"the state file {self.state_file} (--state-file) is a folder; give the path of a file, "
                 f"such as {pathlib.Path(self.state_file) / 'coordinator.state'}"
             )
+        if self.state_file is not None and os.path.exists(self.state_file) and not os.path.isfile(self.state_file):
+            # (a FIFO held the start for good; /dev/zero was read without end)
+            raise ValueError(f"the state file {self.state_file} (--state-file) is not a regular file; give the path of one")
         # The job --world-size declares: refused here, as settings (the core would refuse it
         # once serving, naming its limits by their field names).
         if self.world_size is not None and self.world_size > self.limits.max_world_size:

@@ -1340,6 +1340,19 @@ def test_bad_demo_serve_and_health_arguments_get_a_message_not_a_traceback(tmp_p
     for command in (["demo", "--timeout", "0"], ["health", "--timeout", "nan"], ["status", "--timeout", "-1"]):
         refused = run_cli(*command)
         assert refused.returncode == 2 and "must be a finite number of seconds > 0" in refused.stderr, refused
+    # (past gRPC's last deadline, about 292 years on, status and health failed at once as timed out)
+    for command in (["health", "--timeout", "1e10"], ["status", "--timeout", "1e10"], ["serve", "--grace", "1e300"]):
+        refused = run_cli(*command)
+        assert refused.returncode == 2 and "must be at most 1e+09 s (about 31 years)" in refused.stderr, refused
+    # (an empty path was taken for this folder; a FIFO held the start for good, /dev/zero was read without end)
+    for option in ("--state-file", "--token-file", "--tls-cert"):
+        empty = run_cli("serve", "--port", "0", option, " ")
+        assert empty.returncode == 2 and f"argument {option}: must not be empty" in empty.stderr, empty
+    fifo = tmp_path / "fifo.state"
+    os.mkfifo(fifo)
+    for special in (fifo, pathlib.Path("/dev/zero")):
+        refused = run_cli("serve", "--port", "0", "--state-file", str(special), timeout=30)
+        assert refused.returncode == 2 and f"the state file {special} (--state-file) is not a regular file" in refused.stderr, refused
     no_folder = run_cli("serve", "--port", "0", "--state-file", str(tmp_path / "missing" / "x.state"))
     assert no_folder.returncode == 1, no_folder  # (not 2: a volume mounted late is there on the next try)
     assert f"the folder of the state file {tmp_path / 'missing' / 'x.state'} (--state-file) does not exist" in no_folder.stderr
