@@ -1032,6 +1032,8 @@ class Client:
             try:
                 for event in self._stub.Watch(request, metadata=self._metadata):
                     request.after = event.index  # a stream opened again resumes here
+                    if self._stopped.is_set():  # closing (its own Leave's event among those still coming)
+                        return
                     if event.kind == pb.WatchEvent.KIND_UNSPECIFIED:  # the stream's marker
                         continue
                     request.after += 1

@@ -216,8 +216,8 @@ def _report(rows: list[dict], errors: list[str], elapsed: float, out: TextIO) ->
                 str(r["thread"]),
                 r["host"],
                 str(r["pid"]),
-                f"{len(everyone)} payloads, ordinals {everyone[0].split()[1]}..{everyone[-1].split()[1]}",
-                f"{('evens', 'odds')[r['ordinal'] % 2]}: {len(r['half'])} payloads from {_short(r['subset'])}",
+                f"{_counted(len(everyone), 'payload')}, ordinals {everyone[0].split()[1]}..{everyone[-1].split()[1]}",
+                f"{('evens', 'odds')[r['ordinal'] % 2]}: {_counted(len(r['half']), 'payload')} from {_short(r['subset'])}",
                 _check(r),
             )
         )
@@ -237,12 +237,19 @@ def _report(rows: list[dict], errors: list[str], elapsed: float, out: TextIO) ->
     for error in errors:
         print(f"error: {error}", file=out)
     verdict = "FAILED" if bad or errors or not rows else "ok"
-    print(
-        f"\n{len(rows)} ordinals, world size {world}, 4 rounds each (all, subset, all again, "
-        f"barrier) in {elapsed:.2f} s: {verdict}",
-        file=out,
-    )
+    if rows:
+        print(
+            f"\n{_counted(len(rows), 'ordinal')}, world size {world}, 4 rounds each (all, subset, all again, "
+            f"barrier) in {elapsed:.2f} s: {verdict}",
+            file=out,
+        )
+    else:
+        print(f"\nno thread reported in {elapsed:.2f} s: {verdict}", file=out)
     return 0 if verdict == "ok" else 1
+
+
+def _counted(n: int, thing: str) -> str:
+    return f"{n} {thing}" if n == 1 else f"{n} {thing}s"
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:

@@ -15,6 +15,7 @@ import math
 import os
 import pathlib
 import re
+import signal
 import sys
 import time
 from typing import Any, Callable, Mapping
@@ -962,6 +963,9 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
     except BrokenPipeError:  # stdout closed early (`status --json | head`): no traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (nor at exit's flush)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C in status, health --wait or demo: no traceback, the shell's code
+        print("pjrt-rendezvous: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 def _main(argv: list[str] | None, env: Mapping[str, str] | None) -> int:

@@ -193,6 +193,10 @@ class ServerOptions:
             raise ValueError(f"session port must be in [0, 65535], got {self.session_port}")
         if self.session_port and self.session_port == self.port:
             raise ValueError(f"the session port and the gRPC port are both {self.port}: give them two ports")
+        if self.metrics_port and self.metrics_host in (None, self.host):  # (on another address it may share one)
+            for name, port in (("gRPC", self.port), ("session", self.session_port)):
+                if self.metrics_port == port:
+                    raise ValueError(f"the metrics port and the {name} port are both {port}: give them two ports")
         if self.session_port and self.tls_cert is not None:
             raise ValueError("the session port is plain TCP: with TLS, leave it out (clients use gRPC's stream)")
         if self.token is not None and not self.token.strip():
@@ -947,10 +951,16 @@ def serve_forever(options: ServerOptions, *, on_ready=None) -> None:
         running = await start_server(options)
         tune_collector()
         stopping = asyncio.Event()
+        received: list[str] = []  # the stop signals, by name
+
+        def stop_on(sig: signal.Signals) -> None:
+            received.append(sig.name)
+            stopping.set()
+
         loop = asyncio.get_running_loop()
         for sig in _STOP_SIGNALS:
             if signal.getsignal(sig) is not signal.SIG_IGN:
-                loop.add_signal_handler(sig, stopping.set)
+                loop.add_signal_handler(sig, stop_on, sig)
         if on_ready is not None:  # after the handlers: a stop signal from here on drains
             on_ready(running)
         where = host_port(options.host, running.port)
@@ -977,10 +987,18 @@ def serve_forever(options: ServerOptions, *, on_ready=None) -> None:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for wait in waits:
             wait.cancel()
+        def hurry(sig: signal.Signals) -> None:
+            log.info("%s during the drain: in-flight calls are cancelled now", sig.name, extra={"event": "hurried", "signal": sig.name})
+            running.hurry()
+
         for sig in _STOP_SIGNALS:  # a second one ends the drain
-            loop.add_signal_handler(sig, running.hurry)
-        _notify.notify(f"STOPPING=1\nSTATUS=stopping: in-flight calls get {options.grace:g} s")
-        log.info("stopping: in-flight calls get %.1f s", options.grace, extra={"event": "stopping"})
+            loop.add_signal_handler(sig, hurry, sig)
+        why = received[0] if received else "the state file could not be written"
+        _notify.notify(f"STOPPING=1\nSTATUS=stopping ({why}): in-flight calls get {options.grace:g} s")
+        log.info(
+            "stopping (%s): in-flight calls get %.1f s", why, options.grace,
+            extra={"event": "stopping", "signal": received[0] if received else None},
+        )
         started = time.monotonic()
         await running.stop(options.grace)
         if watchdog is not None:  # fed through the drain: systemd may still be watching

@@ -1051,7 +1051,7 @@ def test_text_log_lines_are_one_line_per_event():
         for client in clients:
             client.close()
         assert server.stop() == 0
-    assert any("stopping: in-flight calls get" in l for l in server.lines)
+    assert any("stopping (SIGTERM): in-flight calls get" in l for l in server.lines)
 
 
 def test_a_text_log_line_writes_control_characters_escaped():
@@ -1208,11 +1208,12 @@ def test_stop_ends_idle_streams_at_once_and_a_second_signal_ends_the_drain():
         server.wait_for_line("registered task 0")
         time.sleep(0.5)  # the rendezvous call is in flight
         server.terminate()
-        server.wait_for_line("stopping: in-flight calls get 60.0 s")
+        server.wait_for_line(r"stopping \(SIGTERM\): in-flight calls get 60.0 s")
         started = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(30) == 0
         assert time.monotonic() - started < 20
+        server.wait_for_line("SIGTERM during the drain: in-flight calls are cancelled now")
         client.close()
         thread.join(10)
 
@@ -1234,6 +1235,24 @@ def test_a_call_cut_by_the_end_of_the_grace_is_not_logged_as_an_error():
             c.close()
         for t in threads:
             t.join(10)
+
+
+def test_ctrl_c_ends_a_command_with_a_line_not_a_traceback():
+    """Ctrl-C (SIGINT) in `health --wait` and in a `status` that waits for its answer: a line
+    and exit 130, as a shell counts an interrupt (a traceback was printed)."""
+    with socket.socket() as silent:  # takes connections, says nothing
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        for command in (["health", "--wait"], ["status"]):
+            proc = subprocess.Popen(
+                [*CLI, *command, "--address", address, "--timeout", "60"],
+                env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )
+            time.sleep(2)
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=30)
+            assert proc.returncode == 130 and "Traceback" not in err and "interrupted" in err, (command, out, err)
 
 
 def test_sighup_stops_serve_as_sigterm_does():
@@ -1328,6 +1347,9 @@ def test_bad_demo_serve_and_health_arguments_get_a_message_not_a_traceback(tmp_p
     assert demo.returncode == 2 and "--threads" in demo.stderr and "Traceback" not in demo.stderr, demo
     same = run_cli("serve", "--port", "24871", "--session-port", "24871")  # (was "address already in use")
     assert same.returncode == 2 and "the session port and the gRPC port are both 24871" in same.stderr, same
+    for ports, named in ((("--port", "24871"), "gRPC"), (("--port", "24870", "--session-port", "24871"), "session")):
+        same = run_cli("serve", *ports, "--metrics-port", "24871")  # (was "address already in use", naming --metrics-host)
+        assert same.returncode == 2 and f"the metrics port and the {named} port are both 24871" in same.stderr, same
     default_port = argparse.Namespace(tls_cert=None, session_port="auto", port=7482)
     assert _cli.session_port(default_port) == 7483  # (auto took 7482 as well)
     short = run_cli("serve", "--port", "0", "--heartbeat-timeout", "0.001")  # (declared every process dead)
@@ -1385,6 +1407,15 @@ def test_demo_leaves_out_the_callers_client_settings(tls_files, monkeypatch):
     env = simulated_env(address="127.0.0.1:1", accelerator="v3-8", task=0, processes=2, hosts=1, threads=None)
     assert not {"TPU_CHIPS_PER_HOST_BOUNDS", "CHIPS_PER_HOST_BOUNDS"} & set(env)
     assert "4 ordinals, world size 4" in demo.stdout, demo.stdout  # (8: 4 threads a process)
+
+
+def test_a_demo_out_of_time_says_no_thread_reported():
+    """A demo whose processes all miss its timeout says so (it printed "0 ordinals, world
+    size 0"), and fails; one thread's subset round is "1 payload"."""
+    late = run_cli("demo", "--processes", "2", "--hosts", "1", "--threads", "1", "--timeout", "0.05", timeout=90)
+    assert late.returncode == 1 and "no thread reported in" in late.stdout and "world size 0" not in late.stdout, late.stdout
+    alone = run_cli("demo", "--processes", "1", "--hosts", "1", "--threads", "1", "--timeout", "60", timeout=90)
+    assert alone.returncode == 0 and "1 payload, ordinals 0..0" in alone.stdout and "1 ordinal, world size 1" in alone.stdout, alone.stdout
 
 
 def test_a_command_whose_output_is_cut_short_ends_without_a_traceback():

@@ -352,6 +352,31 @@ def test_a_proxy_in_the_environment_is_not_used(coordinator, monkeypatch):
     assert health.returncode == 0, health.stdout + health.stderr
 
 
+def test_a_closing_client_does_not_report_its_own_departure(coordinator, caplog):
+    """close() says Leave; the Watch stream, still open, brought the job's event of it
+    back, and the closing process logged its own departure as news ("job default:
+    ordinal 0 (... pid <its own>) left: its client closed"). Its peers still hear of it."""
+    caplog.set_level(logging.INFO, logger="pjrt_rendezvous.client")
+    peer = make_client(coordinator.address, tasks=2, task=1)
+    closing = make_client(coordinator.address, tasks=2, task=0)
+    pools = [concurrent.futures.ThreadPoolExecutor(1) for _ in range(2)]
+    for pool, client in zip(pools, (peer, closing)):
+        pool.submit(client.bind_thread, 0).result(30)
+    time.sleep(0.5)  # (both Watch streams open)
+    pools[1].submit(closing.unbind_thread).result(30)
+    closing.close()
+    deadline = time.monotonic() + 10
+    while not any(e.kind == pb.WatchEvent.PROCESS_LEFT for e in peer.events):
+        assert time.monotonic() < deadline, "the peer did not hear of the departure"
+        time.sleep(0.05)
+    said = [r.getMessage() for r in caplog.records if "left: its client closed" in r.getMessage()]
+    assert len(said) == 1 and f"pid {os.getpid()}, task 0" in said[0], said  # the peer's line alone
+    pools[0].submit(peer.unbind_thread).result(30)
+    peer.close()
+    for pool in pools:
+        pool.shutdown()
+
+
 def test_another_grpc_server_at_the_address_is_named_as_such():
     """A client pointed at a gRPC server that is not the coordinator (or at an older one)
     fails at once, naming the address and what to check (it said "Method not found!")."""
