@@ -199,6 +199,8 @@ def test_bad_arguments_are_refused_locally(client, coordinator):
     try:
         with pytest.raises(TypeError, match="payload must be bytes"):
             client.rendezvous(binding, "t", "text")
+        for payload in (bytearray(b"ab"), memoryview(b"xabx")[1:3]):  # taken as the bytes they hold
+            assert client.rendezvous(binding, f"as-{type(payload).__name__}", payload) == [b"ab"]
         with pytest.raises(pr.UsageError, match="timeout must be > 0"):
             client.rendezvous(binding, "t", b"", timeout=0)
         with pytest.raises(pr.UsageError, match="already bound"):

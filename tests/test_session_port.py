@@ -195,6 +195,12 @@ def test_an_unreachable_session_port_leaves_calls_on_grpc():
             c._learn_session_port(closed)  # a heartbeat answer names it again
             c._probe_session_port()  # refused again: twice the backoff
             assert c._session_port[2] == 20.0
+        backoffs = []
+        for _ in range(10):  # refused again and again: at most hourly
+            clients[0]._session_port = (closed, 0.0, clients[0]._session_port[2])
+            clients[0]._probe_session_port()
+            backoffs.append(clients[0]._session_port[2])
+        assert backoffs == [40.0, 80.0, 160.0, 320.0, 640.0, 1280.0, 2560.0, 3600.0, 3600.0, 3600.0], backoffs
         pod.round_on("third", Session)
         assert [c._current_session for c in clients] == streams
         pod.close()

@@ -189,6 +189,30 @@ def test_a_negative_timeout_given_to_a_wait_expires_at_once(store):
     assert time.monotonic() - started < 5
 
 
+def test_where_a_store_answers_otherwise_than_a_tcpstore_on_purpose(client, store):
+    """What the README lists as answered otherwise on purpose (the side-by-side comparison
+    leaves it out): a sum past 64 bits is refused (a TCPStore wraps around), a timeout of 0
+    is no timeout (a TCPStore's expires at once), keys over 4,096 characters and values over
+    64 MiB are refused as DistStoreErrors, and the queue methods are not implemented."""
+    store.add("big", 2**63 - 1)
+    with pytest.raises(StoreError, match="leaves the 64-bit integer range") as info:
+        store.add("big", 1)
+    assert isinstance(info.value, dist.DistStoreError) and store.get("big") == str(2**63 - 1).encode()
+    for key, value in (("k" * 4097, b"v"), ("huge", b"\0" * ((64 << 20) + 1))):  # (the key with its prefix)
+        with pytest.raises(StoreError) as info:
+            store.set(key, value)
+        assert isinstance(info.value, dist.DistStoreError) and info.value.code == "RESOURCE_EXHAUSTED", info.value
+    store.set_timeout(datetime.timedelta(0))
+    waiting = concurrent.futures.ThreadPoolExecutor(1).submit(store.get, "later")
+    time.sleep(1.0)
+    assert not waiting.done()  # (no timeout: it waits)
+    Store(client, prefix=store.prefix).set("later", b"here")
+    assert waiting.result(10) == b"here"
+    for method, args in (("queue_push", ("q", b"v")), ("queue_pop", ("q",)), ("queue_len", ("q",))):
+        with pytest.raises((NotImplementedError, RuntimeError), match="(?i)not implemented"):
+            getattr(store, method)(*args)
+
+
 def test_stores_and_their_clones_outlive_the_caller_s_reference(client):
     """torch's C++ side does not keep a Python store alive (pytorch#106633): a Store passed
     inline, and the clones PrefixStore makes, still answer once Python dropped them."""

@@ -85,6 +85,7 @@ def xm_user_code_and_registrations(index):
     model.to(xm.xla_device())
     xla.broadcast_master_params(model)
     result["broadcast"] = {k: _bits(v) for k, v in model.state_dict().items()}
+    result["aliasing"] = os.environ.get("XLA_ENABLE_PARAM_ALIASING")
     return result
 
 
@@ -606,6 +607,7 @@ def test_spawn_gives_unmodified_xm_code_its_ordinal_world_and_device(xm_run):
         assert (r["index"], r["ordinal"], r["world"], r["local"]) == (ordinal, ordinal, 4, ordinal)
         assert r["master"] == (ordinal == 0) and r["global_master"] == (ordinal == 0)
         assert r["device"] == r["tensor_device"] == f"xla:{ordinal % 2}"
+        assert r["aliasing"] == "0"  # (a thread per device: aliasing off)
 
 
 @pytest.mark.xla
@@ -937,6 +939,24 @@ def test_spawn_with_nprocs_1_warns_that_it_runs_every_cpu_device(monkeypatch):
         for kwargs in ({}, {"nprocs": 1, "devices_per_process": 2}):
             with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
                 xla.spawn(lambda i: i, **kwargs)
+
+
+def test_spawn_keeps_an_aliasing_setting_it_was_given_and_warns(monkeypatch):
+    """XLA_ENABLE_PARAM_ALIASING set to another value than 0 with a thread per device is
+    left as it is, with a warning (collectives between threads deadlock with it); 0, or
+    one device per process, says nothing."""
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    monkeypatch.setenv("XLA_ENABLE_PARAM_ALIASING", "1")
+    with pytest.warns(RuntimeWarning, match=r"XLA_ENABLE_PARAM_ALIASING=1 with a thread per device"):
+        with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+            xla.spawn(lambda i: i, nprocs=2, devices_per_process=2)
+    assert os.environ["XLA_ENABLE_PARAM_ALIASING"] == "1"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for value, devices in (("0", 2), ("1", 1)):
+            monkeypatch.setenv("XLA_ENABLE_PARAM_ALIASING", value)
+            with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+                xla.spawn(lambda i: i, nprocs=2, devices_per_process=devices)
 
 
 @pytest.mark.xla
