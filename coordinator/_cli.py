@@ -709,6 +709,47 @@ def _pids(pids: list[int], dead: set[int] = frozenset(), left: set[int] = frozen
     return ", ".join(shown)
 
 
+# A pending round's missing ordinals in `status`, one line per host: this many hosts at most
+# (a round of 512 hosts took 512 lines); and ordinals as ranges cut short past _RANGES_SHOWN
+# characters (a strided group, every 8th ordinal of 512, widened every line of its table).
+_HOSTS_SHOWN = 8
+_RANGES_SHOWN = 40
+
+
+def _ranges_cut(ordinals: list[int]) -> str:
+    from ._core import format_ranges
+
+    ranges = format_ranges(ordinals)
+    if len(ranges) <= _RANGES_SHOWN:
+        return ranges
+    return f"{ranges[: ranges.rfind(', ', 0, _RANGES_SHOWN)]}, ... ({_plural(len(ordinals), 'ordinal')})"
+
+
+def _where(missing_by_host: list[dict], refused: set[int], unregistered: str) -> list[str]:
+    """Missing ordinals where they are, a host per line (of _HOSTS_SHOWN at most):
+    ``missingByHost`` of :func:`summarize_job`; ``refused``: the ordinals of the tasks
+    refused; ``unregistered`` says the others of no process."""
+    lines = []
+    for m in missing_by_host[:_HOSTS_SHOWN]:
+        if m["host"] is None:
+            turned_away = [o for o in m["ordinals"] if o in refused]
+            never = [o for o in m["ordinals"] if o not in refused]
+            lines += [f"{_ranges_cut(turned_away)} refused (below)"] if turned_away else []
+            lines += [f"{_ranges_cut(never)} {unregistered}"] if never else []
+            continue
+        detail = [f"pid{'s' if len(m['pids']) != 1 else ''} {_pids(m['pids'], set(m['deadPids']), set(m['leftPids']))}"]
+        if m["lastSeenAge"] is not None:
+            detail.append(f"last seen {_age(m['lastSeenAge'])} ago")
+        lines.append(f"{_ranges_cut(m['ordinals'])} on {m['host']} ({', '.join(detail)})")
+    if len(missing_by_host) > _HOSTS_SHOWN:
+        more = missing_by_host[_HOSTS_SHOWN:]
+        lines.append(
+            f"and {_plural(sum(len(m['ordinals']) for m in more), 'ordinal')} on "
+            f"{_plural(len(more), 'host')} more (status --json lists them)"
+        )
+    return lines
+
+
 def _table(headers: list[str], rows: list[list], indent: str = "  ") -> list[str]:
     """Left-aligned columns; a cell may be a list of lines (the row then spans several)."""
     cells = [[c if isinstance(c, list) else [str(c)] for c in row] for row in rows]
@@ -771,10 +812,9 @@ def summarize_job(job) -> dict:
     def owner(o: int):
         return by_ordinal.get(o) or (by_task.get(o // per_task) if per_task else None)
 
-    rounds = []
-    for r in job.pending_rounds:
+    def by_host(missing) -> list[dict]:
         groups: dict[str | None, list[int]] = {}
-        for o in r.missing:
+        for o in missing:
             p = owner(o)
             groups.setdefault(None if p is None else p.host, []).append(o)
         missing_by_host = []
@@ -792,6 +832,11 @@ def summarize_job(job) -> dict:
                     "lastSeenAge": max((p.last_seen_age for p in procs.values()), default=None),
                 }
             )
+        return missing_by_host
+
+    rounds = []
+    for r in job.pending_rounds:
+        missing_by_host = by_host(r.missing)
         rounds.append(
             {
                 "round": r.round,
@@ -804,7 +849,12 @@ def summarize_job(job) -> dict:
                 "missingSummary": r.missing_summary,
             }
         )
-    return {"hosts": host_rows, "notRegistered": not_registered, "pendingRounds": rounds}
+    return {
+        "hosts": host_rows,
+        "notRegistered": not_registered,
+        "notRegisteredByHost": by_host(not_registered),
+        "pendingRounds": rounds,
+    }
 
 
 def status_json(response, address: str) -> dict:
@@ -818,6 +868,7 @@ def status_json(response, address: str) -> dict:
         summary = summarize_job(job)
         data["hosts"] = summary["hosts"]
         data["notRegistered"] = summary["notRegistered"]
+        data["notRegisteredByHost"] = summary["notRegisteredByHost"]
         for plain, derived in zip(data["pendingRounds"], summary["pendingRounds"]):
             plain["group"] = derived["group"]
             plain["expected"] = derived["expected"]
@@ -854,7 +905,10 @@ def render_status(response, address: str) -> str:
             more = f" and {len(named) - 4} more" if len(named) > 4 else ""
             lines.append(f"  client version {version} (not the coordinator's): {', '.join(named[:4])}{more}")
         if summary["notRegistered"] and job.registered:
-            lines.append(f"  not registered: ordinals {format_ranges(summary['notRegistered'])}")
+            ordinals = summary["notRegistered"]
+            where = _where(summary["notRegisteredByHost"], refused, "never registered")
+            said = f" ({'; '.join(where)})" if where != [f"{_ranges_cut(ordinals)} never registered"] else ""
+            lines.append(f"  not registered: ordinal{'s' if len(ordinals) > 1 else ''} {_ranges_cut(ordinals)}{said}")
         if summary["hosts"]:
             rows = [
                 [
@@ -869,28 +923,16 @@ def render_status(response, address: str) -> str:
             lines += [""] + _table(["HOST", "PROCESSES", "PIDS", "ORDINALS", "LAST SEEN"], rows)
         if summary["pendingRounds"]:
             rows = []
-            for r in summary["pendingRounds"]:
+            for r, pending in zip(summary["pendingRounds"], job.pending_rounds):
                 tags = r["tags"]
                 tag = (
                     repr(next(iter(tags)))
                     if len(tags) == 1
                     else ", ".join(f"{t!r} ({format_ranges(o)})" for t, o in tags.items())
                 )
-                missing = []
-                for m in r["missingByHost"]:
-                    if m["host"] is None:
-                        turned_away = [o for o in m["ordinals"] if o in refused]
-                        never = [o for o in m["ordinals"] if o not in refused]
-                        missing += [f"{format_ranges(turned_away)} refused (below)"] if turned_away else []
-                        missing += [f"{format_ranges(never)} not registered"] if never else []
-                        continue
-                    detail = [f"pid{'s' if len(m['pids']) != 1 else ''} {_pids(m['pids'], set(m['deadPids']), set(m['leftPids']))}"]
-                    if m["lastSeenAge"] is not None:
-                        detail.append(f"last seen {_age(m['lastSeenAge'])} ago")
-                    missing.append(f"{m['ranges']} on {m['host']} ({', '.join(detail)})")
-                rows.append(
-                    [r["round"], r["group"], tag, f"{r['arrived']}/{r['expected']}", _age(r["ageSeconds"]), missing]
-                )
+                missing = _where(r["missingByHost"], refused, "not registered")
+                group = _ranges_cut(list(pending.replicas)) if pending.replicas else "all"
+                rows.append([r["round"], group, tag, f"{r['arrived']}/{r['expected']}", _age(r["ageSeconds"]), missing])
             lines += [""] + _table(["ROUND", "GROUP", "TAG", "ARRIVED", "AGE", "MISSING"], rows)
         if job.refused:  # (why a job does not form: the serve log has a line for each too)
             rows = [[str(t.task_id), format_ranges(t.ordinals) or "?", t.reason] for t in job.refused]

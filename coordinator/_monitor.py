@@ -35,7 +35,9 @@ import asyncio
 import logging
 from typing import Callable, Iterable
 
-from ._core import _MESSAGE_CHARACTERS, ALL, Core, CoreError, Round, _plural, describe_group, format_ranges
+from pjrt_rendezvous.client._session import clip
+
+from ._core import _MESSAGE_CHARACTERS, ALL, Core, CoreError, Round, _plural, format_ranges
 from ._metrics import Metrics
 
 log = logging.getLogger("pjrt_rendezvous.coordinator")
@@ -44,7 +46,17 @@ DEFAULT_LATE_AFTER = 60.0
 
 
 def group_label(group: tuple[int, ...]) -> str:
-    return "all" if group == ALL else format_ranges(group)
+    return "all" if group == ALL else _cut_ranges(group)
+
+
+def _cut_ranges(ordinals: Iterable[int]) -> str:
+    """``ordinals`` as ranges, cut short past about 1,000 characters: a line of a large world
+    must stay one line for the log pipeline (Docker's splits lines over 16 KiB), and a
+    strided group (every other ordinal of 4,096) is as long as its members are many."""
+    ranges = format_ranges(ordinals)
+    if len(ranges) > 1000:
+        ranges = ranges[: ranges.rfind(", ", 0, 1000)] + ", ..."
+    return ranges
 
 
 class Monitor:
@@ -134,7 +146,7 @@ class Monitor:
             level,
             "round failed in job %r: %s",
             job,
-            rnd.error.message,
+            clip(rnd.error.message),  # (as its members are told it)
             extra={
                 "event": "round_failed",
                 "job": job,
@@ -259,7 +271,7 @@ class Monitor:
                     "arrived; missing %s",
                     name,
                     repr(rnd.tag) if rnd.tag else "?",
-                    describe_group(rnd.group),
+                    "all ordinals" if rnd.group == ALL else f"replicas [{group_label(rnd.group)}]",
                     rnd.number,
                     waited,
                     len(rnd.arrivals),
@@ -320,9 +332,5 @@ class Monitor:
 
 
 def _missing_fields(missing: list[int]) -> dict:
-    """A log line's ``missing`` (ranges, cut short past about 1,000 characters: a line of a
-    large world must stay one line for the log pipeline) and ``missing_count``."""
-    ranges = format_ranges(missing)
-    if len(ranges) > 1000:
-        ranges = ranges[: ranges.rfind(", ", 0, 1000)] + ", ..."
-    return {"missing": ranges, "missing_count": len(missing)}
+    """A log line's ``missing`` (ranges, cut short: :func:`_cut_ranges`) and ``missing_count``."""
+    return {"missing": _cut_ranges(missing), "missing_count": len(missing)}

@@ -398,6 +398,39 @@ def test_late_rounds_are_reported_a_few_per_check_and_forgotten_once_gone(caplog
     assert len(monitor._late) == 10
 
 
+def test_log_lines_of_a_strided_group_stay_short(caplog):
+    """A round of every other ordinal of 4,096, late and then failed: its lines stay within
+    a few KiB (round_late's was 26,838 characters and round_failed's 25,173, every member of
+    the group written out, and a log pipeline splits lines over 16 KiB); the group is cut
+    short as the missing ordinals are."""
+    from pjrt_rendezvous.coordinator import Core
+    from pjrt_rendezvous.coordinator._core import Contribution, Registration, ThreadRequest
+    from pjrt_rendezvous.coordinator._logging import JsonFormatter
+    from pjrt_rendezvous.coordinator._monitor import Monitor
+
+    core = Core()
+    for task in range(4096):
+        core.register(0.0, Registration(job="j", incarnation=f"i{task}", host=f"h{task // 8}", pid=task, task_id=task,
+                                        num_tasks=4096, devices_per_task=1, local_rank=task % 8,
+                                        threads=(ThreadRequest(thread_index=0),)))
+    group = list(range(0, 4096, 2))
+    core.arrive(0.0, job="j", incarnation="i0", replicas=group, round_number=0, contributions=[Contribution(0, "t", b"")],
+                deadline=None)
+    clock = [100.0]
+    monitor = Monitor(core, None, clock=lambda: clock[0], late_after=1.0)
+    core.take_wakeups()
+    with caplog.at_level("WARNING", logger="pjrt_rendezvous.coordinator"):
+        monitor.check_late()
+        core.leave("j", "i2")  # a member leaves: the round fails
+        monitor.woke(core.take_wakeups())
+    lines = {r.event: r for r in caplog.records if getattr(r, "event", "") in ("round_late", "round_failed")}
+    assert set(lines) == {"round_late", "round_failed"}, [r.getMessage() for r in caplog.records]
+    for event, record in lines.items():
+        text = JsonFormatter().format(record)
+        assert len(text) < 8192 and record.group.endswith(", ...") and len(record.group) < 1010, (event, len(text))
+        assert record.group.startswith("0, 2, 4, 6, ")
+
+
 def test_a_world_still_incomplete_after_late_after_is_logged_once_naming_who_is_missing(caplog):
     """A world that does not form (task 2 never starts, task 1 binds one of its two threads)
     left nothing in the coordinator's log past the registrations that came: who was missing
