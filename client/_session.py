@@ -861,7 +861,7 @@ async def serve_session(
         queued += len(reply[0]) + len(reply[1])  # the running writer takes it along
         if queued > FramedSession.MAX_UNSENT and not overflowed:
             overflowed = True
-            log.warning("a Session stream's peer does not read its answers; ending the stream")
+            log.warning("a Session stream's peer does not read its answers; ending the stream", extra={"event": "session_ended"})
             this.cancel()  # (the stream's task waits for its next request)
 
     try:
@@ -954,7 +954,7 @@ class _Call:
             return
         except Exception:
             self._done = True
-            log.exception("a session call failed")
+            log.exception("a session call failed", extra={"event": "internal_error"})
             return
         if awaited is None:  # a bare yield (asyncio.sleep(0)): go on after what else is ready
             self._awaiting = object()
@@ -1078,6 +1078,7 @@ class FramedSession(asyncio.Protocol):
                             "a gRPC (HTTP/2) client connected to the session port from %s: gRPC clients, "
                             "`status` and `health` dial the gRPC port (7481 by default)",
                             self.transport.get_extra_info("peername"),
+                            extra={"event": "wrong_port"},
                         )
                 self._refuse(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -1100,7 +1101,7 @@ class FramedSession(asyncio.Protocol):
             loud = now - _refused_said >= 60  # (a peer sending nothing but these must not flood the log)
             if loud:
                 _refused_said = now
-            log.log(logging.WARNING if loud else logging.DEBUG, "refused a call on a session: %s", refusal)
+            log.log(logging.WARNING if loud else logging.DEBUG, "refused a call on a session: %s", refusal, extra={"event": "call_refused"})
             self._send(session_answer(call_id, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal))
             taken = min(size, len(received))
             self._skip = size - taken
@@ -1145,7 +1146,7 @@ class FramedSession(asyncio.Protocol):
         waiting = self.transport.get_write_buffer_size()  # (an answer of any size may go)
         self.transport.write(encode_answers([answer], True))
         if waiting > self.MAX_UNSENT:
-            log.warning("a session peer does not read its answers; closing its connection")
+            log.warning("a session peer does not read its answers; closing its connection", extra={"event": "session_ended"})
             self.transport.abort()
 
     def _refuse(self, code: grpc.StatusCode, message: str) -> bool:

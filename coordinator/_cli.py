@@ -400,7 +400,7 @@ def session_port(args) -> int | None:
         if args.session_port not in ("auto", None):
             logging.getLogger("pjrt_rendezvous.coordinator").warning(
                 "no session port with TLS (it is plain TCP): %s=%s is ignored; clients use gRPC's stream",
-                _source(args, "session_port"), args.session_port,
+                _source(args, "session_port"), args.session_port, extra={"event": "setting_ignored"},
             )
         return None
     if args.session_port == "auto":  # (7483 when --port takes 7482)
@@ -495,6 +495,7 @@ def _serve(args, env: Mapping[str, str]) -> int:
         logging.getLogger("pjrt_rendezvous.coordinator").warning(
             "--job %r does nothing without %s: it only names the job whose world size that fixes "
             "(clients choose their job themselves)", args.job, _source(args, "world_size"),
+            extra={"event": "setting_ignored"},
         )
     configured = False
     try:

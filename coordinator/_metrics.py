@@ -405,7 +405,7 @@ async def start_http_server(render: Callable[[], str], host: str, port: int) -> 
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass  # a client that went away or sent garbage gets nothing
         except Exception:  # pragma: no cover - a bug here must not take the coordinator down
-            log.exception("metrics request failed")
+            log.exception("metrics request failed", extra={"event": "internal_error"})
         finally:
             transports.discard(writer.transport)
             writer.close()

@@ -39,14 +39,14 @@ def notify(state: str, *, environ: Mapping[str, str] | None = None) -> bool:
     elif address.startswith("/"):
         target = address
     else:  # e.g. vsock:CID:PORT, which only systemd inside VMs uses
-        log.warning("NOTIFY_SOCKET=%r is not a unix socket path; notification %r not sent", address, state)
+        log.warning("NOTIFY_SOCKET=%r is not a unix socket path; notification %r not sent", address, state, extra={"event": "notify_failed"})
         return False
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
             sock.connect(target)
             sock.sendall(state.encode())
     except OSError as exc:
-        log.warning("could not notify systemd at %s: %s", address, exc)
+        log.warning("could not notify systemd at %s: %s", address, exc, extra={"event": "notify_failed"})
         return False
     return True
 

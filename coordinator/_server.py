@@ -572,12 +572,12 @@ class RunningServer:
         hurried.cancel()
         if not flush.done():
             flush.cancel()
-            log.error("the last write of the state file did not finish; the state file may miss the last changes")
+            log.error("the last write of the state file did not finish; the state file may miss the last changes", extra={"event": "state_write_failed"})
             return False
         if isinstance(flush.exception(), CoreError):  # (the writer logged why)
-            log.error("%s", flush.exception().message)
+            log.error("%s", flush.exception().message, extra={"event": "state_write_failed"})
         elif flush.exception() is not None:
-            log.error("the last write of the state file failed", exc_info=flush.exception())
+            log.error("the last write of the state file failed", exc_info=flush.exception(), extra={"event": "state_write_failed"})
         return True
 
     def hurry(self) -> None:
@@ -920,6 +920,7 @@ def raise_open_files_limit() -> None:
             "this process may hold %d open files (its hard limit): about %d client processes "
             "can connect (two connections each); raise it for a larger pod (ulimit -Hn, or "
             "LimitNOFILE= in a systemd unit)", soft, max(0, soft - 64) // 2,
+            extra={"event": "open_files_low"},
         )
 
 

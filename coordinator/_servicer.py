@@ -177,7 +177,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
             try:
                 self._monitor.woke(wakeups)
             except Exception:  # pragma: no cover - reporting must never break serving
-                log.exception("monitoring failed on %s", wakeups)
+                log.exception("monitoring failed on %s", wakeups, extra={"event": "internal_error"})
         for key in wakeups:
             if key[0] == "dropped":
                 self._world_tables.pop(key[1], None)
@@ -449,7 +449,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 try:  # a death is state like any other: on disk, even if nobody calls again
                     await self._persist()
                 except CoreError as exc:  # (the writer logged why; serve stops)
-                    log.error("%s", exc.message)
+                    log.error("%s", exc.message, extra={"event": "state_write_failed"})
 
     @_translated
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
@@ -581,7 +581,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 exc = await self._refusal(exc)
                 status, text = _STATUS[exc.code], exc.message
             except Exception:
-                log.exception("%s failed on a session", method)
+                log.exception("%s failed on a session", method, extra={"event": "internal_error"})
                 status, text = grpc.StatusCode.UNKNOWN, f"{method} failed in the coordinator; its log has the details"
         if self._on_call is not None:
             self._on_call(method, status.name)

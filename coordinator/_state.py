@@ -414,9 +414,9 @@ def _remove_leftovers(real: pathlib.Path) -> None:
         for leftover in real.parent.glob(f".{glob.escape(name)}{_TEMPORARY}*"):
             try:
                 leftover.unlink()
-                log.info("removed %s, left by a write a crash cut short", leftover)
+                log.info("removed %s, left by a write a crash cut short", leftover, extra={"event": "state_file_repaired"})
             except OSError as exc:
-                log.warning("cannot remove %s, left by a write a crash cut short: %s", leftover, exc.strerror)
+                log.warning("cannot remove %s, left by a write a crash cut short: %s", leftover, exc.strerror, extra={"event": "state_file_repaired"})
 
 
 def _set_aside_orphaned_journal(real: pathlib.Path) -> None:
@@ -433,9 +433,9 @@ def _set_aside_orphaned_journal(real: pathlib.Path) -> None:
         os.replace(journal, aside)
         _fsync_folder(real.parent)
     except OSError as exc:
-        log.warning("cannot move %s, a journal without its state file %s, aside: %s", journal, real, exc.strerror)
+        log.warning("cannot move %s, a journal without its state file %s, aside: %s", journal, real, exc.strerror, extra={"event": "state_file_repaired"})
         return
-    log.warning("moved %s to %s: a journal without its state file %s (moved away?) belongs to no state", journal, aside, real)
+    log.warning("moved %s to %s: a journal without its state file %s (moved away?) belongs to no state", journal, aside, real, extra={"event": "state_file_repaired"})
 
 
 def _with_files(open_and_write):
@@ -449,7 +449,7 @@ def _with_files(open_and_write):
             if exc.errno not in (errno.EMFILE, errno.ENFILE) or time.monotonic() >= end:
                 raise
             if not said:
-                log.warning("out of open files to write the state file (%s); trying again for up to %g s", exc.strerror, OUT_OF_FILES_WAIT)
+                log.warning("out of open files to write the state file (%s); trying again for up to %g s", exc.strerror, OUT_OF_FILES_WAIT, extra={"event": "open_files_low"})
                 said = True
         time.sleep(pause)
         pause = min(2 * pause, 1.0)
@@ -541,12 +541,12 @@ def replay_journal(core: Core, path: pathlib.Path) -> None:
     hint = f"; move {path} and {journal_path(path).name} away to start with an empty coordinator"
     lines = data.split(b"\n")
     if lines.pop():  # b"" after the last newline, else a line cut short (never acknowledged)
-        log.warning("ignored the last line of %s: it has no end (a write cut short)", journal_path(path))
+        log.warning("ignored the last line of %s: it has no end (a write cut short)", journal_path(path), extra={"event": "state_file_repaired"})
     for number, line in enumerate(lines, 1):
         digest, _, text = line.partition(b" ")
         if hashlib.sha256(text).hexdigest().encode() != digest:
             if number == len(lines):  # the last write, cut short: its callers were never answered
-                log.warning("ignored the last line of %s: its checksum does not match (a write cut short)", journal_path(path))
+                log.warning("ignored the last line of %s: its checksum does not match (a write cut short)", journal_path(path), extra={"event": "state_file_repaired"})
                 break
             raise StateFileError(f"{journal_path(path)} is corrupt at line {number}: its checksum does not match{hint}")
         try:

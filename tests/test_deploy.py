@@ -466,3 +466,29 @@ def test_commands_in_the_deploy_guides_parse():
                 pytest.fail(f"{path.name}: `pjrt-rendezvous {match.group(1).strip()}` is refused by the CLI")
             checked += 1
     assert checked >= 10
+
+
+def test_every_log_event_the_coordinator_writes_is_documented():
+    """Every ``event`` a line of the coordinator's log can carry (its modules' and the
+    session code it serves with) is named in deploy/README.md's Logs section, which says
+    every line is named by one (some had none, and some were not listed)."""
+    text = (DEPLOY / "README.md").read_text()
+    section = text[text.index("### Logs") :]
+    section = section[: section.index("\n#", len("### Logs"))]
+    documented = set(re.findall(r"`([a-z_]+)`", section))
+    sources = [*sorted((ROOT / "coordinator").glob("*.py")), ROOT / "client" / "_session.py"]
+    written = {event for path in sources for event in re.findall(r'"event": "([a-z_]+)"', path.read_text())}
+    assert len(written) > 20 and written <= documented, sorted(written - documented)
+    unnamed = []  # and every line of the coordinator's own, from INFO up, carries one
+    for path in sorted((ROOT / "coordinator").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            if node.func.attr not in ("info", "warning", "error", "critical", "exception", "log"):
+                continue
+            if "log" not in ast.unparse(node.func.value).lower():
+                continue
+            extra = next((k.value for k in node.keywords if k.arg == "extra"), None)
+            if extra is None or '"event"' not in ast.unparse(extra).replace("'", '"'):
+                unnamed.append(f"{path.name}:{node.lineno}")
+    assert not unnamed, unnamed
