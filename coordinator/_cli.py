@@ -796,7 +796,8 @@ def summarize_job(job) -> dict:
                 "deadPids": [p.pid for p in procs if _dead(p)],
                 "leftPids": [p.pid for p in procs if p.left],
                 "tasks": format_ranges(p.task_id for p in procs),
-                "ordinals": format_ranges(entry["ordinals"]),
+                "ordinals": sorted(entry["ordinals"]),  # (a list, as everywhere in --json; ranges: its text)
+                "ranges": format_ranges(entry["ordinals"]),
                 "endedOrdinals": [o for o in entry["ordinals"] if by_ordinal[o].ended],  # (replicas done, their process not)
                 # Of its live processes while it has any: one that left long ago is not news.
                 "lastSeenAge": max(p.last_seen_age for p in ([q for q in procs if q.alive] or procs)),
@@ -916,7 +917,7 @@ def render_status(response, address: str) -> str:
                     h["host"],
                     f"{h['processes']}" + "".join(f" ({h[k]} {k})" for k in ("dead", "left") if h[k]),
                     _pids(h["pids"], set(h["deadPids"]), set(h["leftPids"])),
-                    h["ordinals"] + (f" ({format_ranges(h['endedOrdinals'])} ended)" if h["endedOrdinals"] else ""),
+                    h["ranges"] + (f" ({format_ranges(h['endedOrdinals'])} ended)" if h["endedOrdinals"] else ""),
                     f"{_age(h['lastSeenAge'])} ago",
                 ]
                 for h in summary["hosts"]

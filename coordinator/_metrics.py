@@ -182,7 +182,12 @@ class Metrics:
         generation = family(
             "job_generation", "gauge", "Generation of the job; grows at each restart of a process and each new run."
         )
-        completed = family("rounds_completed_total", "counter", "Rendezvous rounds completed in the job.")
+        completed = family(
+            "rounds_completed_total",
+            "counter",
+            "Rendezvous rounds completed in the job, restored with the state file (the other counters start "
+            "again at 0 when the coordinator does).",
+        )
         failed = family(
             "rounds_failed_total", "counter", "Rendezvous rounds failed since the coordinator started, by gRPC status code."
         )

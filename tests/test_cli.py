@@ -263,7 +263,7 @@ def test_status_table_and_json_show_a_stuck_round():
         (job,) = json.loads(as_json.stdout)["jobs"]
         assert (job["worldSize"], job["registered"], job["generation"], job["notRegistered"]) == (8, 6, 1, [6, 7])
         assert [h["host"] for h in job["hosts"]] == ["sim-host-0", "sim-host-1", "sim-host-2"]
-        assert [h["ordinals"] for h in job["hosts"]] == ["0-1", "2-3", "4-5"]
+        assert [(h["ordinals"], h["ranges"]) for h in job["hosts"]] == [([0, 1], "0-1"), ([2, 3], "2-3"), ([4, 5], "4-5")]
         (pending,) = job["pendingRounds"]
         assert pending["round"] == 0 and pending["expected"] == 8 and pending["arrived"] == [0, 1, 2, 3]
         assert pending["tags"] == [{"tag": "step", "ordinals": [0, 1, 2, 3]}]
