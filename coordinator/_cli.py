@@ -892,11 +892,18 @@ def render_status(response, address: str) -> str:
         summary = summarize_job(job)
         refused = {o for t in job.refused for o in t.ordinals}
         world = str(job.world_size) if job.world_size else "?"
+        processes = {p.incarnation: p for p in job.participants}.values()
+        gone = [  # (a finished or crashed job's ordinals stay registered)
+            f"{n} {state}" for n, state in (
+                (sum(1 for p in processes if p.left), "left"), (sum(1 for p in processes if _dead(p)), "dead")
+            ) if n
+        ]
         lines += [
             "",
             f"job {job.job!r}: {job.registered}/{world} ordinals registered, generation {job.generation}, "
             f"{_plural(job.rounds_completed, 'round')} completed, {_plural(job.kv_keys, 'key')}, "
-            f"{_plural(len(job.pending_rounds), 'pending round')}",
+            f"{_plural(len(job.pending_rounds), 'pending round')}"
+            + (f"; of {_plural(len(processes), 'process')}, {' and '.join(gone)}" if gone else ""),
         ]
         others: dict[str, dict[str, str]] = {}  # a client version not the coordinator's -> its processes
         for p in job.participants:

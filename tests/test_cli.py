@@ -535,7 +535,7 @@ def test_render_status_marks_dead_processes_and_groups_hosts_naturally():
         ]
     )
     text = _cli.render_status(response, "x:1")
-    assert "1 round completed, 1 key, 1 pending round" in text
+    assert "1 round completed, 1 key, 1 pending round; of 3 processes, 1 left and 1 dead\n" in text, text
     rows = [line.split()[0] for line in text.splitlines() if line.strip().startswith("host-")]
     assert rows == ["host-2", "host-10"]
     assert _cli._natural("node-1²") == ["node-", 1, "²"]  # (a digit that is no decimal: int() raised)
