@@ -18,11 +18,17 @@ function                       bound thread                                    u
                                scripts still call it.                          XLA runtime's once it has
                                                                                started (as < 2.7); else
                                                                                0 in a world of one, else
-                                                                               ``UsageError``
-``xrt_world_size(defval=1)``   the job's world size (tasks x devices per       as ``get_ordinal``
-                               process). Removed in 2.7, as above.
-``get_local_ordinal()``        the thread's ordinal on its host                the original
-``is_master_ordinal(local)``   local ordinal 0 / global ordinal 0              the original
+                                                                               ``UsageError``; in a
+                                                                               helper thread of a
+                                                                               process of several
+                                                                               device threads,
+                                                                               ``UsageError`` (whose?)
+``xrt_world_size(defval=1)``   the job's world size (tasks x devices per       as ``get_ordinal``, but
+                               process). Removed in 2.7, as above.             the job's in such a
+                                                                               helper thread
+``get_local_ordinal()``        the thread's ordinal on its host                the original; such a
+                                                                               helper: ``UsageError``
+``is_master_ordinal(local)``   local ordinal 0 / global ordinal 0              as ``get_local_ordinal``
 ``xla_device(n=None, ...)``    no ``n``: the thread's own device               the original
                                ``xla:<device index>`` (the original returns
                                the thread's default device: ``xla:0`` in a
@@ -98,6 +104,7 @@ import os
 import pickle
 import queue as queue_module
 import random
+import signal
 import sys
 import threading
 import time
@@ -280,6 +287,7 @@ def _get_ordinal(defval: int = 0) -> int:
     binding = xm_binding("xm.get_ordinal()")
     if binding is not None:
         return binding.ordinal
+    _refuse_whose("xm.get_ordinal()")
     if "get_ordinal" in _originals:
         return _originals["get_ordinal"](defval)
     runtime = _api.started_xla_runtime()  # torch_xla < 2.7 answered with its numbers
@@ -294,6 +302,9 @@ def _xrt_world_size(defval: int = 1) -> int:
     binding = xm_binding("xm.xrt_world_size()")
     if binding is not None:
         return binding.world_size
+    client = _api._client
+    if _device_threads > 1 and client is not None:  # (a helper thread of spawn's: the job's, every replica's)
+        return client.topology.world_size
     if "xrt_world_size" in _originals:
         return _originals["xrt_world_size"](defval)
     runtime = _api.started_xla_runtime()
@@ -308,6 +319,7 @@ def _get_local_ordinal() -> int:
     binding = xm_binding("xm.get_local_ordinal()")
     if binding is not None:
         return binding.local_ordinal
+    _refuse_whose("xm.get_local_ordinal()")
     return _originals["get_local_ordinal"]()
 
 
@@ -318,6 +330,7 @@ def _is_master_ordinal(local: bool = True) -> bool:
     binding = xm_binding("xm.is_master_ordinal()")
     if binding is not None:
         return (binding.local_ordinal if local else binding.ordinal) == 0
+    _refuse_whose("xm.is_master_ordinal()")
     return _originals["is_master_ordinal"](local)
 
 
@@ -349,6 +362,20 @@ def _rendezvous(tag: str, payload: bytes = b"", replicas: Sequence[int] = ()) ->
     if _api._ended:
         replicas = _api._check_ended("xm.rendezvous", tag, replicas)
     return binding.client.rendezvous(binding, tag, payload, replicas)
+
+
+def _refuse_whose(what: str) -> None:
+    """In a process of several device threads (``spawn``), a thread bound to none (a helper
+    thread: ``MpDeviceLoader``'s, which forks the DataLoader's workers, or one of the
+    program's) is no replica: torch_xla's answer, the XLA runtime's for the thread's default
+    device, was ordinal 0 of a world of the process's devices in every replica's helpers,
+    and silently wrong for a dataset sharded by it."""
+    if _device_threads > 1:
+        raise UsageError(
+            f"{what} in thread {threading.current_thread().name!r}, bound to no device, in a process "
+            f"of {_device_threads} device threads: which replica's? Ask in a replica's thread (the one "
+            "spawn() runs fn in) and pass the value on (to a Dataset, a DistributedSampler)"
+        )
 
 
 def _refuse_unbound(what: str) -> None:
@@ -908,6 +935,7 @@ def _child_main(task: int, nprocs: int, env: dict, payload: bytes, reports) -> N
         pjrt.initialize_multiprocess(int(os.environ.get("PJRT_RENDEZVOUS_LOCAL_RANK", task)), nprocs)
         install()
         client = _api.init()
+        signal.signal(signal.SIGTERM, _leave_and_die)
         devices = xm.get_xla_supported_devices()
         if len(devices) != client.topology.devices_per_process:
             raise TopologyError(
@@ -947,7 +975,8 @@ def _child_main(task: int, nprocs: int, env: dict, payload: bytes, reports) -> N
                 client.unbind_thread()
             put("result", ordinal, blob)
         except BaseException as exc:  # noqa: BLE001 -- every failure goes to the parent
-            put("error", ordinal, _pickled_error(exc), traceback.format_exc())
+            if not _leaving:  # (stopped by the parent, as stopped: not failed by its own Leave)
+                put("error", ordinal, _pickled_error(exc), traceback.format_exc())
             how = how_it_ended(exc)
         finally:  # after its report (the parent orders reports by when they were put)
             _api._ended[ordinal] = how  # its siblings' later calls fail here (_check_ended)
@@ -964,6 +993,26 @@ def _child_main(task: int, nprocs: int, env: dict, payload: bytes, reports) -> N
         thread.join()
     put("done")
     _api.shutdown()
+
+
+_leaving = False  # a child stopped by its parent: its replicas' failures from here on are its leaving's
+
+
+def _leave_and_die(signum: int, frame) -> None:
+    """A child's SIGTERM (spawn() stopping it after a failure or at its timeout, or Ctrl-C):
+    it tells the coordinator it leaves, then dies of the signal. Killed without a word, its
+    ordinals stayed alive on a long-lived coordinator for the heartbeat timeout, so a run
+    started again at once was taken for a restart of some of them and failed its first
+    round, naming the dead run's pids."""
+    global _leaving
+    _leaving = True
+    signal.signal(signum, signal.SIG_DFL)  # (a second one ends it at once)
+    try:
+        client = _api._client  # (not through init()'s lock: the main thread may hold it)
+        if client is not None:
+            client.close()  # its Leave waits 2 s at most
+    finally:
+        os.kill(os.getpid(), signum)
 
 
 def _pickled_result(result: Any, xlac: Any, ordinal: int) -> bytes:

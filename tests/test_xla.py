@@ -86,6 +86,20 @@ def xm_user_code_and_registrations(index):
     xla.broadcast_master_params(model)
     result["broadcast"] = {k: _bits(v) for k, v in model.state_dict().items()}
     result["aliasing"] = os.environ.get("XLA_ENABLE_PARAM_ALIASING")
+    helper = {}
+
+    def in_a_helper_thread():  # (MpDeviceLoader's, say): the job's world size, but whose ordinal?
+        helper["world"] = xm.xrt_world_size()
+        for name in ("get_ordinal", "get_local_ordinal", "is_master_ordinal"):
+            try:
+                helper[name] = getattr(xm, name)()
+            except pr.UsageError as exc:
+                helper[name] = str(exc)
+
+    thread = threading.Thread(target=in_a_helper_thread, name="helper")
+    thread.start()
+    thread.join()
+    result["helper"] = helper
     return result
 
 
@@ -104,6 +118,15 @@ def failing_replica(index):
         time.sleep(2)  # once the others wait for it, its sibling (ordinal 3) too
         raise ValueError("ordinal 2 gave up")
     xm.rendezvous("after-the-failure")  # waits for ordinal 2, which never comes
+
+
+def failing_while_its_peer_sleeps(index):
+    import time
+
+    if index == 0:
+        time.sleep(1)  # (its peer bound meanwhile)
+        raise ValueError("ordinal 0 gave up")
+    time.sleep(600)  # stopped by spawn, after the grace
 
 
 def dying_replica(index):
@@ -608,6 +631,11 @@ def test_spawn_gives_unmodified_xm_code_its_ordinal_world_and_device(xm_run):
         assert r["master"] == (ordinal == 0) and r["global_master"] == (ordinal == 0)
         assert r["device"] == r["tensor_device"] == f"xla:{ordinal % 2}"
         assert r["aliasing"] == "0"  # (a thread per device: aliasing off)
+        # A helper thread of a replica: the job's world size; no ordinal (it was 0 of 2 in all)
+        assert r["helper"]["world"] == 4, r["helper"]
+        for name in ("get_ordinal", "get_local_ordinal", "is_master_ordinal"):
+            assert r["helper"][name].startswith(f"xm.{name}() in thread 'helper', bound to no device, in a process of 2 "
+                                                "device threads: which replica's?"), r["helper"]
 
 
 @pytest.mark.xla
@@ -957,6 +985,21 @@ def test_spawn_keeps_an_aliasing_setting_it_was_given_and_warns(monkeypatch):
             monkeypatch.setenv("XLA_ENABLE_PARAM_ALIASING", value)
             with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
                 xla.spawn(lambda i: i, nprocs=2, devices_per_process=devices)
+
+
+@pytest.mark.xla
+def test_a_run_started_again_at_once_on_a_long_lived_coordinator_runs(torch_xla):
+    """A run whose processes spawn() stopped (a failure, its timeout, Ctrl-C), started again
+    at once on the same coordinator: it runs. The stopped processes left the job as they
+    died; killed without a word, they stayed alive there for the heartbeat timeout, and the
+    new run was taken for a restart of their tasks and failed its first round."""
+    with Coordinator(port=0) as coordinator:
+        with pytest.raises(xla.SpawnError, match="ordinal 0 gave up"):
+            xla.spawn(failing_while_its_peer_sleeps, nprocs=2, devices_per_process=1, address=coordinator.address,
+                      timeout=120, grace=0.5)
+        results = xla.spawn(xm_user_code, nprocs=2, devices_per_process=1, address=coordinator.address, timeout=120)
+        assert sorted(results) == [0, 1]
+    assert not multiprocessing.active_children()
 
 
 @pytest.mark.xla
