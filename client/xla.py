@@ -737,6 +737,9 @@ def _device_type() -> str:
     return device
 
 
+_STILL_RUNNING_EVERY = 60.0  # seconds: how often spawn() names the replicas still running after one returned
+
+
 def _stop(process, wait: float = 5.0) -> None:
     process.terminate()
     process.join(wait)
@@ -759,6 +762,8 @@ def _supervise(
     ordinals_of: dict[int, list[int]] = dict(expected)  # task -> its ordinals, when known
     finished: set[int] = set()  # tasks that reported every thread
     first_failure_at: float | None = None
+    first_result_at: float | None = None  # (when a replica first returned: then say who runs on)
+    still_running_said = 0.0
     timed_out = False
 
     def handle(message) -> None:
@@ -766,6 +771,8 @@ def _supervise(
         if kind == "ordinals":
             ordinals_of[task] = rest[0]
         elif kind == "result":
+            nonlocal first_result_at
+            first_result_at = first_result_at or time.monotonic()
             ordinal, blob = rest
             try:
                 results[ordinal] = pickle.loads(blob)
@@ -844,6 +851,18 @@ def _supervise(
         now = time.monotonic()
         if first_failure_at is not None and now - first_failure_at >= grace:
             break
+        if first_result_at is not None and now - max(first_result_at, still_running_said) >= _STILL_RUNNING_EVERY:
+            from pjrt_rendezvous.coordinator._core import format_ranges
+
+            still_running_said = now
+            running = {task: unreported(task) for task in ordinals_of if task not in finished}
+            ordinals = [o for task_ordinals in running.values() for o in task_ordinals]
+            log.warning(
+                "spawn(): ordinal%s %s still running %.0f s after a replica returned (%s); spawn() waits for "
+                "every replica (its timeout= bounds the run)",
+                "s" if len(ordinals) != 1 else "", format_ranges(ordinals), now - first_result_at,
+                ", ".join(f"task {task} pid {processes[task].pid}" for task in running),
+            )
         if deadline is not None and now >= deadline:
             timed_out = True
             break

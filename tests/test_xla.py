@@ -129,6 +129,14 @@ def failing_while_its_peer_sleeps(index):
     time.sleep(600)  # stopped by spawn, after the grace
 
 
+def straggling_replica(index):
+    import time
+
+    if index == 1:
+        time.sleep(3)
+    return index
+
+
 def dying_replica(index):
     """Returns, leaving its process to be killed at exit (as XLA aborts one whose last step's
     collective never completes), after its reports went out."""
@@ -1000,6 +1008,17 @@ def test_a_run_started_again_at_once_on_a_long_lived_coordinator_runs(torch_xla)
         results = xla.spawn(xm_user_code, nprocs=2, devices_per_process=1, address=coordinator.address, timeout=120)
         assert sorted(results) == [0, 1]
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.xla
+def test_spawn_names_the_replicas_still_running_after_one_returned(torch_xla, monkeypatch, caplog):
+    """A replica that runs on after the others returned: spawn() (no timeout) waited in
+    silence; it names who still runs, once a minute (here once a second)."""
+    monkeypatch.setattr(xla, "_STILL_RUNNING_EVERY", 1.0)
+    caplog.set_level(logging.WARNING, logger="pjrt_rendezvous.client")
+    assert xla.spawn(straggling_replica, nprocs=2, devices_per_process=1) == {0: 0, 1: 1}
+    said = [r.getMessage() for r in caplog.records if "still running" in r.getMessage()]
+    assert said and re.match(r"spawn\(\): ordinal 1 still running \d+ s after a replica returned \(task 1 pid \d+\)", said[0]), said
 
 
 @pytest.mark.xla
