@@ -256,6 +256,7 @@ def _launch_locked(xlac: Any, own: list[str], wait: bool, launch: Callable[[], N
 
 # Device threads in this process, when spawn() runs them (eager mode is refused beyond one).
 _device_threads = 0
+_job_world_size = 0  # (spawn's children: the job's, for a thread or a forked process bound to no device)
 _EAGER_REFUSED = (
     "eager mode (torch_xla.experimental.eager_mode(True)) cannot run with a thread per device: each "
     "op compiles on its own, outside the step lock, so the threads' collectives get different ids and "
@@ -302,9 +303,8 @@ def _xrt_world_size(defval: int = 1) -> int:
     binding = xm_binding("xm.xrt_world_size()")
     if binding is not None:
         return binding.world_size
-    client = _api._client
-    if _device_threads > 1 and client is not None:  # (a helper thread of spawn's: the job's, every replica's)
-        return client.topology.world_size
+    if _device_threads > 1:  # (a helper thread of spawn's, or a worker it forked: the job's, every replica's)
+        return _job_world_size
     if "xrt_world_size" in _originals:
         return _originals["xrt_world_size"](defval)
     runtime = _api.started_xla_runtime()
@@ -699,9 +699,7 @@ def spawn(
         )
         return _supervise(processes, reports, expected=expected, timeout=timeout, grace=grace)
     finally:
-        for process in processes:
-            if process.is_alive():
-                _stop(process)
+        _stop(processes)
         reports.close()
         reports.join_thread()
         if coordinator is not None:
@@ -740,12 +738,19 @@ def _device_type() -> str:
 _STILL_RUNNING_EVERY = 60.0  # seconds: how often spawn() names the replicas still running after one returned
 
 
-def _stop(process, wait: float = 5.0) -> None:
-    process.terminate()
-    process.join(wait)
-    if process.is_alive():
-        process.kill()
-        process.join(wait)
+def _stop(processes, wait: float = 5.0) -> list:
+    """Stops the processes still alive, all at once (each leaves the job as it goes: its
+    SIGTERM handler), killing those still there after ``wait``; returns them."""
+    alive = [p for p in processes if p.is_alive()]
+    for process in alive:
+        process.terminate()
+    end = time.monotonic() + wait
+    for process in alive:
+        process.join(max(0.0, end - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join(wait)
+    return alive
 
 
 def _supervise(
@@ -763,6 +768,7 @@ def _supervise(
     finished: set[int] = set()  # tasks that reported every thread
     first_failure_at: float | None = None
     first_result_at: float | None = None  # (when a replica first returned: then say who runs on)
+    stopping_at: float | None = None  # (when the processes left running were stopped)
     still_running_said = 0.0
     timed_out = False
 
@@ -783,6 +789,8 @@ def _supervise(
                 )
                 record(ordinal, error, _IN_PARENT + traceback.format_exc(), at)
         elif kind == "error":
+            if stopping_at is not None and at >= stopping_at:
+                return  # a replica failing as its process or a sibling's leaves, stopped: not a failure of its own
             ordinal, blob, text = rest
             try:
                 error = pickle.loads(blob)
@@ -855,23 +863,24 @@ def _supervise(
             from pjrt_rendezvous.coordinator._core import format_ranges
 
             still_running_said = now
-            running = {task: unreported(task) for task in ordinals_of if task not in finished}
+            running = {task: unreported(task) for task in ordinals_of if task not in finished and unreported(task)}
             ordinals = [o for task_ordinals in running.values() for o in task_ordinals]
-            log.warning(
-                "spawn(): ordinal%s %s still running %.0f s after a replica returned (%s); spawn() waits for "
-                "every replica (its timeout= bounds the run)",
-                "s" if len(ordinals) != 1 else "", format_ranges(ordinals), now - first_result_at,
-                ", ".join(f"task {task} pid {processes[task].pid}" for task in running),
-            )
+            lingering = [task for task, p in enumerate(processes) if p.is_alive() and task not in running]
+            where = [f"task {task} pid {processes[task].pid}" for task in running]
+            where += [f"the process of task {task} (pid {processes[task].pid}), its replicas done, not ended" for task in lingering]
+            if where:
+                log.warning(
+                    "spawn(): %s still running %.0f s after a replica returned (%s); spawn() waits for every "
+                    "replica and process (its timeout= bounds the run)",
+                    f"ordinal{'s' if len(ordinals) != 1 else ''} {format_ranges(ordinals)}" if ordinals else "processes",
+                    now - first_result_at, "; ".join(where),
+                )
         if deadline is not None and now >= deadline:
             timed_out = True
             break
 
-    stopped: set[int] = set()
-    for task, process in enumerate(processes):
-        if process.is_alive():
-            _stop(process)
-            stopped.add(task)
+    stopping_at = time.monotonic()  # (failures reported from here on are the stop's: see handle)
+    stopped = {processes.index(p) for p in _stop(processes)}
     drain(0.2)  # what the stopped processes sent before they stopped
     terminated: list[int] = []
     for task in sorted(stopped):
@@ -966,8 +975,8 @@ def _child_main(task: int, nprocs: int, env: dict, payload: bytes, reports) -> N
             )
         ordinals = [client.topology.ordinal(i) for i in range(len(devices))]
         put("ordinals", ordinals)
-        global _device_threads
-        _device_threads = len(devices)
+        global _device_threads, _job_world_size
+        _device_threads, _job_world_size = len(devices), client.topology.world_size
         if len(devices) > 1 and torch_xla._XLAC._get_use_eager_mode():  # (turned on at import)
             raise UsageError(_EAGER_REFUSED)
         fn, args = pickle.loads(payload)

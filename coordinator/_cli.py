@@ -720,10 +720,7 @@ _RANGES_SHOWN = 40
 def _ranges_cut(ordinals: list[int]) -> str:
     from ._core import format_ranges
 
-    ranges = format_ranges(ordinals)
-    if len(ranges) <= _RANGES_SHOWN:
-        return ranges
-    return f"{ranges[: ranges.rfind(', ', 0, _RANGES_SHOWN)]}, ... ({_plural(len(ordinals), 'ordinal')})"
+    return format_ranges(ordinals, _RANGES_SHOWN)
 
 
 def _where(missing_by_host: list[dict], refused: set[int], unregistered: str) -> list[str]:
@@ -862,8 +859,8 @@ def summarize_job(job) -> dict:
 def status_json(response, address: str) -> dict:
     """``status --json``: every field of the StatusResponse (``coordinatorVersion``, ``jobs``;
     proto3 JSON names, numbers as numbers) plus the ``address`` asked and, per job,
-    ``hosts``, ``notRegistered`` and per pending round ``group``, ``expected`` and
-    ``missingByHost``."""
+    ``hosts``, ``notRegistered``, ``notRegisteredByHost`` and per pending round ``group``,
+    ``expected`` and ``missingByHost``."""
     jobs = []
     for job in response.jobs:
         data = _plain(job)

@@ -138,17 +138,23 @@ def _shown_tag(tag: str) -> str:
     return tag if len(tag) <= 40 else tag[:40] + "..."
 
 
-def format_ranges(ordinals: Iterable[int]) -> str:
-    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"`` (sorted, duplicates dropped)."""
+def format_ranges(ordinals: Iterable[int], limit: int | None = None) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"`` (sorted, duplicates dropped); past ``limit``
+    characters cut short with the count: ``"0, 2, 4, ... (2048 ordinals)"`` (a strided group,
+    every other ordinal of 4,096, is as long as its members are many)."""
+    values = sorted(set(ordinals))
     parts = []
-    for _, run in itertools.groupby(enumerate(sorted(set(ordinals))), lambda p: p[1] - p[0]):
-        values = [v for _, v in run]
-        parts.append(str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}")
-    return ", ".join(parts)
+    for _, run in itertools.groupby(enumerate(values), lambda p: p[1] - p[0]):
+        found = [v for _, v in run]
+        parts.append(str(found[0]) if len(found) == 1 else f"{found[0]}-{found[-1]}")
+    text = ", ".join(parts)
+    if limit is None or len(text) <= limit:
+        return text
+    return f"{text[: text.rfind(', ', 0, limit)]}, ... ({_plural(len(values), 'ordinal')})"
 
 
-def describe_group(group: GroupKey) -> str:
-    return "all ordinals" if group == ALL else f"replicas [{format_ranges(group)}]"
+def describe_group(group: GroupKey, limit: int | None = None) -> str:
+    return "all ordinals" if group == ALL else f"replicas [{format_ranges(group, limit)}]"
 
 
 def _one_line(reason: str) -> str:

@@ -37,7 +37,7 @@ from typing import Callable, Iterable
 
 from pjrt_rendezvous.client._session import clip
 
-from ._core import _MESSAGE_CHARACTERS, ALL, Core, CoreError, Round, _plural, format_ranges
+from ._core import _MESSAGE_CHARACTERS, ALL, Core, CoreError, Round, _plural, describe_group, format_ranges
 from ._metrics import Metrics
 
 log = logging.getLogger("pjrt_rendezvous.coordinator")
@@ -45,18 +45,13 @@ log = logging.getLogger("pjrt_rendezvous.coordinator")
 DEFAULT_LATE_AFTER = 60.0
 
 
+# A log line's list of ordinals is cut short past this many characters: a line of a large
+# world must stay one line for the log pipeline (Docker's splits lines over 16 KiB).
+_RANGES_LOGGED = 1000
+
+
 def group_label(group: tuple[int, ...]) -> str:
-    return "all" if group == ALL else _cut_ranges(group)
-
-
-def _cut_ranges(ordinals: Iterable[int]) -> str:
-    """``ordinals`` as ranges, cut short past about 1,000 characters: a line of a large world
-    must stay one line for the log pipeline (Docker's splits lines over 16 KiB), and a
-    strided group (every other ordinal of 4,096) is as long as its members are many."""
-    ranges = format_ranges(ordinals)
-    if len(ranges) > 1000:
-        ranges = ranges[: ranges.rfind(", ", 0, 1000)] + ", ..."
-    return ranges
+    return "all" if group == ALL else format_ranges(group, _RANGES_LOGGED)
 
 
 class Monitor:
@@ -271,7 +266,7 @@ class Monitor:
                     "arrived; missing %s",
                     name,
                     repr(rnd.tag) if rnd.tag else "?",
-                    "all ordinals" if rnd.group == ALL else f"replicas [{group_label(rnd.group)}]",
+                    describe_group(rnd.group, _RANGES_LOGGED),
                     rnd.number,
                     waited,
                     len(rnd.arrivals),
@@ -332,5 +327,5 @@ class Monitor:
 
 
 def _missing_fields(missing: list[int]) -> dict:
-    """A log line's ``missing`` (ranges, cut short: :func:`_cut_ranges`) and ``missing_count``."""
-    return {"missing": _cut_ranges(missing), "missing_count": len(missing)}
+    """A log line's ``missing`` (ranges, cut short past _RANGES_LOGGED) and ``missing_count``."""
+    return {"missing": format_ranges(missing, _RANGES_LOGGED), "missing_count": len(missing)}

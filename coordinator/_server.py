@@ -86,7 +86,8 @@ def listen_host(text: str) -> str:
     port reads those, the session port's and the metrics port's sockets do not).
 
     Raises:
-        ValueError: an empty host, or brackets around something other than an IPv6 address.
+        ValueError: an empty host, brackets around something other than an IPv6 address, or
+            a host with a port or a scheme, or an IPv4 address out of range.
     """
     host = text.strip()
     if not host:

@@ -120,18 +120,23 @@ def failing_replica(index):
     xm.rendezvous("after-the-failure")  # waits for ordinal 2, which never comes
 
 
-def failing_while_its_peer_sleeps(index):
+def sleeping_while_its_peer_waits(index):
     import time
 
+    import torch_xla.core.xla_model as xm
+
+    xm.rendezvous("both-bound")
     if index == 0:
-        time.sleep(1)  # (its peer bound meanwhile)
-        raise ValueError("ordinal 0 gave up")
-    time.sleep(600)  # stopped by spawn, after the grace
+        time.sleep(600)  # stopped by spawn, at its timeout
+    xm.rendezvous("never")  # waits for ordinal 0
 
 
 def straggling_replica(index):
     import time
 
+    import torch_xla.core.xla_model as xm
+
+    xm.rendezvous("both-bound")
     if index == 1:
         time.sleep(3)
     return index
@@ -1000,11 +1005,13 @@ def test_a_run_started_again_at_once_on_a_long_lived_coordinator_runs(torch_xla)
     """A run whose processes spawn() stopped (a failure, its timeout, Ctrl-C), started again
     at once on the same coordinator: it runs. The stopped processes left the job as they
     died; killed without a word, they stayed alive there for the heartbeat timeout, and the
-    new run was taken for a restart of their tasks and failed its first round."""
+    new run was taken for a restart of their tasks and failed its first round. A replica
+    failing as a stopped sibling leaves is stopped too, not failed."""
     with Coordinator(port=0) as coordinator:
-        with pytest.raises(xla.SpawnError, match="ordinal 0 gave up"):
-            xla.spawn(failing_while_its_peer_sleeps, nprocs=2, devices_per_process=1, address=coordinator.address,
-                      timeout=120, grace=0.5)
+        with pytest.raises(xla.SpawnError, match=r"timed out after 40.0 s") as info:
+            xla.spawn(sleeping_while_its_peer_waits, nprocs=2, devices_per_process=1, address=coordinator.address,
+                      timeout=40)
+        assert not info.value.failures and info.value.terminated == [0, 1], (info.value.failures, info.value.terminated)
         results = xla.spawn(xm_user_code, nprocs=2, devices_per_process=1, address=coordinator.address, timeout=120)
         assert sorted(results) == [0, 1]
     assert not multiprocessing.active_children()
@@ -1018,7 +1025,7 @@ def test_spawn_names_the_replicas_still_running_after_one_returned(torch_xla, mo
     caplog.set_level(logging.WARNING, logger="pjrt_rendezvous.client")
     assert xla.spawn(straggling_replica, nprocs=2, devices_per_process=1) == {0: 0, 1: 1}
     said = [r.getMessage() for r in caplog.records if "still running" in r.getMessage()]
-    assert said and re.match(r"spawn\(\): ordinal 1 still running \d+ s after a replica returned \(task 1 pid \d+\)", said[0]), said
+    assert said and re.match(r"spawn\(\): ordinal 1 still running \d+ s after a replica returned \(task 1 pid \d+[;)]", said[0]), said
 
 
 @pytest.mark.xla
