@@ -773,11 +773,11 @@ def _supervise(
     timed_out = False
 
     def handle(message) -> None:
+        nonlocal first_result_at
         kind, task, at, *rest = message
         if kind == "ordinals":
             ordinals_of[task] = rest[0]
         elif kind == "result":
-            nonlocal first_result_at
             first_result_at = first_result_at or time.monotonic()
             ordinal, blob = rest
             try:
@@ -1003,8 +1003,7 @@ def _child_main(task: int, nprocs: int, env: dict, payload: bytes, reports) -> N
                 client.unbind_thread()
             put("result", ordinal, blob)
         except BaseException as exc:  # noqa: BLE001 -- every failure goes to the parent
-            if not _leaving:  # (stopped by the parent, as stopped: not failed by its own Leave)
-                put("error", ordinal, _pickled_error(exc), traceback.format_exc())
+            put("error", ordinal, _pickled_error(exc), traceback.format_exc())
             how = how_it_ended(exc)
         finally:  # after its report (the parent orders reports by when they were put)
             _api._ended[ordinal] = how  # its siblings' later calls fail here (_check_ended)
@@ -1023,17 +1022,12 @@ def _child_main(task: int, nprocs: int, env: dict, payload: bytes, reports) -> N
     _api.shutdown()
 
 
-_leaving = False  # a child stopped by its parent: its replicas' failures from here on are its leaving's
-
-
 def _leave_and_die(signum: int, frame) -> None:
     """A child's SIGTERM (spawn() stopping it after a failure or at its timeout, or Ctrl-C):
     it tells the coordinator it leaves, then dies of the signal. Killed without a word, its
     ordinals stayed alive on a long-lived coordinator for the heartbeat timeout, so a run
     started again at once was taken for a restart of some of them and failed its first
     round, naming the dead run's pids."""
-    global _leaving
-    _leaving = True
     signal.signal(signum, signal.SIG_DFL)  # (a second one ends it at once)
     try:
         client = _api._client  # (not through init()'s lock: the main thread may hold it)
