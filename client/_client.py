@@ -295,6 +295,39 @@ def _asked_by(deadline: float | None) -> float:
     return bound if deadline is None else min(bound, deadline)
 
 
+def open_channel(settings: Settings) -> grpc.Channel:
+    """A gRPC channel to the coordinator, with TLS when ``settings`` ask for it."""
+    credentials = settings.credentials()
+    if credentials is None:
+        return grpc.insecure_channel(settings.address, options=_CHANNEL_OPTIONS)
+    return grpc.secure_channel(settings.address, credentials, options=_CHANNEL_OPTIONS)
+
+
+def token_metadata(settings: Settings) -> tuple[tuple[str, str], ...] | None:
+    """A call's metadata: the token, if any."""
+    return (("authorization", f"Bearer {settings.token}"),) if settings.token else None
+
+
+def describe_round(r: pb.PendingRound) -> str:
+    """A pending round's tag(s) and who it waits for, as the coordinator has them."""
+    tags = ", ".join(f"{t.tag!r}" for t in r.tags)
+    missing = len(r.missing)
+    return f"tag {tags}, missing {missing} of {missing + len(r.arrived)}: ordinal{'s' if missing != 1 else ''} {r.missing_summary}"
+
+
+def pending_rounds(settings: Settings, timeout: float = _DESCRIBE_TIMEOUT) -> list[pb.PendingRound]:
+    """The job's pending rounds, asked once on a channel of its own, for someone who is not a
+    client of the job (spawn's parent, when a process crashed).
+
+    Raises:
+        grpc.RpcError: the coordinator did not answer within ``timeout``, or has no such job.
+    """
+    with open_channel(settings) as channel:
+        request = pb.StatusRequest(job=settings.job, rounds_only=True)
+        response = pb_grpc.CoordinatorStub(channel).Status(request, timeout=timeout, metadata=token_metadata(settings))
+    return [r for job in response.jobs for r in job.pending_rounds]
+
+
 def current_binding() -> Binding | None:
     """The calling thread's binding, or None (also once its client was closed: the thread
     may then bind again, to a new client)."""
@@ -497,11 +530,7 @@ class Client:
         self.settings = settings
         self.topology = topology
         self.incarnation = uuid.uuid4().hex
-        credentials = settings.credentials()
-        if credentials is None:
-            self._channel = grpc.insecure_channel(settings.address, options=_CHANNEL_OPTIONS)
-        else:
-            self._channel = grpc.secure_channel(settings.address, credentials, options=_CHANNEL_OPTIONS)
+        self._channel = open_channel(settings)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self._lock = threading.Lock()
         self._bindings: dict[int, Binding] = {}  # thread index -> binding
@@ -544,7 +573,7 @@ class Client:
     def _metadata(self) -> tuple[tuple[str, str], ...] | None:
         """The gRPC calls' metadata: the token, if any. (A property, not an attribute: see
         ``tests/test_client.py``, ``test_a_client_has_fewer_than_30_attributes``.)"""
-        return (("authorization", f"Bearer {self.settings.token}"),) if self.settings.token else None
+        return token_metadata(self.settings)
 
     def _deadline(self, timeout) -> float | None:
         timeout = self.settings.timeout if timeout is DEFAULT else check_timeout(timeout)
@@ -1578,8 +1607,7 @@ class Client:
             return f"(status unavailable: {exc})"
         for r in job.pending_rounds:
             if (tuple(r.replicas), r.round) == key:
-                tags = ", ".join(f"{t.tag!r}" for t in r.tags)
-                return f"tag {tags}, missing {len(r.missing)} of {len(r.missing) + len(r.arrived)}: {r.missing_summary}"
+                return describe_round(r)
         return "the round is not pending on the coordinator (its answer is on the way)"
 
     # -- key-value ------------------------------------------------------------------------

@@ -114,8 +114,8 @@ from itertools import chain
 from typing import Any, Callable, Sequence
 
 from . import _api
-from ._client import Binding, Client, current_binding, how_it_ended, xm_binding
-from ._config import check_timeout
+from ._client import Binding, Client, current_binding, describe_round, how_it_ended, pending_rounds, xm_binding
+from ._config import Settings, check_timeout
 from ._errors import RendezvousError, TopologyError, UsageError
 
 log = logging.getLogger("pjrt_rendezvous.client")
@@ -697,7 +697,8 @@ def spawn(
             if device_type == "CPU"
             else {}
         )
-        return _supervise(processes, reports, expected=expected, timeout=timeout, grace=grace)
+        waiting = _rounds_waiting({**os.environ, **env}, address or (topology.address if topology else None))
+        return _supervise(processes, reports, expected=expected, timeout=timeout, grace=grace, waiting=waiting)
     finally:
         _stop(processes)
         reports.close()
@@ -753,11 +754,55 @@ def _stop(processes, wait: float = 5.0) -> list:
     return alive
 
 
+# A replica that skipped a rendezvous (or took another branch) leaves the others' collective
+# waiting for it: XLA ends such a process with SIGABRT after 10 s (torch_xla 2.9, measured).
+_ABORT_HINT = " (SIGABRT: XLA aborts a process whose collective waits 10 s for a replica that does not join; its log says which)"
+_ROUNDS_NAMED = 3  # the rounds a crash's report names, of those still waiting
+
+
+def _rounds_waiting(env: dict[str, str], address: str | None) -> Callable[[], str]:
+    """A function saying which of the job's rounds wait for whom, for a crashed process's
+    report: a crash in a collective often follows a rendezvous one replica skipped, which the
+    coordinator still waits for (best effort: '' when none, or the coordinator does not answer
+    within 2 s)."""
+    try:
+        settings = Settings.resolve(env, address=address) if address else None
+    except (RendezvousError, ValueError):  # (the children say what is wrong with the settings)
+        settings = None
+
+    def describe() -> str:
+        import grpc
+
+        from pjrt_rendezvous.coordinator._core import format_ranges
+
+        if settings is None:
+            return ""
+        try:
+            rounds = pending_rounds(settings)
+        except (grpc.RpcError, RendezvousError, OSError):  # (RendezvousError: its TLS files unreadable)
+            return ""
+        named = [
+            f"round {r.round} of {'all ordinals' if not r.replicas else 'ordinals ' + format_ranges(r.replicas)}, {describe_round(r)}"
+            for r in rounds[:_ROUNDS_NAMED]
+        ]
+        more = f"; and {len(rounds) - _ROUNDS_NAMED} more" if len(rounds) > _ROUNDS_NAMED else ""
+        return f"; the coordinator's rounds waiting then: {'; '.join(named)}{more}" if named else ""
+
+    return describe
+
+
 def _supervise(
-    processes, reports, *, expected: dict[int, list[int]], timeout: float | None, grace: float
+    processes,
+    reports,
+    *,
+    expected: dict[int, list[int]],
+    timeout: float | None,
+    grace: float,
+    waiting: Callable[[], str] = lambda: "",
 ) -> dict[int, Any]:
     """Collects every replica's report; stops the processes after a failure (plus ``grace``)
-    or at ``timeout``; raises SpawnError naming the failed ordinals."""
+    or at ``timeout``; raises SpawnError naming the failed ordinals (and, for a process that
+    crashed, ``waiting()``: what the coordinator's rounds wait for)."""
     started = time.monotonic()
     deadline = None if timeout is None else started + timeout
     results: dict[int, Any] = {}
@@ -830,7 +875,13 @@ def _supervise(
 
     def exited(process) -> str:
         code = process.exitcode
-        return f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        if code is None or code >= 0:
+            return f"exited with code {code}"
+        try:
+            name = f" ({signal.Signals(-code).name})" if -code != signal.SIGABRT else _ABORT_HINT
+        except ValueError:
+            name = ""
+        return f"was killed by signal {-code}{name}"
 
     def unreported(task: int) -> list[int]:
         return [o for o in ordinals_of.get(task, []) if o not in results and o not in failures]
@@ -839,7 +890,7 @@ def _supervise(
         # Exited on its own without reporting every thread: it crashed (XLA aborts with
         # SIGABRT when a collective waits 10 s for a sibling that never arrives).
         crashed.add(task)
-        error = RuntimeError(f"the process of task {task} (pid {process.pid}) {exited(process)} before reporting")
+        error = RuntimeError(f"the process of task {task} (pid {process.pid}) {exited(process)} before reporting{waiting()}")
         for ordinal in unreported(task) or [-(task + 1)]:
             record(ordinal, error, "")
 
@@ -907,23 +958,24 @@ def _supervise(
 
 
 def _spawn_error(results, failures, tracebacks, order, terminated, timed_out, timeout) -> SpawnError:
+    from pjrt_rendezvous.coordinator._core import format_ranges
+
     lines = []
     if failures:
-        first = order[0]
-        error = failures[first]
-        lines.append(
-            f"spawn(): {len(failures)} replica(s) failed; first: {_who(first)} raised "
-            f"{type(error).__name__}: {error}"
-        )
-        for ordinal in order[1:]:
-            other = failures[ordinal]
-            lines.append(f"  then {_who(ordinal)} raised {type(other).__name__}: {other}")
+        groups: list[tuple[BaseException, list[int]]] = []  # the replicas of one crash share its error
+        for ordinal in order:
+            if groups and failures[ordinal] is groups[-1][0] and ordinal >= 0:
+                groups[-1][1].append(ordinal)
+            else:
+                groups.append((failures[ordinal], [ordinal]))
+        for i, (error, ordinals) in enumerate(groups):
+            who = _who(ordinals[0]) if len(ordinals) == 1 else f"ordinals {format_ranges(ordinals)}"
+            said = f"{who} raised {type(error).__name__}: {error}"
+            lines.append(f"spawn(): {len(failures)} replica(s) failed; first: {said}" if i == 0 else f"  then {said}")
     if timed_out:
         lines.append(f"spawn(): timed out after {timeout} s")
     known = [o for o in terminated if o >= 0]
     if known:
-        from pjrt_rendezvous.coordinator._core import format_ranges
-
         lines.append(f"  stopped while still running: ordinals {format_ranges(known)}")
     for unknown in sorted((o for o in terminated if o < 0), reverse=True):
         lines.append(f"  stopped while still starting: {_who(unknown)}")

@@ -636,7 +636,7 @@ def test_still_waiting_lines_name_the_missing_ordinals(coordinator, caplog):
             client.rendezvous(binding, "slow", b"", timeout=1.2)
     lines = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
     assert len(lines) >= 2
-    assert "tag 'slow', missing 1 of 2: 1 never registered" in lines[0]
+    assert "tag 'slow', missing 1 of 2: ordinal 1 never registered" in lines[0]
     client.close()
 
 
@@ -665,7 +665,7 @@ def test_still_waiting_lines_name_groups_and_ordinals_as_ranges_as_the_coordinat
     assert len(errors) == 2 and "rendezvous 'sub' on replicas [0-2] (round 0)" in errors[0], errors
     lines = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
     assert lines and all("in round 0 of replicas [0-2] (ordinals 0-1 here): " in line for line in lines), lines
-    assert "(ordinals 0-1 here): tag 'sub', missing 1 of 3: 2 never registered" in lines[0], lines
+    assert "(ordinals 0-1 here): tag 'sub', missing 1 of 3: ordinal 2 never registered" in lines[0], lines
     client.close()
 
 

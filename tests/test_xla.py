@@ -166,6 +166,21 @@ def crashing_replica(index):
     xm.rendezvous("never-completed")
 
 
+def skipping_replica(index):
+    """Ordinal 0 skips the rendezvous ordinal 1 waits in, and goes on to the step's all-reduce,
+    which waits for ordinal 1: XLA aborts the process after 10 s."""
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    if index != 0:
+        xm.rendezvous("skipped")
+    t = torch.ones(2, device=xm.xla_device())
+    xm.all_reduce(xm.REDUCE_SUM, [t])
+    torch_xla.sync()
+    return t.cpu().tolist()  # (waits for the all-reduce)
+
+
 def runtime_numbers_replica(index):
     import torch_xla
     import torch_xla.runtime as xr
@@ -730,7 +745,7 @@ def test_spawn_reports_a_process_that_dies_after_its_replicas_returned(torch_xla
     """Every replica of a process returned, then the process was killed (XLA aborts one whose
     replicas left a collective behind): a failure, with the results that came. (spawn
     returned the results as a success.)"""
-    with pytest.raises(xla.SpawnError, match=r"the process of task 0 \(pid \d+\) was killed by signal 9 after its replicas returned") as info:
+    with pytest.raises(xla.SpawnError, match=r"the process of task 0 \(pid \d+\) was killed by signal 9 \(SIGKILL\) after its replicas returned") as info:
         xla.spawn(dying_replica, nprocs=2, devices_per_process=1, timeout=150)
     assert list(info.value.failures) == [-1]
     assert info.value.results == {0: "returned", 1: "returned"}
@@ -749,9 +764,26 @@ def test_spawn_reports_a_crashed_process_at_once_and_first(torch_xla):
     error = info.value
     assert list(error.failures) == [1] and error.terminated == [0], (error.failures, error.terminated)
     assert re.search(r"first: ordinal 1 raised RuntimeError: the process of task 1 \(pid \d+\) was killed by "
-                     r"signal 9 before reporting", str(error)), str(error)
+                     r"signal 9 \(SIGKILL\) before reporting; the coordinator's rounds waiting then: round 0 of "
+                     r"all ordinals, tag 'never-completed', missing 1 of 2: ordinal 1 on ", str(error)), str(error)
     assert elapsed < 40, elapsed
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.xla
+def test_spawn_names_the_rendezvous_a_replica_skipped_when_xla_aborts(torch_xla):
+    """One replica skips a rendezvous and goes on to a collective: XLA aborts the process
+    after 10 s, and spawn said only that it was killed by signal 6, twice (once per replica).
+    It names the abort and the rendezvous still waiting for the replica that skipped it,
+    once for the process's replicas."""
+    with pytest.raises(xla.SpawnError) as info:
+        xla.spawn(skipping_replica, nprocs=1, devices_per_process=2, timeout=150)
+    first = str(info.value).splitlines()[0]
+    assert re.search(r"first: ordinals 0-1 raised RuntimeError: the process of task 0 \(pid \d+\) was killed "
+                     r"by signal 6 \(SIGABRT: XLA aborts a process whose collective waits 10 s for a replica that "
+                     r"does not join; its log says which\) before reporting; the coordinator's rounds waiting then: "
+                     r"round 0 of all ordinals, tag 'skipped', missing 1 of 2: ordinal 0 on ", first), first
+    assert sorted(info.value.failures) == [0, 1] and len(str(info.value).splitlines()) == 1, str(info.value)
 
 
 @pytest.mark.xla
