@@ -93,9 +93,12 @@ def _session_port(text: str) -> int | str | None:
 
 def _seconds(text: str) -> float | None:
     try:
-        return parse_seconds(text)  # as the client reads its timeouts
+        value = parse_seconds(text)  # as the client reads its timeouts
     except UsageError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if value is not None and value > _MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be at most {_MAX_SECONDS:g} s (about 31 years) or 'none', got {text}")
+    return value
 
 
 def _heartbeat_seconds(text: str) -> float | None:

@@ -1397,7 +1397,10 @@ def test_bad_demo_serve_and_health_arguments_get_a_message_not_a_traceback(tmp_p
         refused = run_cli(*command)
         assert refused.returncode == 2 and "must be a finite number of seconds > 0" in refused.stderr, refused
     # (past gRPC's last deadline, about 292 years on, status and health failed at once as timed out)
-    for command in (["health", "--timeout", "1e10"], ["status", "--timeout", "1e10"], ["serve", "--grace", "1e300"]):
+    for command in (
+        ["health", "--timeout", "1e10"], ["status", "--timeout", "1e10"], ["serve", "--grace", "1e300"],
+        ["serve", "--heartbeat-timeout", "1e300"], ["serve", "--late-after", "1e10"],  # (taken, unlike 'none')
+    ):
         refused = run_cli(*command)
         assert refused.returncode == 2 and "must be at most 1e+09 s (about 31 years)" in refused.stderr, refused
     # (an empty path was taken for this folder; a FIFO held the start for good, /dev/zero was read without end)
