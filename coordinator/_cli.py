@@ -730,20 +730,25 @@ def _where(missing_by_host: list[dict], refused: set[int], unregistered: str) ->
     """Missing ordinals where they are, a host per line (of _HOSTS_SHOWN at most):
     ``missingByHost`` of :func:`summarize_job`; ``refused``: the ordinals of the tasks
     refused; ``unregistered`` says the others of no process."""
-    lines = []
-    for m in missing_by_host[:_HOSTS_SHOWN]:
-        if m["host"] is None:
+    lines, more, nowhere = [], [], 0  # (nowhere: the lines of ordinals of no process)
+    for m in missing_by_host:
+        if m["host"] is None:  # (not a host: always said)
             turned_away = [o for o in m["ordinals"] if o in refused]
             never = [o for o in m["ordinals"] if o not in refused]
-            lines += [f"{_ranges_cut(turned_away)} refused (below)"] if turned_away else []
-            lines += [f"{_ranges_cut(never)} {unregistered}"] if never else []
+            said = ([f"{_ranges_cut(turned_away)} refused (below)"] if turned_away else []) + (
+                [f"{_ranges_cut(never)} {unregistered}"] if never else []
+            )
+            lines += said
+            nowhere += len(said)
+            continue
+        if len(lines) - nowhere >= _HOSTS_SHOWN:
+            more.append(m)
             continue
         detail = [f"pid{'s' if len(m['pids']) != 1 else ''} {_pids(m['pids'], set(m['deadPids']), set(m['leftPids']))}"]
         if m["lastSeenAge"] is not None:
             detail.append(f"last seen {_age(m['lastSeenAge'])} ago")
         lines.append(f"{_ranges_cut(m['ordinals'])} on {m['host']} ({', '.join(detail)})")
-    if len(missing_by_host) > _HOSTS_SHOWN:
-        more = missing_by_host[_HOSTS_SHOWN:]
+    if more:
         lines.append(
             f"and {_plural(sum(len(m['ordinals']) for m in more), 'ordinal')} on "
             f"{_plural(len(more), 'host')} more (status --json lists them)"

@@ -489,11 +489,11 @@ def test_render_status_of_a_large_pod_stays_readable():
                        last_seen_age=1.0, alive=True)
         for o in range(4096 - 4)
     ]
-    group = list(range(0, 4096, 8))
+    group = list(range(0, 4096 + 8, 8))  # (4096: of task 512, of no process yet)
     response = pb.StatusResponse(
         jobs=[
             pb.JobStatus(
-                job="j", world_size=4096, registered=4092, generation=1, participants=participants, devices_per_task=8,
+                job="j", world_size=4096 + 8, registered=4092, generation=1, participants=participants, devices_per_task=8,
                 pending_rounds=[
                     pb.PendingRound(replicas=group, round=3, tags=[pb.TagGroup(tag="t", ordinals=[0])], arrived=[0],
                                     missing=group[1:], waiting_seconds=30.0)
@@ -504,10 +504,12 @@ def test_render_status_of_a_large_pod_stays_readable():
     lines = _cli.render_status(response, "x:1").splitlines()
     assert max(map(len, lines)) < 200, max(lines, key=len)
     assert len(lines) < 64 + 30, len(lines)  # (a line per host, a few per round)
-    assert "  not registered: ordinals 4092-4095 (4092-4095 on h63 (pid 1511, last seen 1.0 s ago))" in lines, lines[:4]
+    assert "  not registered: ordinals 4092-4103 (4092-4095 on h63 (pid 1511, last seen 1.0 s ago); 4096-4103 never registered)" in lines, lines[:4]
     (first,) = [line for line in lines if line.lstrip().startswith("3 ")]
-    assert re.search(r"^  3\s+0, 8, 16, 24, 32, 40, .*, \.\.\. \(512 ordinals\)\s+'t'\s+1/512\s+30\.0 s\s+8, 16, 24", first), first
+    assert re.search(r"^  3\s+0, 8, 16, 24, 32, 40, .*, \.\.\. \(513 ordinals\)\s+'t'\s+1/513\s+30\.0 s\s+8, 16, 24", first), first
+    # (the ordinal of no process is said, not counted as a host more)
     assert any(line.strip() == "and 448 ordinals on 56 hosts more (status --json lists them)" for line in lines), lines[-12:]
+    assert any(line.strip() == "4096 not registered" for line in lines), lines[-12:]
 
 
 def test_render_status_marks_dead_processes_and_groups_hosts_naturally():
