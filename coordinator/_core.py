@@ -213,11 +213,15 @@ class Process:
 class Event:
     """Something every process of a job should hear about (streamed by Watch)."""
 
-    kind: str  # "PROCESS_DEAD" or "PROCESS_RESTARTED"
+    kind: str  # "PROCESS_DEAD", "PROCESS_LEFT" or "PROCESS_RESTARTED"
     generation: int
     ordinals: tuple[int, ...]
     host: str
     message: str
+    # The process's task and pid, for the log's fields: not kept in the state file (the
+    # format's readers take five fields), so -1 and 0 once restored, and not compared.
+    task: int = dataclasses.field(default=-1, compare=False)
+    pid: int = dataclasses.field(default=0, compare=False)
 
 
 class EventLog:
@@ -1814,6 +1818,8 @@ class Core:
                 ordinals=tuple(sorted(ordinals)),
                 host=process.host,
                 message=message,
+                task=process.task_id,
+                pid=process.pid,
             )
         )
         self._wakeups.append(("events", job.name))

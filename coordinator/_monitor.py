@@ -225,8 +225,10 @@ class Monitor:
                     "event": name,
                     "job": job_name,
                     "generation": event.generation,
-                    "ordinals": format_ranges(event.ordinals),
+                    "ordinals": format_ranges(event.ordinals, _RANGES_LOGGED),
                     "host": event.host,
+                    "task": event.task,
+                    "pid": event.pid,
                 },
             )
 

@@ -1060,6 +1060,9 @@ def test_json_log_lines_for_each_significant_event():
     assert (late["level"], late["tag"], late["arrived"], late["expected"], late["missing"]) == ("WARNING", "ckpt", 1, 2, "1")
     assert "missing 1 on sim-host-1 (last seen" in late["message"]
     assert (dead["ordinals"], dead["host"]) == ("1", "sim-host-1") and "no heartbeat" in dead["message"]
+    task_1 = next(e for e in registered if e["task"] == 1)
+    assert (dead["task"], dead["pid"]) == (1, task_1["pid"]), (dead, task_1)  # (were in the message only)
+    assert (restarted["task"], restarted["pid"]) == (1, task_1["pid"]), restarted  # (the process replaced)
     assert failed["code"] == "ABORTED" and "a member died" in failed["message"]
     assert restarted["ordinals"] == "1" and "restarted" in restarted["message"]
     assert outcome and isinstance(outcome[0], pr.ParticipantFailedError)
