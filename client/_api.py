@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 import urllib.error
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from ._client import Binding, Client, _check_call, _payload_bytes, current_binding, xm_binding
 from ._config import DEFAULT, Settings, check_timeout
@@ -214,8 +214,15 @@ def bind_thread(thread_index: int, **kwargs) -> Binding:
 
 
 def _world_of_one() -> bool:
+    """Whether the job is a world of one, as the environment (or the process client) lays it
+    out and the started XLA runtime agrees: under torch_xla's own runner (``xmp.spawn``,
+    ``torch_xla.launch``) the environment names no job, while the runtime runs a replica per
+    device, and each unbound thread was answered as ordinal 0 of one, its rendezvous alone."""
     topology = _client.topology if _client is not None else _detect(os.environ, None)
-    return topology.world_size == 1
+    if topology.world_size != 1:
+        return False
+    runtime = started_xla_runtime()
+    return runtime is None or runtime.world_size() == 1
 
 
 def _binding(what: str) -> Binding | None:
@@ -323,8 +330,8 @@ def _rendezvous(what: str, tag: str, payload: bytes, replicas: Sequence[int], ti
         if len(replicas) > 1:
             raise InvalidArgumentError(f"ordinal 0 called {what}({tag!r}) with replicas listing ordinal 0 more than once")
         return [payload]
-    if _ended:
-        replicas = _check_ended(what, tag, replicas)
+    if _ended:  # (after the caller's own mistakes: its sibling's end is not the culprit of a str payload)
+        replicas = _check_ended(what, tag, replicas, payload)
     return binding.client.rendezvous(binding, tag, payload, replicas, timeout=timeout)
 
 
@@ -334,10 +341,12 @@ def _rendezvous(what: str, tag: str, payload: bytes, replicas: Sequence[int], ti
 _ended: dict[int, str] = {}
 
 
-def _check_ended(what: str, tag: str, replicas: Sequence[int] = ()) -> list[int]:
+def _check_ended(what: str, tag: str, replicas: Sequence[int] = (), payload: Any = b"") -> list[int]:
     """Refuses a round that needs an ordinal of this process whose replica has ended: it
-    would wait for it until its timeout (torch_xla's for ever). Returns ``replicas`` as the
-    list of ints the call is to take (read once: a generator, a numpy array)."""
+    would wait for it until its timeout (torch_xla's for ever). The call's own arguments are
+    checked first (``payload`` too). Returns ``replicas`` as the list of ints the call is to
+    take (read once: a generator, a numpy array)."""
+    _payload_bytes(payload)
     replicas = _check_call(tag, replicas)
     ended = sorted(_ended if not replicas else _ended.keys() & set(replicas))
     if ended:

@@ -360,7 +360,7 @@ def _rendezvous(tag: str, payload: bytes = b"", replicas: Sequence[int] = ()) ->
         _refuse_unbound("xm.rendezvous()")
         return _originals["rendezvous"](tag, payload, [] if replicas is None else list(replicas))  # (None too, as torch_xla's)
     if _api._ended:
-        replicas = _api._check_ended("xm.rendezvous", tag, replicas)
+        replicas = _api._check_ended("xm.rendezvous", tag, replicas, payload)
     return binding.client.rendezvous(binding, tag, payload, replicas)
 
 
@@ -394,7 +394,20 @@ def _refuse_unbound(what: str) -> None:
             "fn in)"
         )
     client = _api._client
-    if not _told_unbound and client is not None and not client._closed and client.topology.world_size > 1:
+    if _told_unbound:
+        return
+    if client is None or client._closed:
+        runtime = _api.started_xla_runtime()
+        if runtime is not None and runtime.world_size() > 1:  # torch_xla's own runner: xmp.spawn, torch_xla.launch
+            _told_unbound = True
+            log.warning(
+                "%s in thread %r, bound to no ordinal, in an XLA world of %d: torch_xla's own runs (an XLA "
+                "all-gather: the tag ignored, no timeout; between the threads of a process it aborts after 10 s, "
+                "torch_xla 2.9), not pjrt_rendezvous's. install() alone binds no thread: run the replicas with "
+                "pjrt_rendezvous.client.xla.spawn, which binds each (said once per process)",
+                what, threading.current_thread().name, runtime.world_size(),
+            )
+    elif client.topology.world_size > 1:
         _told_unbound = True
         log.warning(
             "%s in thread %r, bound to no ordinal: torch_xla's own runs, over the XLA runtime's world, "

@@ -229,6 +229,11 @@ def early_returning_replica(index):
             outcome.append((str(exc), time.monotonic() - started))
     outcome.append(xm.rendezvous("alone", b"x", [1]))  # a round without it is fine
     outcome.append(pr.rendezvous("alone", b"y", (o for o in [1])))  # (a generator, read once)
+    for call in (lambda: xm.rendezvous("after", "a str"), lambda: pr.rendezvous("after", "a str")):
+        try:  # (its own mistake first: it was told that ordinal 0 had ended)
+            call()
+        except TypeError as exc:
+            outcome.append(str(exc))
     return outcome
 
 
@@ -794,8 +799,9 @@ def test_a_round_needing_a_sibling_replica_that_returned_fails_at_once(torch_xla
     coordinator could not tell)."""
     results = xla.spawn(early_returning_replica, nprocs=1, devices_per_process=2, timeout=150)
     assert results[0] == "returned"
-    *failures, alone, alone_again = results[1]
+    *failures, alone, alone_again, str_payload, str_payload_again = results[1]
     assert alone == [b"x"] and alone_again == [b"y"]
+    assert str_payload == str_payload_again == "payload must be bytes, got str", results[1]
     whats = ("xm.rendezvous('after')", "xm.mesh_reduce('after')", "rendezvous('after')", "barrier('after')")
     assert len(failures) == len(whats), failures
     for (message, waited), what in zip(failures, whats):
@@ -1171,3 +1177,50 @@ def test_xla_device_defaults_the_thread_and_unbound_calls_follow_the_runtime(tor
     assert lines["refused"] == "('UsageError', 'xla:0') ('TopologyError', 'xla:0')"
     assert lines["unbound"] == "0 1 0 1"  # the runtime's, not a UsageError (world of 2 here)
     assert lines["captured"] == "0"
+
+
+_XMP_SCRIPT = """
+import os
+import torch_xla.core.xla_model as xm
+import torch_xla.distributed.xla_multiprocessing as xmp
+import pjrt_rendezvous.client as pr
+from pjrt_rendezvous.client import xla
+
+def fn(index):
+    xla.install()
+    xm.xla_device()  # (the runtime runs)
+    said = []
+    for name, call in (("get_ordinal", pr.get_ordinal), ("rendezvous", lambda: pr.rendezvous("t", b"x")),
+                       ("seed", lambda: xla.seed(1))):
+        try:
+            said.append(f"{name} answered {call()!r}")
+        except pr.UsageError as error:
+            said.append(f"{name} refused: {error}")
+    xla._refuse_unbound("xm.rendezvous()")  # (what xm.rendezvous does before torch_xla's own, which aborts here)
+    os.write(1, (f"[{index}] " + " | ".join(said) + "\\n").encode())  # (one write: the threads' prints interleaved)
+
+if __name__ == "__main__":
+    xmp.spawn(fn)
+"""
+
+
+@pytest.mark.xla
+def test_under_torch_xla_s_own_spawn_unbound_threads_are_refused_and_told(tmp_path):
+    """torch_xla's xmp.spawn runs a replica per device but binds no thread: the environment
+    names no job, so every thread was answered as ordinal 0 of a world of one (the same seed
+    for both, a rendezvous of one), and xm.rendezvous fell back to torch_xla's own without a
+    word. They are refused, and xm.rendezvous's fallback says once what to use instead."""
+    script = tmp_path / "xmp_script.py"
+    script.write_text(_XMP_SCRIPT)
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="2")
+    for name in [n for n in env if n.startswith("PJRT_RENDEZVOUS_")]:
+        del env[name]
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    lines = sorted(line for line in run.stdout.splitlines() if line.startswith("["))
+    assert len(lines) == 2, run.stdout
+    for line in lines:
+        for name in ("get_ordinal", "rendezvous", "seed"):
+            assert f"{name} refused: " in line and "needs a bound thread" in line, line
+    told = [line for line in run.stderr.splitlines() if "bound to no ordinal, in an XLA world of 2" in line]
+    assert len(told) == 1 and "run the replicas with pjrt_rendezvous.client.xla.spawn" in told[0], run.stderr  # (once per process)
