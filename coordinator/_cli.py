@@ -66,6 +66,43 @@ TLS_SERVER_NAME_VARIABLE = "PJRT_RENDEZVOUS_TLS_SERVER_NAME"
 # use, so a malformed one must not fail them.
 CLIENT_TLS_VARIABLES = ("PJRT_RENDEZVOUS_TLS_CA", "PJRT_RENDEZVOUS_TLS_CERT", "PJRT_RENDEZVOUS_TLS_KEY")
 CLIENT_TOKEN_VARIABLES = (TOKEN_VARIABLE, SERVE_VARIABLES["token_file"])
+# Every PJRT_RENDEZVOUS_* variable the package reads: serve warns of any other in its
+# environment (a misspelt state file variable was ignored without a word, and the
+# restart after lost what it was to keep).
+_CLIENT_TOPOLOGY_VARIABLES = tuple(
+    f"PJRT_RENDEZVOUS_{name}"
+    for name in ("ADDRESS", "TASK_ID", "NUM_TASKS", "CORES_PER_CHIP", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "METADATA_URL", "NATIVE")
+)
+
+
+def known_variables() -> set[str]:
+    from pjrt_rendezvous.client._config import _VARIABLES
+
+    return {*SERVE_VARIABLES.values(), TOKEN_VARIABLE, TLS_SERVER_NAME_VARIABLE, *_VARIABLES.values(), *_CLIENT_TOPOLOGY_VARIABLES}
+
+
+def _warn_of_variables(args, env: Mapping[str, str]) -> None:
+    """Warns of a ``PJRT_RENDEZVOUS_*`` variable nothing reads (with the known name it
+    resembles), and of a client's TLS variable where serve has no TLS of its own."""
+    import difflib
+
+    log = logging.getLogger("pjrt_rendezvous.coordinator")
+    known = known_variables()
+    prefix = "PJRT_RENDEZVOUS_"
+    for name in sorted(n for n in env if n.startswith(prefix) and n not in known):
+        close = difflib.get_close_matches(name.removeprefix(prefix), sorted(k.removeprefix(prefix) for k in known), n=1, cutoff=0.75)
+        log.warning(
+            "%s is not a variable pjrt-rendezvous reads%s: ignored", name, f" (did you mean {prefix}{close[0]}?)" if close else "",
+            extra={"event": "setting_ignored", "variable": name},
+        )
+    if args.tls_cert is None:
+        for name in sorted(n for n in CLIENT_TLS_VARIABLES if env.get(n)):
+            server = name.replace("PJRT_RENDEZVOUS_", "PJRT_RENDEZVOUS_SERVER_")
+            log.warning(
+                "%s names a client's TLS file, which serve does not read: its own is %s (or --%s); serving without TLS",
+                name, server, server.removeprefix("PJRT_RENDEZVOUS_SERVER_").lower().replace("_", "-"),
+                extra={"event": "setting_ignored", "variable": name},
+            )
 
 
 def _port(text: str) -> int:
@@ -493,6 +530,7 @@ def _serve(args, env: Mapping[str, str]) -> int:
                 running.metrics_port, url=f"http://{address}/metrics",
             )
 
+    _warn_of_variables(args, env)
     if args.job != "default" and args.world_size is None and args.sources.get("job") == "--job":
         # (the flag only: PJRT_RENDEZVOUS_JOB may be there for clients, in an environment shared)
         logging.getLogger("pjrt_rendezvous.coordinator").warning(

@@ -969,15 +969,25 @@ def serve_forever(options: ServerOptions, *, on_ready=None) -> None:
         if running.session_port is not None:
             where += f" (session port {running.session_port})"
         metrics = "" if running.metrics_port is None else f", metrics on port {running.metrics_port}"
-        log.info(
-            "listening on %s%s",
+        tls = "mutual TLS" if options.tls_ca else "TLS" if options.tls_cert else "no TLS"
+        seconds = {"heartbeat_timeout": options.heartbeat_timeout, "late_after": options.late_after}
+        log.info(  # (what is in effect: a misspelt setting was ignored without a word, see _cli)
+            "listening on %s%s; %s, %s, %s, heartbeat timeout %s, late after %s",
             where,
             metrics,
+            tls,
+            "a token" if options.token else "no token",
+            f"state file {options.state_file}" if options.state_file else "no state file",
+            *("none" if v is None else f"{v:g} s" for v in seconds.values()),
             extra={
                 "event": "listening",
                 "port": running.port,
                 "session_port": running.session_port,
                 "metrics_port": running.metrics_port,
+                "tls": tls,
+                "token": bool(options.token),
+                "state_file": None if options.state_file is None else str(options.state_file),
+                **seconds,
             },
         )
         _notify.notify(f"READY=1\nSTATUS=serving on {where}{metrics}")

@@ -1581,3 +1581,31 @@ def test_a_stuck_last_write_of_the_state_file_does_not_hold_the_stop(tmp_path, m
         client.close()
     registering.join(30)
     assert "the last write of the state file did not finish" in caplog.text
+
+
+def test_serve_warns_of_variables_nothing_reads_and_logs_the_settings_in_effect(tmp_path):
+    """A misspelt PJRT_RENDEZVOUS_STATE_FLE was ignored without a word (the restart after lost
+    the job), a client's PJRT_RENDEZVOUS_TLS_CERT set for serve gave a plaintext server, and
+    nothing at the start said whether TLS, a token or a state file were in effect."""
+    env = {"PJRT_RENDEZVOUS_STATE_FLE": str(tmp_path / "s"), "PJRT_RENDEZVOUS_TLS_CERT": "cert.pem",
+           "PJRT_RENDEZVOUS_BOGUS": "1", "PJRT_RENDEZVOUS_TOKEN": "s3cret"}
+    with Serve("--heartbeat-timeout", "5", env=env) as server:
+        listening = server.wait_for_line(r"INFO pjrt_rendezvous.coordinator: listening on ")
+        assert server.stop() == 0
+    text = server.stderr()
+    assert ("PJRT_RENDEZVOUS_STATE_FLE is not a variable pjrt-rendezvous reads (did you mean "
+            "PJRT_RENDEZVOUS_STATE_FILE?): ignored") in text, text
+    assert "PJRT_RENDEZVOUS_BOGUS is not a variable pjrt-rendezvous reads: ignored" in text, text
+    assert ("PJRT_RENDEZVOUS_TLS_CERT names a client's TLS file, which serve does not read: its own is "
+            "PJRT_RENDEZVOUS_SERVER_TLS_CERT (or --tls-cert); serving without TLS") in text, text
+    assert "PJRT_RENDEZVOUS_TOKEN " not in text, text  # (read by serve: no warning)
+    assert listening.endswith("; no TLS, a token, no state file, heartbeat timeout 5 s, late after 60 s"), listening
+
+
+def test_every_variable_the_package_reads_is_known_to_serve_s_warning():
+    """serve warns of a PJRT_RENDEZVOUS_* variable it does not know: one the package reads but
+    that list lacks would be called a mistake."""
+    root = pathlib.Path(_cli.__file__).resolve().parents[1]
+    sources = [*root.glob("client/*.py"), *root.glob("coordinator/*.py")]
+    read = {name for path in sources for name in re.findall(r"PJRT_RENDEZVOUS_[A-Z_]*[A-Z]\b", path.read_text())}
+    assert read and read <= _cli.known_variables(), sorted(read - _cli.known_variables())
