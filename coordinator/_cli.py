@@ -554,6 +554,7 @@ def _serve(args, env: Mapping[str, str]) -> int:
             tls_ca=_read(args, "tls_ca"),
             grace=args.grace,
             session_port=session_port(args),
+            session_port_required=args.session_port != "auto" or args.port == 0,
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
             late_after=args.late_after,
@@ -564,11 +565,6 @@ def _serve(args, env: Mapping[str, str]) -> int:
         why = str(exc)
         if isinstance(exc, ValueError):  # ServerOptions names its flags: name the variables that set them
             why = re.sub(r"--[a-z]+(?:-[a-z]+)*", lambda flag: _source(args, flag[0][2:].replace("-", "_")), why)
-        if isinstance(exc, OSError) and "the session port" in why and args.session_port == "auto":
-            why += (
-                f" (by default, 'auto', the session port is {session_port(args)} with this --port: "
-                "name another with --session-port PORT, 0 for a free one, or off)"
-            )
         _failed(args.log_format, f"pjrt-rendezvous serve: {why}")
         # 2 as for a malformed flag (the unit does not restart on it): settings refused before
         # serving; not a file or folder that cannot be read (it may be there on the next try:

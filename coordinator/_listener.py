@@ -65,7 +65,9 @@ class Listener:
                 self.sockets = [sock.dup() for sock in server.sockets]
                 server.close()  # closes its copies; ours listen on
         except OSError as exc:
-            raise OSError(f"cannot listen on {self._what} {host_port(host, port)} ({option}): {exc.strerror or exc}") from None
+            error = OSError(f"cannot listen on {self._what} {host_port(host, port)} ({option}): {exc.strerror or exc}")
+            error.errno = exc.errno  # (its message stays the one above)
+            raise error from None
         loop = asyncio.get_running_loop()
         for sock in self.sockets:
             sock.setblocking(False)

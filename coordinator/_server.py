@@ -172,6 +172,9 @@ class ServerOptions:
     metrics_port: int | None = None
     metrics_host: str | None = None
     session_port: int | None = 0
+    # False: a session port in use is warned of and done without ("auto"'s default port,
+    # which another coordinator on the host may hold: its clients use gRPC's stream).
+    session_port_required: bool = True
     late_after: float | None = DEFAULT_LATE_AFTER
 
     def __post_init__(self) -> None:
@@ -686,7 +689,17 @@ async def _serving(options: ServerOptions, core: Core, writer: "_StateWriter | N
     try:
         if options.session_port is not None and options.tls_cert is None:
             sessions = _SessionPort(servicer, token, max_message)
-            session_port = servicer.session_port = await sessions.start(options.host, options.session_port)
+            try:
+                session_port = servicer.session_port = await sessions.start(options.host, options.session_port)
+            except OSError as exc:
+                if options.session_port_required or exc.errno != errno.EADDRINUSE:
+                    raise
+                sessions = None
+                log.warning(
+                    "the session port %s ('auto', the default) is in use: serving without one, clients use "
+                    "gRPC's stream (name a free port with --session-port PORT, 0 for any, or 'off')",
+                    host_port(options.host, options.session_port), extra={"event": "session_port_busy"},
+                )
         if writer is not None:
             await writer.flush()  # a new state file exists from the start
         if metrics is not None:

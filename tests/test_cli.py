@@ -1310,23 +1310,6 @@ def test_sighup_stops_serve_as_sigterm_does():
         assert server.stop() == 0
 
 
-def test_a_busy_default_session_port_is_named_with_what_to_do():
-    """--port N without --session-port opens the session port at 7482 ('auto'): when that is
-    taken, the refusal says it is the default and how to name another."""
-    with socket.socket() as taken:
-        try:
-            taken.bind(("127.0.0.1", 7482))
-        except OSError:
-            pytest.skip("port 7482 is in use here")
-        taken.listen()
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        busy = run_cli("serve", "--port", str(port))
-    assert busy.returncode == 1, busy.stderr
-    assert "the session port is 7482 with this --port" in busy.stderr and "--session-port PORT" in busy.stderr, busy.stderr
-
-
 def test_serve_refuses_a_busy_session_port_and_an_endless_grace_with_a_message():
     with Serve() as first:
         busy = subprocess.run(
@@ -1344,6 +1327,46 @@ def test_serve_refuses_a_busy_session_port_and_an_endless_grace_with_a_message()
         first.stop()
     endless = run_cli("serve", "--port", "0", "--grace", "inf")
     assert endless.returncode == 2 and "--grace: must be a finite number of seconds" in endless.stderr
+
+
+def test_serve_does_without_the_default_session_port_when_it_is_busy():
+    """'auto''s session port is 7482 whatever --port says: held by another coordinator on the
+    host, the start failed (and a unit restarting into it gave up), while clients do without
+    one. It is warned of and done without; a port named with --session-port is still refused
+    (above)."""
+    from pjrt_rendezvous.coordinator import _server
+
+    holder = socket.socket()
+    try:
+        holder.bind(("127.0.0.1", _server.DEFAULT_SESSION_PORT))
+        holder.listen()
+    except OSError:
+        pass  # (held already: busy either way)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen([*CLI, "serve", "--port", str(port)], env=clean_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if "INFO pjrt_rendezvous.coordinator: listening on" in line:
+                break
+        text = "".join(lines)
+        assert (
+            f"the session port 127.0.0.1:{_server.DEFAULT_SESSION_PORT} ('auto', the default) is in use: serving "
+            "without one, clients use gRPC's stream" in text
+        ), text
+        assert f"listening on 127.0.0.1:{port};" in text, text  # (no session port)
+        assert proc.poll() is None, text
+        client = simulated_process(f"127.0.0.1:{port}", 0, processes=1, threads=1)
+        assert client.rendezvous(client.bind_thread(0), "t", b"x") == [b"x"]
+        client.close()
+    finally:
+        holder.close()
+        proc.terminate()
+        proc.communicate(timeout=30)
 
 
 def test_a_death_found_by_the_liveness_watch_is_in_the_state_file(tmp_path):
