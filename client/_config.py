@@ -78,8 +78,9 @@ def check_token(token: str, source: str) -> str:
         raise UsageError(f"the token from {source} holds a blank followed by '#'{comment_hint(token)}")
     for position, char in enumerate(token):
         if not " " <= char <= "~":
+            line = " (a line break: the token must be the only line, no comment line)" if char in "\r\n" else ""
             raise UsageError(
-                f"the token from {source} holds character {ord(char):#x} at position {position}: a "
+                f"the token from {source} holds character {ord(char):#x} at position {position}{line}: a "
                 "token must be printable ASCII on one line (gRPC metadata), e.g. from `openssl rand -hex 32`"
             )
     return token

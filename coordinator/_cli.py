@@ -139,7 +139,11 @@ def _seconds(text: str) -> float | None:
 
 
 def _heartbeat_seconds(text: str) -> float | None:
-    value = _seconds(text)
+    try:
+        number = float(text)
+    except ValueError:
+        number = math.nan  # (a word: 'none', a unit, or not a number, _seconds says)
+    value = number if number < MIN_HEARTBEAT_TIMEOUT else _seconds(text)  # (-5 was told "> 0 seconds")
     if value is not None and value < MIN_HEARTBEAT_TIMEOUT:
         raise argparse.ArgumentTypeError(
             f"must be at least {MIN_HEARTBEAT_TIMEOUT:g} s (or 'none'), got {text}: clients heartbeat at a "

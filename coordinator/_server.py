@@ -626,10 +626,10 @@ def _core_to_serve(options: ServerOptions, core: Core | None, files: "_state.Fil
         )
         if core is not None:
             log.info(
-                "restored %d job(s) from %s: %s",
+                "restored %d job(s) from %s%s",
                 len(core.jobs),
                 options.state_file,
-                ", ".join(
+                "" if not core.jobs else ": " + ", ".join(
                     f"{j.name} ({len(j.members)}/{j.world_size} ordinals, generation {j.generation})"
                     if j.world_size is not None else f"{j.name} ({_plural(len(j.kv), 'key')}, no world yet)"
                     for j in core.jobs.values()

@@ -1414,8 +1414,9 @@ def test_bad_demo_serve_and_health_arguments_get_a_message_not_a_traceback(tmp_p
         assert same.returncode == 2 and f"the metrics port and the {named} port are both 24871" in same.stderr, same
     default_port = argparse.Namespace(tls_cert=None, session_port="auto", port=7482)
     assert _cli.session_port(default_port) == 7483  # (auto took 7482 as well)
-    short = run_cli("serve", "--port", "0", "--heartbeat-timeout", "0.001")  # (declared every process dead)
-    assert short.returncode == 2 and "--heartbeat-timeout: must be at least 1 s" in short.stderr, short
+    for short in ("0.001", "-5"):  # (declared every process dead; -5 was told "must be > 0 seconds")
+        short = run_cli("serve", "--port", "0", "--heartbeat-timeout", short)
+        assert short.returncode == 2 and "--heartbeat-timeout: must be at least 1 s" in short.stderr, short
     with Serve("--job", "train") as server:  # no --world-size: the job is named for nothing
         server.wait_for_line(r"--job 'train' does nothing without --world-size")
     for command in ("status", "health"):  # an empty address is refused, not taken for none (status dialled localhost)

@@ -179,7 +179,7 @@ def test_a_token_grpc_cannot_carry_is_refused_where_it_is_read(tmp_path):
     wrapped.write_text("abcdefgh\nijklmnop\n")
     binary = tmp_path / "binary"
     binary.write_bytes(b"ab\x88\x00cd")
-    with pytest.raises(pr.UsageError, match=rf"the file {wrapped} \(PJRT_RENDEZVOUS_TOKEN_FILE\) holds character 0xa at position 8") as caught:
+    with pytest.raises(pr.UsageError, match=rf"the file {wrapped} \(PJRT_RENDEZVOUS_TOKEN_FILE\) holds character 0xa at position 8 \(a line break: the token must be the only line, no comment line\)") as caught:
         pr.Settings.resolve({"PJRT_RENDEZVOUS_TOKEN_FILE": str(wrapped)}, address="127.0.0.1:1")
     assert "ijkl" not in str(caught.value)
     with pytest.raises(pr.UsageError, match=r"character 0x9 at position 3"):
