@@ -472,8 +472,24 @@ def bind_device(thread_index: int, *, client: Client | None = None) -> Binding:
     """
     import torch_xla
 
+    bound = current_binding()
+    if bound is not None and _device_threads:
+        raise UsageError(
+            f"bind_device({thread_index}): spawn() already bound this thread to ordinal {bound.ordinal} "
+            f"(device xla:{bound.device_index}); fn needs no bind_device"
+        )
     client = client or _api.get_client()
-    client.topology.ordinal(thread_index)  # (out of range: our TopologyError, not the runtime's IndexError)
+    try:
+        client.topology.ordinal(thread_index)  # (out of range: our TopologyError, not the runtime's IndexError)
+    except TopologyError as exc:
+        devices = _api._runtime_devices()
+        if devices is not None and devices > client.topology.devices_per_process:
+            raise TopologyError(
+                f"{exc}; the XLA runtime runs {devices} devices in this process: set "
+                f"PJRT_RENDEZVOUS_CORES_PER_CHIP={devices // client.topology.chips_per_process} (or run the "
+                "replicas with xla.spawn, which sets it)"
+            ) from None
+        raise
     xlac = torch_xla._XLAC
     before = xlac._xla_get_default_device()
     xlac._xla_set_default_device(f"xla:{thread_index}")

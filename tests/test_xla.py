@@ -185,7 +185,12 @@ def runtime_numbers_replica(index):
     import torch_xla
     import torch_xla.runtime as xr
 
-    return xr._ORDINAL, xr._WORLD_SIZE, torch_xla._XLAC._xla_get_default_device_ordinal()
+    try:
+        xla.bind_device(0)  # (spawn bound the thread already)
+        bind = "bound again"
+    except pr.UsageError as exc:
+        bind = str(exc)
+    return xr._ORDINAL, xr._WORLD_SIZE, torch_xla._XLAC._xla_get_default_device_ordinal(), bind
 
 
 def exiting_replica(index):
@@ -815,8 +820,10 @@ def test_spawn_caches_the_runtime_numbers_for_dynamo_as_torch_xla_does(torch_xla
     (runtime._init_world_size_ordinal) so that Dynamo reads it without a graph break; spawn
     did not."""
     results = xla.spawn(runtime_numbers_replica, nprocs=2, devices_per_process=1, timeout=150)
-    for ordinal, (cached, world, device_ordinal) in results.items():
+    for ordinal, (cached, world, device_ordinal, bind) in results.items():
         assert cached == device_ordinal and world is not None, (ordinal, results)
+        # (it said "unbind it first", the wrong fix)
+        assert bind == f"bind_device(0): spawn() already bound this thread to ordinal {ordinal} (device xla:0); fn needs no bind_device", bind
 
 
 @pytest.mark.xla
@@ -1196,6 +1203,11 @@ def fn(index):
             said.append(f"{name} answered {call()!r}")
         except pr.UsageError as error:
             said.append(f"{name} refused: {error}")
+    if index == 1:  # (the environment says one device per process; the runtime runs two)
+        try:
+            xla.bind_device(1)
+        except pr.TopologyError as error:
+            said.append(f"bind_device refused: {error}")
     xla._refuse_unbound("xm.rendezvous()")  # (what xm.rendezvous does before torch_xla's own, which aborts here)
     os.write(1, (f"[{index}] " + " | ".join(said) + "\\n").encode())  # (one write: the threads' prints interleaved)
 
@@ -1222,5 +1234,6 @@ def test_under_torch_xla_s_own_spawn_unbound_threads_are_refused_and_told(tmp_pa
     for line in lines:
         for name in ("get_ordinal", "rendezvous", "seed"):
             assert f"{name} refused: " in line and "needs a bound thread" in line, line
+    assert "bind_device refused: " in lines[1] and "set PJRT_RENDEZVOUS_CORES_PER_CHIP=2 (or run the replicas with xla.spawn" in lines[1], lines[1]
     told = [line for line in run.stderr.splitlines() if "bound to no ordinal, in an XLA world of 2" in line]
     assert len(told) == 1 and "run the replicas with pjrt_rendezvous.client.xla.spawn" in told[0], run.stderr  # (once per process)
