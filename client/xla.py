@@ -42,6 +42,10 @@ replicas)``                    subsets allowed, a deadline, and errors naming  (
 ``mesh_reduce(tag, data,       ``torch.save`` to bytes, :func:`rendezvous`,    as ``rendezvous``
 reduce_fn)``                   ``torch.load`` (as torch_xla),
                                ``reduce_fn`` -- torch_xla's contract
+``xla_rendezvous(payload,      as ``rendezvous`` (torch_xla's ``rendezvous``   as ``rendezvous``
+ordinals, tag)``               calls it, looked up at call time: a
+                               ``rendezvous`` imported before :func:`install`
+                               comes here)
 =============================  ==============================================  ==========================
 
 An unbound thread's ``rendezvous`` or ``mesh_reduce`` beside a process client of a larger world
@@ -189,6 +193,7 @@ def install() -> bool:
             "xla_device": _xla_device,
             "rendezvous": _rendezvous,
             "mesh_reduce": _mesh_reduce,
+            "xla_rendezvous": _xla_rendezvous,
         }
         for name, replacement in replacements.items():
             original = getattr(xm, name, _MISSING)
@@ -362,6 +367,16 @@ def _rendezvous(tag: str, payload: bytes = b"", replicas: Sequence[int] = ()) ->
     if _api._ended:
         replicas = _api._check_ended("xm.rendezvous", tag, replicas, payload)
     return binding.client.rendezvous(binding, tag, payload, replicas)
+
+
+def _xla_rendezvous(payload: bytes = b"", ordinals: Sequence[int] | None = None, tag: str | None = None) -> list[bytes]:
+    """torch_xla's all-gather, which its ``rendezvous`` looks up at call time: in a bound
+    thread, through the coordinator as :func:`_rendezvous` (so a ``rendezvous`` imported from
+    ``xm`` before :func:`install` is ours too); else the original."""
+    if xm_binding("xm.xla_rendezvous()") is None:
+        _refuse_unbound("xm.xla_rendezvous()")
+        return _originals["xla_rendezvous"](payload, ordinals, tag=tag)
+    return _rendezvous("" if tag is None else tag, payload, ordinals or ())
 
 
 def _refuse_whose(what: str) -> None:

@@ -181,6 +181,23 @@ def skipping_replica(index):
     return t.cpu().tolist()  # (waits for the all-reduce)
 
 
+def early_imported_replica(index):
+    """Calls torch_xla's own rendezvous and mesh_reduce, as a name imported from xm before
+    install() holds them."""
+    import torch_xla.core.xla_model as xm
+
+    early_rendezvous, early_mesh_reduce = xla._originals["rendezvous"], xla._originals["mesh_reduce"]
+    assert xm.rendezvous is not early_rendezvous
+    gathered = early_rendezvous("early", str(index).encode())
+    reduced = early_mesh_reduce("early-reduce", index + 1, sum)
+    try:
+        early_rendezvous("mine" if index == 0 else "theirs")
+        mismatch = "none"
+    except pr.MismatchError as exc:
+        mismatch = str(exc)
+    return gathered, reduced, mismatch
+
+
 def runtime_numbers_replica(index):
     import torch_xla
     import torch_xla.runtime as xr
@@ -1237,3 +1254,15 @@ def test_under_torch_xla_s_own_spawn_unbound_threads_are_refused_and_told(tmp_pa
     assert "bind_device refused: " in lines[1] and "set PJRT_RENDEZVOUS_CORES_PER_CHIP=2 (or run the replicas with xla.spawn" in lines[1], lines[1]
     told = [line for line in run.stderr.splitlines() if "bound to no ordinal, in an XLA world of 2" in line]
     assert len(told) == 1 and "run the replicas with pjrt_rendezvous.client.xla.spawn" in told[0], run.stderr  # (once per process)
+
+
+@pytest.mark.xla
+def test_rendezvous_and_mesh_reduce_imported_before_install_go_through_the_coordinator(torch_xla):
+    """`from torch_xla.core.xla_model import rendezvous` at the top of fn's module kept
+    torch_xla's own: an XLA all-gather that ignores tags (a porter's tag mismatch aborted the
+    process after 10 s, named as a skipped call). torch_xla's rendezvous calls
+    xm.xla_rendezvous at call time, which is patched: both are ours in a bound thread."""
+    results = xla.spawn(early_imported_replica, nprocs=1, devices_per_process=2, timeout=150)
+    for ordinal, (gathered, reduced, mismatch) in results.items():
+        assert gathered == [b"0", b"1"] and reduced == 3, results
+        assert "tag mismatch in round" in mismatch and "'mine'" in mismatch and "'theirs'" in mismatch, mismatch
