@@ -136,11 +136,20 @@ def check_timeout(value: Any, what: str = "timeout") -> float | None:
     return None if value >= LONGEST_TIMEOUT else float(value)
 
 
+def quote_hint(value: str) -> str:
+    """For an error about a setting's ``value``: a hint when it is quoted, as ``docker run
+    --env-file`` and Kubernetes keep quotes in the value (a shell and systemd drop them)."""
+    value = value.strip()
+    if len(value) < 2 or value[0] != value[-1] or value[0] not in "'\"":
+        return ""
+    return " (quotes around the value? docker's --env-file keeps them in it: write the value bare)"
+
+
 def _parse_number(variable: str, text: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise UsageError(f"{variable}={text!r} is not a number of seconds") from None
+        raise UsageError(f"{variable}={text!r} is not a number of seconds{quote_hint(text)}") from None
 
 
 def parse_seconds(text: str, what: str = "") -> float | None:
@@ -151,7 +160,7 @@ def parse_seconds(text: str, what: str = "") -> float | None:
     try:
         value = float(text)
     except ValueError:
-        raise UsageError(f"{what + '=' if what else ''}{text!r} is not a number of seconds (or 'none')") from None
+        raise UsageError(f"{what + '=' if what else ''}{text!r} is not a number of seconds (or 'none'){quote_hint(text)}") from None
     if not value > 0:  # NaN too
         raise UsageError(f"{what + ' ' if what else ''}must be > 0 seconds or 'none', got {text!r}")
     return None if math.isinf(value) else value

@@ -625,6 +625,8 @@ def spawn(
             traceback), a process died before reporting, or ``timeout`` passed.
         UsageError: bad arguments, or an unsupported ``PJRT_DEVICE``.
         TypeError: ``nprocs`` or ``devices_per_process`` not an int, ``grace`` not a number.
+        pickle.PicklingError: ``fn`` or ``args`` cannot be pickled (a lambda, a nested
+            function), before anything starts.
     """
     import multiprocessing
 
@@ -706,7 +708,16 @@ def spawn(
                 + ("which a forked child would inherit: " if start_method == "fork" else "and holds the TPU its processes need: ")
                 + "call spawn before using a device"
             )
-    payload = pickle.dumps((fn, tuple(args)))  # refused here, before anything is started
+    args = tuple(args)
+    try:
+        payload = pickle.dumps((fn, args))  # refused here, before anything is started
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        what = "fn" if _unpicklable(fn) else "args"
+        raise pickle.PicklingError(
+            f"spawn(): {what} cannot be sent to the processes it starts ({type(exc).__name__}: {exc}): "
+            + ("fn must be a function defined at the top level of a module (not a lambda, a nested "
+               "function or a method of a local class)" if what == "fn" else "every argument must be picklable")
+        ) from exc
     context = multiprocessing.get_context(start_method)
     reports = context.Queue()
     coordinator = None
@@ -749,6 +760,14 @@ def spawn(
         reports.join_thread()
         if coordinator is not None:
             coordinator.stop(grace=0)
+
+
+def _unpicklable(value: Any) -> bool:
+    try:
+        pickle.dumps(value)
+        return False
+    except Exception:  # noqa: BLE001 -- whatever pickling raises
+        return True
 
 
 def _check_count(name: str, value: Any) -> None:

@@ -20,7 +20,9 @@ import sys
 import time
 from typing import Any, Callable, Mapping
 
-from pjrt_rendezvous.client._config import check_token, comment_hint, job_problem, parse_seconds, read_token_file, token_conflict, versions_differ
+from pjrt_rendezvous.client._config import (
+    check_token, comment_hint, job_problem, parse_seconds, quote_hint, read_token_file, token_conflict, versions_differ,
+)
 from pjrt_rendezvous.client._errors import UsageError
 from pjrt_rendezvous.client._topology import host_port
 from pjrt_rendezvous.client._version import VERSION
@@ -236,7 +238,8 @@ def _variable(env: Mapping[str, str], dest: str, convert: Callable[[str], Any], 
     try:
         return convert(text)
     except (ValueError, argparse.ArgumentTypeError) as exc:
-        raise ValueError(f"{variable}={text!r}: {exc}{comment_hint(text)}") from None
+        hint = comment_hint(text) or ("" if quote_hint(text) in str(exc) else quote_hint(text))
+        raise ValueError(f"{variable}={text!r}: {exc}{hint}") from None
 
 
 class _Flag(argparse.Action):

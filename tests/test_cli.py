@@ -809,6 +809,18 @@ def test_a_comment_left_in_a_variable_s_value_is_named():
     assert pr.Settings(address="127.0.0.1:1", token="a#b c").token == "a#b c"  # '#' alone is no comment
 
 
+def test_a_quoted_value_is_named():
+    """docker's --env-file keeps quotes in a value (PJRT_RENDEZVOUS_HEARTBEAT_TIMEOUT="60"):
+    the refusal said only that '"60"' is not a number."""
+    hint = "quotes around the value? docker's --env-file keeps them in it: write the value bare"
+    for variable, value in [("PJRT_RENDEZVOUS_HEARTBEAT_TIMEOUT", '"60"'), ("PJRT_RENDEZVOUS_PORT", "'7481'")]:
+        out = run_cli("serve", env={"PJRT_RENDEZVOUS_PORT": "0", variable: value}, timeout=30)
+        assert out.returncode == 2 and variable in out.stderr and out.stderr.count(hint) == 1, (variable, out.stderr)
+    for variable in ("PJRT_RENDEZVOUS_TIMEOUT", "PJRT_RENDEZVOUS_BATCH_WINDOW"):
+        with pytest.raises(pr.UsageError, match=re.escape(hint)):
+            pr.Settings.resolve({variable: '"60"'}, address="127.0.0.1:1")
+
+
 @pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6")
 def test_serve_listens_on_a_bracketed_ipv6_host():
     """`--host [::1]` (an address's spelling) listens there on every port: gRPC, the session
