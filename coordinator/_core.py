@@ -1057,6 +1057,7 @@ class Core:
         by_where: dict[str, list[int]] = collections.defaultdict(list)
         ages: dict[str, float] = {}
         hosts_of: dict[str, str] = {}  # where -> its host (a host's dead processes are told apart)
+        unheard: set[str] = set()  # where a process restored from the state file has not called since
         for ordinal in ordinals:
             member = job.members.get(ordinal)
             owner = job.tasks.get(ordinal // job.devices_per_task) if job.devices_per_task else None
@@ -1071,10 +1072,14 @@ class Core:
             by_where[where].append(ordinal)
             ages[where] = max(ages.get(where, 0.0), now - process.last_seen)
             hosts_of[where] = process.host
+            if process.restored and process.alive:  # (its last seen is the restart's: it may have been gone long before)
+                unheard.add(where)
         parts = []
         for where, group in sorted(by_where.items(), key=lambda item: min(item[1])):
             text = f"{format_ranges(group)} {where}"
-            if where in ages:
+            if where in unheard:
+                text += f" (not heard from since the coordinator restarted {_duration(ages[where])} s ago)"
+            elif where in ages:
                 text += f" (last seen {_duration(ages[where])} s ago)"
             parts.append((text, len(group), hosts_of.get(where)))
         described = "; ".join(text for text, _, _ in parts)

@@ -77,9 +77,12 @@ def test_a_dead_process_keeps_how_long_ago_it_was_seen_across_a_restore():
     core, _ = populated_core()  # (both last seen at 1.0)
     core.declare_dead("j", "inc1", "silent")
     restored = _state.restore(_state.decode(_state.encode(_state.snapshot(core, 3601.0))), now=50.0)
+    # (a live one not heard from since was "last seen 2.0 s ago", as if it had called since)
     assert restored.describe_missing(restored.jobs["j"], [0, 1], 52.0) == (
-        "0 on h0 (last seen 2.0 s ago); 1 on h1 (dead) (last seen 3602.0 s ago)"
+        "0 on h0 (not heard from since the coordinator restarted 2.0 s ago); 1 on h1 (dead) (last seen 3602.0 s ago)"
     )
+    restored.touch("j", "inc0", 53.0)  # (a heartbeat)
+    assert restored.describe_missing(restored.jobs["j"], [0], 54.0) == "0 on h0 (last seen 1.0 s ago)"
 
 
 def test_an_ended_replica_stays_ended_across_a_restart():
