@@ -59,6 +59,7 @@ def _serialize(message) -> bytes:
 # Decoded to tuples (natively where built): the messages of every round.
 _DECODERS = {"Rendezvous": decode_rendezvous, "Session": decode_session_calls}
 _VERSIONS_TOLD_KEPT = 1024  # (job, version) pairs logged once each (Servicer._tell_version)
+_REFUSALS_KEPT = 1024  # processes whose latest refused registration is remembered (Servicer.Register)
 
 
 def _decoder(method) -> Callable:
@@ -135,6 +136,9 @@ class Servicer(pb_grpc.CoordinatorServicer):
         # Calls waiting on a wake key: asyncio Futures (gRPC's calls run as Tasks), or
         # Wakeups (a session's calls, resumed at once when set; client/_session.py).
         self._waiters: dict[tuple, set[asyncio.Future | Wakeup]] = collections.defaultdict(set)
+        # (job, incarnation) -> the latest refusal of its registration logged: each thread of a
+        # refused process registers, and is refused, for the same reason (one warning, the rest DEBUG).
+        self._refusals_said: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
         # The earliest deadline of each key's waiters (a round's members share one), in a
         # heap that one event-loop timer watches. Most rounds finish long before their
         # deadline: their heap entries lapse, and are dropped in bulk.
@@ -266,7 +270,14 @@ class Servicer(pb_grpc.CoordinatorServicer):
             registered = self._register(request)
         except Exception as exc:
             if isinstance(exc, CoreError):  # (the operator's only word of it otherwise: status)
-                log.warning(
+                said = (request.job[:100], request.incarnation[:100])
+                again = self._refusals_said.get(said) == exc.message
+                self._refusals_said[said] = exc.message
+                self._refusals_said.move_to_end(said)
+                while len(self._refusals_said) > _REFUSALS_KEPT:
+                    self._refusals_said.popitem(last=False)
+                log.log(
+                    logging.DEBUG if again else logging.WARNING,
                     "refused the registration of task %d (%s pid %d) in job %r: %s",
                     request.task_id, request.host[:100], request.pid, request.job[:100], exc.message,
                     extra={

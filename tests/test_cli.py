@@ -223,8 +223,9 @@ def test_status_table_and_json_show_a_stuck_round():
     with Serve("--world-size", "8") as server:
         clients = [simulated_process(server.address, task, processes=4) for task in range(3)]
         refused = simulated_process(server.address, 3, processes=5)  # a world of 10, not 8
-        with pytest.raises(pr.MismatchError):
-            refused.bind_thread(0)
+        for thread in (0, 1):
+            with pytest.raises(pr.MismatchError):
+                refused.bind_thread(thread)
         refused.close()
         server.wait_for_line(r"refused the registration of task 3 \(sim-host-3 pid \d+\) in job 'default': .*world size 8")
 
@@ -280,6 +281,8 @@ def test_status_table_and_json_show_a_stuck_round():
         for thread in threads:
             thread.join(30)
         assert server.stop() == 0
+    # (once for the process: each of its threads is refused, and each was a warning)
+    assert sum("WARNING" in line and "refused the registration of task 3" in line for line in server.lines) == 1, server.stderr()
 
 
 def test_status_names_the_process_of_a_missing_ordinal_whose_thread_is_not_bound():
