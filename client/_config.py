@@ -152,10 +152,13 @@ def _parse_number(variable: str, text: str) -> float:
         raise UsageError(f"{variable}={text!r} is not a number of seconds{quote_hint(text)}") from None
 
 
+NO_LIMIT_WORDS = ("none", "inf", "infinity", "forever")
+
+
 def parse_seconds(text: str, what: str = "") -> float | None:
     """A timeout as written in an environment variable ``what`` or on the command line: a
     positive number of seconds, or a word for no limit ('none', 'inf', 'infinity', 'forever')."""
-    if text.strip().lower() in ("none", "inf", "infinity", "forever"):
+    if text.strip().lower() in NO_LIMIT_WORDS:
         return None
     try:
         value = float(text)

@@ -49,7 +49,9 @@ ordinals, tag)``               calls it, looked up at call time: a
 =============================  ==============================================  ==========================
 
 An unbound thread's ``rendezvous`` or ``mesh_reduce`` beside a process client of a larger world
-logs a warning the first time: torch_xla's own spans the XLA runtime's world, not the job's.
+logs a warning the first time: torch_xla's own spans the XLA runtime's world, not the job's;
+without one, in an XLA world larger than one (torch_xla's own ``xmp.spawn``), it says that
+:func:`install` binds no thread and names :func:`spawn`.
 
 Functions that ``xm`` calls internally (``xm.save``, ``xm.master_print``) look these names up at
 call time and so use the replacements too; ``xm.do_on_ordinals`` chooses by the runtime's
@@ -121,6 +123,7 @@ from . import _api
 from ._client import Binding, Client, current_binding, describe_round, how_it_ended, pending_rounds, xm_binding
 from ._config import Settings, check_timeout
 from ._errors import RendezvousError, TopologyError, UsageError
+from ._session import clip
 
 log = logging.getLogger("pjrt_rendezvous.client")
 
@@ -195,6 +198,8 @@ def install() -> bool:
             "mesh_reduce": _mesh_reduce,
             "xla_rendezvous": _xla_rendezvous,
         }
+        if not hasattr(xm, "xla_rendezvous"):  # (patched where torch_xla's rendezvous calls it)
+            del replacements["xla_rendezvous"]
         for name, replacement in replacements.items():
             original = getattr(xm, name, _MISSING)
             if original is not _MISSING:
@@ -397,9 +402,10 @@ def _refuse_unbound(what: str) -> None:
     """In a process of several device threads (``spawn``), torch_xla's own rendezvous is an
     XLA all-gather over every device of the process: from a thread bound to none (a helper
     thread) it waits for the device threads' part, which never comes, until XLA aborts the
-    process. Elsewhere it runs, and with a process client of a larger world in use it says
-    once that this is the XLA runtime's world, not the job's (in a CPU simulation, the
-    process alone: a silent world of one)."""
+    process. Elsewhere it runs, and it says so once: with a process client of a larger world
+    in use, that this is the XLA runtime's world, not the job's (in a CPU simulation, the
+    process alone: a silent world of one); else, in an XLA world larger than one (torch_xla's
+    own runner), that install() binds no thread."""
     global _told_unbound
     if _device_threads > 1:
         raise UsageError(
@@ -408,27 +414,27 @@ def _refuse_unbound(what: str) -> None:
             "thread and never complete; make the call in a replica's thread (the one spawn() runs "
             "fn in)"
         )
-    client = _api._client
     if _told_unbound:
         return
-    if client is None or client._closed:
-        runtime = _api.started_xla_runtime()
-        if runtime is not None and runtime.world_size() > 1:  # torch_xla's own runner: xmp.spawn, torch_xla.launch
-            _told_unbound = True
-            log.warning(
-                "%s in thread %r, bound to no ordinal, in an XLA world of %d: torch_xla's own runs (an XLA "
-                "all-gather: the tag ignored, no timeout; between the threads of a process it aborts after 10 s, "
-                "torch_xla 2.9), not pjrt_rendezvous's. install() alone binds no thread: run the replicas with "
-                "pjrt_rendezvous.client.xla.spawn, which binds each (said once per process)",
-                what, threading.current_thread().name, runtime.world_size(),
-            )
-    elif client.topology.world_size > 1:
+    client = _api._client
+    if client is not None and not client._closed and client.topology.world_size > 1:
         _told_unbound = True
         log.warning(
             "%s in thread %r, bound to no ordinal: torch_xla's own runs, over the XLA runtime's world, "
             "not through the coordinator over job %r's %d ordinals; bind the thread (bind_thread, "
             "bind_device) for the job's (said once per process)",
             what, threading.current_thread().name, client.settings.job, client.topology.world_size,
+        )
+        return
+    runtime = _api.started_xla_runtime()
+    if runtime is not None and runtime.world_size() > 1:  # torch_xla's own runner: xmp.spawn, torch_xla.launch
+        _told_unbound = True
+        log.warning(
+            "%s in thread %r, bound to no ordinal, in an XLA world of %d: torch_xla's own runs (an XLA "
+            "all-gather: the tag ignored, no timeout; between the threads of a process it aborts after 10 s, "
+            "torch_xla 2.9 on CPU), not pjrt_rendezvous's. install() alone binds no thread: run the replicas "
+            "with pjrt_rendezvous.client.xla.spawn, which binds each (said once per process)",
+            what, threading.current_thread().name, runtime.world_size(),
         )
 
 
@@ -499,10 +505,11 @@ def bind_device(thread_index: int, *, client: Client | None = None) -> Binding:
     except TopologyError as exc:
         devices = _api._runtime_devices()
         if devices is not None and devices > client.topology.devices_per_process:
+            chips = client.topology.chips_per_process
+            value = f"={devices // chips}" if devices % chips == 0 else " (the devices per chip)"
             raise TopologyError(
                 f"{exc}; the XLA runtime runs {devices} devices in this process: set "
-                f"PJRT_RENDEZVOUS_CORES_PER_CHIP={devices // client.topology.chips_per_process} (or run the "
-                "replicas with xla.spawn, which sets it)"
+                f"PJRT_RENDEZVOUS_CORES_PER_CHIP{value} (or run the replicas with xla.spawn, which sets it)"
             ) from None
         raise
     xlac = torch_xla._XLAC
@@ -819,8 +826,9 @@ def _stop(processes, wait: float = 5.0) -> list:
 
 # A replica that skipped a rendezvous (or took another branch) leaves the others' collective
 # waiting for it: XLA ends such a process with SIGABRT after 10 s (torch_xla 2.9, measured).
-_ABORT_HINT = " (SIGABRT: XLA aborts a process whose collective waits 10 s for a replica that does not join; its log says which)"
+_ABORT_HINT = " (SIGABRT: XLA aborts a process whose collective waits 10 s for a replica that does not join, its log says which; or another abort)"
 _ROUNDS_NAMED = 3  # the rounds a crash's report names, of those still waiting
+_GROUP_CHARACTERS = 200  # a named round's group is cut past this (a strided group of thousands)
 
 
 def _rounds_waiting(env: dict[str, str], address: str | None) -> Callable[[], str]:
@@ -836,7 +844,7 @@ def _rounds_waiting(env: dict[str, str], address: str | None) -> Callable[[], st
     def describe() -> str:
         import grpc
 
-        from pjrt_rendezvous.coordinator._core import format_ranges
+        from pjrt_rendezvous.coordinator._core import describe_group
 
         if settings is None:
             return ""
@@ -845,7 +853,7 @@ def _rounds_waiting(env: dict[str, str], address: str | None) -> Callable[[], st
         except (grpc.RpcError, RendezvousError, OSError):  # (RendezvousError: its TLS files unreadable)
             return ""
         named = [
-            f"round {r.round} of {'all ordinals' if not r.replicas else 'ordinals ' + format_ranges(r.replicas)}, {describe_round(r)}"
+            f"round {r.round} of {describe_group(tuple(r.replicas), _GROUP_CHARACTERS)}, {clip(describe_round(r))}"
             for r in rounds[:_ROUNDS_NAMED]
         ]
         more = f"; and {len(rounds) - _ROUNDS_NAMED} more" if len(rounds) > _ROUNDS_NAMED else ""

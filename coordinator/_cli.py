@@ -21,7 +21,8 @@ import time
 from typing import Any, Callable, Mapping
 
 from pjrt_rendezvous.client._config import (
-    check_token, comment_hint, job_problem, parse_seconds, quote_hint, read_token_file, token_conflict, versions_differ,
+    NO_LIMIT_WORDS, check_token, comment_hint, job_problem, parse_seconds, quote_hint, read_token_file, token_conflict,
+    versions_differ,
 )
 from pjrt_rendezvous.client._errors import UsageError
 from pjrt_rendezvous.client._topology import host_port
@@ -93,8 +94,12 @@ def _warn_of_variables(args, env: Mapping[str, str]) -> None:
     prefix = "PJRT_RENDEZVOUS_"
     for name in sorted(n for n in env if n.startswith(prefix) and n not in known):
         close = difflib.get_close_matches(name.removeprefix(prefix), sorted(k.removeprefix(prefix) for k in known), n=1, cutoff=0.75)
+        if re.fullmatch(r"PJRT_RENDEZVOUS_(SERVICE_[A-Z_]+|PORT_\d+_[A-Z_]+)", name):
+            hint = " (a Kubernetes service link: enableServiceLinks: false in the pod's spec)"
+        else:
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
         log.warning(
-            "%s is not a variable pjrt-rendezvous reads%s: ignored", name, f" (did you mean {prefix}{close[0]}?)" if close else "",
+            "%s is not a variable pjrt-rendezvous reads%s: ignored", name, hint,
             extra={"event": "setting_ignored", "variable": name},
         )
     if args.tls_cert is None:
@@ -135,9 +140,11 @@ def _seconds(text: str) -> float | None:
         value = parse_seconds(text)  # as the client reads its timeouts
     except UsageError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    if value is not None and value > _MAX_SECONDS:
+    if value is None and text.strip().lower() not in NO_LIMIT_WORDS or value is not None and value > _MAX_SECONDS:
+        # (1e400 is inf to float(): it turned the watch off)
         raise argparse.ArgumentTypeError(f"must be at most {_MAX_SECONDS:g} s (about 31 years) or 'none', got {text}")
     return value
+
 
 
 def _heartbeat_seconds(text: str) -> float | None:
@@ -346,7 +353,8 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         _session_port,
         "auto",
         f"also serve clients' calls as length-prefixed messages on plain TCP on this port, "
-        f"cheaper than gRPC (default 'auto': {DEFAULT_SESSION_PORT} ({DEFAULT_SESSION_PORT + 1} when --port is {DEFAULT_SESSION_PORT}), or a free one with --port 0; "
+        f"cheaper than gRPC (default 'auto': {DEFAULT_SESSION_PORT} ({DEFAULT_SESSION_PORT + 1} when --port is {DEFAULT_SESSION_PORT}; "
+        "held by something else, a warning and none), or a free one with --port 0; "
         "0 picks a free one; 'off' none; none with TLS)",
     )
     option(

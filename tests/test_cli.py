@@ -1356,7 +1356,8 @@ def test_serve_does_without_the_default_session_port_when_it_is_busy():
         holder.bind(("127.0.0.1", _server.DEFAULT_SESSION_PORT))
         holder.listen()
     except OSError:
-        pass  # (held already: busy either way)
+        holder.close()
+        pytest.skip(f"port {_server.DEFAULT_SESSION_PORT} is in use here")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -1364,11 +1365,17 @@ def test_serve_does_without_the_default_session_port_when_it_is_busy():
                             stderr=subprocess.PIPE, text=True)
     try:
         lines = []
-        for line in proc.stderr:
-            lines.append(line)
-            if "INFO pjrt_rendezvous.coordinator: listening on" in line:
-                break
+
+        def read() -> None:
+            for line in proc.stderr:
+                lines.append(line)
+                if "INFO pjrt_rendezvous.coordinator: listening on" in line:
+                    return
+
+        reader = in_thread(read)
+        reader.join(60)  # (a serve that hangs without a word fails the test, not the suite)
         text = "".join(lines)
+        assert not reader.is_alive(), text
         assert (
             f"the session port 127.0.0.1:{_server.DEFAULT_SESSION_PORT} ('auto', the default) is in use: serving "
             "without one, clients use gRPC's stream" in text
@@ -1444,6 +1451,7 @@ def test_bad_demo_serve_and_health_arguments_get_a_message_not_a_traceback(tmp_p
     for command in (
         ["health", "--timeout", "1e10"], ["status", "--timeout", "1e10"], ["serve", "--grace", "1e300"],
         ["serve", "--heartbeat-timeout", "1e300"], ["serve", "--late-after", "1e10"],  # (taken, unlike 'none')
+        ["serve", "--heartbeat-timeout", "1e400"],  # (inf to float(): the watch was turned off)
     ):
         refused = run_cli(*command)
         assert refused.returncode == 2 and "must be at most 1e+09 s (about 31 years)" in refused.stderr, refused
@@ -1627,7 +1635,7 @@ def test_serve_warns_of_variables_nothing_reads_and_logs_the_settings_in_effect(
     the job), a client's PJRT_RENDEZVOUS_TLS_CERT set for serve gave a plaintext server, and
     nothing at the start said whether TLS, a token or a state file were in effect."""
     env = {"PJRT_RENDEZVOUS_STATE_FLE": str(tmp_path / "s"), "PJRT_RENDEZVOUS_TLS_CERT": "cert.pem",
-           "PJRT_RENDEZVOUS_BOGUS": "1", "PJRT_RENDEZVOUS_TOKEN": "s3cret"}
+           "PJRT_RENDEZVOUS_BOGUS": "1", "PJRT_RENDEZVOUS_TOKEN": "s3cret", "PJRT_RENDEZVOUS_SERVICE_HOST": "10.0.0.1"}
     with Serve("--heartbeat-timeout", "5", env=env) as server:
         listening = server.wait_for_line(r"INFO pjrt_rendezvous.coordinator: listening on ")
         assert server.stop() == 0
@@ -1635,6 +1643,8 @@ def test_serve_warns_of_variables_nothing_reads_and_logs_the_settings_in_effect(
     assert ("PJRT_RENDEZVOUS_STATE_FLE is not a variable pjrt-rendezvous reads (did you mean "
             "PJRT_RENDEZVOUS_STATE_FILE?): ignored") in text, text
     assert "PJRT_RENDEZVOUS_BOGUS is not a variable pjrt-rendezvous reads: ignored" in text, text
+    assert ("PJRT_RENDEZVOUS_SERVICE_HOST is not a variable pjrt-rendezvous reads (a Kubernetes service link: "
+            "enableServiceLinks: false in the pod's spec): ignored") in text, text
     assert ("PJRT_RENDEZVOUS_TLS_CERT names a client's TLS file, which serve does not read: its own is "
             "PJRT_RENDEZVOUS_SERVER_TLS_CERT (or --tls-cert); serving without TLS") in text, text
     assert "PJRT_RENDEZVOUS_TOKEN " not in text, text  # (read by serve: no warning)
