@@ -146,7 +146,6 @@ def _seconds(text: str) -> float | None:
     return value
 
 
-
 def _heartbeat_seconds(text: str) -> float | None:
     try:
         number = float(text)
