@@ -489,7 +489,10 @@ class Servicer(pb_grpc.CoordinatorServicer):
             log.info(
                 "replica%s of ordinal%s %s ended in job %r (%s): %s", "s" if len(ended) > 1 else "",
                 "s" if len(ended) > 1 else "", format_ranges(ended), request.job, process.label(), process.ended[ended[0]],
-                extra={"event": "replicas_ended", "job": request.job, "ordinals": format_ranges(ended), "host": process.host},
+                extra={
+                    "event": "replicas_ended", "job": request.job, "ordinals": format_ranges(ended), "host": process.host,
+                    "task": process.task_id, "pid": process.pid, "reason": process.ended[ended[0]],
+                },
             )
         self._wake()
         await self._persist()

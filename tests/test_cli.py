@@ -1658,3 +1658,17 @@ def test_every_variable_the_package_reads_is_known_to_serve_s_warning():
     sources = [*root.glob("client/*.py"), *root.glob("coordinator/*.py")]
     read = {name for path in sources for name in re.findall(r"PJRT_RENDEZVOUS_[A-Z_]*[A-Z]\b", path.read_text())}
     assert read and read <= _cli.known_variables(), sorted(read - _cli.known_variables())
+
+
+def test_a_replicas_ended_line_names_its_process_and_why():
+    """replicas_ended's JSON line had the job, ordinals and host only: its process's task, pid
+    and the reason were in the message alone, unlike the other process lines."""
+    with Serve("--log-format", "json") as server:
+        client = simulated_process(server.address, 0, processes=1, threads=2)
+        client.bind_thread(0)
+        client.end_replicas([0], "its replica returned")
+        line = json.loads(server.wait_for_line(r'"event": "replicas_ended"'))
+        client.close()
+        assert server.stop() == 0
+    assert (line["task"], line["pid"], line["ordinals"], line["host"]) == (0, os.getpid(), "0", "sim-host-0"), line
+    assert line["reason"] == "its replica returned", line
