@@ -9,10 +9,15 @@ TEST_VENV ?= $(CACHE)/test-venv-$(DEPS_HASH)
 
 .PHONY: demo test test-fast protos clean print-venv
 
+# setuptools' notes on this layout, about 70 lines at every editable install: its experimental
+# [tool.setuptools.ext-modules], an editable install's package-dir mapping, and the .proto
+# folder that holds a development script on purpose (protos/pjrt_rendezvous/generate.py).
+QUIET_BUILD := PYTHONWARNINGS=ignore::UserWarning
+
 .venv/.installed: pyproject.toml
 	$(PYTHON) -m venv .venv
 	.venv/bin/pip install -q --upgrade pip
-	.venv/bin/pip install -q -e .
+	$(QUIET_BUILD) .venv/bin/pip install -q -e .
 	touch $@
 
 ## demo: run a coordinator and a simulated TPU v3-8 (4 processes x 2 threads) on this machine
@@ -33,7 +38,7 @@ $(TEST_VENV)/.installed:
 ## test: the whole suite (unit, property, integration with real processes, torch and torch_xla)
 test: $(TEST_VENV)/.installed
 	@# re-point the editable install at this checkout (CI clones to a new folder each run)
-	$(TEST_VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
+	$(QUIET_BUILD) $(TEST_VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
 	$(TEST_VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 ## test-fast: everything except the torch_xla tests

@@ -4,7 +4,7 @@ Usage (from the repository root, in an environment with the package, grpcio and 
 
     python bench/run.py                                   # the full run, writes bench/RESULTS.md
     python bench/run.py --sizes 2x1,8x1,8x8,32x8 --rounds 200 --scale 8x8,64x8,512x8
-    python bench/run.py --smoke --output /tmp/results.md  # seconds; what CI runs
+    python bench/run.py --smoke                           # seconds (CI's, with --output): $TMPDIR/smoke-RESULTS.md
 
 Sizes are PROCESSESxTHREADS: real processes, each running THREADS participant threads.
 Every system runs the same workloads at every size in the same run, in alternating order
@@ -38,6 +38,7 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -570,9 +571,14 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--profile", help="directory: record our coordinator with py-spy during its sessions")
     parser.add_argument("--smoke", action="store_true", help="smallest sizes, few rounds (CI): seconds")
-    parser.add_argument("--output", default=os.path.join(HERE, "RESULTS.md"))
+    parser.add_argument(
+        "--output", help="the table's file (default bench/RESULTS.md; with --smoke, smoke-RESULTS.md in the temporary folder:"
+        " a smoke run does not replace the committed results)",
+    )
     parser.add_argument("--json", help="also write the raw numbers here")
     args = parser.parse_args(argv)
+    if args.output is None:
+        args.output = os.path.join(tempfile.gettempdir(), "smoke-RESULTS.md") if args.smoke else os.path.join(HERE, "RESULTS.md")
     if args.product:
         from _servers import use_product
 

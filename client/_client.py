@@ -31,7 +31,7 @@ import tenacity
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
-from ._config import DEFAULT, FAN_IN_AUTO_HOSTS, Settings, check_timeout
+from ._config import _VARIABLES, DEFAULT, FAN_IN_AUTO_HOSTS, TOPOLOGY_VARIABLES, Settings, check_timeout
 from ._errors import (
     CoordinatorUnavailableError, InvalidArgumentError, MismatchError, ParticipantFailedError, RendezvousError, RendezvousTimeout,
     UnknownJobError, UsageError, from_rpc_error,
@@ -43,6 +43,23 @@ from ._version import VERSION
 from ._wire import Row, decode_payloads, encode_rendezvous
 
 log = logging.getLogger("pjrt_rendezvous.client")
+
+_CLIENT_VARIABLES = frozenset({*_VARIABLES.values(), *TOPOLOGY_VARIABLES})  # (the others: serve's, or unknown)
+_variables_checked: set[str] = set()  # PJRT_RENDEZVOUS_* names this process has judged
+
+
+def _warn_of_variables(env) -> None:
+    """Warns once per process of a ``PJRT_RENDEZVOUS_*`` variable nothing reads, naming the
+    one it resembles (a misspelt setting was ignored without a word), as serve does."""
+    names = [n for n in env if n.startswith("PJRT_RENDEZVOUS_") and n not in _variables_checked]
+    names = [n for n in names if n not in _CLIENT_VARIABLES]
+    if not names:
+        return
+    _variables_checked.update(names)
+    from pjrt_rendezvous.coordinator._cli import unknown_variables  # (serve's names are known too)
+
+    for _, warning in unknown_variables(dict.fromkeys(names, "")):
+        log.warning("%s", warning)
 
 T = TypeVar("T")
 
@@ -527,6 +544,7 @@ class Client:
         # Fewer than 30 attributes: from 30 on, CPython (3.11-3.13) no longer shares an
         # instance's keys with its class, and every attribute and method access in
         # rendezvous() takes the slow path (+3 % client instructions per round at 2x8).
+        _warn_of_variables(os.environ)
         self.settings = settings
         self.topology = topology
         self.incarnation = uuid.uuid4().hex
@@ -896,7 +914,8 @@ class Client:
         Args:
             leave: tell the coordinator this process is done, so its ordinals are gone at once
                 instead of after the heartbeat timeout (best effort). With ``leave=False`` the
-                coordinator finds out only when the heartbeats stop.
+                coordinator declares the process dead when it does not call again within 10 s
+                of its connection closing (as if it had crashed).
         """
         if self._closed:
             return

@@ -44,6 +44,11 @@ _VARIABLES: dict[str, str] = {
     "tls_cert": "PJRT_RENDEZVOUS_TLS_CERT",
     "tls_key": "PJRT_RENDEZVOUS_TLS_KEY",
 }
+# Read by detect_topology (client/_topology.py) and the native module's switch.
+TOPOLOGY_VARIABLES = tuple(
+    f"PJRT_RENDEZVOUS_{name}"
+    for name in ("ADDRESS", "TASK_ID", "NUM_TASKS", "CORES_PER_CHIP", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "METADATA_URL", "NATIVE")
+)
 _TEXT = {"job", "fan_in", "transport", "token", "token_file", "tls_ca", "tls_cert", "tls_key"}
 FAN_IN_MODES = ("auto", "host", "off")
 # With fan_in="auto", hosts relay for their processes from this many hosts on.
@@ -124,15 +129,16 @@ _PEM_CERTIFICATE = b"-----BEGIN CERTIFICATE-----"
 LONGEST_TIMEOUT = 21 * 86400.0
 
 
-def check_timeout(value: Any, what: str = "timeout") -> float | None:
+def check_timeout(value: Any, what: str = "timeout", none: str = "None waits forever") -> float | None:
     """Validates a timeout: a positive number of seconds, or None for no limit (as is
-    anything from LONGEST_TIMEOUT, 21 days, on)."""
+    anything from LONGEST_TIMEOUT, 21 days, on). ``none`` says what None means (or, for a
+    setting that must be finite, that it is refused)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{what} must be a number of seconds or None, got {value!r}")
     if not value > 0:  # NaN too
-        raise UsageError(f"{what} must be > 0 seconds (None waits forever), got {value!r}")
+        raise UsageError(f"{what} must be > 0 seconds ({none}), got {value!r}")
     return None if value >= LONGEST_TIMEOUT else float(value)
 
 
@@ -264,7 +270,7 @@ class Settings:
         if problem is not None:
             raise UsageError(f"job {self.job!r} {problem} (PJRT_RENDEZVOUS_JOB, init(job=))")
         object.__setattr__(self, "timeout", check_timeout(self.timeout))
-        if check_timeout(self.connect_timeout, "connect_timeout") is None:
+        if check_timeout(self.connect_timeout, "connect_timeout", "and finite") is None:
             raise UsageError(
                 f"connect_timeout must be a finite number of seconds (PJRT_RENDEZVOUS_CONNECT_TIMEOUT), got {self.connect_timeout!r}"
             )
@@ -277,12 +283,12 @@ class Settings:
             raise UsageError(f"fan_in must be one of {', '.join(FAN_IN_MODES)} (PJRT_RENDEZVOUS_FAN_IN), got {self.fan_in!r}")
         if self.transport not in TRANSPORTS:
             raise UsageError(f"transport must be one of {', '.join(TRANSPORTS)} (PJRT_RENDEZVOUS_TRANSPORT), got {self.transport!r}")
-        if check_timeout(self.heartbeat_interval, "heartbeat_interval") is None:
+        if check_timeout(self.heartbeat_interval, "heartbeat_interval", "and finite") is None:
             raise UsageError(
                 "heartbeat_interval must be a finite number of seconds (PJRT_RENDEZVOUS_HEARTBEAT_INTERVAL), "
                 f"got {self.heartbeat_interval!r}"
             )
-        object.__setattr__(self, "progress_interval", check_timeout(self.progress_interval, "progress_interval"))
+        object.__setattr__(self, "progress_interval", check_timeout(self.progress_interval, "progress_interval", "None: never"))
         for name in ("token", "tls_ca", "tls_cert", "tls_key"):
             check_text_setting(name, getattr(self, name))
         if self.token is not None:

@@ -255,6 +255,11 @@ class Store(dist.Store):
         timeout: timedelta | float = DEFAULT_TIMEOUT,
     ) -> None:
         super().__init__()
+        if client is not None and not isinstance(client, Client):
+            raise TypeError(
+                f"client must be a pjrt_rendezvous.client.Client or None (the process's client), got {client!r}; "
+                "for an address, pass pjrt_rendezvous.client.init(address) or use the URL pjrt-rendezvous://HOST:PORT"
+            )
         seconds = _seconds(timeout)
         if prefix is None:
             prefix = _run_prefix(DEFAULT_PREFIX, client, seconds)

@@ -69,39 +69,41 @@ TLS_SERVER_NAME_VARIABLE = "PJRT_RENDEZVOUS_TLS_SERVER_NAME"
 # use, so a malformed one must not fail them.
 CLIENT_TLS_VARIABLES = ("PJRT_RENDEZVOUS_TLS_CA", "PJRT_RENDEZVOUS_TLS_CERT", "PJRT_RENDEZVOUS_TLS_KEY")
 CLIENT_TOKEN_VARIABLES = (TOKEN_VARIABLE, SERVE_VARIABLES["token_file"])
-# Every PJRT_RENDEZVOUS_* variable the package reads: serve warns of any other in its
-# environment (a misspelt state file variable was ignored without a word, and the
-# restart after lost what it was to keep).
-_CLIENT_TOPOLOGY_VARIABLES = tuple(
-    f"PJRT_RENDEZVOUS_{name}"
-    for name in ("ADDRESS", "TASK_ID", "NUM_TASKS", "CORES_PER_CHIP", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "METADATA_URL", "NATIVE")
-)
 
 
 def known_variables() -> set[str]:
-    from pjrt_rendezvous.client._config import _VARIABLES
+    """Every PJRT_RENDEZVOUS_* variable the package reads: serve and clients warn of any
+    other in their environment (a misspelt state file variable was ignored without a word,
+    and the restart after lost what it was to keep)."""
+    from pjrt_rendezvous.client._config import _VARIABLES, TOPOLOGY_VARIABLES
 
-    return {*SERVE_VARIABLES.values(), TOKEN_VARIABLE, TLS_SERVER_NAME_VARIABLE, *_VARIABLES.values(), *_CLIENT_TOPOLOGY_VARIABLES}
+    return {*SERVE_VARIABLES.values(), TOKEN_VARIABLE, TLS_SERVER_NAME_VARIABLE, *_VARIABLES.values(), *TOPOLOGY_VARIABLES}
 
 
-def _warn_of_variables(args, env: Mapping[str, str]) -> None:
-    """Warns of a ``PJRT_RENDEZVOUS_*`` variable nothing reads (with the known name it
-    resembles), and of a client's TLS variable where serve has no TLS of its own."""
+def unknown_variables(env: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The ``PJRT_RENDEZVOUS_*`` variables of ``env`` nothing reads, each with its warning
+    (naming the known one it resembles): serve's and every client's."""
     import difflib
 
-    log = logging.getLogger("pjrt_rendezvous.coordinator")
     known = known_variables()
     prefix = "PJRT_RENDEZVOUS_"
+    unknown = []
     for name in sorted(n for n in env if n.startswith(prefix) and n not in known):
         close = difflib.get_close_matches(name.removeprefix(prefix), sorted(k.removeprefix(prefix) for k in known), n=1, cutoff=0.75)
         if re.fullmatch(r"PJRT_RENDEZVOUS_(SERVICE_[A-Z_]+|PORT_\d+_[A-Z_]+)", name):
             hint = " (a Kubernetes service link: enableServiceLinks: false in the pod's spec)"
         else:
             hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
-        log.warning(
-            "%s is not a variable pjrt-rendezvous reads%s: ignored", name, hint,
-            extra={"event": "setting_ignored", "variable": name},
-        )
+        unknown.append((name, f"{name} is not a variable pjrt-rendezvous reads{hint}: ignored"))
+    return unknown
+
+
+def _warn_of_variables(args, env: Mapping[str, str]) -> None:
+    """Warns of a ``PJRT_RENDEZVOUS_*`` variable nothing reads, and of a client's TLS
+    variable where serve has no TLS of its own."""
+    log = logging.getLogger("pjrt_rendezvous.coordinator")
+    for name, warning in unknown_variables(env):
+        log.warning("%s", warning, extra={"event": "setting_ignored", "variable": name})
     if args.tls_cert is None:
         for name in sorted(n for n in CLIENT_TLS_VARIABLES if env.get(n)):
             server = name.replace("PJRT_RENDEZVOUS_", "PJRT_RENDEZVOUS_SERVER_")
@@ -751,11 +753,16 @@ def _age(seconds: float) -> str:
     return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60)} min"
 
 
-def _pids(pids: list[int], dead: set[int] = frozenset(), left: set[int] = frozenset(), limit: int = 4) -> str:
-    """The first ``limit`` pids, the dead then the departed first (a host of 8 processes hid
-    its dead one behind "+4 more")."""
-    pids = sorted(pids, key=lambda p: (p not in dead, p not in left))  # (stable: the given order within)
-    shown = [f"{p} (dead)" if p in dead else f"{p} (left)" if p in left else str(p) for p in pids[:limit]]
+def _pids(
+    pids: list[int], dead: set[int] = frozenset(), left: set[int] = frozenset(), closed: set[int] = frozenset(), limit: int = 4
+) -> str:
+    """The first ``limit`` pids, the dead, then those whose connection closed, then the
+    departed first (a host of 8 processes hid its dead one behind "+4 more")."""
+    pids = sorted(pids, key=lambda p: (p not in dead, p not in closed, p not in left))  # (stable: the given order within)
+    shown = [
+        f"{p} (dead)" if p in dead else f"{p} (connection closed)" if p in closed else f"{p} (left)" if p in left else str(p)
+        for p in pids[:limit]
+    ]
     if len(pids) > limit:
         shown.append(f"+{len(pids) - limit} more")
     return ", ".join(shown)
@@ -774,17 +781,17 @@ def _ranges_cut(ordinals: list[int]) -> str:
     return format_ranges(ordinals, _RANGES_SHOWN)
 
 
-def _where(missing_by_host: list[dict], refused: set[int], unregistered: str) -> list[str]:
+def _where(missing_by_host: list[dict], refused: set[int]) -> list[str]:
     """Missing ordinals where they are, a host per line (of _HOSTS_SHOWN at most):
     ``missingByHost`` of :func:`summarize_job`; ``refused``: the ordinals of the tasks
-    refused; ``unregistered`` says the others of no process."""
+    refused (the others of no process never registered)."""
     lines, more, nowhere = [], [], 0  # (nowhere: the lines of ordinals of no process)
     for m in missing_by_host:
         if m["host"] is None:  # (not a host: always said)
             turned_away = [o for o in m["ordinals"] if o in refused]
             never = [o for o in m["ordinals"] if o not in refused]
             said = ([f"{_ranges_cut(turned_away)} refused (below)"] if turned_away else []) + (
-                [f"{_ranges_cut(never)} {unregistered}"] if never else []
+                [f"{_ranges_cut(never)} never registered"] if never else []
             )
             lines += said
             nowhere += len(said)
@@ -792,7 +799,7 @@ def _where(missing_by_host: list[dict], refused: set[int], unregistered: str) ->
         if len(lines) - nowhere >= _HOSTS_SHOWN:
             more.append(m)
             continue
-        detail = [f"pid{'s' if len(m['pids']) != 1 else ''} {_pids(m['pids'], set(m['deadPids']), set(m['leftPids']))}"]
+        detail = [f"pid{'s' if len(m['pids']) != 1 else ''} {_pids(m['pids'], set(m['deadPids']), set(m['leftPids']), set(m['closedPids']))}"]
         if m["lastSeenAge"] is not None:
             detail.append(f"last seen {_age(m['lastSeenAge'])} ago")
         lines.append(f"{_ranges_cut(m['ordinals'])} on {m['host']} ({', '.join(detail)})")
@@ -824,6 +831,11 @@ def _dead(participant) -> bool:
     return not participant.alive and not participant.left
 
 
+def _closed(participant) -> bool:
+    """Alive, but its connection closed without a Leave (declared dead soon unless it calls)."""
+    return participant.HasField("disconnected_age")
+
+
 def summarize_job(job) -> dict:
     """What ``status`` shows of one ``JobStatus``: hosts, unregistered ordinals and, per
     pending round, the missing ordinals grouped by host."""
@@ -848,6 +860,7 @@ def summarize_job(job) -> dict:
                 "pids": [p.pid for p in procs],
                 "deadPids": [p.pid for p in procs if _dead(p)],
                 "leftPids": [p.pid for p in procs if p.left],
+                "closedPids": [p.pid for p in procs if _closed(p)],
                 "tasks": format_ranges(p.task_id for p in procs),
                 "ordinals": sorted(entry["ordinals"]),  # (a list, as everywhere in --json; ranges: its text)
                 "ranges": format_ranges(entry["ordinals"]),
@@ -884,6 +897,7 @@ def summarize_job(job) -> dict:
                     "pids": sorted(p.pid for p in procs.values()),
                     "deadPids": sorted(p.pid for p in procs.values() if _dead(p)),
                     "leftPids": sorted(p.pid for p in procs.values() if p.left),
+                    "closedPids": sorted(p.pid for p in procs.values() if _closed(p)),
                     "lastSeenAge": max((p.last_seen_age for p in procs.values()), default=None),
                 }
             )
@@ -968,7 +982,7 @@ def render_status(response, address: str) -> str:
             lines.append(f"  client version {version} (not the coordinator's): {', '.join(named[:4])}{more}")
         if summary["notRegistered"] and job.registered:
             ordinals = summary["notRegistered"]
-            where = _where(summary["notRegisteredByHost"], refused, "never registered")
+            where = _where(summary["notRegisteredByHost"], refused)
             said = f" ({'; '.join(where)})" if where != [f"{_ranges_cut(ordinals)} never registered"] else ""
             lines.append(f"  not registered: ordinal{'s' if len(ordinals) > 1 else ''} {_ranges_cut(ordinals)}{said}")
         if summary["hosts"]:
@@ -976,7 +990,7 @@ def render_status(response, address: str) -> str:
                 [
                     h["host"],
                     f"{h['processes']}" + "".join(f" ({h[k]} {k})" for k in ("dead", "left") if h[k]),
-                    _pids(h["pids"], set(h["deadPids"]), set(h["leftPids"])),
+                    _pids(h["pids"], set(h["deadPids"]), set(h["leftPids"]), set(h["closedPids"])),
                     h["ranges"] + (f" ({format_ranges(h['endedOrdinals'])} ended)" if h["endedOrdinals"] else ""),
                     f"{_age(h['lastSeenAge'])} ago",
                 ]
@@ -992,7 +1006,7 @@ def render_status(response, address: str) -> str:
                     if len(tags) == 1
                     else ", ".join(f"{t!r} ({format_ranges(o)})" for t, o in tags.items())
                 )
-                missing = _where(r["missingByHost"], refused, "not registered")
+                missing = _where(r["missingByHost"], refused)
                 group = _ranges_cut(list(pending.replicas)) if pending.replicas else "all"
                 rows.append([r["round"], group, tag, f"{r['arrived']}/{r['expected']}", _age(r["ageSeconds"]), missing])
             lines += [""] + _table(["ROUND", "GROUP", "TAG", "ARRIVED", "AGE", "MISSING"], rows)

@@ -58,6 +58,11 @@ _REQUEST_IDS_KEPT = 100_000
 MAX_REQUEST_ID_LENGTH = 256
 _REPLACED_KEPT = 1024  # replaced incarnations remembered per job, for their late calls' errors
 MIN_HEARTBEAT_TIMEOUT = 1.0  # seconds
+# Seconds a process whose connection closed without a Leave (Core.disconnect) has to call
+# again before it is declared dead (at most the heartbeat timeout). A live client opens its
+# event watch again within a second or five and heartbeats every five: a killed process is
+# told apart from a broken connection well before the heartbeat timeout, 60 s by default.
+DISCONNECTED_GRACE = 10.0
 _REFUSED_KEPT = 1024  # tasks whose registration was refused, remembered per job (Core.register)
 _OUTSIDER_CALLS_KEPT = 1024  # ordinals' calls from outside their replicas remembered per job (Core._replicas_group)
 _EVENTS_KEPT = 1000  # the latest events of a job (EventLog)
@@ -204,6 +209,10 @@ class Process:
     ended: dict[int, str] = dataclasses.field(default_factory=dict)
     client_version: str = ""  # its client's package version, as it registered
     restored: bool = False  # restored from a state file and not heard from since
+    # When its connection to the coordinator closed without a Leave (its Watch stream
+    # ended: the process was killed or crashed, or its network broke), if not heard from
+    # since; declared dead DISCONNECTED_GRACE later unless it calls again.
+    disconnected: float | None = None
 
     def label(self) -> str:
         return f"{self.host} pid {self.pid}"
@@ -318,6 +327,7 @@ class ParticipantView:
     left: bool = False  # not alive: it closed its client
     ended: str = ""  # how its replica ended (end_replicas); empty while it runs
     client_version: str = ""
+    disconnected_age: float | None = None  # its connection closed this long ago (Core.disconnect)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -683,7 +693,7 @@ class Core:
                 f"this process ({process.label()}, task {process.task_id}) was declared dead: "
                 f"{process.death}; its ordinals are lost to job {job.name!r}; start a new process",
             )
-        process.last_seen, process.restored = now, False
+        process.last_seen, process.restored, process.disconnected = now, False, None
         return process
 
     # -- world ----------------------------------------------------------------------------
@@ -921,7 +931,7 @@ class Core:
                 client_version=r.client_version[: self.limits.max_name_length],  # (told only: a long one is cut, not refused)
             )
             job.tasks[r.task_id] = r.incarnation
-        process.last_seen, process.restored = now, False
+        process.last_seen, process.restored, process.disconnected = now, False, None
         self._changed()
         owners = job.runtime_owners
         for a in assignments:  # a thread bound again after its replica ended is back
@@ -1058,6 +1068,7 @@ class Core:
         ages: dict[str, float] = {}
         hosts_of: dict[str, str] = {}  # where -> its host (a host's dead processes are told apart)
         unheard: set[str] = set()  # where a process restored from the state file has not called since
+        closed_ages: dict[str, float] = {}  # where a live process's connection closed (Core.disconnect)
         for ordinal in ordinals:
             member = job.members.get(ordinal)
             owner = job.tasks.get(ordinal // job.devices_per_task) if job.devices_per_task else None
@@ -1066,18 +1077,23 @@ class Core:
                 by_where["never registered" if refused is None else f"not registered ({refused})"].append(ordinal)
                 continue
             process = job.processes[member.incarnation if member else owner]
+            closed = process.disconnected if process.alive else None
             where = f"on {process.host or 'an unnamed host'}" + (
                 "" if process.alive else " (left)" if process.left else " (dead)"
-            )
+            ) + ("" if closed is None else ", connection closed")
             by_where[where].append(ordinal)
             ages[where] = max(ages.get(where, 0.0), now - process.last_seen)
             hosts_of[where] = process.host
+            if closed is not None:
+                closed_ages[where] = max(closed_ages.get(where, 0.0), now - closed)
             if process.restored and process.alive:  # (its last seen is the restart's: it may have been gone long before)
                 unheard.add(where)
         parts = []
         for where, group in sorted(by_where.items(), key=lambda item: min(item[1])):
             text = f"{format_ranges(group)} {where}"
-            if where in unheard:
+            if where in closed_ages:
+                text += f" {_duration(closed_ages[where])} s ago without a Leave (last seen {_duration(ages[where])} s ago)"
+            elif where in unheard:
                 text += f" (not heard from since the coordinator restarted {_duration(ages[where])} s ago)"
             elif where in ages:
                 text += f" (last seen {_duration(ages[where])} s ago)"
@@ -1613,10 +1629,18 @@ class Core:
             if now - self.restored[0] <= self.restored[1]:
                 return  # just restored: its processes may not have been told the timeout yet
             self.restored = None
+        grace = min(DISCONNECTED_GRACE, self.heartbeat_timeout)
         for job in self.jobs.values():
             for process in list(job.processes.values()):
                 silent = now - process.last_seen
-                if process.alive and silent > self.heartbeat_timeout:
+                closed = None if process.disconnected is None else now - process.disconnected
+                if process.alive and closed is not None and (closed > grace or silent > self.heartbeat_timeout):
+                    self.declare_dead(
+                        job.name, process.incarnation,
+                        f"its connection closed {closed:.1f} s ago without a Leave and it has not called since "
+                        f"(killed, crashed, or its host lost the network; last seen {silent:.1f} s ago)",
+                    )
+                elif process.alive and silent > self.heartbeat_timeout:
                     # (one silent since a restore may have died while the coordinator was down)
                     silence = (
                         f"not heard from since the coordinator restarted from its state file {silent:.1f} s ago"
@@ -1625,6 +1649,14 @@ class Core:
                     self.declare_dead(
                         job.name, process.incarnation, f"{silence} (heartbeat timeout {self.heartbeat_timeout:g} s)"
                     )
+
+    def disconnect(self, job_name: str, incarnation: str, now: float) -> None:
+        """A process's connection closed without a Leave (its event watch ended): unless
+        it calls again within DISCONNECTED_GRACE, ``check_liveness`` declares it dead."""
+        job = self.jobs.get(job_name)
+        process = job.processes.get(incarnation) if job is not None else None
+        if process is not None and process.alive and process.disconnected is None:
+            process.disconnected = now
 
     def declare_dead(self, job_name: str, incarnation: str, reason: str, *, left: bool = False) -> None:
         """Marks a process dead (or gone, ``left``) and fails every pending round that needs
@@ -2100,6 +2132,9 @@ class Core:
                     left=p.left,
                     ended=p.ended.get(ordinal, ""),
                     client_version=p.client_version,
+                    disconnected_age=(
+                        max(0.0, now - p.disconnected) if now is not None and p.alive and p.disconnected is not None else None
+                    ),
                 )
             )
         return views

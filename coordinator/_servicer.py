@@ -153,6 +153,9 @@ class Servicer(pb_grpc.CoordinatorServicer):
         self._stopping = False  # streams end (see end_streams)
         self._streams: dict[asyncio.Task, Callable[[], bool]] = {}  # Session streams -> idle?
         self._ended: set[asyncio.Task] = set()  # Session streams end_streams cancelled
+        # (job, incarnation) -> its Watch streams open (one, but a stream opened again may
+        # start before the broken one is seen to end: only the last one's end is a close).
+        self._watching: collections.Counter[tuple[str, str]] = collections.Counter()
         self._versions_told: set[tuple[str, str]] = set()  # (job, client version) logged as not ours
 
     def end_streams(self) -> bool:
@@ -533,27 +536,41 @@ class Servicer(pb_grpc.CoordinatorServicer):
             await self._persist()
         except CoreError as exc:
             await _abort(context, exc.code, exc.message)
-        yield pb.WatchEvent(index=seen)
-        while True:
-            first, events = self._core.events(request.job, seen)
-            if events:  # on disk before anyone hears of them (a crash cannot take one back)
-                try:
-                    await self._persist()
-                except CoreError as exc:
-                    await _abort(context, exc.code, exc.message)
-            for index, event in enumerate(events, first):
-                yield pb.WatchEvent(
-                    kind=pb.WatchEvent.Kind.Value(event.kind),
-                    generation=event.generation,
-                    ordinals=event.ordinals,
-                    host=event.host,
-                    message=event.message,
-                    index=index,
-                )
-            seen = first + len(events)
-            if self._stopping:  # (end_streams may have run while this stream was sending)
-                break
-            await self._wait(("events", request.job), None)
+        watcher = (request.job, request.incarnation)
+        self._watching[watcher] += 1
+        try:
+            yield pb.WatchEvent(index=seen)
+            while True:
+                first, events = self._core.events(request.job, seen)
+                if events:  # on disk before anyone hears of them (a crash cannot take one back)
+                    try:
+                        await self._persist()
+                    except CoreError as exc:
+                        await _abort(context, exc.code, exc.message)
+                for index, event in enumerate(events, first):
+                    yield pb.WatchEvent(
+                        kind=pb.WatchEvent.Kind.Value(event.kind),
+                        generation=event.generation,
+                        ordinals=event.ordinals,
+                        host=event.host,
+                        message=event.message,
+                        index=index,
+                    )
+                seen = first + len(events)
+                if self._stopping:  # (end_streams may have run while this stream was sending)
+                    break
+                await self._wait(("events", request.job), None)
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client went away: its process closed the stream (closing its client, after
+            # its Leave) or its connection closed (killed, crashed: Core.disconnect). (Cut
+            # while gRPC sends an event, the stream is closed: GeneratorExit.)
+            if not self._stopping and self._watching[watcher] == 1:
+                self._core.disconnect(request.job, request.incarnation, self._clock())
+            raise
+        finally:
+            self._watching[watcher] -= 1
+            if not self._watching[watcher]:
+                del self._watching[watcher]
         await _abort(context, Code.UNAVAILABLE, "the coordinator is stopping")
 
     # -- sessions -------------------------------------------------------------------------
@@ -779,4 +796,6 @@ def _participant(view) -> pb.Participant:
     )
     if view.runtime_ordinal is not None:
         message.runtime_ordinal = view.runtime_ordinal
+    if view.disconnected_age is not None:
+        message.disconnected_age = view.disconnected_age
     return message

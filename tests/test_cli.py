@@ -512,7 +512,7 @@ def test_render_status_of_a_large_pod_stays_readable():
     assert re.search(r"^  3\s+0, 8, 16, 24, 32, 40, .*, \.\.\. \(513 ordinals\)\s+'t'\s+1/513\s+30\.0 s\s+8, 16, 24", first), first
     # (the ordinal of no process is said, not counted as a host more)
     assert any(line.strip() == "and 448 ordinals on 56 hosts more (status --json lists them)" for line in lines), lines[-12:]
-    assert any(line.strip() == "4096 not registered" for line in lines), lines[-12:]
+    assert any(line.strip() == "4096 never registered" for line in lines), lines[-12:]
 
 
 def test_render_status_marks_dead_processes_and_groups_hosts_naturally():
@@ -549,6 +549,7 @@ def test_render_status_marks_dead_processes_and_groups_hosts_naturally():
     # ... and its ordinals whose replicas ended while their process goes on.
     assert re.search(r"host-10\s+2 \(1 left\)\s+102 \(left\), 100\s+0, 2 \(0 ended\)\s+0.5 s ago", text), text
     assert _cli._pids([1, 2, 3, 4, 5, 6], dead={6}, left={5}) == "6 (dead), 5 (left), 1, 2, +2 more"
+    assert _cli._pids([1, 2, 3, 4], dead={4}, left={3}, closed={2}) == "4 (dead), 2 (connection closed), 3 (left), 1"
     assert re.search(
         r"7\s+0-1\s+'a'\s+1/2\s+1 h 2 min\s+1 on host-2 \(pid 101 \(dead\), last seen 1 min 15 s ago\)", text
     ), text
@@ -1052,7 +1053,7 @@ def test_json_log_lines_for_each_significant_event():
 
         waiter, outcome = bound_thread(first, 0, stuck)
         late = json.loads(server.wait_for_line(r'"event": "round_late"'))
-        second.close(leave=False)  # its heartbeats stop: declared dead after 3 s
+        second.close(leave=False)  # its heartbeats stop, its connection closes: declared dead within 3 s
         dead = json.loads(server.wait_for_line(r'"event": "process_dead"'))
         failed = json.loads(server.wait_for_line(r'"event": "round_failed"'))
         waiter.join(30)
@@ -1074,7 +1075,7 @@ def test_json_log_lines_for_each_significant_event():
     assert [e["generation"] for e in events if e.get("event") == "world_formed"] == [1, 2]
     assert (late["level"], late["tag"], late["arrived"], late["expected"], late["missing"]) == ("WARNING", "ckpt", 1, 2, "1")
     assert "missing 1 on sim-host-1 (last seen" in late["message"]
-    assert (dead["ordinals"], dead["host"]) == ("1", "sim-host-1") and "no heartbeat" in dead["message"]
+    assert (dead["ordinals"], dead["host"]) == ("1", "sim-host-1") and "died: " in dead["message"]
     task_1 = next(e for e in registered if e["task"] == 1)
     assert (dead["task"], dead["pid"]) == (1, task_1["pid"]), (dead, task_1)  # (were in the message only)
     assert (restarted["task"], restarted["pid"]) == (1, task_1["pid"]), restarted  # (the process replaced)
@@ -1399,9 +1400,9 @@ def test_a_death_found_by_the_liveness_watch_is_in_the_state_file(tmp_path):
         proc = _registered_process(server.address)
         proc.kill()
         proc.wait(10)
-        server.wait_for_line("no heartbeat for")
-        deadline = time.monotonic() + 10
-        while b"no heartbeat for" not in state.read_bytes():  # the write that follows
+        server.wait_for_line("process dead")  # (its connection closed, or no heartbeat: killed so soon,
+        deadline = time.monotonic() + 10  # its watch stream may not have been open yet)
+        while b"died: " not in state.read_bytes():  # the write that follows
             assert time.monotonic() < deadline, "the death was not written to the state file"
             time.sleep(0.05)
         # then no stop's last write: a crash
@@ -1412,6 +1413,36 @@ def test_a_death_found_by_the_liveness_watch_is_in_the_state_file(tmp_path):
         assert out.returncode == 0, out.stderr
         (participant,) = json.loads(out.stdout)["jobs"][0]["participants"]
         assert participant["alive"] is False
+        server.stop()
+
+
+def test_status_marks_a_killed_process_connection_closed_until_it_is_declared_dead():
+    """SIGKILL: its connection closes at once, and status says so (table and --json) while
+    the coordinator gives it 10 s to call again; then it is dead, long before the 60 s
+    heartbeat timeout."""
+    with Serve() as server:
+        proc = _registered_process(server.address)
+        time.sleep(1.0)  # its watch stream is open
+        proc.kill()
+        proc.wait(10)
+        killed = time.monotonic()
+
+        def status(*args):
+            out = run_cli("status", "--address", server.address, *args)
+            assert out.returncode == 0, out.stderr
+            return out.stdout
+
+        wait_until(lambda: "(connection closed)" in status(), what="the closed connection in status")
+        assert re.search(rf"\s1\s+{proc.pid} \(connection closed\)\s+0\s", status()), status()
+        job = json.loads(status("--json"))["jobs"][0]
+        (participant,) = job["participants"]
+        assert participant["alive"] is True and 0 <= participant["disconnectedAge"] < 10, participant
+        assert job["hosts"][0]["closedPids"] == [proc.pid]
+        line = server.wait_for_line("died: its connection closed", timeout=30)
+        assert 10 <= time.monotonic() - killed < 30, line
+        assert "without a Leave and it has not called since (killed, crashed" in line, line
+        assert f"{proc.pid} (dead)" in status()
+        assert json.loads(status("--json"))["jobs"][0]["participants"][0]["disconnectedAge"] is None
         server.stop()
 
 

@@ -163,6 +163,28 @@ def test_settings_spawn_seed_and_store_of_the_wrong_type_are_type_errors(client)
     for call in (lambda: pr.Settings(address="127.0.0.1:1", batch_window=-1.0), lambda: xla.spawn(print, nprocs=0)):
         with pytest.raises(pr.UsageError):
             call()
+    # What None means, where it may be given (heartbeat_interval=0 said "None waits forever", then refused None).
+    for name, means in [("timeout", "None waits forever"), ("progress_interval", "None: never"), ("heartbeat_interval", "and finite")]:
+        with pytest.raises(pr.UsageError, match=re.escape(f"{name} must be > 0 seconds ({means}), got 0")):
+            pr.Settings(address="127.0.0.1:1", **{name: 0})
+
+
+def test_a_client_warns_once_of_a_variable_nothing_reads(coordinator, monkeypatch, caplog):
+    """A misspelt client setting (PJRT_RENDEZVOUS_TIMOUT) was ignored without a word, while
+    serve warned of the same mistake: a client says so once per process; serve's variables,
+    set beside it from a shared file, are known."""
+    from pjrt_rendezvous.client import _client
+
+    monkeypatch.setattr(_client, "_variables_checked", set())
+    monkeypatch.setenv("PJRT_RENDEZVOUS_TIMOUT", "5")
+    monkeypatch.setenv("PJRT_RENDEZVOUS_STATE_FILE", "/var/lib/x")
+    with caplog.at_level(logging.WARNING, logger="pjrt_rendezvous.client"):
+        for _ in range(2):
+            make_client(coordinator.address).close()
+    warned = [r.getMessage() for r in caplog.records if "not a variable" in r.getMessage()]
+    assert warned == [
+        "PJRT_RENDEZVOUS_TIMOUT is not a variable pjrt-rendezvous reads (did you mean PJRT_RENDEZVOUS_TIMEOUT?): ignored"
+    ]
 
 
 def test_blocking_get_is_released_by_a_later_set(client, coordinator):

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from pjrt_rendezvous.coordinator._core import (
     ALL,
+    DISCONNECTED_GRACE,
     Code,
     Contribution,
     Core,
@@ -2062,6 +2063,51 @@ def test_a_silent_process_is_declared_dead_and_every_round_needing_it_fails_nami
     # open to every client, a dead process's too.
     pod.core.kv_set(JOB, [("after", b"death")])
     assert pod.core.kv_get(JOB, ["after"]) == [b"death"]
+
+
+def test_a_process_whose_connection_closed_is_declared_dead_after_the_grace_unless_it_calls():
+    """Its event watch ended without a Leave (killed, crashed): the waiters hear of it after
+    DISCONNECTED_GRACE, not after the whole heartbeat timeout; meanwhile who is missing says
+    the connection closed. A call within the grace (its client reconnected) clears it."""
+    pod = Pod(Core(heartbeat_timeout=60), 3, 1)
+    for task in range(3):
+        pod.register(task)
+    key = pod.arrive(0, replicas=[0, 1, 2], now=1.0)
+    pod.core.disconnect(JOB, incarnation_of(1), now=2.0)
+    pod.core.disconnect(JOB, incarnation_of(2), now=2.0)
+    pod.core.disconnect(JOB, incarnation_of(2), now=5.0)  # (the first close counts)
+    (view,) = pod.core.status(4.0, JOB)[0].pending_rounds
+    assert view.missing_summary == "1-2 on host-0, connection closed 2.0 s ago without a Leave (last seen 4.0 s ago)"
+    pod.core.touch(JOB, incarnation_of(2), now=6.0)  # back: its client opened its watch again
+    pod.core.check_liveness(2.0 + DISCONNECTED_GRACE)
+    assert pod.outcome(key) is None
+    pod.core.check_liveness(2.5 + DISCONNECTED_GRACE)
+    assert_message(
+        pod.error(key), Code.ABORTED, "ordinal 1 on host-0 pid 1001",
+        f"its connection closed {DISCONNECTED_GRACE + 0.5:.1f} s ago without a Leave and it has not called since "
+        "(killed, crashed, or its host lost the network; last seen 12.5 s ago)",
+    )
+    assert [p.alive for p in pod.core.status(12.5, JOB)[0].participants] == [True, False, True]
+    pod.core.disconnect(JOB, incarnation_of(1), now=13.0)  # dead, or unknown: nothing to do
+    pod.core.disconnect(JOB, "nobody", now=13.0)
+    pod.core.disconnect("no-such-job", "nobody", now=13.0)
+    assert pod.core.jobs[JOB].processes[incarnation_of(1)].disconnected == 2.0
+
+
+def test_a_closed_connection_waits_no_longer_than_the_heartbeat_timeout_and_none_disables_both():
+    short = Pod(Core(heartbeat_timeout=3), 2, 1)
+    short.register(0)
+    short.register(1)
+    short.core.touch(JOB, incarnation_of(0), now=3.5)
+    short.core.disconnect(JOB, incarnation_of(1), now=0.5)
+    short.core.check_liveness(3.6)  # 3.1 s after the close, 3.6 s silent: the close is named
+    assert "its connection closed 3.1 s ago" in short.core.jobs[JOB].processes[incarnation_of(1)].death
+    off = Pod(Core(heartbeat_timeout=None), 2, 1)
+    off.register(0)
+    off.register(1)
+    off.core.disconnect(JOB, incarnation_of(1), now=0.5)
+    off.core.check_liveness(1000.0)
+    assert off.core.jobs[JOB].processes[incarnation_of(1)].alive
 
 
 def test_a_dead_process_takes_the_ordinals_of_its_task_it_never_bound_with_it():

@@ -14,12 +14,14 @@ import sys
 import threading
 import time
 
+import grpc
 import pytest
 
 import pjrt_rendezvous.client as pr
 from pjrt_rendezvous.client._client import _store_ids
 from pjrt_rendezvous.client._demo import simulated_env
 from pjrt_rendezvous.coordinator import Coordinator
+from pjrt_rendezvous.coordinator._core import DISCONNECTED_GRACE
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
 WORKER = pathlib.Path(__file__).with_name("pod_worker.py")
@@ -95,11 +97,12 @@ def kill_and_replace(heartbeat_timeout: float, *, after_death: bool):
             deadline = time.monotonic() + 10
             while not watcher.status().jobs[0].pending_rounds and time.monotonic() < deadline:
                 time.sleep(0.02)  # the survivor is now waiting in 'before-death'
+            time.sleep(1.0)  # the victim's watch stream is open (its close is what is seen first)
             victim.send_signal(signal.SIGKILL)
             killed_at = time.monotonic()
             victim.wait(10)
             if after_death:
-                deadline = time.monotonic() + 10
+                deadline = time.monotonic() + min(heartbeat_timeout, DISCONNECTED_GRACE) + 10
                 while watcher.status().jobs[0].participants[1].alive and time.monotonic() < deadline:
                     time.sleep(0.05)
                 detected = time.monotonic() - killed_at
@@ -120,12 +123,19 @@ def test_killed_process_aborts_the_round_and_its_replacement_starts_a_new_genera
     record, after, detected = kill_and_replace(HEARTBEAT_TIMEOUT, after_death=True)
     assert detected < HEARTBEAT_TIMEOUT + 4.0
     assert record["first"].startswith("ParticipantFailedError: rendezvous 'before-death' on all ordinals")
-    assert "ordinal 1 on sim-host-1 pid" in record["first"] and "no heartbeat for" in record["first"]
+    assert "ordinal 1 on sim-host-1 pid" in record["first"] and "its connection closed" in record["first"]
     assert record["aborted_after"] < 30
     assert after == dict(thread=0, ordinal=1, local_ordinal=0, pid=after["pid"], after=["s0", "r1"], generation=2)
     assert record["after"] == ["s0", "r1"]
-    assert any("died: no heartbeat" in e for e in record["events"])
+    assert any("died: its connection closed" in e for e in record["events"])
     assert any("restarted" in e for e in record["events"])
+
+
+def test_a_killed_process_is_declared_dead_when_its_connection_closes_not_after_the_heartbeat_timeout():
+    """Its peers hear of a SIGKILL after DISCONNECTED_GRACE (10 s), not the 60 s timeout."""
+    record, _, detected = kill_and_replace(60.0, after_death=True)
+    assert DISCONNECTED_GRACE < detected < DISCONNECTED_GRACE + 4.0
+    assert "its connection closed" in record["first"] and "killed, crashed" in record["first"]
 
 
 def test_watch_stream_reports_deaths_to_idle_processes():
@@ -435,6 +445,49 @@ def test_an_event_while_a_watch_stream_is_down_is_not_missed():
                 time.sleep(0.1)
             assert [e.kind for e in idle.events] == [pb.WatchEvent.PROCESS_DEAD], idle.events
             assert "no heartbeat" in idle.events[0].message
+
+
+def test_a_live_process_whose_watch_connection_breaks_for_longer_than_the_grace_is_not_declared_dead():
+    """Its Watch stream's connection (gRPC, through a proxy) is cut and cannot reconnect for
+    longer than DISCONNECTED_GRACE; its heartbeats (to the session port, past the proxy) say
+    it lives: it is not declared dead, and once the proxy lets it, it watches again."""
+    from _proxy import Proxy
+
+    with Coordinator(port=0, heartbeat_timeout=60, session_port=0) as coordinator, Proxy(coordinator.address) as proxy:
+        idle, peer = pair_client(proxy.address, 0), pair_client(coordinator.address, 1)
+        with bound((idle, peer)):
+            time.sleep(1.0)  # the idle process's Watch stream is open
+            process = coordinator.core.jobs["default"].processes[idle.incarnation]
+            assert proxy.drop(refuse_for=DISCONNECTED_GRACE + 3) > 0
+            time.sleep(DISCONNECTED_GRACE + 2)
+            assert process.alive and not peer.events, process
+            deadline = time.monotonic() + 20
+            while proxy.open_connections < 1:  # (its gRPC channel: the Watch stream)
+                assert time.monotonic() < deadline, "the idle process did not watch again"
+                time.sleep(0.1)
+            assert process.alive and process.disconnected is None
+
+
+def test_a_process_counts_as_disconnected_only_when_its_last_watch_stream_ends():
+    """A Watch stream opened again may start before the broken one is seen to end: the end
+    of one of two streams is no close. Closed without a Leave, the process is (alive, and
+    declared dead DISCONNECTED_GRACE later unless it calls)."""
+    from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
+
+    with Coordinator(port=0, heartbeat_timeout=60) as coordinator:
+        client = pair_client(coordinator.address, 0)
+        with bound((client,)), grpc.insecure_channel(coordinator.address) as channel:
+            process = coordinator.core.jobs["default"].processes[client.incarnation]
+            extra = pb_grpc.CoordinatorStub(channel).Watch(pb.WatchRequest(job="default", incarnation=client.incarnation))
+            next(extra)  # (its marker: the stream is open)
+            extra.cancel()
+            time.sleep(1.0)
+            assert process.disconnected is None
+        deadline = time.monotonic() + 10  # closed (leave=False): its own stream ends
+        while process.disconnected is None:
+            assert time.monotonic() < deadline, "the closed client's process was not marked"
+            time.sleep(0.05)
+        assert process.alive
 
 
 def test_an_event_is_streamed_only_once_it_is_on_disk(tmp_path, monkeypatch):

@@ -134,6 +134,8 @@ def test_refusals_and_bad_arguments_are_torch_s_kinds_too(client, store, coordin
         with pytest.raises(TypeError, match=f"^Store add value must be an int, got {kind}$"):
             store.add("n", value)
     assert not store.check(["n"])
+    with pytest.raises(TypeError, match=r"^client must be a pjrt_rendezvous.client.Client .*, got 'localhost:7481'; .*pjrt-rendezvous://HOST:PORT"):
+        Store("localhost:7481")  # (an address taken as the client: its first call raised AttributeError)
     with pytest.raises(StoreError, match="multi_set got 2 keys but 1 values") as info:  # (was UsageError)
         store.multi_set(["a", "b"], [b"1"])
     assert isinstance(info.value, dist.DistStoreError) and info.value.code == "INVALID_ARGUMENT"

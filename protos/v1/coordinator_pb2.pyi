@@ -78,7 +78,7 @@ class WaitWorldRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., timeout: _Optional[float] = ...) -> None: ...
 
 class Participant(_message.Message):
-    __slots__ = ("ordinal", "local_ordinal", "task_id", "thread_index", "host", "pid", "incarnation", "last_seen_age", "runtime_ordinal", "alive", "left", "ended", "client_version")
+    __slots__ = ("ordinal", "local_ordinal", "task_id", "thread_index", "host", "pid", "incarnation", "last_seen_age", "runtime_ordinal", "alive", "left", "ended", "client_version", "disconnected_age")
     ORDINAL_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ORDINAL_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class Participant(_message.Message):
     LEFT_FIELD_NUMBER: _ClassVar[int]
     ENDED_FIELD_NUMBER: _ClassVar[int]
     CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DISCONNECTED_AGE_FIELD_NUMBER: _ClassVar[int]
     ordinal: int
     local_ordinal: int
     task_id: int
@@ -105,7 +106,8 @@ class Participant(_message.Message):
     left: bool
     ended: str
     client_version: str
-    def __init__(self, ordinal: _Optional[int] = ..., local_ordinal: _Optional[int] = ..., task_id: _Optional[int] = ..., thread_index: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., incarnation: _Optional[str] = ..., last_seen_age: _Optional[float] = ..., runtime_ordinal: _Optional[int] = ..., alive: _Optional[bool] = ..., left: _Optional[bool] = ..., ended: _Optional[str] = ..., client_version: _Optional[str] = ...) -> None: ...
+    disconnected_age: float
+    def __init__(self, ordinal: _Optional[int] = ..., local_ordinal: _Optional[int] = ..., task_id: _Optional[int] = ..., thread_index: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., incarnation: _Optional[str] = ..., last_seen_age: _Optional[float] = ..., runtime_ordinal: _Optional[int] = ..., alive: _Optional[bool] = ..., left: _Optional[bool] = ..., ended: _Optional[str] = ..., client_version: _Optional[str] = ..., disconnected_age: _Optional[float] = ...) -> None: ...
 
 class WaitWorldResponse(_message.Message):
     __slots__ = ("world_size", "processes")
