@@ -34,7 +34,7 @@ from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 from ._config import _VARIABLES, DEFAULT, FAN_IN_AUTO_HOSTS, TOPOLOGY_VARIABLES, Settings, check_timeout
 from ._errors import (
     CoordinatorUnavailableError, InvalidArgumentError, MismatchError, ParticipantFailedError, RendezvousError, RendezvousTimeout,
-    UnknownJobError, UsageError, from_rpc_error,
+    UnknownJobError, UsageError, connection_hint, from_rpc_error,
 )
 from ._relay import Relay, relay_path
 from ._session import PING_EVERY, PING_TIMEOUT, Session, SocketSession, StatusError
@@ -498,7 +498,7 @@ def _retrying(method: str, address: str, exc: BaseException, since: float, budge
     details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
     log.warning(
         "the coordinator at %s has not answered for %.0f s (%s: %s); trying again for up to %.0f s in all "
-        "(connect_timeout)", address, now - since, method, details, budget,
+        "(connect_timeout).%s", address, now - since, method, details, budget, connection_hint(details),
     )
 
 
@@ -1385,8 +1385,8 @@ class Client:
             try:
                 batch.payloads = self._send_round(replicas, group, round_number, batch)
             except BaseException as exc:
-                if held is not None and held >= 0.01 and isinstance(exc, RendezvousTimeout):
-                    exc = self._held_timeout(exc, held, batch)
+                if isinstance(exc, RendezvousTimeout):
+                    exc = self._local_timeout(exc, held, batch)
                 batch.error = exc
                 if isinstance(exc, ParticipantFailedError):
                     self._refresh_generation()
@@ -1407,21 +1407,31 @@ class Client:
             raise _copy_error(batch.error) from batch.error.__cause__
         return list(batch.payloads)
 
-    def _held_timeout(self, exc: RendezvousTimeout, held: float, batch: _Batch) -> RendezvousTimeout:
-        """``exc``, saying that the call waited in this process first: the coordinator counts
-        from when it came ("timed out after 0.0014 s" for a timeout of 0.5 s)."""
-        from pjrt_rendezvous.coordinator._core import format_ranges
+    def _local_timeout(self, exc: RendezvousTimeout, held: float | None, batch: _Batch) -> RendezvousTimeout:
+        """``exc``, with what this process knows of it: that the call waited here first
+        (``held`` s; the coordinator counts from when it came: "timed out after 0.0014 s"
+        for a timeout of 0.5 s), and which of this process's ordinals in the round no thread
+        is bound to (unbound, or never bound: the coordinator names them as alive)."""
+        from pjrt_rendezvous.coordinator._core import _ordinals_word
 
+        topo = self.topology
         with self._lock:
-            absent = [o for o in self._local_ordinals() if o not in batch.contributions]
-        absent = [o for o in absent if batch.members is None or o in batch.members]
-        waited_for = (
-            f"ordinal{'s' if len(absent) > 1 else ''} {format_ranges(absent)} of its own" if absent else "its other threads"
-        )
-        error = RendezvousTimeout(
-            f"{exc} (this process sent its call {held:.2g} s after its first thread arrived: it waited "
-            f"for {waited_for} for up to the batch window)"
-        )
+            bound = self._local_ordinals()
+        ours = [topo.ordinal(i) for i in range(topo.devices_per_process)]
+        ours = [o for o in ours if o not in batch.contributions and (batch.members is None or o in batch.members)]
+        absent, unbound = [o for o in ours if o in bound], [o for o in ours if o not in bound]
+        notes = []
+        if held is not None and held >= 0.01:
+            waited_for = f"{_ordinals_word(absent)} of its own" if absent else "its other threads"
+            notes.append(
+                f"this process sent its call {held:.2g} s after its first thread arrived: it waited for {waited_for} "
+                "for up to the batch window"
+            )
+        if unbound:
+            notes.append(f"no thread of this process is bound to {_ordinals_word(unbound)}")
+        if not notes:
+            return exc
+        error = RendezvousTimeout(f"{exc} ({'; '.join(notes)})")
         error.__cause__ = exc
         return error
 
@@ -1548,12 +1558,12 @@ class Client:
         started = time.monotonic()
 
         def progress(_: float) -> None:  # (counted from the call, not from its latest resend)
-            from pjrt_rendezvous.coordinator._core import _duration, describe_group, format_ranges
+            from pjrt_rendezvous.coordinator._core import _duration, _ordinals_word, describe_group
 
             log.warning(  # (the group and ordinals named as the coordinator names them)
-                "still waiting after %s s in round %d of %s (ordinals %s here): %s",
+                "still waiting after %s s in round %d of %s (%s here): %s",
                 _duration(time.monotonic() - started), round_number, describe_group(group),
-                format_ranges(batch.contributions), self._describe_wait((group, round_number), batch.deadline),
+                _ordinals_word(list(batch.contributions)), self._describe_wait((group, round_number), batch.deadline),
             )
 
         return self._call("Rendezvous", request, batch.deadline, waits=True, progress=progress, relay=True)

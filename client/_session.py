@@ -1074,7 +1074,7 @@ class FramedSession(asyncio.Protocol):
                     now = time.monotonic()
                     if now - _http2_said >= 60:  # (anyone can connect: once a minute at most)
                         _http2_said = now
-                        log.warning(
+                        logging.getLogger("pjrt_rendezvous.coordinator").warning(  # (the serving side's)
                             "a gRPC (HTTP/2) client connected to the session port from %s: gRPC clients, "
                             "`status` and `health` dial the gRPC port (7481 by default)",
                             self.transport.get_extra_info("peername"),

@@ -369,7 +369,8 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "--late-after",
         _seconds,
         DEFAULT_LATE_AFTER,
-        f"log a round still waiting, or a world still incomplete, after this many seconds, naming who is missing (default "
+        f"log a round still waiting (again each time its wait doubles), or a world still incomplete, after this many "
+        f"seconds, naming who is missing (default "
         f"{DEFAULT_LATE_AFTER:g}; 'none' never)",
     )
     for field in dataclasses.fields(Limits):
@@ -831,6 +832,12 @@ def _dead(participant) -> bool:
     return not participant.alive and not participant.left
 
 
+def _processes_cell(host: dict) -> str:
+    """A host's process count, and of them the dead and departed: "2 (1 dead, 1 left)"."""
+    gone = ", ".join(f"{host[k]} {k}" for k in ("dead", "left") if host[k])
+    return f"{host['processes']}" + (f" ({gone})" if gone else "")
+
+
 def _closed(participant) -> bool:
     """Alive, but its connection closed without a Leave (declared dead soon unless it calls)."""
     return participant.HasField("disconnected_age")
@@ -989,7 +996,7 @@ def render_status(response, address: str) -> str:
             rows = [
                 [
                     h["host"],
-                    f"{h['processes']}" + "".join(f" ({h[k]} {k})" for k in ("dead", "left") if h[k]),
+                    _processes_cell(h),
                     _pids(h["pids"], set(h["deadPids"]), set(h["leftPids"]), set(h["closedPids"])),
                     h["ranges"] + (f" ({format_ranges(h['endedOrdinals'])} ended)" if h["endedOrdinals"] else ""),
                     f"{_age(h['lastSeenAge'])} ago",

@@ -83,12 +83,15 @@ class Code(enum.Enum):
 
 
 class CoreError(Exception):
-    """A request the core refuses, or a round that failed: a code and a full message."""
+    """A request the core refuses, or a round that failed: a code and a full message, and
+    for a refusal the operator should hear of, ``warn``: (what it is about, event name,
+    the log line), logged once per subject by the servicer (the client is told every time)."""
 
-    def __init__(self, code: Code, message: str) -> None:
+    def __init__(self, code: Code, message: str, *, warn: tuple[tuple, str, str] | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.warn = warn
 
     def __repr__(self) -> str:
         return f"CoreError({self.code.name}, {self.message!r})"
@@ -596,6 +599,11 @@ class Core:
             "processes create a job by registering, or start the coordinator with --world-size "
             "(a coordinator restarted without --state-file has forgotten its jobs: start the job "
             "again, and give serve a --state-file)",
+            warn=(
+                ("unknown job", name), "unknown_job",
+                f"refused calls for job {shown}, which this coordinator does not know (known jobs: {known}): "
+                "restarted without --state-file, it has forgotten its jobs, whose processes must start again",
+            ),
         )
 
     def _check_job_name(self, name: str) -> None:
@@ -692,6 +700,12 @@ class Core:
                 Code.ABORTED,
                 f"this process ({process.label()}, task {process.task_id}) was declared dead: "
                 f"{process.death}; its ordinals are lost to job {job.name!r}; start a new process",
+                warn=(
+                    ("dead", job.name, incarnation), "dead_process_called",
+                    f"refused calls from {process.label()} (task {process.task_id}) in job {job.name!r}, declared "
+                    f"{'gone' if process.left else 'dead'} earlier ({process.death}): it takes no part any more; "
+                    "start it again (a process stopped longer than the heartbeat timeout comes back so)",
+                ),
             )
         process.last_seen, process.restored, process.disconnected = now, False, None
         return process
@@ -1120,7 +1134,11 @@ class Core:
         """``head``, then the missing ordinals and where they are, within _MESSAGE_CHARACTERS."""
         word = _missing_word(missing)
         budget = max(_MESSAGE_CHARACTERS - len(head) - len(word) - 3, 2 * _REST_CHARACTERS)
-        return f"{head}{word} ({self.describe_missing(job, missing, now, budget=budget)})"
+        described, ranges = self.describe_missing(job, missing, now, budget=budget), format_ranges(missing)
+        if word.endswith(ranges) and described.startswith(ranges + " ") and "; " not in described:
+            # all in one place: "missing ordinal 7 on HOST (...)", not "missing ordinal 7 (7 on HOST (...))"
+            return f"{head}{word}{described[len(ranges):]}"
+        return f"{head}{word} ({described})"
 
     def _world_missing(self, job: Job, now: float) -> str:
         """The ordinals a job's incomplete world lacks and where they are, within

@@ -12,19 +12,24 @@ Events (the ``event`` field of JSON log lines; registration is logged by the ser
 =======================  =======  ================================================
 ``registered``           INFO     a process registered threads (task, host, pid)
 ``world_formed``         INFO     every ordinal of a job (generation) registered
-``round_late``           WARNING  a round waited ``late_after`` s: who is missing
+``round_late``           WARNING  a round waited ``late_after`` s (and again each time
+                                  its wait doubles): who is missing
 ``world_late``           WARNING  a job's world still incomplete ``late_after`` s
                                   after it was first seen so: who is missing
 ``round_failed``         WARNING  a round failed (timeout, mismatch, death, restart)
 ``rounds_failed_again``  WARNING  at most once a minute: how many more rounds failed
                                   for a cause told ten times (a member died, left or
                                   ended), each a ``round_failed`` line at DEBUG
-``process_dead``         WARNING  a process missed its heartbeat deadline
+``process_dead``         WARNING  a process missed its heartbeat deadline, or did
+                                  not call again after its connection closed
 ``process_restarted``    WARNING  a new process took over a dead one's task
 ``process_left``         INFO     a process closed its client (its ordinals are gone)
 ``replicas_ended``       INFO     a process's replicas ended (``xla.spawn``; logged
                                   by the servicer)
 =======================  =======  ================================================
+
+(``unknown_job`` and ``dead_process_called``, once per job or process, are logged by the
+servicer as it refuses their calls: ``CoreError.warn``.)
 
 Thread safety: none needed; everything runs on the coordinator's event loop.
 """
@@ -61,8 +66,8 @@ class Monitor:
         core: the coordinator's core (read only).
         metrics: where round outcomes are counted; None counts nothing.
         clock: the same clock the servicer passes to the core.
-        late_after: log a round still pending after this many seconds (once per round);
-            None never.
+        late_after: log a round still pending after this many seconds, and again each time
+            its wait doubles; None never.
     """
 
     LATE_PER_CHECK = 16
@@ -84,7 +89,9 @@ class Monitor:
         self.late_after = late_after
         # Events restored from a state file were logged by the previous coordinator.
         self._events_seen = {name: len(job.events) for name, job in core.jobs.items()}
-        self._late: set[tuple[str, tuple]] = set()  # (job, round key) already reported late
+        # (job, round key) reported late -> the wait at which it is reported again (twice the
+        # last: at 60, 120, 240 and 480 s by default, and not only at 60 of a 600 s timeout)
+        self._late: dict[tuple[str, tuple], float] = {}
         self._formed: set[tuple[str, int]] = set()  # (job, generation) whose world formed
         # (job, generation) whose world is incomplete -> [first seen so, reported late]
         self._worlds: dict[tuple[str, int], list] = {}
@@ -110,7 +117,7 @@ class Monitor:
             self._round(job, rnd, now)
 
     def _round(self, job: str, rnd: Round, now: float) -> None:
-        self._late.discard((job, rnd.key))
+        self._late.pop((job, rnd.key), None)
         if rnd.error is None:
             if self._metrics is not None:
                 self._metrics.round_completed(job, now - rnd.started)
@@ -235,13 +242,21 @@ class Monitor:
     async def watch(self) -> None:
         """Runs :meth:`check_late` a few times per ``late_after`` (and counts rounds failed
         again, ``_say_repeats``) until cancelled."""
+        interval = 1.0 if self.late_after is None else min(1.0, self.late_after / 4)
+        loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(1.0 if self.late_after is None else min(1.0, self.late_after / 4))
+            asleep = loop.time()
+            await asyncio.sleep(interval)
+            if loop.time() - asleep > 2 * interval:
+                # Held up (stopped and continued, a starved loop): the calls that came
+                # meanwhile, which may finish the rounds, are read first (as watch_liveness).
+                await asyncio.sleep(interval)
             self.check_late()
             self._say_repeats(self._clock())
 
     def check_late(self) -> None:
-        """Logs, once per round, every pending round older than ``late_after``: at most
+        """Logs every pending round older than ``late_after``, and again each time its wait
+        doubles: at most
         ``LATE_PER_CHECK`` per call (naming who is missing costs the size of the round's
         group: many late rounds of a large world would hold up the loop), the rest at the
         next calls."""
@@ -251,17 +266,17 @@ class Monitor:
         jobs = self._core.jobs
         self._check_worlds(now)
         if len(self._late) > self.LATE_KEPT:  # forget the rounds that are no longer pending
-            self._late = {(name, key) for name, key in self._late if name in jobs and key in jobs[name].pending}
+            self._late = {(name, key): at for (name, key), at in self._late.items() if name in jobs and key in jobs[name].pending}
         budget = self.LATE_PER_CHECK
         for name, job in jobs.items():
             for key, rnd in job.pending.items():
                 waited = now - rnd.started
-                if waited < self.late_after or (name, key) in self._late:
+                if waited < self._late.get((name, key), self.late_after):
                     continue
                 if not budget:
                     return
                 budget -= 1
-                self._late.add((name, key))
+                self._late[(name, key)] = 2 * max(waited, self.late_after)
                 missing = rnd.missing()
                 log.warning(
                     "round late in job %r: %s on %s (round %d) has waited %.1f s with %d of %d "
@@ -288,8 +303,6 @@ class Monitor:
                     },
                 )
         # Rounds that finished are dropped in _round; this catches any other way out.
-        if len(self._late) > 1024:
-            self._late = {(j, k) for j, k in self._late if j in self._core.jobs and k in self._core.jobs[j].pending}
 
 
     def _check_worlds(self, now: float) -> None:

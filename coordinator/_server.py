@@ -874,6 +874,27 @@ class Coordinator:
         self.stop()
 
 
+_ROUNDS_NAMED_AT_STOP = 3
+
+
+def _pending_at_stop(core: Core, options: ServerOptions) -> str:
+    """For the stopping line: the rounds still waiting and for whom (their members' calls end
+    unanswered: with a state file they call again once a coordinator is back, and the
+    round goes on; without, it is forgotten)."""
+    now = time.monotonic()
+    pending = [(job, rnd) for job in core.jobs.values() for rnd in job.pending.values()]
+    if not pending:
+        return ""
+    named = "; ".join(
+        f"job {job.name!r}: {rnd.describe()}, {len(rnd.arrivals)} of {rnd.size} arrived, missing "
+        f"{core.describe_missing(job, rnd.missing(), now, budget=300)}"
+        for job, rnd in pending[:_ROUNDS_NAMED_AT_STOP]
+    )
+    more = f"; and {len(pending) - _ROUNDS_NAMED_AT_STOP} more" if len(pending) > _ROUNDS_NAMED_AT_STOP else ""
+    after = "they go on once it is back (the state file)" if options.state_file else "without a state file they are lost"
+    return f"; {_plural(len(pending), 'round')} pending ({after}): {named}{more}"
+
+
 async def _let_calls_end() -> None:
     """Calls cancelled by a stop still have tasks winding down: lets them end (for up to a
     second) before the loop closes, so that nothing is destroyed while pending, nor
@@ -1021,7 +1042,7 @@ def serve_forever(options: ServerOptions, *, on_ready=None) -> None:
         why = received[0] if received else "the state file could not be written"
         _notify.notify(f"STOPPING=1\nSTATUS=stopping ({why}): in-flight calls get {options.grace:g} s")
         log.info(
-            "stopping (%s): in-flight calls get %.1f s", why, options.grace,
+            "stopping (%s): in-flight calls get %.1f s%s", why, options.grace, _pending_at_stop(running.core, options),
             extra={"event": "stopping", "signal": received[0] if received else None},
         )
         started = time.monotonic()

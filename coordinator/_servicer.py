@@ -58,7 +58,7 @@ def _serialize(message) -> bytes:
 
 # Decoded to tuples (natively where built): the messages of every round.
 _DECODERS = {"Rendezvous": decode_rendezvous, "Session": decode_session_calls}
-_VERSIONS_TOLD_KEPT = 1024  # (job, version) pairs logged once each (Servicer._tell_version)
+_VERSIONS_TOLD_KEPT = 1024  # (job, version) pairs, and refusals, logged once each (Servicer._tell_version, _refusal)
 _REFUSALS_KEPT = 1024  # processes whose latest refused registration is remembered (Servicer.Register)
 
 
@@ -157,6 +157,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
         # start before the broken one is seen to end: only the last one's end is a close).
         self._watching: collections.Counter[tuple[str, str]] = collections.Counter()
         self._versions_told: set[tuple[str, str]] = set()  # (job, client version) logged as not ours
+        self._warned: set[tuple] = set()  # what refusals serve's log told of (CoreError.warn), each once
 
     def end_streams(self) -> bool:
         """On stop, called until it returns False: every Watch stream ends (UNAVAILABLE; its
@@ -196,6 +197,11 @@ class Servicer(pb_grpc.CoordinatorServicer):
         yet, this call's or another's (a round another member failed or that expired, a
         death, a restart), which a crash would take back; the write's own error (UNAVAILABLE)
         when it cannot be written."""
+        if exc.warn is not None and exc.warn[0] not in self._warned:
+            if len(self._warned) >= _VERSIONS_TOLD_KEPT:
+                self._warned.clear()
+            self._warned.add(exc.warn[0])
+            log.warning("%s", exc.warn[2], extra={"event": exc.warn[1]})
         try:
             await self._persist()
         except CoreError as failed:

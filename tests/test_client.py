@@ -1224,6 +1224,27 @@ def test_a_timeout_spent_in_the_batch_window_says_so(coordinator):
         client.close()
 
 
+def test_a_timeout_names_the_ordinals_of_the_process_that_no_thread_is_bound_to(coordinator):
+    """Thread 1 unbinds (its with block ended) while thread 0 goes on: the coordinator,
+    which sees a live process, names ordinal 1 as missing and "last seen 0.1 s ago"; the
+    process knows no thread is bound to it, and says so."""
+    client = make_client(coordinator.address, devices=2, timeout=20)
+
+    def bound_a_while():
+        with client.bind_thread(1):
+            pass
+
+    with concurrent.futures.ThreadPoolExecutor(1) as other:
+        other.submit(bound_a_while).result()
+        with client.bind_thread(0) as binding:
+            with pytest.raises(pr.RendezvousTimeout) as raised:
+                client.rendezvous(binding, "alone", timeout=0.5)
+    client.close()
+    message = str(raised.value)
+    assert "missing ordinal 1 on " in message, message
+    assert message.endswith("(no thread of this process is bound to ordinal 1)"), message
+
+
 def test_a_process_holds_a_round_for_a_sibling_at_most_half_the_time_left_before_its_deadline(coordinator):
     """Task 1's threads call with a timeout of 1 s; task 0's thread 0 comes 0.3 s later, its
     thread 1 never. Waiting for its sibling for the whole batch window (15 s) but for its
@@ -1258,7 +1279,7 @@ def test_a_process_holds_a_round_for_a_sibling_at_most_half_the_time_left_before
     try:
         assert sorted(errors) == [0, 2, 3], errors
         for ordinal, message in errors.items():
-            assert "with 3 of 4 arrived; missing ordinal 1 (" in message, (ordinal, message)
+            assert "with 3 of 4 arrived; missing ordinal 1 on vm (last seen" in message, (ordinal, message)
     finally:
         for client in clients:
             client.close()

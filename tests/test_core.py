@@ -642,7 +642,7 @@ def test_world_timeout_says_a_missing_ordinal_s_process_left_not_died():
     pod.register(1, threads=[0])
     pod.core.leave(JOB, incarnation_of(1))
     message = pod.core.world_timeout(JOB, now=30.0, waited=30.0).message
-    assert "missing ordinal 3 (3 on host-0 (left) (last seen 30.0 s ago))" in message, message
+    assert "missing ordinal 3 on host-0 (left) (last seen 30.0 s ago)" in message, message
 
 
 def test_a_wait_for_the_ordinals_of_a_refused_registration_says_why_they_are_missing():

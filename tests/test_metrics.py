@@ -398,6 +398,27 @@ def test_late_rounds_are_reported_a_few_per_check_and_forgotten_once_gone(caplog
     assert len(monitor._late) == 10
 
 
+def test_a_late_round_is_reported_again_each_time_its_wait_doubles(caplog):
+    """Once at late_after only, a round waiting out the default 600 s timeout was named at
+    60 s and then never: it is named again at 120, 240 and 480 s."""
+    from pjrt_rendezvous.coordinator import Core
+    from pjrt_rendezvous.coordinator._core import Contribution, Registration, ThreadRequest
+    from pjrt_rendezvous.coordinator._monitor import Monitor
+
+    core = Core()
+    core.register(0.0, Registration(job="j", incarnation="i", host="h", pid=1, task_id=0, num_tasks=2,
+                                    devices_per_task=1, local_rank=0, threads=(ThreadRequest(thread_index=0),)))
+    core.arrive(0.0, job="j", incarnation="i", replicas=[], round_number=0, contributions=[Contribution(0, "t", b"")], deadline=None)
+    now = [0.0]
+    monitor = Monitor(core, None, clock=lambda: now[0], late_after=60.0)
+    waits = []
+    for now[0] in range(0, 600, 5):
+        caplog.clear()
+        monitor.check_late()
+        waits += [r.waited for r in caplog.records if getattr(r, "event", "") == "round_late"]
+    assert waits == [60, 120, 240, 480]
+
+
 def test_log_lines_of_a_strided_group_stay_short(caplog):
     """A round of every other ordinal of 4,096, late and then failed: its lines stay within
     a few KiB (round_late's was 26,838 characters and round_failed's 25,173, every member of

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import logging
 import os
 import pathlib
 import re
@@ -243,20 +244,25 @@ def test_a_coordinator_stopped_and_continued_past_the_heartbeat_timeout_declares
     """``serve`` is stopped (SIGSTOP: Ctrl-Z, a frozen container) for longer than the
     heartbeat timeout while its clients keep heartbeating, then continued: the heartbeats
     waiting in its sockets count before anyone is judged. (After a stop, the loop ran the
-    overdue liveness check before reading them, and declared every process dead.)"""
+    overdue liveness check before reading them, and declared every process dead.) Likewise
+    a round that the calls waiting there complete is not logged late."""
     from test_cli import Serve
 
-    with Serve("--heartbeat-timeout", "2") as server:
+    with Serve("--heartbeat-timeout", "2", "--late-after", "2") as server:
         clients = [pair_client(server.address, task) for task in range(2)]
         with bound(clients) as pools:  # heartbeats every 2/3 s
             time.sleep(1.0)
+            first = pools[0].submit(lambda: clients[0].rendezvous(pr.current_binding(), "during", b"x"))
+            time.sleep(0.3)  # (waiting in the round)
             server.proc.send_signal(signal.SIGSTOP)
+            second = pools[1].submit(lambda: clients[1].rendezvous(pr.current_binding(), "during", b"x"))
             time.sleep(3.5)
             server.proc.send_signal(signal.SIGCONT)
+            assert first.result(10) == second.result(10) == [b"x", b"x"]
             time.sleep(2.0)
             status = clients[0].status()
             assert all(p.alive for p in status.jobs[0].participants), status
-            assert "died" not in server.stderr()
+            assert "died" not in server.stderr() and "round late" not in server.stderr(), server.stderr()
             assert meet(pools, clients, "after") == [[b"x", b"x"]] * 2
         server.stop()
 
@@ -488,6 +494,37 @@ def test_a_process_counts_as_disconnected_only_when_its_last_watch_stream_ends()
             assert time.monotonic() < deadline, "the closed client's process was not marked"
             time.sleep(0.05)
         assert process.alive
+
+
+def test_serve_logs_once_the_calls_of_a_dead_process_and_for_an_unknown_job(caplog):
+    """Refused without a line in serve's log, a process declared dead that calls again (it was
+    paused) and calls for a job a restart without state file forgot left the operator to
+    guess from the clients' logs: each is logged once (the caller is told every time)."""
+    from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
+
+    caplog.set_level(logging.WARNING, logger="pjrt_rendezvous.coordinator")
+    with Coordinator(port=0, heartbeat_timeout=1.0) as coordinator:
+        client = pair_client(coordinator.address, 0)
+        with bound((client,)) as (pool,):
+            process = coordinator.core.jobs["default"].processes[client.incarnation]
+            client._stopped.set()  # its heartbeats stop: declared dead
+            deadline = time.monotonic() + 10
+            while process.alive:
+                assert time.monotonic() < deadline, "not declared dead"
+                time.sleep(0.05)
+            for _ in range(2):
+                with pytest.raises(pr.ParticipantFailedError, match="was declared dead"):
+                    pool.submit(lambda: client.rendezvous(pr.current_binding(), "t", b"")).result()
+        with grpc.insecure_channel(coordinator.address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            for _ in range(2):
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.Heartbeat(pb.HeartbeatRequest(job="forgotten", incarnation="x" * 32))
+                assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    warned = [(r.event, r.getMessage()) for r in caplog.records if getattr(r, "event", "") in ("dead_process_called", "unknown_job")]
+    assert [event for event, _ in warned] == ["dead_process_called", "unknown_job"], warned
+    assert "refused calls from" in warned[0][1] and "declared dead earlier (" in warned[0][1], warned
+    assert "refused calls for job 'forgotten', which this coordinator does not know" in warned[1][1], warned
 
 
 def test_an_event_is_streamed_only_once_it_is_on_disk(tmp_path, monkeypatch):

@@ -136,7 +136,11 @@ def test_a_grpc_client_at_the_session_port_is_told_where_to_dial(caplog, monkeyp
     the usual "is `pjrt-rendezvous serve` running there", and the coordinator said nothing)."""
     from pjrt_rendezvous.client import _session
 
+    from pjrt_rendezvous.client import _client
+
     monkeypatch.setattr(_session, "_http2_said", float("-inf"))
+    monkeypatch.setattr(_client, "_STILL_TRYING_AFTER", 0.5)
+    monkeypatch.setattr(_client, "_still_trying_said", float("-inf"))
     caplog.set_level(logging.WARNING)
     with Coordinator(port=0) as coordinator:
         address = f"127.0.0.1:{coordinator.session_port}"
@@ -144,8 +148,12 @@ def test_a_grpc_client_at_the_session_port_is_told_where_to_dial(caplog, monkeyp
         with pytest.raises(pr.CoordinatorUnavailableError, match="does not speak gRPC: is that the coordinator's gRPC port"):
             client.get("k", wait=False)
         client.close()
-    warned = [r.getMessage() for r in caplog.records if "client connected to the session port" in r.getMessage()]
-    assert len(warned) == 1 and "dial the gRPC port" in warned[0], warned
+    warned = [r for r in caplog.records if "client connected to the session port" in r.getMessage()]
+    assert len(warned) == 1 and "dial the gRPC port" in warned[0].getMessage(), warned
+    assert warned[0].name == "pjrt_rendezvous.coordinator"  # (serve's log, not a client's)
+    # The client's own "still trying" warning gives the hint at once, not only its final error.
+    trying = [r.getMessage() for r in caplog.records if "has not answered for" in r.getMessage()]
+    assert trying and all("does not speak gRPC" in m for m in trying), trying
 
 
 class BoundOnce:
