@@ -647,6 +647,7 @@ class Client:
             if not _retried(exc) or (deadline is not None and time.monotonic() >= deadline):
                 raise from_rpc_error(exc, address=self.settings.address, method=method, where=self._where()) from exc
             log.debug("%s to %s failed (%s); retrying", method, self.settings.address, exc)
+            first = exc.details() if hasattr(exc, "details") else None  # (for the final error)
         # The retry budget counts from the start of the current outage, not of the call: a
         # round that waited ten minutes and then lost its coordinator still gets the full
         # connect_timeout to find it again. An attempt that got through restarts the outage
@@ -706,6 +707,10 @@ class Client:
                     f"{error} (the call waited {time.monotonic() - began:.1f} s in all: it was sent again "
                     "after an attempt failed)"
                 )
+            elif isinstance(error, CoordinatorUnavailableError) and first and first not in str(error):
+                # What went wrong first, before the coordinator went away (it could not
+                # write its state file, say): the last attempt only found nobody there.
+                error = CoordinatorUnavailableError(f"{error} (its first failed attempt: {first})")
             raise error from exc
 
     def _where(self) -> str:
@@ -1566,7 +1571,16 @@ class Client:
                 _ordinals_word(list(batch.contributions)), self._describe_wait((group, round_number), batch.deadline),
             )
 
-        return self._call("Rendezvous", request, batch.deadline, waits=True, progress=progress, relay=True)
+        try:
+            return self._call("Rendezvous", request, batch.deadline, waits=True, progress=progress, relay=True)
+        except CoordinatorUnavailableError as exc:  # (which round it left, and after how long)
+            from pjrt_rendezvous.coordinator._core import _duration, describe_group
+
+            error = CoordinatorUnavailableError(
+                f"{exc} (the call was round {round_number} of {describe_group(group)}, tag {rows[0][1]!r}, "
+                f"sent {_duration(time.monotonic() - started)} s before)"
+            )
+            raise error from exc
 
     def _give_up(self, replicas: list[int], round_number: int, batch: _Batch) -> None:
         """A round's call ended without an answer, the coordinator out of reach: its threads

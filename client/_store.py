@@ -307,8 +307,8 @@ class Store(dist.Store):
         timeout = self.timeout if timeout is None else timeout
         if isinstance(timeout, timedelta) and timeout < timedelta(0):
             # Set from C++ (PrefixStore.set_timeout), past our set_timeout's check, or given to
-            # a wait (C++ passes any): it expires at once, as in torch's stores (it refused
-            # every wait, for keys present too).
+            # a wait (C++ passes any): it expires at once, as in torch's HashStore (it refused
+            # every wait, for keys present too; TCPStore's waits for a missing key for ever).
             return _AT_ONCE
         return _seconds(timeout)
 
@@ -386,7 +386,7 @@ class Store(dist.Store):
 # -- the pjrt-rendezvous:// init_method --------------------------------------------------------
 
 _clients_lock = threading.Lock()  # guards _clients and _generations
-_clients: dict[tuple[str, str | None], Client] = {}
+_clients: dict[tuple[str, str | None, float | None], Client] = {}  # (address, job, connect budget)
 _generations: dict[tuple[str, str, str], int] = {}
 
 
@@ -403,24 +403,28 @@ def _address(parsed: urllib.parse.ParseResult, url: str) -> str:
 
 
 def _client_for(address: str, job: str | None, timeout: timedelta | None = None) -> Client:
-    """The process client when it talks to ``address`` (and ``job``) and is not closed, else a key-value-only
-    client of our own, one per (address, job), that looks for an unreachable coordinator as
-    long as ``timeout`` (init_process_group's, as TCPStore's connect) unless
-    PJRT_RENDEZVOUS_CONNECT_TIMEOUT says otherwise."""
+    """A client that looks for an unreachable coordinator as long as ``timeout``
+    (init_process_group's, as TCPStore's connect) unless PJRT_RENDEZVOUS_CONNECT_TIMEOUT says
+    otherwise: the process client when it talks to ``address`` (and ``job``), is not closed
+    and looks no longer than that (it took its own 60 s for a timeout of 3), else a
+    key-value-only client of our own, one per (address, job, budget)."""
+    seconds = _seconds(timeout)
+    if seconds is not None and os.environ.get("PJRT_RENDEZVOUS_CONNECT_TIMEOUT"):
+        seconds = None
     process_client = _api._client
     if (
         process_client is not None
         and not process_client._closed
         and process_client.settings.address == address
         and (job is None or process_client.settings.job == job)
+        and (seconds is None or process_client.settings.connect_timeout <= seconds)
     ):
         return process_client
     with _clients_lock:
-        client = _clients.get((address, job))
+        client = _clients.get((address, job, seconds))
         if client is None:
             given = {} if job is None else {"job": job}
-            seconds = _seconds(timeout)
-            if seconds is not None and not os.environ.get("PJRT_RENDEZVOUS_CONNECT_TIMEOUT"):
+            if seconds is not None:
                 given["connect_timeout"] = seconds
             settings = Settings.resolve(os.environ, address=address, **given)
             # A Store client only uses the key-value calls; its topology is never registered.
@@ -429,7 +433,7 @@ def _client_for(address: str, job: str | None, timeout: timedelta | None = None)
                 num_tasks=1, local_rank=0, local_world_size=1, worker_id=0,
                 worker_hostnames=(), host=socket.gethostname(), address=address,
             )
-            client = _clients[(address, job)] = Client(settings, topology)
+            client = _clients[(address, job, seconds)] = Client(settings, topology)
         return client
 
 

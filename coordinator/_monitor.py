@@ -256,10 +256,10 @@ class Monitor:
 
     def check_late(self) -> None:
         """Logs every pending round older than ``late_after``, and again each time its wait
-        doubles: at most
-        ``LATE_PER_CHECK`` per call (naming who is missing costs the size of the round's
-        group: many late rounds of a large world would hold up the loop), the rest at the
-        next calls."""
+        doubles: at most ``LATE_PER_CHECK`` per call (naming who is missing costs the size of
+        the round's group: many late rounds of a large world would hold up the loop), the
+        rest at the next calls. (Rounds that finished are dropped in _round, the rest once
+        LATE_KEPT are remembered.)"""
         if self.late_after is None:
             return
         now = self._clock()
@@ -302,8 +302,6 @@ class Monitor:
                         "waited": round(waited, 3),
                     },
                 )
-        # Rounds that finished are dropped in _round; this catches any other way out.
-
 
     def _check_worlds(self, now: float) -> None:
         """Logs, once, every job whose world (of a known size, with a live process) has been

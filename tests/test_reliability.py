@@ -375,6 +375,7 @@ def test_the_main_threads_round_on_its_stand_in_ends_as_unavailable_with_a_froze
                 name, took, message = _timed(lambda: client.rendezvous(binding, "r", b"0"))
                 assert name == "CoordinatorUnavailableError" and took < 10, (name, took, message)
                 assert "no answer to Rendezvous 3 s past its deadline" in message, message
+                assert re.search(r"\(the call was round 0 of all ordinals, tag 'r', sent [\d.]+ s before\)$", message), message
                 assert theirs.result(timeout=30)[0] == "CoordinatorUnavailableError"
             finally:
                 server.proc.send_signal(signal.SIGCONT)
@@ -525,6 +526,31 @@ def test_serve_logs_once_the_calls_of_a_dead_process_and_for_an_unknown_job(capl
     assert [event for event, _ in warned] == ["dead_process_called", "unknown_job"], warned
     assert "refused calls from" in warned[0][1] and "declared dead earlier (" in warned[0][1], warned
     assert "refused calls for job 'forgotten', which this coordinator does not know" in warned[1][1], warned
+
+
+def test_a_call_that_outlives_its_coordinator_names_what_failed_first(tmp_path, monkeypatch):
+    """The coordinator's disk is full: it answers UNAVAILABLE ("cannot write its state
+    file"), then goes away (serve stops). The client's final error named only the last
+    attempt's refused connection, and blamed the network; it names the first failure too."""
+    from pjrt_rendezvous.coordinator import _state
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    with Coordinator(port=0, state_file=tmp_path / "state.json") as coordinator:
+        topology = pr.detect_topology({}, address=coordinator.address)
+        client = pr.Client(pr.Settings(address=coordinator.address, connect_timeout=3), topology)
+        client.set("a", b"1")
+        monkeypatch.setattr(_state.os, "fsync", full)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            failing = pool.submit(client.set, "b", b"2")
+            time.sleep(1.0)
+            coordinator.stop()
+            with pytest.raises(pr.CoordinatorUnavailableError) as failed:
+                failing.result(30)
+    client.close()
+    assert "(its first failed attempt: the coordinator cannot write its state file" in str(failed.value), failed.value
+    assert "No space left on device" in str(failed.value)
 
 
 def test_an_event_is_streamed_only_once_it_is_on_disk(tmp_path, monkeypatch):

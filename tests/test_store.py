@@ -718,3 +718,16 @@ def test_the_url_handler_looks_for_a_coordinator_as_long_as_its_timeout_and_refu
     with pytest.raises(StoreUnavailable):
         store.set("k", b"v")
     assert time.monotonic() - started < 20
+    # So too where the process client talks to that address (it looks for 60 s: torch_xla's
+    # processes all have one), as the URL's own client does.
+    from pjrt_rendezvous.client import _api
+
+    process_client = pr.Client(pr.Settings(address="127.0.0.1:1"), pr.detect_topology({}, address="127.0.0.1:1"))
+    monkeypatch.setattr(_api, "_client", process_client)
+    store, _, _ = next(dist.rendezvous(f"{SCHEME}://127.0.0.1:1?rank=0&world_size=1", timeout=datetime.timedelta(seconds=2)))
+    assert store.client is not process_client
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable):
+        store.set("k", b"v")
+    assert time.monotonic() - started < 20
+    process_client.close()
