@@ -801,7 +801,9 @@ def _where(missing_by_host: list[dict], refused: set[int]) -> list[str]:
             more.append(m)
             continue
         detail = [f"pid{'s' if len(m['pids']) != 1 else ''} {_pids(m['pids'], set(m['deadPids']), set(m['leftPids']), set(m['closedPids']))}"]
-        if m["lastSeenAge"] is not None:
+        if m["unheardPids"]:  # (its last seen counts from the restart: it may have been gone long before)
+            detail.append(f"not heard from since the coordinator restarted {_age(m['lastSeenAge'])} ago")
+        elif m["lastSeenAge"] is not None:
             detail.append(f"last seen {_age(m['lastSeenAge'])} ago")
         lines.append(f"{_ranges_cut(m['ordinals'])} on {m['host']} ({', '.join(detail)})")
     if more:
@@ -868,6 +870,7 @@ def summarize_job(job) -> dict:
                 "deadPids": [p.pid for p in procs if _dead(p)],
                 "leftPids": [p.pid for p in procs if p.left],
                 "closedPids": [p.pid for p in procs if _closed(p)],
+                "unheardPids": [p.pid for p in procs if p.unheard_since_restart],
                 "tasks": format_ranges(p.task_id for p in procs),
                 "ordinals": sorted(entry["ordinals"]),  # (a list, as everywhere in --json; ranges: its text)
                 "ranges": format_ranges(entry["ordinals"]),
@@ -905,6 +908,7 @@ def summarize_job(job) -> dict:
                     "deadPids": sorted(p.pid for p in procs.values() if _dead(p)),
                     "leftPids": sorted(p.pid for p in procs.values() if p.left),
                     "closedPids": sorted(p.pid for p in procs.values() if _closed(p)),
+                    "unheardPids": sorted(p.pid for p in procs.values() if p.unheard_since_restart),
                     "lastSeenAge": max((p.last_seen_age for p in procs.values()), default=None),
                 }
             )
@@ -999,7 +1003,7 @@ def render_status(response, address: str) -> str:
                     _processes_cell(h),
                     _pids(h["pids"], set(h["deadPids"]), set(h["leftPids"]), set(h["closedPids"])),
                     h["ranges"] + (f" ({format_ranges(h['endedOrdinals'])} ended)" if h["endedOrdinals"] else ""),
-                    f"{_age(h['lastSeenAge'])} ago",
+                    f"{_age(h['lastSeenAge'])} ago" + (" (not since the restart)" if h["unheardPids"] else ""),
                 ]
                 for h in summary["hosts"]
             ]

@@ -331,6 +331,7 @@ class ParticipantView:
     ended: str = ""  # how its replica ended (end_replicas); empty while it runs
     client_version: str = ""
     disconnected_age: float | None = None  # its connection closed this long ago (Core.disconnect)
+    unheard_since_restart: bool = False  # restored, not heard from since: last seen counts from the restart
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -2153,6 +2154,7 @@ class Core:
                     disconnected_age=(
                         max(0.0, now - p.disconnected) if now is not None and p.alive and p.disconnected is not None else None
                     ),
+                    unheard_since_restart=p.alive and p.restored,
                 )
             )
         return views

@@ -799,6 +799,7 @@ def _participant(view) -> pb.Participant:
         left=view.left,
         ended=view.ended,
         client_version=view.client_version,
+        unheard_since_restart=view.unheard_since_restart,
     )
     if view.runtime_ordinal is not None:
         message.runtime_ordinal = view.runtime_ordinal

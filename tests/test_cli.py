@@ -557,6 +557,31 @@ def test_render_status_marks_dead_processes_and_groups_hosts_naturally():
     assert _cli.render_status(pb.StatusResponse(), "x:1") == "coordinator x:1: no jobs\n"
 
 
+def test_render_status_says_a_process_not_heard_from_since_a_restart():
+    """Restored from the state file and silent since, a process's "last seen 4.1 s ago" was
+    counted from the restart (it may have been gone long before), where the coordinator's own
+    messages say so: status says so too; a connection closed is marked on its pid."""
+    participants = [
+        pb.Participant(ordinal=0, task_id=0, host="h0", pid=10, incarnation="a", last_seen_age=4.1, alive=True,
+                       unheard_since_restart=True),
+        pb.Participant(ordinal=1, task_id=1, host="h1", pid=11, incarnation="b", last_seen_age=2.0, alive=True,
+                       disconnected_age=1.5),
+        pb.Participant(ordinal=2, task_id=2, host="h2", pid=12, incarnation="c", last_seen_age=0.2, alive=True),
+    ]
+    response = pb.StatusResponse(jobs=[pb.JobStatus(
+        job="j", world_size=3, registered=3, generation=1, participants=participants,
+        pending_rounds=[pb.PendingRound(round=0, tags=[pb.TagGroup(tag="t", ordinals=[2])], arrived=[2], missing=[0, 1],
+                                        waiting_seconds=5.0)],
+    )])
+    text = _cli.render_status(response, "x:1")
+    assert re.search(r"h0\s+1\s+10\s+0\s+4.1 s ago \(not since the restart\)", text), text
+    assert re.search(r"h2\s+1\s+12\s+2\s+0.2 s ago\n", text), text
+    assert "0 on h0 (pid 10, not heard from since the coordinator restarted 4.1 s ago)" in text, text
+    assert "1 on h1 (pid 11 (connection closed), last seen 2.0 s ago)" in text, text
+    job = _cli.status_json(response, "x:1")["jobs"][0]
+    assert [h["unheardPids"] for h in job["hosts"]] == [[10], [], []] and job["participants"][0]["unheardSinceRestart"]
+
+
 # -- health ---------------------------------------------------------------------------------
 
 

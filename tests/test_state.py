@@ -81,8 +81,10 @@ def test_a_dead_process_keeps_how_long_ago_it_was_seen_across_a_restore():
     assert restored.describe_missing(restored.jobs["j"], [0, 1], 52.0) == (
         "0 on h0 (not heard from since the coordinator restarted 2.0 s ago); 1 on h1 (dead) (last seen 3602.0 s ago)"
     )
+    assert [p.unheard_since_restart for p in restored.status(52.0, "j")[0].participants] == [True, False]  # (status says it too)
     restored.touch("j", "inc0", 53.0)  # (a heartbeat)
     assert restored.describe_missing(restored.jobs["j"], [0], 54.0) == "0 on h0 (last seen 1.0 s ago)"
+    assert not restored.status(54.0, "j")[0].participants[0].unheard_since_restart
 
 
 def test_an_ended_replica_stays_ended_across_a_restart():

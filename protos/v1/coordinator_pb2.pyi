@@ -78,7 +78,7 @@ class WaitWorldRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., timeout: _Optional[float] = ...) -> None: ...
 
 class Participant(_message.Message):
-    __slots__ = ("ordinal", "local_ordinal", "task_id", "thread_index", "host", "pid", "incarnation", "last_seen_age", "runtime_ordinal", "alive", "left", "ended", "client_version", "disconnected_age")
+    __slots__ = ("ordinal", "local_ordinal", "task_id", "thread_index", "host", "pid", "incarnation", "last_seen_age", "runtime_ordinal", "alive", "left", "ended", "client_version", "disconnected_age", "unheard_since_restart")
     ORDINAL_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ORDINAL_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class Participant(_message.Message):
     ENDED_FIELD_NUMBER: _ClassVar[int]
     CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     DISCONNECTED_AGE_FIELD_NUMBER: _ClassVar[int]
+    UNHEARD_SINCE_RESTART_FIELD_NUMBER: _ClassVar[int]
     ordinal: int
     local_ordinal: int
     task_id: int
@@ -107,7 +108,8 @@ class Participant(_message.Message):
     ended: str
     client_version: str
     disconnected_age: float
-    def __init__(self, ordinal: _Optional[int] = ..., local_ordinal: _Optional[int] = ..., task_id: _Optional[int] = ..., thread_index: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., incarnation: _Optional[str] = ..., last_seen_age: _Optional[float] = ..., runtime_ordinal: _Optional[int] = ..., alive: _Optional[bool] = ..., left: _Optional[bool] = ..., ended: _Optional[str] = ..., client_version: _Optional[str] = ..., disconnected_age: _Optional[float] = ...) -> None: ...
+    unheard_since_restart: bool
+    def __init__(self, ordinal: _Optional[int] = ..., local_ordinal: _Optional[int] = ..., task_id: _Optional[int] = ..., thread_index: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., incarnation: _Optional[str] = ..., last_seen_age: _Optional[float] = ..., runtime_ordinal: _Optional[int] = ..., alive: _Optional[bool] = ..., left: _Optional[bool] = ..., ended: _Optional[str] = ..., client_version: _Optional[str] = ..., disconnected_age: _Optional[float] = ..., unheard_since_restart: _Optional[bool] = ...) -> None: ...
 
 class WaitWorldResponse(_message.Message):
     __slots__ = ("world_size", "processes")
