@@ -1074,6 +1074,20 @@ class Core:
         job = self._job(job_name)
         return self._participants(job, now=None) if job.complete else None
 
+    @staticmethod
+    def _owner(job: Job, ordinal: int) -> Process | None:
+        """The process of ``ordinal``: its thread's, else its task's (a thread not bound yet)."""
+        member = job.members.get(ordinal)
+        owner = member.incarnation if member else job.tasks.get(ordinal // job.devices_per_task) if job.devices_per_task else None
+        return None if owner is None else job.processes[owner]
+
+    def hosts_of(self, job_name: str, ordinals: Sequence[int]) -> list[str]:
+        """The hosts of the processes of ``ordinals`` (those of no process left out), sorted."""
+        job = self.jobs.get(job_name)
+        if job is None:
+            return []
+        return sorted({p.host for p in (self._owner(job, o) for o in ordinals) if p is not None})
+
     def describe_missing(self, job: Job, ordinals: Sequence[int], now: float, *, budget: int | None = None) -> str:
         """Missing ordinals as ranges with their hosts and how long ago each was seen. With
         ``budget`` (characters), the hosts that fit, then a count of the rest: an error's
@@ -1085,13 +1099,11 @@ class Core:
         unheard: set[str] = set()  # where a process restored from the state file has not called since
         closed_ages: dict[str, float] = {}  # where a live process's connection closed (Core.disconnect)
         for ordinal in ordinals:
-            member = job.members.get(ordinal)
-            owner = job.tasks.get(ordinal // job.devices_per_task) if job.devices_per_task else None
-            if member is None and owner is None:
+            process = self._owner(job, ordinal)
+            if process is None:
                 refused = job.refused.get(ordinal // job.devices_per_task) if job.devices_per_task else None
                 by_where["never registered" if refused is None else f"not registered ({refused})"].append(ordinal)
                 continue
-            process = job.processes[member.incarnation if member else owner]
             closed = process.disconnected if process.alive else None
             where = f"on {process.host or 'an unnamed host'}" + (
                 "" if process.alive else " (left)" if process.left else " (dead)"
@@ -2154,7 +2166,7 @@ class Core:
                     disconnected_age=(
                         max(0.0, now - p.disconnected) if now is not None and p.alive and p.disconnected is not None else None
                     ),
-                    unheard_since_restart=p.alive and p.restored,
+                    unheard_since_restart=now is not None and p.alive and p.restored,
                 )
             )
         return views

@@ -159,7 +159,7 @@ class Monitor:
                 "code": rnd.error.code.name,
                 "arrived": len(rnd.arrivals),
                 "expected": rnd.size,
-                **_missing_fields(rnd.missing()),
+                **_missing_fields(self._core, job, rnd.missing()),
                 "waited": round(now - rnd.started, 3),
             },
         )
@@ -298,7 +298,7 @@ class Monitor:
                         "tag": rnd.tag,  # one tag: two would have failed the round
                         "arrived": len(rnd.arrivals),
                         "expected": rnd.size,
-                        **_missing_fields(missing),
+                        **_missing_fields(self._core, name, missing),
                         "waited": round(waited, 3),
                     },
                 )
@@ -331,7 +331,7 @@ class Monitor:
                     "generation": job.generation,
                     "registered": len(job.members),
                     "expected": job.world_size,
-                    **_missing_fields(missing),
+                    **_missing_fields(self._core, name, missing),
                     "waited": round(now - seen[0], 3),
                 },
             )
@@ -339,6 +339,14 @@ class Monitor:
             self._worlds = {key: seen for key, seen in self._worlds.items() if key in incomplete}
 
 
-def _missing_fields(missing: list[int]) -> dict:
-    """A log line's ``missing`` (ranges, cut short past _RANGES_LOGGED) and ``missing_count``."""
-    return {"missing": format_ranges(missing, _RANGES_LOGGED), "missing_count": len(missing)}
+_HOSTS_LOGGED = 16
+
+
+def _missing_fields(core: Core, job: str, missing: list[int]) -> dict:
+    """A log line's ``missing`` (ranges, cut short past _RANGES_LOGGED), ``missing_count`` and
+    ``missing_hosts`` (the first _HOSTS_LOGGED, with ``missing_hosts_count``)."""
+    hosts = core.hosts_of(job, missing)
+    return {
+        "missing": format_ranges(missing, _RANGES_LOGGED), "missing_count": len(missing),
+        "missing_hosts": hosts[:_HOSTS_LOGGED], "missing_hosts_count": len(hosts),
+    }

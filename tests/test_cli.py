@@ -1100,6 +1100,7 @@ def test_json_log_lines_for_each_significant_event():
     assert [e["registered"] for e in registered] == [1, 2, 2] and registered[2]["generation"] == 2
     assert [e["generation"] for e in events if e.get("event") == "world_formed"] == [1, 2]
     assert (late["level"], late["tag"], late["arrived"], late["expected"], late["missing"]) == ("WARNING", "ckpt", 1, 2, "1")
+    assert (late["missing_hosts"], late["missing_hosts_count"]) == (["sim-host-1"], 1)
     assert "missing 1 on sim-host-1 (last seen" in late["message"]
     assert (dead["ordinals"], dead["host"]) == ("1", "sim-host-1") and "died: " in dead["message"]
     task_1 = next(e for e in registered if e["task"] == 1)

@@ -584,7 +584,8 @@ def test_rounds_failed_again_for_a_cause_told_are_counted_not_each_logged(caplog
 
     from pjrt_rendezvous.coordinator._monitor import _missing_fields
 
-    capped = _missing_fields(list(range(0, 20000, 2)))
+    assert (first.missing_hosts, first.missing_hosts_count) == (["h"], 1), first.__dict__
+    capped = _missing_fields(Core(), "j", list(range(0, 20000, 2)))
     assert len(capped["missing"]) <= 1030 and capped["missing"].endswith(", ... (10000 ordinals)") and capped["missing_count"] == 10000
 
 
