@@ -707,9 +707,13 @@ class Client:
                     f"{error} (the call waited {time.monotonic() - began:.1f} s in all: it was sent again "
                     "after an attempt failed)"
                 )
-            elif isinstance(error, CoordinatorUnavailableError) and first and first not in str(error):
-                # What went wrong first, before the coordinator went away (it could not
-                # write its state file, say): the last attempt only found nobody there.
+            elif (
+                isinstance(error, CoordinatorUnavailableError)
+                and (first or "").startswith("the coordinator ")
+                and first not in str(error)
+            ):
+                # What the coordinator said first, before it went away (it could not write
+                # its state file, or was stopping): the last attempt only found nobody there.
                 error = CoordinatorUnavailableError(f"{error} (its first failed attempt: {first})")
             raise error from exc
 
@@ -918,7 +922,7 @@ class Client:
 
         Args:
             leave: tell the coordinator this process is done, so its ordinals are gone at once
-                instead of after the heartbeat timeout (best effort). With ``leave=False`` the
+                (best effort). With ``leave=False`` the
                 coordinator declares the process dead when it does not call again within 10 s
                 of its connection closing (as if it had crashed).
         """
@@ -1197,6 +1201,7 @@ class Client:
                     threads=[thread],
                     runtime_world_size=runtime_world_size,
                     client_version=VERSION,
+                    heartbeat_interval=self.settings.heartbeat_interval,
                 ),
             )
         except BaseException:

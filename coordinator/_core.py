@@ -30,6 +30,7 @@ import collections
 import dataclasses
 import enum
 import itertools
+import math
 import secrets
 from typing import Iterable, Mapping, NamedTuple, Sequence
 
@@ -214,8 +215,10 @@ class Process:
     restored: bool = False  # restored from a state file and not heard from since
     # When its connection to the coordinator closed without a Leave (its Watch stream
     # ended: the process was killed or crashed, or its network broke), if not heard from
-    # since; declared dead DISCONNECTED_GRACE later unless it calls again.
+    # since; declared dead DISCONNECTED_GRACE later unless it calls again (or twice its
+    # heartbeat interval, as it registered: a live one heartbeats within it).
     disconnected: float | None = None
+    heartbeat_interval: float = 0.0
 
     def label(self) -> str:
         return f"{self.host} pid {self.pid}"
@@ -299,6 +302,7 @@ class Registration:
     threads: tuple[ThreadRequest, ...]
     runtime_world_size: int = 0
     client_version: str = ""
+    heartbeat_interval: float = 0.0  # seconds between its heartbeats (0: not told)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -600,11 +604,6 @@ class Core:
             "processes create a job by registering, or start the coordinator with --world-size "
             "(a coordinator restarted without --state-file has forgotten its jobs: start the job "
             "again, and give serve a --state-file)",
-            warn=(
-                ("unknown job", name), "unknown_job",
-                f"refused calls for job {shown}, which this coordinator does not know (known jobs: {known}): "
-                "restarted without --state-file, it has forgotten its jobs, whose processes must start again",
-            ),
         )
 
     def _check_job_name(self, name: str) -> None:
@@ -703,9 +702,11 @@ class Core:
                 f"{process.death}; its ordinals are lost to job {job.name!r}; start a new process",
                 warn=(
                     ("dead", job.name, incarnation), "dead_process_called",
-                    f"refused calls from {process.label()} (task {process.task_id}) in job {job.name!r}, declared "
-                    f"{'gone' if process.left else 'dead'} earlier ({process.death}): it takes no part any more; "
-                    "start it again (a process stopped longer than the heartbeat timeout comes back so)",
+                    f"refused calls from {process.label()} (task {process.task_id}) in job {job.name!r}, which "
+                    + ("closed its client earlier" if process.left else f"was declared dead earlier ({process.death})")
+                    + ": it takes no part any more"
+                    + ("" if process.left or not process.death.startswith("no heartbeat") else
+                       " (a process stopped longer than the heartbeat timeout comes back so: start it again)"),
                 ),
             )
         process.last_seen, process.restored, process.disconnected = now, False, None
@@ -947,6 +948,8 @@ class Core:
             )
             job.tasks[r.task_id] = r.incarnation
         process.last_seen, process.restored, process.disconnected = now, False, None
+        if math.isfinite(r.heartbeat_interval) and r.heartbeat_interval > 0:
+            process.heartbeat_interval = r.heartbeat_interval
         self._changed()
         owners = job.runtime_owners
         for a in assignments:  # a thread bound again after its replica ended is back
@@ -1660,11 +1663,11 @@ class Core:
             if now - self.restored[0] <= self.restored[1]:
                 return  # just restored: its processes may not have been told the timeout yet
             self.restored = None
-        grace = min(DISCONNECTED_GRACE, self.heartbeat_timeout)
         for job in self.jobs.values():
             for process in list(job.processes.values()):
                 silent = now - process.last_seen
                 closed = None if process.disconnected is None else now - process.disconnected
+                grace = min(max(DISCONNECTED_GRACE, 2 * process.heartbeat_interval), self.heartbeat_timeout)
                 if process.alive and closed is not None and (closed > grace or silent > self.heartbeat_timeout):
                     self.declare_dead(
                         job.name, process.incarnation,
@@ -2139,7 +2142,17 @@ class Core:
 
     def touch(self, job_name: str, incarnation: str, now: float) -> int:
         """A heartbeat: the process is alive now. Returns the job's generation."""
-        job = self._job(job_name)
+        job = self._job_if_any(job_name)
+        if job is None:  # a process of a job this coordinator does not know: the operator hears of it
+            error = self._unknown_job(job_name)
+            why = (
+                "it has no --state-file, so a restart forgot its jobs, whose processes must start again"
+                if self.journal is None else
+                "its job was dropped at --max-jobs, or the process was started for another coordinator"
+            )
+            shown = job_name[: self.limits.max_name_length]
+            error.warn = (("unknown job", shown), "unknown_job", f"refused calls from processes of job {shown!r}, which this coordinator does not know: {why}")
+            raise error
         self._process(job, incarnation, now)
         return job.generation
 

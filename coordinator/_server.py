@@ -877,10 +877,10 @@ class Coordinator:
 _ROUNDS_NAMED_AT_STOP = 3
 
 
-def _pending_at_stop(core: Core, options: ServerOptions) -> str:
+def _pending_at_stop(core: Core, kept: bool) -> str:
     """For the stopping line: the rounds still waiting and for whom (their members' calls end
-    unanswered: with a state file they call again once a coordinator is back, and the
-    round goes on; without, it is forgotten)."""
+    unanswered: ``kept`` in a state file, they call again once a coordinator is back, and
+    the round goes on; else it is forgotten)."""
     now = time.monotonic()
     pending = [(job, rnd) for job in core.jobs.values() for rnd in job.pending.values()]
     if not pending:
@@ -891,7 +891,7 @@ def _pending_at_stop(core: Core, options: ServerOptions) -> str:
         for job, rnd in pending[:_ROUNDS_NAMED_AT_STOP]
     )
     more = f"; and {len(pending) - _ROUNDS_NAMED_AT_STOP} more" if len(pending) > _ROUNDS_NAMED_AT_STOP else ""
-    after = "they go on once it is back (the state file)" if options.state_file else "without a state file they are lost"
+    after = "they go on once it is back (the state file)" if kept else "not kept in a state file: they are lost"
     return f"; {_plural(len(pending), 'round')} pending ({after}): {named}{more}"
 
 
@@ -1042,7 +1042,8 @@ def serve_forever(options: ServerOptions, *, on_ready=None) -> None:
         why = received[0] if received else "the state file could not be written"
         _notify.notify(f"STOPPING=1\nSTATUS=stopping ({why}): in-flight calls get {options.grace:g} s")
         log.info(
-            "stopping (%s): in-flight calls get %.1f s%s", why, options.grace, _pending_at_stop(running.core, options),
+            "stopping (%s): in-flight calls get %.1f s%s", why, options.grace,
+            _pending_at_stop(running.core, running.writer is not None and not running.writer.failed.is_set()),
             extra={"event": "stopping", "signal": received[0] if received else None},
         )
         started = time.monotonic()

@@ -380,6 +380,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 ),
                 runtime_world_size=request.runtime_world_size,
                 client_version=request.client_version,
+                heartbeat_interval=request.heartbeat_interval,
             ),
         )
 
@@ -528,23 +529,25 @@ class Servicer(pb_grpc.CoordinatorServicer):
         opens another where it left off, and misses nothing that happened in between."""
         if isinstance(request, Malformed):
             await _abort(context, Code.INVALID_ARGUMENT, request.message)
-        try:
-            self._core.touch(request.job, request.incarnation, self._clock())
-            first, events = self._core.events(request.job, 0)
-            known = first + len(events)
-        except CoreError as exc:  # (declared dead, replaced: on disk first, as any refusal)
-            exc = await self._refusal(exc)
-            await _abort(context, exc.code, exc.message)
-        seen = request.after if request.HasField("after") else known
-        if not 0 <= seen <= known:  # past the end: a coordinator restarted without its state
-            seen = 0
-        try:  # (the marker counts the events so far: on disk first, as the events)
-            await self._persist()
-        except CoreError as exc:
-            await _abort(context, exc.code, exc.message)
+        # Counted before the touch that clears a closed connection's mark: the end of the
+        # stream this one replaces, seen meanwhile, must not mark the process again.
         watcher = (request.job, request.incarnation)
         self._watching[watcher] += 1
         try:
+            try:
+                self._core.touch(request.job, request.incarnation, self._clock())
+                first, events = self._core.events(request.job, 0)
+                known = first + len(events)
+            except CoreError as exc:  # (declared dead, replaced: on disk first, as any refusal)
+                exc = await self._refusal(exc)
+                await _abort(context, exc.code, exc.message)
+            seen = request.after if request.HasField("after") else known
+            if not 0 <= seen <= known:  # past the end: a coordinator restarted without its state
+                seen = 0
+            try:  # (the marker counts the events so far: on disk first, as the events)
+                await self._persist()
+            except CoreError as exc:
+                await _abort(context, exc.code, exc.message)
             yield pb.WatchEvent(index=seen)
             while True:
                 first, events = self._core.events(request.job, seen)

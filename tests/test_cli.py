@@ -1291,7 +1291,7 @@ def test_stop_ends_idle_streams_at_once_and_a_second_signal_ends_the_drain():
         server.terminate()
         line = server.wait_for_line(r"stopping \(SIGTERM\): in-flight calls get 60.0 s")
         assert line.endswith(  # (the round its calls wait in, and for whom)
-            "; 1 round pending (without a state file they are lost): job 'default': rendezvous 'never' on all ordinals "
+            "; 1 round pending (not kept in a state file: they are lost): job 'default': rendezvous 'never' on all ordinals "
             "(round 0), 1 of 2 arrived, missing 1 never registered"
         ), line
         started = time.monotonic()

@@ -66,6 +66,7 @@ def registration(
     incarnation: str | None = None,
     host: str | None = None,
     pid: int | None = None,
+    heartbeat_interval: float = 0.0,
 ) -> Registration:
     """A registration of ``threads`` (default: all) of ``task`` in a ``tasks x devices`` job."""
     runtime = runtime or {}
@@ -83,6 +84,7 @@ def registration(
             for i in (range(devices) if threads is None else threads)
         ),
         runtime_world_size=runtime_world_size,
+        heartbeat_interval=heartbeat_interval,
     )
 
 
@@ -2092,6 +2094,22 @@ def test_a_process_whose_connection_closed_is_declared_dead_after_the_grace_unle
     pod.core.disconnect(JOB, "nobody", now=13.0)
     pod.core.disconnect("no-such-job", "nobody", now=13.0)
     assert pod.core.jobs[JOB].processes[incarnation_of(1)].disconnected == 2.0
+
+
+def test_a_process_that_heartbeats_seldom_has_twice_its_interval_after_its_connection_closes():
+    """heartbeat_interval=15 against a 60 s timeout is valid: a live process whose watch
+    connection broke calls again only at its next heartbeat, and 10 s declared it dead (its
+    interval comes with its registration; junk is ignored)."""
+    pod = Pod(Core(heartbeat_timeout=60), 3, 1)
+    pod.register(0, heartbeat_interval=15.0)
+    pod.register(1, heartbeat_interval=float("nan"))
+    pod.register(2, heartbeat_interval=-1.0)
+    for task in range(3):
+        pod.core.disconnect(JOB, incarnation_of(task), now=0.0)
+    pod.core.check_liveness(29.0)
+    assert [p.alive for p in pod.core.jobs[JOB].processes.values()] == [True, False, False]
+    pod.core.check_liveness(30.5)
+    assert not pod.core.jobs[JOB].processes[incarnation_of(0)].alive
 
 
 def test_a_closed_connection_waits_no_longer_than_the_heartbeat_timeout_and_none_disables_both():

@@ -99,8 +99,8 @@ def kill_and_replace(heartbeat_timeout: float, *, after_death: bool):
             while not watcher.status().jobs[0].pending_rounds and time.monotonic() < deadline:
                 time.sleep(0.02)  # the survivor is now waiting in 'before-death'
             time.sleep(1.0)  # the victim's watch stream is open (its close is what is seen first)
-            victim.send_signal(signal.SIGKILL)
             killed_at = time.monotonic()
+            victim.send_signal(signal.SIGKILL)
             victim.wait(10)
             if after_death:
                 deadline = time.monotonic() + min(heartbeat_timeout, DISCONNECTED_GRACE) + 10
@@ -465,6 +465,7 @@ def test_a_live_process_whose_watch_connection_breaks_for_longer_than_the_grace_
         with bound((idle, peer)):
             time.sleep(1.0)  # the idle process's Watch stream is open
             process = coordinator.core.jobs["default"].processes[idle.incarnation]
+            assert process.heartbeat_interval == idle.settings.heartbeat_interval == 5.0  # (told as it registered)
             assert proxy.drop(refuse_for=DISCONNECTED_GRACE + 3) > 0
             time.sleep(DISCONNECTED_GRACE + 2)
             assert process.alive and not peer.events, process
@@ -481,19 +482,26 @@ def test_a_process_counts_as_disconnected_only_when_its_last_watch_stream_ends()
     declared dead DISCONNECTED_GRACE later unless it calls)."""
     from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
+    def until(condition, what: str) -> None:
+        deadline = time.monotonic() + 20
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.02)
+
     with Coordinator(port=0, heartbeat_timeout=60) as coordinator:
         client = pair_client(coordinator.address, 0)
+        watching = coordinator._running._servicer._watching  # (job, incarnation) -> its streams open
         with bound((client,)), grpc.insecure_channel(coordinator.address) as channel:
             process = coordinator.core.jobs["default"].processes[client.incarnation]
+            until(lambda: watching[("default", client.incarnation)] == 1, "its watch stream did not open")
+            client._stopped.set()  # no heartbeat clears a mark from here on
             extra = pb_grpc.CoordinatorStub(channel).Watch(pb.WatchRequest(job="default", incarnation=client.incarnation))
             next(extra)  # (its marker: the stream is open)
+            assert watching[("default", client.incarnation)] == 2
             extra.cancel()
-            time.sleep(1.0)
+            until(lambda: watching[("default", client.incarnation)] == 1, "the cancelled stream did not end")
             assert process.disconnected is None
-        deadline = time.monotonic() + 10  # closed (leave=False): its own stream ends
-        while process.disconnected is None:
-            assert time.monotonic() < deadline, "the closed client's process was not marked"
-            time.sleep(0.05)
+        until(lambda: process.disconnected is not None, "the closed client's process was not marked")  # (leave=False)
         assert process.alive
 
 
@@ -522,10 +530,16 @@ def test_serve_logs_once_the_calls_of_a_dead_process_and_for_an_unknown_job(capl
                 with pytest.raises(grpc.RpcError) as refused:
                     stub.Heartbeat(pb.HeartbeatRequest(job="forgotten", incarnation="x" * 32))
                 assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+            with pytest.raises(grpc.RpcError):
+                stub.Status(pb.StatusRequest(job="typo"))
     warned = [(r.event, r.getMessage()) for r in caplog.records if getattr(r, "event", "") in ("dead_process_called", "unknown_job")]
     assert [event for event, _ in warned] == ["dead_process_called", "unknown_job"], warned
-    assert "refused calls from" in warned[0][1] and "declared dead earlier (" in warned[0][1], warned
-    assert "refused calls for job 'forgotten', which this coordinator does not know" in warned[1][1], warned
+    assert "refused calls from" in warned[0][1] and "which was declared dead earlier (" in warned[0][1], warned
+    assert warned[1][1] == (
+        "refused calls from processes of job 'forgotten', which this coordinator does not know: it has no "
+        "--state-file, so a restart forgot its jobs, whose processes must start again"
+    ), warned
+    # (an operator's status of a job it mistyped is no process's call: not logged)
 
 
 def test_a_call_that_outlives_its_coordinator_names_what_failed_first(tmp_path, monkeypatch):
