@@ -2142,8 +2142,7 @@ class Core:
 
     def touch(self, job_name: str, incarnation: str, now: float) -> int:
         """A heartbeat: the process is alive now. Returns the job's generation."""
-        job = self._job_if_any(job_name)
-        if job is None:  # a process of a job this coordinator does not know: the operator hears of it
+        if job_name not in self.jobs:  # a process of a job this coordinator does not know: the operator hears of it
             error = self._unknown_job(job_name)
             why = (
                 "it has no --state-file, so a restart forgot its jobs, whose processes must start again"
@@ -2151,8 +2150,12 @@ class Core:
                 "its job was dropped at --max-jobs, or the process was started for another coordinator"
             )
             shown = job_name[: self.limits.max_name_length]
-            error.warn = (("unknown job", shown), "unknown_job", f"refused calls from processes of job {shown!r}, which this coordinator does not know: {why}")
+            error.warn = (
+                ("unknown job", shown), "unknown_job",
+                f"refused calls from processes of job {shown!r}, which this coordinator does not know: {why}",
+            )
             raise error
+        job = self._job(job_name)
         self._process(job, incarnation, now)
         return job.generation
 
