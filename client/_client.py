@@ -922,9 +922,9 @@ class Client:
 
         Args:
             leave: tell the coordinator this process is done, so its ordinals are gone at once
-                (best effort). With ``leave=False`` the
-                coordinator declares the process dead when it does not call again within 10 s
-                of its connection closing (as if it had crashed).
+                (best effort). With ``leave=False`` the coordinator declares the process dead
+                when it does not call again within 10 s (or twice its heartbeat interval) of
+                its connection closing, as if it had crashed.
         """
         if self._closed:
             return
