@@ -755,15 +755,15 @@ def _age(seconds: float) -> str:
 
 
 def _pids(
-    pids: list[int], dead: set[int] = frozenset(), left: set[int] = frozenset(), closed: set[int] = frozenset(), limit: int = 4
+    pids: list[int], dead: set[int] = frozenset(), left: set[int] = frozenset(), closed: set[int] = frozenset(),
+    unheard: set[int] = frozenset(), limit: int = 4,
 ) -> str:
-    """The first ``limit`` pids, the dead, then those whose connection closed, then the
-    departed first (a host of 8 processes hid its dead one behind "+4 more")."""
-    pids = sorted(pids, key=lambda p: (p not in dead, p not in closed, p not in left))  # (stable: the given order within)
-    shown = [
-        f"{p} (dead)" if p in dead else f"{p} (connection closed)" if p in closed else f"{p} (left)" if p in left else str(p)
-        for p in pids[:limit]
-    ]
+    """The first ``limit`` pids, the dead, then those whose connection closed, then those not
+    heard from since a restart, then the departed first (a host of 8 processes hid its dead
+    one behind "+4 more")."""
+    marks = [(dead, "dead"), (closed, "connection closed"), (unheard, "not since the restart"), (left, "left")]
+    pids = sorted(pids, key=lambda p: [p not in which for which, _ in marks])  # (stable: the given order within)
+    shown = [next((f"{p} ({mark})" for which, mark in marks if p in which), str(p)) for p in pids[:limit]]
     if len(pids) > limit:
         shown.append(f"+{len(pids) - limit} more")
     return ", ".join(shown)
@@ -800,8 +800,11 @@ def _where(missing_by_host: list[dict], refused: set[int]) -> list[str]:
         if len(lines) - nowhere >= _HOSTS_SHOWN:
             more.append(m)
             continue
-        detail = [f"pid{'s' if len(m['pids']) != 1 else ''} {_pids(m['pids'], set(m['deadPids']), set(m['leftPids']), set(m['closedPids']))}"]
-        if m["unheardPids"]:  # (its last seen counts from the restart: it may have been gone long before)
+        unheard = set(m["unheardPids"])  # (their last seen counts from the restart: they may have been gone long before)
+        every = unheard == set(m["pids"])
+        pids = _pids(m["pids"], set(m["deadPids"]), set(m["leftPids"]), set(m["closedPids"]), set() if every else unheard)
+        detail = [f"pid{'s' if len(m['pids']) != 1 else ''} {pids}"]
+        if every:
             detail.append(f"not heard from since the coordinator restarted {_age(m['lastSeenAge'])} ago")
         elif m["lastSeenAge"] is not None:
             detail.append(f"last seen {_age(m['lastSeenAge'])} ago")

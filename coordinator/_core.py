@@ -1096,38 +1096,40 @@ class Core:
         ``budget`` (characters), the hosts that fit, then a count of the rest: an error's
         message has to fit in a gRPC trailer (client/_session.py, clip), which cut it
         anywhere and named nobody past the cut."""
-        by_where: dict[str, list[int]] = collections.defaultdict(list)
-        ages: dict[str, float] = {}
-        hosts_of: dict[str, str] = {}  # where -> its host (a host's dead processes are told apart)
-        unheard: set[str] = set()  # where a process restored from the state file has not called since
-        closed_ages: dict[str, float] = {}  # where a live process's connection closed (Core.disconnect)
+        # (where, how it is known): a host's processes told apart as dead, left, connection
+        # closed (Core.disconnect) or restored from the state file and not heard from since
+        # (its last seen is the restart's: it may have been gone long before)
+        by_where: dict[tuple[str, str], list[int]] = collections.defaultdict(list)
+        ages: dict[tuple[str, str], float] = {}
+        hosts_of: dict[tuple[str, str], str] = {}
+        closed_ages: dict[tuple[str, str], float] = {}
         for ordinal in ordinals:
             process = self._owner(job, ordinal)
             if process is None:
                 refused = job.refused.get(ordinal // job.devices_per_task) if job.devices_per_task else None
-                by_where["never registered" if refused is None else f"not registered ({refused})"].append(ordinal)
+                by_where[("never registered" if refused is None else f"not registered ({refused})", "")].append(ordinal)
                 continue
             closed = process.disconnected if process.alive else None
             where = f"on {process.host or 'an unnamed host'}" + (
                 "" if process.alive else " (left)" if process.left else " (dead)"
-            ) + ("" if closed is None else ", connection closed")
-            by_where[where].append(ordinal)
-            ages[where] = max(ages.get(where, 0.0), now - process.last_seen)
-            hosts_of[where] = process.host
+            )
+            key = (where, "closed" if closed is not None else "unheard" if process.restored and process.alive else "seen")
+            by_where[key].append(ordinal)
+            ages[key] = max(ages.get(key, 0.0), now - process.last_seen)
+            hosts_of[key] = process.host
             if closed is not None:
-                closed_ages[where] = max(closed_ages.get(where, 0.0), now - closed)
-            if process.restored and process.alive:  # (its last seen is the restart's: it may have been gone long before)
-                unheard.add(where)
+                closed_ages[key] = max(closed_ages.get(key, 0.0), now - closed)
         parts = []
-        for where, group in sorted(by_where.items(), key=lambda item: min(item[1])):
+        for key, group in sorted(by_where.items(), key=lambda item: min(item[1])):
+            where, how = key
             text = f"{format_ranges(group)} {where}"
-            if where in closed_ages:
-                text += f" {_duration(closed_ages[where])} s ago without a Leave (last seen {_duration(ages[where])} s ago)"
-            elif where in unheard:
-                text += f" (not heard from since the coordinator restarted {_duration(ages[where])} s ago)"
-            elif where in ages:
-                text += f" (last seen {_duration(ages[where])} s ago)"
-            parts.append((text, len(group), hosts_of.get(where)))
+            if how == "closed":
+                text += f", connection closed {_duration(closed_ages[key])} s ago without a Leave (last seen {_duration(ages[key])} s ago)"
+            elif how == "unheard":
+                text += f" (not heard from since the coordinator restarted {_duration(ages[key])} s ago)"
+            elif how == "seen":
+                text += f" (last seen {_duration(ages[key])} s ago)"
+            parts.append((text, len(group), hosts_of.get(key)))
         described = "; ".join(text for text, _, _ in parts)
         if budget is None or len(described) <= budget:
             return described
@@ -1863,7 +1865,10 @@ class Core:
         del job.processes[old.incarnation]
         self._new_generation(job)
         if old.alive:
-            was = f"was last heard from {max(0.0, now - old.last_seen):.1f} s before"
+            was = f"was last heard from {max(0.0, now - old.last_seen):.1f} s before" + (
+                "" if old.disconnected is None else
+                f", its connection closed {max(0.0, now - old.disconnected):.1f} s before without a Leave"
+            )
         else:
             was = f"{'left' if old.left else 'died'}: {old.death}" if old.death else "had stopped"
         message = (

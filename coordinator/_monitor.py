@@ -288,7 +288,7 @@ class Monitor:
                     waited,
                     len(rnd.arrivals),
                     rnd.size,
-                    self._core.describe_missing(job, missing, now, budget=_MESSAGE_CHARACTERS),
+                    self._core._with_missing(job, "", missing, now),
                     extra={
                         "event": "round_late",
                         "job": name,

@@ -886,13 +886,13 @@ def _pending_at_stop(core: Core, kept: bool) -> str:
     if not pending:
         return ""
     named = "; ".join(
-        f"job {job.name!r}: {rnd.describe()}, {len(rnd.arrivals)} of {rnd.size} arrived, missing "
-        f"{core.describe_missing(job, rnd.missing(), now, budget=300)}"
+        f"job {job.name!r}: {rnd.describe()}, {len(rnd.arrivals)} of {rnd.size} arrived, "
+        + core._with_missing(job, "missing ", rnd.missing(), now)
         for job, rnd in pending[:_ROUNDS_NAMED_AT_STOP]
     )
     more = f"; and {len(pending) - _ROUNDS_NAMED_AT_STOP} more" if len(pending) > _ROUNDS_NAMED_AT_STOP else ""
-    after = "they go on once it is back (the state file)" if kept else "not kept in a state file: they are lost"
-    return f"; {_plural(len(pending), 'round')} pending ({after}): {named}{more}"
+    after = "kept in the state file, to go on once a coordinator is back" if kept else "not kept in a state file: lost"
+    return f"; {_plural(len(pending), 'round')} pending, {after}: {named}{more}"
 
 
 async def _let_calls_end() -> None:

@@ -551,6 +551,7 @@ def test_render_status_marks_dead_processes_and_groups_hosts_naturally():
     assert _cli._pids([1, 2, 3, 4, 5, 6], dead={6}, left={5}) == "6 (dead), 5 (left), 1, 2, +2 more"
     assert _cli._pids([1, 2, 3, 4], dead={4}, left={3}, closed={2}) == "4 (dead), 2 (connection closed), 3 (left), 1"
     assert _cli._processes_cell({"processes": 3, "dead": 1, "left": 1}) == "3 (1 dead, 1 left)"  # (was "3 (1 dead) (1 left)")
+    assert _cli._pids([1, 2], unheard={2}) == "2 (not since the restart), 1"
     assert re.search(
         r"7\s+0-1\s+'a'\s+1/2\s+1 h 2 min\s+1 on host-2 \(pid 101 \(dead\), last seen 1 min 15 s ago\)", text
     ), text
@@ -1101,7 +1102,7 @@ def test_json_log_lines_for_each_significant_event():
     assert [e["generation"] for e in events if e.get("event") == "world_formed"] == [1, 2]
     assert (late["level"], late["tag"], late["arrived"], late["expected"], late["missing"]) == ("WARNING", "ckpt", 1, 2, "1")
     assert (late["missing_hosts"], late["missing_hosts_count"]) == (["sim-host-1"], 1)
-    assert "missing 1 on sim-host-1 (last seen" in late["message"]
+    assert "missing ordinal 1 on sim-host-1 (last seen" in late["message"]
     assert (dead["ordinals"], dead["host"]) == ("1", "sim-host-1") and "died: " in dead["message"]
     task_1 = next(e for e in registered if e["task"] == 1)
     assert (dead["task"], dead["pid"]) == (1, task_1["pid"]), (dead, task_1)  # (were in the message only)
@@ -1291,8 +1292,8 @@ def test_stop_ends_idle_streams_at_once_and_a_second_signal_ends_the_drain():
         server.terminate()
         line = server.wait_for_line(r"stopping \(SIGTERM\): in-flight calls get 60.0 s")
         assert line.endswith(  # (the round its calls wait in, and for whom)
-            "; 1 round pending (not kept in a state file: they are lost): job 'default': rendezvous 'never' on all ordinals "
-            "(round 0), 1 of 2 arrived, missing 1 never registered"
+            "; 1 round pending, not kept in a state file: lost: job 'default': rendezvous 'never' on all ordinals "
+            "(round 0), 1 of 2 arrived, missing ordinal 1 never registered"
         ), line
         started = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
@@ -1417,6 +1418,7 @@ def test_serve_does_without_the_default_session_port_when_it_is_busy():
         assert proc.poll() is None, text
         client = simulated_process(f"127.0.0.1:{port}", 0, processes=1, threads=1)
         assert client.rendezvous(client.bind_thread(0), "t", b"x") == [b"x"]
+        client.unbind_thread()  # (the main thread: bound to a closed client, it failed later tests' calls)
         client.close()
     finally:
         holder.close()
@@ -1731,6 +1733,7 @@ def test_a_replicas_ended_line_names_its_process_and_why():
         client.bind_thread(0)
         client.end_replicas([0], "its replica returned")
         line = json.loads(server.wait_for_line(r'"event": "replicas_ended"'))
+        client.unbind_thread()
         client.close()
         assert server.stop() == 0
     assert (line["task"], line["pid"], line["ordinals"], line["host"]) == (0, os.getpid(), "0", "sim-host-0"), line

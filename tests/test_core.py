@@ -2112,6 +2112,18 @@ def test_a_process_that_heartbeats_seldom_has_twice_its_interval_after_its_conne
     assert not pod.core.jobs[JOB].processes[incarnation_of(0)].alive
 
 
+def test_a_restart_that_replaces_a_process_whose_connection_closed_says_so():
+    pod = Pod(Core(heartbeat_timeout=60), 2, 1)
+    pod.register(0)
+    pod.register(1)
+    pod.core.disconnect(JOB, incarnation_of(1), now=1.0)
+    pod.register(1, now=3.0, incarnation="relaunched")  # (same host and local rank: a restart)
+    (event,) = [e for e in pod.core.events(JOB, 0)[1] if e.kind == "PROCESS_RESTARTED"]
+    assert event.message.endswith(
+        "which was last heard from 3.0 s before, its connection closed 2.0 s before without a Leave"
+    ), event.message
+
+
 def test_a_closed_connection_waits_no_longer_than_the_heartbeat_timeout_and_none_disables_both():
     short = Pod(Core(heartbeat_timeout=3), 2, 1)
     short.register(0)

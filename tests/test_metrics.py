@@ -391,7 +391,7 @@ def test_late_rounds_are_reported_a_few_per_check_and_forgotten_once_gone(caplog
         reported.append([r.getMessage() for r in caplog.records if "round late" in r.getMessage()])
     assert [len(r) for r in reported] == [16, 16, 8, 0]
     assert len({m.split("'")[1] for r in reported for m in r}) == 40  # each job's round once
-    assert "missing 1-999 never registered" in reported[0][0]
+    assert "missing ordinals 1-999 never registered" in reported[0][0]
     for job in jobs[:30]:
         core.leave(job, f"i-{job}")  # their rounds fail: no longer pending
     monitor.check_late()

@@ -87,6 +87,20 @@ def test_a_dead_process_keeps_how_long_ago_it_was_seen_across_a_restore():
     assert not restored.status(54.0, "j")[0].participants[0].unheard_since_restart
 
 
+def test_a_host_s_restored_processes_heard_and_unheard_since_are_told_apart():
+    """Two live processes of one host restored, one heard from since: "not heard from since
+    the coordinator restarted" was said of both (one group per host)."""
+    core = Core()
+    for task in range(2):
+        core.register(0.0, Registration(job="j", incarnation=f"i{task}", host="h", pid=task, task_id=task, num_tasks=2,
+                                        devices_per_task=1, local_rank=task, threads=(ThreadRequest(thread_index=0),)))
+    restored = _state.restore(_state.snapshot(core), now=100.0)
+    restored.touch("j", "i0", 101.0)
+    assert restored.describe_missing(restored.jobs["j"], [0, 1], 103.0) == (
+        "0 on h (last seen 2.0 s ago); 1 on h (not heard from since the coordinator restarted 3.0 s ago)"
+    )
+
+
 def test_an_ended_replica_stays_ended_across_a_restart():
     core = Core()
     for task in range(2):
