@@ -60,9 +60,10 @@ MAX_REQUEST_ID_LENGTH = 256
 _REPLACED_KEPT = 1024  # replaced incarnations remembered per job, for their late calls' errors
 MIN_HEARTBEAT_TIMEOUT = 1.0  # seconds
 # Seconds a process whose connection closed without a Leave (Core.disconnect) has to call
-# again before it is declared dead (at most the heartbeat timeout). A live client opens its
-# event watch again within a second or five and heartbeats every five: a killed process is
-# told apart from a broken connection well before the heartbeat timeout, 60 s by default.
+# again before it is declared dead (or twice its heartbeat interval, if longer; at most the
+# heartbeat timeout). A live client opens its event watch again within a second or five and
+# heartbeats every five: a killed process is told apart from a broken connection well
+# before the heartbeat timeout, 60 s by default.
 DISCONNECTED_GRACE = 10.0
 _REFUSED_KEPT = 1024  # tasks whose registration was refused, remembered per job (Core.register)
 _OUTSIDER_CALLS_KEPT = 1024  # ordinals' calls from outside their replicas remembered per job (Core._replicas_group)
@@ -1148,7 +1149,7 @@ class Core:
         count = sum(n for _, n, _ in rest)
         return "; ".join(shown + [f"and {_plural(count, 'more ordinal')} {where} (`pjrt-rendezvous status` lists them all)"])
 
-    def _with_missing(self, job: Job, head: str, missing: Sequence[int], now: float) -> str:
+    def with_missing(self, job: Job, head: str, missing: Sequence[int], now: float) -> str:
         """``head``, then the missing ordinals and where they are, within _MESSAGE_CHARACTERS."""
         word = _missing_word(missing)
         budget = max(_MESSAGE_CHARACTERS - len(head) - len(word) - 3, 2 * _REST_CHARACTERS)
@@ -1164,7 +1165,7 @@ class Core:
         if job.world_size is None or job.complete:
             return ""
         missing = [o for o in range(job.world_size) if o not in job.members]
-        return self._with_missing(job, "", missing, now)
+        return self.with_missing(job, "", missing, now)
 
     def world_timeout(self, job_name: str, now: float, waited: float) -> CoreError:
         if job_name not in self.jobs:
@@ -1178,7 +1179,7 @@ class Core:
         missing = [o for o in range(job.world_size) if o not in job.members]
         return CoreError(
             Code.DEADLINE_EXCEEDED,
-            self._with_missing(
+            self.with_missing(
                 job,
                 f"job {job_name!r} world incomplete after {_duration(waited)} s: "
                 f"{len(job.members)} of {job.world_size} ordinals registered; missing ",
@@ -1630,7 +1631,7 @@ class Core:
                     rnd,
                     CoreError(
                         Code.DEADLINE_EXCEEDED,
-                        self._with_missing(
+                        self.with_missing(
                             job,
                             f"{rnd.describe()} timed out after {_duration(now - rnd.started)} s (counted from "
                             f"the first call to reach the coordinator) with {len(rnd.arrivals)} of {rnd.size} "
@@ -1688,7 +1689,8 @@ class Core:
 
     def disconnect(self, job_name: str, incarnation: str, now: float) -> None:
         """A process's connection closed without a Leave (its event watch ended): unless
-        it calls again within DISCONNECTED_GRACE, ``check_liveness`` declares it dead."""
+        it calls again within DISCONNECTED_GRACE (or twice its heartbeat interval),
+        ``check_liveness`` declares it dead."""
         job = self.jobs.get(job_name)
         process = job.processes.get(incarnation) if job is not None else None
         if process is not None and process.alive and process.disconnected is None:

@@ -288,7 +288,7 @@ class Monitor:
                     waited,
                     len(rnd.arrivals),
                     rnd.size,
-                    self._core._with_missing(job, "", missing, now),
+                    self._core.with_missing(job, "", missing, now),
                     extra={
                         "event": "round_late",
                         "job": name,

@@ -887,7 +887,7 @@ def _pending_at_stop(core: Core, kept: bool) -> str:
         return ""
     named = "; ".join(
         f"job {job.name!r}: {rnd.describe()}, {len(rnd.arrivals)} of {rnd.size} arrived, "
-        + core._with_missing(job, "missing ", rnd.missing(), now)
+        + core.with_missing(job, "missing ", rnd.missing(), now)
         for job, rnd in pending[:_ROUNDS_NAMED_AT_STOP]
     )
     more = f"; and {len(pending) - _ROUNDS_NAMED_AT_STOP} more" if len(pending) > _ROUNDS_NAMED_AT_STOP else ""
