@@ -1290,8 +1290,13 @@ class Core:
             for o in rnd.arrivals:
                 by_tag.setdefault(called.get(o, rnd.tag), []).append(o)
         if by_tag:
+            # The odd ones out (all but a group larger than every other) say where they run:
+            # one process that skipped or added a call is the one whose log to read.
+            largest = sorted(map(len, by_tag.values()))
+            common = largest[-1] if len(largest) == 1 or largest[-1] > largest[-2] else None
             described = "; ".join(
-                f"{_ordinals_word(o)} called rendezvous({t!r})"
+                f"{_ordinals_word(o)}{'' if len(o) == common else self._where_called(state, o)} "
+                f"called rendezvous({_shown_tag(t)!r})"
                 for t, o in sorted(by_tag.items(), key=lambda item: min(item[1]))
             )
             missing = rnd.missing()
@@ -1312,6 +1317,13 @@ class Core:
         elif len(state.pending) > 1:
             self._fail_if_deadlocked(state, rnd)
         return rnd
+
+    def _where_called(self, job: Job, ordinals: Sequence[int]) -> str:
+        """" (HOST pid N)" for the processes of ``ordinals`` when there are at most two ("" if more)."""
+        processes = {p.incarnation: p for p in (self._owner(job, o) for o in ordinals) if p is not None}
+        if not processes or len(processes) > 2:
+            return ""
+        return f" ({', '.join(p.label() for p in sorted(processes.values(), key=lambda p: (p.host, p.pid)))})"
 
     def _check_contributions(
         self, state: Job, process: Process, incarnation: str, contributions: Sequence[ContributionRow], now: float

@@ -816,7 +816,8 @@ def test_a_round_long_finished_cannot_be_resent():
 
 
 def test_tag_mismatch_fails_the_round_for_everyone_naming_who_brought_what():
-    """Two tags in one round fail it at once for all members, naming who brought which tag and who is missing."""
+    """Two tags in one round fail it at once for all members, naming who brought which tag
+    (the odd one out with its host and pid: its log is the one to read) and who is missing."""
     pod = make_pod(4)
     pod.arrive([0], tag="save")
     pod.arrive([2], tag="save")
@@ -825,10 +826,8 @@ def test_tag_mismatch_fails_the_round_for_everyone_naming_who_brought_what():
     assert_message(
         error,
         Code.FAILED_PRECONDITION,
-        "tag mismatch in round 0 of all ordinals",
-        "ordinals 0, 2 called rendezvous('save')",
-        "ordinal 1 called rendezvous('step')",
-        "ordinal 3 had not arrived",
+        "tag mismatch in round 0 of all ordinals: ordinals 0, 2 called rendezvous('save'); "
+        "ordinal 1 (host-0 pid 1001) called rendezvous('step'); ordinal 3 had not arrived",
     )
     assert pod.wakeups("round") == [pod.round_wakeup(ALL, 0)]
     assert pod.arrive(1, tag="step") == key  # a resend gets the round's error as it is
@@ -839,6 +838,20 @@ def test_tag_mismatch_fails_the_round_for_everyone_naming_who_brought_what():
         pod.arrive(3, tag="later")
     assert pod.outcome(key).error is error
     assert pod.core.take_wakeups() == []
+
+
+def test_tag_mismatch_between_equal_groups_places_both_and_shortens_long_tags():
+    """With no majority, every side says where it runs; a tag over 40 characters is shown by its
+    start (two at the limit would fill the message that has to fit in a gRPC trailer)."""
+    pod = make_pod(2)
+    pod.arrive(0, tag="a" * 1000)
+    error = pod.error(pod.arrive(1, tag="b" * 1000))
+    assert_message(
+        error,
+        Code.FAILED_PRECONDITION,
+        f"ordinal 0 (host-0 pid 1000) called rendezvous('{'a' * 40}...'); ordinal 1 (host-0 pid 1001) called rendezvous('{'b' * 40}...')",
+    )
+    assert len(error.message) < 500, error.message
 
 
 def test_a_relays_calls_resent_per_process_after_a_failure_get_the_rounds_error():
@@ -892,7 +905,10 @@ def test_tags_mismatching_inside_one_batched_call_fail_the_round():
     """Two threads of one process bringing different tags in one call fail the round."""
     pod = make_pod(2, 2)
     key = pod.arrive([0, 1], tags={0: "a", 1: "b"})
-    assert_message(pod.error(key), Code.FAILED_PRECONDITION, "ordinal 0 called rendezvous('a')", "ordinal 1")
+    assert_message(
+        pod.error(key), Code.FAILED_PRECONDITION,
+        "ordinal 0 (host-0 pid 1000) called rendezvous('a'); ordinal 1 (host-0 pid 1000) called rendezvous('b')",
+    )
 
 
 def test_duplicate_ordinals_in_replicas_fail_the_groups_round():
@@ -1963,9 +1979,10 @@ def test_a_single_tag_deviation_fails_that_round_for_every_member_alike(program,
         base,
         Code.FAILED_PRECONDITION,
         f"tag mismatch in round {bad.number}",
-        f"ordinal {deviant} called rendezvous({tag!r})",
         f"rendezvous({bad.tag!r})",
     )
+    task = deviant // devices  # (the deviant says where it runs)
+    assert f"ordinal {deviant} ({host_of(task)} pid {pid_of(task)}) called rendezvous({tag!r})" in base.message, base.message
     for call in calls:
         if call is not bad:
             expected = [program_payload(o, call) for o in call.members]
