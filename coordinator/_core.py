@@ -51,7 +51,8 @@ _FINISHED_ROUNDS_KEPT = 2
 _GROUPS_KEPT = 4096
 # How far ahead of its group's next unfinished round a call may start a round. A member
 # calls round k+1 only once round k finished, so only calls abandoned by their client (an
-# interrupt, a cancelled call) leave rounds ahead; each holds its arrivals until its deadline.
+# interrupt, a cancelled call) leave rounds ahead; each holds its arrivals until its deadline
+# (the servicer's alarm expires it then, waited on or not).
 _ROUNDS_AHEAD = 1000
 _REQUEST_IDS_KEPT = 100_000
 # A request id (a client's uuid4().hex: 32 characters) is kept with its result for retries,
@@ -1493,7 +1494,11 @@ class Core:
                 "rounds failed without it: only the last two finished rounds are kept)",
             )
         rnd = job.pending.get((job.generation, group, number))
-        if rnd is None:
+        if rnd is not None and rnd.deadline is not None and rnd.deadline <= now:
+            # Past its deadline, unnoticed (nobody was waiting on it when it passed, or not
+            # yet): it fails now, as it would have then, and does not complete late.
+            self._fail(job, rnd, self._timeout_error(job, rnd, now))
+        elif rnd is None:
             if number > state.next_round + _ROUNDS_AHEAD:
                 self._check_ahead(job, state, group, number)
             if len(job.pending) >= self.limits.max_pending_rounds:
@@ -1637,22 +1642,21 @@ class Core:
         for job in self.jobs.values():
             overdue = [r for r in job.pending.values() if r.deadline is not None and r.deadline <= now]
             for rnd in overdue:
-                missing = rnd.missing()
-                self._fail(
-                    job,
-                    rnd,
-                    CoreError(
-                        Code.DEADLINE_EXCEEDED,
-                        self.with_missing(
-                            job,
-                            f"{rnd.describe()} timed out after {_duration(now - rnd.started)} s (counted from "
-                            f"the first call to reach the coordinator) with {len(rnd.arrivals)} of {rnd.size} "
-                            "arrived; missing ",
-                            missing,
-                            now,
-                        ),
-                    ),
-                )
+                self._fail(job, rnd, self._timeout_error(job, rnd, now))
+
+    def _timeout_error(self, job: Job, rnd: Round, now: float) -> CoreError:
+        timed_out = now if rnd.deadline is None else min(now, rnd.deadline)  # (noticed late: when it passed)
+        return CoreError(
+            Code.DEADLINE_EXCEEDED,
+            self.with_missing(
+                job,
+                f"{rnd.describe()} timed out after {_duration(timed_out - rnd.started)} s (counted from "
+                f"the first call to reach the coordinator) with {len(rnd.arrivals)} of {rnd.size} "
+                "arrived; missing ",
+                rnd.missing(),
+                now,
+            ),
+        )
 
     # -- liveness and generations --------------------------------------------------------
 

@@ -189,6 +189,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
         for key in wakeups:
             if key[0] == "dropped":
                 self._world_tables.pop(key[1], None)
+                self._release(("events", key[1]))  # (its watchers' streams end, saying so)
             self._deadlines.pop(key, None)
             self._release(key)
 
@@ -231,7 +232,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
             waiters.discard(waiter)
             if not waiters and self._waiters.get(key) is waiters:
                 del self._waiters[key]
-                self._deadlines.pop(key, None)
+                if key[0] != "round":  # (a round's stays: it expires then, waited on or not)
+                    self._deadlines.pop(key, None)
 
     def _watch_deadline(self, key: tuple, deadline: float) -> None:
         current = self._deadlines.get(key)
@@ -254,17 +256,26 @@ class Servicer(pb_grpc.CoordinatorServicer):
 
     def _ring(self) -> None:
         """The alarm: every key whose deadline passed is expired (all its waiters return
-        False; a waiter whose own deadline is later waits again)."""
+        False; a waiter whose own deadline is later waits again), and a round's fails, its
+        members waiting or not (Core.expire; left pending, it would hold its arrivals and
+        complete with a late one)."""
         self._alarm = None
         due = max(self._alarm_at, self._clock())
         heap = self._deadline_heap
+        expired = []
         while heap and heap[0][0] <= due:
             deadline, _, key = heapq.heappop(heap)
             if self._deadlines.get(key) == deadline:
                 del self._deadlines[key]
-                for waiter in list(self._waiters.get(key, ())):
-                    if not waiter.done():
-                        waiter.set_result(False)
+                expired.append(key)
+        if any(key[0] == "round" for key in expired):
+            # First: a waiter may resume inside set_result (a session's call) and wait again.
+            self._core.expire(due)
+            self._wake()
+        for key in expired:
+            for waiter in list(self._waiters.get(key, ())):
+                if not waiter.done():
+                    waiter.set_result(False)
         while heap and self._deadlines.get(heap[0][2]) != heap[0][0]:  # lapsed
             heapq.heappop(heap)
         if heap:
@@ -433,7 +444,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
             self._wake()  # a refused call may have failed its peers' round: release them now
             raise  # (on disk before anyone is told: _refusal)
         self._wake()
-        while rnd.result is None and rnd.error is None:  # finished in place (Core.arrive)
+        while rnd.result is None and rnd.error is None:  # finished in place (Core.arrive; expired by _ring)
             if not await self._wait(("round", job, *rnd.key), rnd.deadline):
                 self._core.expire(self._clock())
                 self._wake()
@@ -550,7 +561,10 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 await _abort(context, exc.code, exc.message)
             yield pb.WatchEvent(index=seen)
             while True:
-                first, events = self._core.events(request.job, seen)
+                try:
+                    first, events = self._core.events(request.job, seen)
+                except CoreError as exc:  # the job was dropped (max_jobs): gone with its events
+                    await _abort(context, exc.code, exc.message)
                 if events:  # on disk before anyone hears of them (a crash cannot take one back)
                     try:
                         await self._persist()

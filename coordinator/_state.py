@@ -182,13 +182,13 @@ def restore(
     """A core holding ``body`` (from :func:`snapshot`); every live process counts as seen ``now``.
 
     A process's client heartbeats every third of the timeout it was last given, at most every
-    5 s by default: for the shorter of the file's timeout and 15 s after the restore, nobody
-    is declared dead (a coordinator restarted with a shorter timeout must not find every
-    process silent at its old interval, which the next answer shortens)."""
+    heartbeat interval it registered (5 s by default): for the shorter of the file's timeout
+    and three of the longest interval after the restore (15 s by default), nobody is
+    declared dead (a coordinator restarted with a shorter timeout must not find a process
+    silent at its old interval, which its next answer shortens)."""
     core = Core(limits, heartbeat_timeout=heartbeat_timeout)
     core.state_id = body.get("state_id", core.state_id)  # (not in files before it was kept)
     before = body.get("heartbeat_timeout", 0.0)  # not in files before it was kept
-    core.restored = (now, min(math.inf if before is None else before, 3 * _CLIENT_HEARTBEAT_INTERVAL), before)
     for d in body["jobs"]:
         job = Job(
             name=d["name"],
@@ -243,6 +243,9 @@ def restore(
         job.request_results = collections.OrderedDict((k, _request_result_back(v)) for k, v in d["requests"])
         core.jobs[job.name] = job
     core.version = body.get("version", 0)
+    interval = max((p.heartbeat_interval for j in core.jobs.values() for p in j.processes.values() if p.alive), default=0.0)
+    window = 3 * max(interval, _CLIENT_HEARTBEAT_INTERVAL)
+    core.restored = (now, min(math.inf if before is None else before, window), before)
     return core
 
 

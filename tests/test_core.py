@@ -1232,6 +1232,24 @@ def test_the_round_deadline_is_the_earliest_member_deadline():
     assert pod.error(key).code is Code.DEADLINE_EXCEEDED
 
 
+def test_an_arrival_after_the_deadline_fails_the_round_it_would_have_completed():
+    """A round past its deadline that nobody expired (its waiter went away) fails when the
+    next member comes, as it would have at its deadline, instead of completing late; the
+    message gives the time it timed out after, not the time it was noticed."""
+    pod = make_pod(2)
+    key = pod.arrive(0, now=0.0, deadline=1.0)
+    with raises(
+        Code.DEADLINE_EXCEEDED,
+        "ordinal 1 called with tag 't' as rendezvous 't' on all ordinals (round 0), which had failed before it came",
+        "timed out after 1.0 s (counted from the first call to reach the coordinator) with 1 of 2 arrived; missing ordinal 1",
+    ):
+        pod.arrive(1, now=10.0, deadline=15.0)
+    assert pod.error(key).code is Code.DEADLINE_EXCEEDED
+    assert pod.wakeups("round") == [pod.round_wakeup(ALL, 0)]
+    pod.arrive(0, now=11.0, round_number=1)
+    assert pod.result(pod.arrive(1, now=11.0, round_number=1)) == [b"p0", b"p1"]  # the next round is whole
+
+
 def test_rounds_without_a_deadline_never_expire():
     """expire() leaves rounds whose members all wait forever alone."""
     pod = make_pod(2)

@@ -505,6 +505,31 @@ def test_a_process_counts_as_disconnected_only_when_its_last_watch_stream_ends()
         assert process.alive
 
 
+def test_a_watch_stream_of_a_job_dropped_at_max_jobs_ends_at_once_saying_so():
+    """A job dropped to make room (max_jobs) takes its events with it: a stream still
+    watching it (its process left) ends then, NOT_FOUND naming the job, instead of waiting
+    for events of a job that is gone and ending at the coordinator's stop as UNKNOWN."""
+    from pjrt_rendezvous.coordinator._core import Limits
+    from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
+
+    with Coordinator(port=0, heartbeat_timeout=None, limits=Limits(max_jobs=1)) as coordinator, \
+            grpc.insecure_channel(coordinator.address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        incarnation = "a" * 32
+        stub.Register(pb.RegisterRequest(job="A", incarnation=incarnation, host="h", pid=1, task_id=0, num_tasks=1,
+                                         devices_per_task=1, threads=[pb.ThreadSpec(thread_index=0)]), timeout=10)
+        stream = stub.Watch(pb.WatchRequest(job="A", incarnation=incarnation), timeout=30)
+        next(stream)  # (its marker: the stream is open)
+        stub.Leave(pb.LeaveRequest(job="A", incarnation=incarnation), timeout=10)
+        assert next(stream).kind == pb.WatchEvent.Kind.PROCESS_LEFT
+        stub.KvSet(pb.KvSetRequest(job="B", entries=[pb.KvEntry(key="k", value=b"v")]), timeout=10)  # drops A
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as ended:
+            next(stream)
+        assert time.monotonic() - started < 10
+        assert ended.value.code() is grpc.StatusCode.NOT_FOUND and "job 'A' is not known" in ended.value.details()
+
+
 def test_serve_logs_once_the_calls_of_a_dead_process_and_for_an_unknown_job(caplog):
     """Refused without a line in serve's log, a process declared dead that calls again (it was
     paused) and calls for a job a restart without state file forgot left the operator to

@@ -976,6 +976,45 @@ def test_deadlines_of_finished_rounds_lapse_without_piling_up():
     assert 0.2 <= waited < 5
 
 
+def test_a_round_whose_waiter_went_away_fails_at_its_deadline():
+    """A member's call cancelled while its round waits (its client interrupted, its
+    connection cut) leaves the round's deadline watched: the round fails then, not when its
+    process dies, and does not complete with a member who comes after it."""
+    from test_core import JOB, registration
+
+    from pjrt_rendezvous.client._wire import decode_rendezvous
+    from pjrt_rendezvous.coordinator._core import Code, Core, CoreError
+    from pjrt_rendezvous.coordinator._servicer import Servicer
+
+    core = Core()
+    for task in range(2):
+        core.register(time.monotonic(), registration(task, 2, 1))
+    servicer = Servicer(core)
+    rendezvous = functools.partial(Servicer.Rendezvous.__wrapped__, servicer)  # CoreErrors as raised
+
+    def request(task: int, timeout: float):
+        incarnation = registration(task, 2, 1).incarnation
+        message = pb.RendezvousRequest(job=JOB, incarnation=incarnation, round=0, timeout=timeout, ordinals=[task], tags=["t"])
+        return decode_rendezvous(message.SerializeToString())
+
+    async def main() -> None:
+        waiting = asyncio.create_task(rendezvous(request(0, 0.3), None))
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert core.jobs[JOB].pending  # still waiting for ordinal 1, until 0.3 s
+        deadline = time.monotonic() + 5
+        while core.jobs[JOB].pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not core.jobs[JOB].pending and not servicer._deadlines
+        with pytest.raises(CoreError) as late:
+            await rendezvous(request(1, 5.0), None)
+        assert late.value.code is Code.DEADLINE_EXCEEDED and "had failed before it came" in late.value.message, late.value
+
+    asyncio.run(main())
+
+
 def test_connections_that_come_while_the_coordinator_is_busy_wait_in_the_kernels_queue():
     """A pod's processes connect to the session port at about the same time, while the
     coordinator is busy with their Registers: the kernel completes and queues them all (up

@@ -684,6 +684,25 @@ def test_a_restore_with_a_shorter_heartbeat_timeout_judges_nobody_until_the_old_
     assert _state.snapshot(second)["heartbeat_timeout"] == 3.0  # all told by now
 
 
+def test_a_restore_judges_nobody_until_its_longest_registered_heartbeat_interval_could_pass():
+    """A process registered with heartbeat_interval=20 under a 60 s timeout heartbeats every
+    20 s until an answer tells it a shorter timeout: restored with 10 s, it is not declared
+    dead 15 s after the restore (three default intervals, as the window was) but only once
+    three of its intervals (capped at the old timeout) have passed."""
+    core = Core(heartbeat_timeout=60.0)
+    for task, interval in ((0, 20.0), (1, 0.0)):  # (0.0: a file from before the interval was kept)
+        core.register(0.0, Registration(job="j", incarnation=f"i{task}", host="h", pid=task, task_id=task, num_tasks=2,
+                                        devices_per_task=1, local_rank=task, threads=(ThreadRequest(thread_index=0),),
+                                        heartbeat_interval=interval))
+    restored = _state.restore(_state.decode(_state.encode(_state.snapshot(core))), now=100.0, heartbeat_timeout=10.0)
+    restored.touch("j", "i0", 101.0)  # its watch stream reconnected; its next heartbeat is due by 120
+    restored.check_liveness(159.0)
+    assert all(p.alive for p in restored.jobs["j"].processes.values())
+    restored.touch("j", "i0", 159.0)
+    restored.check_liveness(161.0)
+    assert [p.alive for p in restored.jobs["j"].processes.values()] == [True, False]
+
+
 def test_heartbeat_clocks_of_a_restore_start_when_serving_does(tmp_path, monkeypatch):
     """A restore that takes longer than the heartbeat timeout (a large state file read,
     replayed and written again before serving) declared every process dead as serving
