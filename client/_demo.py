@@ -28,6 +28,8 @@ _SCRUBBED = (
 )
 _SCRUBBED_PREFIX = "PJRT_RENDEZVOUS_"
 _KEPT = ("PJRT_RENDEZVOUS_NATIVE",)
+# One Python process (about 50 MB) each, on this machine: a bound on what a typo can start.
+MAX_PROCESSES = 512
 
 
 def simulated_env(
@@ -132,6 +134,7 @@ def run_demo(
     """Runs the simulated pod; prints a table; returns 0 when every thread saw the right
     results."""
     from pjrt_rendezvous.coordinator import Coordinator
+    from pjrt_rendezvous.coordinator._core import Limits
 
     from ._errors import TopologyError
     from ._topology import cores_per_chip
@@ -139,10 +142,24 @@ def run_demo(
     if processes < 1 or hosts < 1 or processes % hosts:
         print(f"--processes ({processes}) must be a positive multiple of --hosts ({hosts})", file=sys.stderr)
         return 2
+    if processes > MAX_PROCESSES:
+        print(
+            f"--processes {processes}: the demo starts a Python process for each on this machine, at most "
+            f"{MAX_PROCESSES} (thousands of simulated participants: the scale run of bench/run.py)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         threads_each = threads or cores_per_chip(accelerator)
     except TopologyError as exc:
         print(f"{exc}; or give the demo --threads", file=sys.stderr)
+        return 2
+    if processes * threads_each > Limits.max_world_size:
+        print(
+            f"{processes} processes x {threads_each} threads is a world of {processes * threads_each}, over the "
+            f"coordinator's limit of {Limits.max_world_size} (max_world_size)",
+            file=sys.stderr,
+        )
         return 2
     with Coordinator(port=0) as coordinator:
         # The shape is --hosts and --processes; the accelerator type only sets the threads
@@ -176,6 +193,8 @@ def _run_children(
     """Starts the simulated processes (into ``children``) and collects what their threads
     saw, and the errors."""
     for task in range(processes):
+        if time.perf_counter() > deadline:  # (a machine too slow to start them all)
+            return [], [f"only {task} of {processes} processes started within {timeout:g} s"]
         env = simulated_env(
             address=address, accelerator=accelerator, task=task, processes=processes, hosts=hosts, threads=threads
         )

@@ -78,6 +78,11 @@ class Topology:
                 f"Topology.local_rank {self.local_rank} must be less than "
                 f"local_world_size {self.local_world_size}"
             )
+        if self.world_size > _INT32_MAX:  # (an ordinal is a 32-bit field on the wire)
+            raise TopologyError(
+                f"Topology: a world of {self.num_tasks} tasks x {self.devices_per_process} devices is "
+                f"{self.world_size} ordinals, over {_INT32_MAX}"
+            )
         if self.worker_hostnames and self.worker_id >= len(self.worker_hostnames):
             raise TopologyError(
                 f"Topology.worker_id {self.worker_id} is out of range for "
@@ -206,6 +211,9 @@ def _from_env(env: Mapping[str, str], *names: str) -> _Raw | None:
     return None
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def _int(raw: _Raw | None, *, what: str, minimum: int, default: int, default_fix: str) -> _Known:
     if raw is None:
         return _Known(default, "default", default_fix)
@@ -217,6 +225,8 @@ def _int(raw: _Raw | None, *, what: str, minimum: int, default: int, default_fix
     if value < minimum:
         rule = "must not be negative" if minimum == 0 else f"must be at least {minimum}"
         raise TopologyError(f"{raw.source} ({what}) {rule}, got {value}{raw.hint()}")
+    if value > _INT32_MAX:  # (the wire's field: it failed later as protobuf's "Value out of range")
+        raise TopologyError(f"{raw.source} ({what}) must be at most {_INT32_MAX}, got {value}{raw.hint()}")
     return _Known(value, raw.source, raw.fix)
 
 

@@ -1494,6 +1494,11 @@ def test_a_new_world_size_restarts_the_job_from_the_state_file_instead_of_refusi
 def test_bad_demo_serve_and_health_arguments_get_a_message_not_a_traceback(tmp_path):
     demo = run_cli("demo", "--accelerator", "v9-8", "--processes", "1")
     assert demo.returncode == 2 and "--threads" in demo.stderr and "Traceback" not in demo.stderr, demo
+    # (100,000 processes were started, one Python each, until the machine gave out)
+    many = run_cli("demo", "--processes", "100000", "--timeout", "20")
+    assert many.returncode == 2 and "--processes 100000: the demo starts a Python process for each on this machine, at most 512" in many.stderr, many
+    wide = run_cli("demo", "--processes", "512", "--threads", "200")
+    assert wide.returncode == 2 and "a world of 102400, over the coordinator's limit of 65536 (max_world_size)" in wide.stderr, wide
     same = run_cli("serve", "--port", "24871", "--session-port", "24871")  # (was "address already in use")
     assert same.returncode == 2 and "the session port and the gRPC port are both 24871" in same.stderr, same
     for ports, named in ((("--port", "24871"), "gRPC"), (("--port", "24870", "--session-port", "24871"), "session")):

@@ -707,6 +707,12 @@ def test_metadata_fetcher_errors_are_oserror_and_count_as_absent(metadata_server
         ({"PJRT_RENDEZVOUS_LOCAL_RANK": "-3"}, ["PJRT_RENDEZVOUS_LOCAL_RANK", "must not be negative"]),
         ({"PJRT_LOCAL_PROCESS_COUNT": "0"}, ["PJRT_LOCAL_PROCESS_COUNT", "at least 1", "0"]),
         ({"PJRT_RENDEZVOUS_NUM_TASKS": "0"}, ["PJRT_RENDEZVOUS_NUM_TASKS", "at least 1"]),
+        # Past what the wire's 32-bit fields take (it failed at the first call, protobuf's ValueError).
+        ({"PJRT_RENDEZVOUS_NUM_TASKS": "2147483648", "PJRT_RENDEZVOUS_TASK_ID": "5"},
+         ["PJRT_RENDEZVOUS_NUM_TASKS", "at most 2147483647", "2147483648"]),
+        ({"PJRT_RENDEZVOUS_CORES_PER_CHIP": "99999999999999999999999"}, ["PJRT_RENDEZVOUS_CORES_PER_CHIP", "at most 2147483647"]),
+        ({"PJRT_RENDEZVOUS_NUM_TASKS": "1073741824", "PJRT_RENDEZVOUS_TASK_ID": "0", "PJRT_RENDEZVOUS_CORES_PER_CHIP": "2"},
+         ["1073741824 tasks x 2 devices", "2147483648 ordinals, over 2147483647"]),
         # Cores per chip below one, and a type whose cores are unknown.
         ({"PJRT_RENDEZVOUS_CORES_PER_CHIP": "0"}, ["PJRT_RENDEZVOUS_CORES_PER_CHIP", "at least 1", "0"]),
         ({"PJRT_RENDEZVOUS_CORES_PER_CHIP": "-2"}, ["PJRT_RENDEZVOUS_CORES_PER_CHIP", "at least 1"]),
