@@ -16,6 +16,12 @@ Optional submodules, not imported here because their dependencies are optional:
 ``pjrt-rendezvous://`` init method).
 """
 
+import os
+
+# gRPC's C core logs at INFO (a failed TLS handshake, each retry) to stderr unless told
+# its documented default level, ERROR: said first, before anything imports grpc.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 from ._api import (
     barrier,
     bind_thread,

@@ -34,7 +34,7 @@ from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 from ._config import _VARIABLES, DEFAULT, FAN_IN_AUTO_HOSTS, TOPOLOGY_VARIABLES, Settings, check_timeout
 from ._errors import (
     CoordinatorUnavailableError, InvalidArgumentError, MismatchError, ParticipantFailedError, RendezvousError, RendezvousTimeout,
-    UnknownJobError, UsageError, connection_hint, from_rpc_error,
+    UnknownJobError, UsageError, connection_hint, from_rpc_error, wrong_protocol,
 )
 from ._relay import Relay, relay_path
 from ._session import PING_EVERY, PING_TIMEOUT, Session, SocketSession, StatusError
@@ -68,6 +68,9 @@ ALL: tuple[int, ...] = ()
 # deadline is this much later so that answer, not a bare DEADLINE_EXCEEDED, arrives.
 _TRANSPORT_GRACE = 10.0
 _BACKOFF_CAP = 2.0  # seconds: the longest pause between two retries
+# Seconds a call keeps trying a server that answers in another protocol (HTTP/1, plain text to
+# TLS): a port taken over in a restart, not the whole connect_timeout of a misconfiguration.
+_WRONG_PROTOCOL_PATIENCE = 5.0
 _CLOSED = "this client was closed; call init() again"
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", -1),
@@ -660,6 +663,8 @@ class Client:
         # one that lasted longer than the backoff cap.
         now = time.monotonic()
         outage = {"since": now, "attempt": now, "session": None, "heard": 0.0, "relayed": False}  # (since: the first failure)
+        # Since when every attempt met a server speaking another protocol (None: not the last one).
+        outage["wrong"] = now if wrong_protocol(first or "") else None
 
         def before(state) -> None:
             outage["attempt"], outage["session"] = time.monotonic(), None
@@ -677,6 +682,10 @@ class Client:
                 outage["since"] = now
             if deadline is not None and now >= deadline:
                 return True
+            details = state.outcome.exception().details() or ""
+            outage["wrong"] = (outage["wrong"] or now) if wrong_protocol(details) else None
+            if outage["wrong"] is not None and now - outage["wrong"] >= _WRONG_PROTOCOL_PATIENCE:
+                return True  # (not a coordinator starting: it would not answer at all)
             return now - outage["since"] >= self.settings.connect_timeout
 
         backoff = tenacity.wait_random_exponential(multiplier=0.05, max=_BACKOFF_CAP)
@@ -706,6 +715,11 @@ class Client:
                 error = RendezvousTimeout(
                     f"{error} (the call waited {time.monotonic() - began:.1f} s in all: it was sent again "
                     "after an attempt failed)"
+                )
+            elif isinstance(error, CoordinatorUnavailableError) and outage["wrong"] is not None:
+                error = CoordinatorUnavailableError(
+                    f"{error} (given up after {time.monotonic() - outage['wrong']:.1f} s, not its connect_timeout: the "
+                    "server there speaks another protocol, which waiting does not change)"
                 )
             elif (
                 isinstance(error, CoordinatorUnavailableError)

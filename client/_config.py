@@ -73,12 +73,20 @@ def comment_hint(value: str) -> str:
     )
 
 
+MAX_TOKEN_LENGTH = 4096  # characters; gRPC's headers take 8 KiB in all by default
+
+
 def check_token(token: str, source: str) -> str:
     """``token`` if gRPC metadata can carry it (printable ASCII), else a UsageError naming
     ``source`` (serve and the clients alike: a token with a line break inside, as a wrapped
     ``openssl rand -base64 64`` gives, was taken, then every call failed as "Invalid metadata")."""
     if not token.strip():
         raise UsageError(f"the token from {source} is empty")
+    if len(token) > MAX_TOKEN_LENGTH:  # (gRPC refused every call: "metadata size exceeds hard limit")
+        raise UsageError(
+            f"the token from {source} is {len(token)} characters, over the {MAX_TOKEN_LENGTH} a gRPC header "
+            "carries here: a shared secret needs no more than 64 (`openssl rand -hex 32`)"
+        )
     if re.search(r"\s#", token):
         raise UsageError(f"the token from {source} holds a blank followed by '#'{comment_hint(token)}")
     for position, char in enumerate(token):
@@ -176,6 +184,18 @@ def parse_seconds(text: str, what: str = "") -> float | None:
 
 
 _PATHS = ("token_file", "tls_ca", "tls_cert", "tls_key")
+_FINITE = ("connect_timeout", "heartbeat_interval")  # (no 'none': a client needs them to end)
+
+
+def _finite_seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {value!r}")
+    if not 0 < value < LONGEST_TIMEOUT:  # NaN too
+        raise UsageError(
+            f"{name} must be a number of seconds > 0 and under {LONGEST_TIMEOUT / 86400:g} days "
+            f"(init({name}=), {_VARIABLES[name]}), got {value!r}"
+        )
+    return float(value)
 
 
 def check_text_setting(name: str, value: Any) -> None:
@@ -270,10 +290,8 @@ class Settings:
         if problem is not None:
             raise UsageError(f"job {self.job!r} {problem} (PJRT_RENDEZVOUS_JOB, init(job=))")
         object.__setattr__(self, "timeout", check_timeout(self.timeout))
-        if check_timeout(self.connect_timeout, "connect_timeout", "and finite") is None:
-            raise UsageError(
-                f"connect_timeout must be a finite number of seconds (PJRT_RENDEZVOUS_CONNECT_TIMEOUT), got {self.connect_timeout!r}"
-            )
+        for name in _FINITE:
+            object.__setattr__(self, name, _finite_seconds(name, getattr(self, name)))
         window = self.batch_window
         if isinstance(window, bool) or not isinstance(window, (int, float)):
             raise TypeError(f"batch_window must be a number of seconds, got {window!r}")
@@ -283,17 +301,12 @@ class Settings:
             raise UsageError(f"fan_in must be one of {', '.join(FAN_IN_MODES)} (PJRT_RENDEZVOUS_FAN_IN), got {self.fan_in!r}")
         if self.transport not in TRANSPORTS:
             raise UsageError(f"transport must be one of {', '.join(TRANSPORTS)} (PJRT_RENDEZVOUS_TRANSPORT), got {self.transport!r}")
-        if check_timeout(self.heartbeat_interval, "heartbeat_interval", "and finite") is None:
-            raise UsageError(
-                "heartbeat_interval must be a finite number of seconds (PJRT_RENDEZVOUS_HEARTBEAT_INTERVAL), "
-                f"got {self.heartbeat_interval!r}"
-            )
         object.__setattr__(self, "progress_interval", check_timeout(self.progress_interval, "progress_interval", "None: never"))
         for name in ("token", "tls_ca", "tls_cert", "tls_key"):
             check_text_setting(name, getattr(self, name))
-        if self.token is not None:
+        if self.token is not None:  # (stripped, as from the variable or a file)
             source = "PJRT_RENDEZVOUS_TOKEN, the file PJRT_RENDEZVOUS_TOKEN_FILE names, or init(token=)"
-            check_token(self.token, source)
+            object.__setattr__(self, "token", check_token(self.token.strip(), source))
         if (self.tls_cert is None) != (self.tls_key is None):
             raise UsageError("mutual TLS needs both tls_cert and tls_key (PJRT_RENDEZVOUS_TLS_CERT / _TLS_KEY)")
         if self.tls_cert is not None and self.tls_ca is None:
@@ -321,11 +334,22 @@ class Settings:
                 raise UsageError(f"the TLS file {path} ({name}, {variable}) holds no PEM {what}")
             return data
 
-        return grpc.ssl_channel_credentials(
+        credentials = grpc.ssl_channel_credentials(
             root_certificates=read(self.tls_ca, "tls_ca", _PEM_CERTIFICATE),
             private_key=read(self.tls_key, "tls_key", b"PRIVATE KEY-----"),
             certificate_chain=read(self.tls_cert, "tls_cert", _PEM_CERTIFICATE),
         )
+        if self.tls_cert is not None:  # (another key: every handshake failed, retried for connect_timeout)
+            import ssl
+
+            try:  # (an empty password: an encrypted key, which gRPC cannot use, fails here, not at a prompt)
+                ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(self.tls_cert, self.tls_key, password=b"")
+            except ssl.SSLError as exc:
+                raise UsageError(
+                    f"the TLS key {self.tls_key} (tls_key, {_VARIABLES['tls_key']}) is not an unencrypted private key of "
+                    f"the certificate {self.tls_cert} (tls_cert, {_VARIABLES['tls_cert']}): {exc.reason or exc}"
+                ) from None
+        return credentials
     @classmethod
     def resolve(cls, env: Mapping[str, str], *, address: str, **given: Any) -> "Settings":
         """Builds settings from keyword arguments (values other than DEFAULT win), then
@@ -346,7 +370,7 @@ class Settings:
                     value = text.strip().lower()  # as parse_seconds reads its words
                 elif name in _TEXT:
                     value = text.strip() if name == "token" else text
-                elif name == "batch_window":
+                elif name in ("batch_window", *_FINITE):
                     value = _parse_number(variable, text)
                 else:
                     value = parse_seconds(text, variable)

@@ -116,12 +116,24 @@ def connection_hint(details: str) -> str:
             " The server there does not speak gRPC: is that the coordinator's gRPC port (7481 by default), "
             "not its session port or metrics port?"
         )
+    if "wrong_version_number" in details.lower():  # (a TLS client's hello answered in plain text)
+        return (
+            " The server there does not speak TLS: if it is the coordinator, it serves without TLS, and this "
+            "client must not set PJRT_RENDEZVOUS_TLS_CA (nor _TLS_CERT, _TLS_KEY)."
+        )
     if not any(word in details.lower() for word in ("handshake", "socket closed", "ssl", "tls")):
         return ""
     return (
         " If it serves TLS, this client needs PJRT_RENDEZVOUS_TLS_CA (and, for mutual TLS, "
         "PJRT_RENDEZVOUS_TLS_CERT and _TLS_KEY from the CA it trusts); if not, none of them."
     )
+
+
+def wrong_protocol(details: str) -> bool:
+    """Whether an UNAVAILABLE error's details say the server there speaks another protocol
+    (HTTP/1, or plain text to a TLS client), which waiting does not change."""
+    lowered = details.lower()
+    return "failed parsing http/2" in lowered or "http1.x" in lowered or "wrong_version_number" in lowered
 
 
 def from_rpc_error(exc: grpc.RpcError, *, address: str, method: str, where: str = "") -> RemoteError:

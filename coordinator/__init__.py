@@ -9,6 +9,12 @@ Run it with ``pjrt-rendezvous serve``, or embed it::
         print(coordinator.address)
 """
 
+import os
+
+# gRPC's C core logs at INFO (a failed TLS handshake, each retry) to stderr unless told
+# its documented default level, ERROR: said first, before anything imports grpc.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 from ._core import ALL, Code, Core, CoreError, Limits, format_ranges
 from ._server import DEFAULT_JOB, Coordinator, RunningServer, ServerOptions, serve_forever, start_server
 from ._state import StateFileError

@@ -164,9 +164,18 @@ def test_settings_spawn_seed_and_store_of_the_wrong_type_are_type_errors(client)
         with pytest.raises(pr.UsageError):
             call()
     # What None means, where it may be given (heartbeat_interval=0 said "None waits forever", then refused None).
-    for name, means in [("timeout", "None waits forever"), ("progress_interval", "None: never"), ("heartbeat_interval", "and finite")]:
+    for name, means in [("timeout", "None waits forever"), ("progress_interval", "None: never")]:
         with pytest.raises(pr.UsageError, match=re.escape(f"{name} must be > 0 seconds ({means}), got 0")):
             pr.Settings(address="127.0.0.1:1", **{name: 0})
+    # The two that must end say so, and where their cap is (1814400 was "not finite"; 'none' in
+    # the variable passed the variable's check, then failed as "got None").
+    for name, variable in (("connect_timeout", "PJRT_RENDEZVOUS_CONNECT_TIMEOUT"), ("heartbeat_interval", "PJRT_RENDEZVOUS_HEARTBEAT_INTERVAL")):
+        for value in (0, -1, 21 * 86400, float("nan")):
+            with pytest.raises(pr.UsageError, match=re.escape(f"{name} must be a number of seconds > 0 and under 21 days (init({name}=), {variable}), got ")):
+                pr.Settings(address="127.0.0.1:1", **{name: value})
+        with pytest.raises(pr.UsageError, match=re.escape(f"{variable}='none' is not a number of seconds")):
+            pr.Settings.resolve({variable: "none"}, address="127.0.0.1:1")
+        assert getattr(pr.Settings.resolve({variable: "20"}, address="127.0.0.1:1"), name) == 20.0
 
 
 def test_a_client_warns_once_of_a_variable_nothing_reads(coordinator, monkeypatch, caplog):

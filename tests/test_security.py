@@ -189,6 +189,18 @@ def test_a_token_grpc_cannot_carry_is_refused_where_it_is_read(tmp_path):
     with pytest.raises(pr.UsageError, match=rf"token file {binary} \(PJRT_RENDEZVOUS_TOKEN_FILE\) is not ASCII text"):
         pr.Settings.resolve({"PJRT_RENDEZVOUS_TOKEN_FILE": str(binary)}, address="127.0.0.1:1")
     assert pr.Settings(address="127.0.0.1:1", token="with inner space").token == "with inner space"
+    # Stripped as from the variable or a file (init(token=' x') was refused by a coordinator given ' x').
+    assert pr.Settings(address="127.0.0.1:1", token=" x\n").token == "x"
+    # Past what a gRPC header carries: every call failed, "metadata size exceeds hard limit".
+    huge = tmp_path / "huge"
+    huge.write_text("a" * 133_343)
+    with pytest.raises(pr.UsageError, match=rf"the token from the file {huge} \(PJRT_RENDEZVOUS_TOKEN_FILE\) is 133343 characters, over the 4096"):
+        pr.Settings.resolve({"PJRT_RENDEZVOUS_TOKEN_FILE": str(huge)}, address="127.0.0.1:1")
+    served = subprocess.run(
+        [sys.executable, "-m", "pjrt_rendezvous.coordinator", "serve", "--port", "0", "--token-file", str(huge)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert served.returncode == 2 and "is 133343 characters, over the 4096" in served.stderr, served
 
 
 def test_tls_files_without_pem_are_refused_when_the_client_is_made(pki, tmp_path):
@@ -201,6 +213,11 @@ def test_tls_files_without_pem_are_refused_when_the_client_is_made(pki, tmp_path
         client_for("127.0.0.1:1", tls_ca=str(junk))
     with pytest.raises(pr.UsageError, match=r"\(tls_key, PJRT_RENDEZVOUS_TLS_KEY\) holds no PEM private key"):
         client_for("127.0.0.1:1", tls_ca=str(pki / "ca.pem"), tls_cert=str(pki / "client.pem"), tls_key=str(pki / "client.pem"))
+    # Another certificate's key: every handshake failed ("Failed to create security handshaker"),
+    # and the client retried an unreachable coordinator for its connect timeout.
+    with pytest.raises(pr.UsageError, match=rf"the TLS key {pki / 'rogue.key'} \(tls_key, PJRT_RENDEZVOUS_TLS_KEY\) is not an unencrypted "
+                       rf"private key of the certificate {pki / 'client.pem'} \(tls_cert, PJRT_RENDEZVOUS_TLS_CERT\): KEY_VALUES_MISMATCH"):
+        client_for("127.0.0.1:1", tls_ca=str(pki / "ca.pem"), tls_cert=str(pki / "client.pem"), tls_key=str(pki / "rogue.key"))
 
 
 def test_tls_server_refuses_plaintext_and_accepts_its_ca(pki):
@@ -214,6 +231,26 @@ def test_tls_server_refuses_plaintext_and_accepts_its_ca(pki):
         plaintext.close()
         assert outcome(client_for(c.address, tls_ca=str(pki / "ca.pem"))) == "ok"
         assert outcome(client_for(c.address, tls_ca=str(pki / "rogue-ca.pem"))) == "CoordinatorUnavailableError"
+
+
+def test_a_tls_client_of_a_plaintext_coordinator_is_told_so_soon_and_quietly(pki):
+    """A client with TLS against a coordinator without: told within seconds (not its 60 s
+    connect timeout) that the server does not speak TLS and which variable to unset (the hint
+    said to set the one already set), without gRPC's INFO line for every handshake on stderr."""
+    with Coordinator(port=0) as c:
+        script = (
+            "import time, pjrt_rendezvous.client as pr\n"
+            f"client = pr.Client(pr.Settings(address={c.address!r}, tls_ca={str(pki / 'ca.pem')!r}), pr.detect_topology({{}}, address={c.address!r}))\n"
+            "started = time.monotonic()\n"
+            "try:\n    client.set('k', b'v')\n"
+            "except pr.CoordinatorUnavailableError as exc:\n    print(round(time.monotonic() - started), exc)\n"
+        )
+        env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+        child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    seconds, message = child.stdout.split(" ", 1)
+    assert int(seconds) < 30, child.stdout
+    assert "The server there does not speak TLS: if it is the coordinator, it serves without TLS, and this client must not set PJRT_RENDEZVOUS_TLS_CA" in message
+    assert "ssl_transport_security" not in child.stderr, child.stderr
 
 
 def test_mutual_tls_needs_a_client_certificate_from_the_ca(pki):

@@ -144,9 +144,12 @@ def test_a_grpc_client_at_the_session_port_is_told_where_to_dial(caplog, monkeyp
     caplog.set_level(logging.WARNING)
     with Coordinator(port=0) as coordinator:
         address = f"127.0.0.1:{coordinator.session_port}"
-        (client,) = make_clients(address, processes=1, hosts=1, fan_in="off", connect_timeout=2)
-        with pytest.raises(pr.CoordinatorUnavailableError, match="does not speak gRPC: is that the coordinator's gRPC port"):
+        (client,) = make_clients(address, processes=1, hosts=1, fan_in="off", connect_timeout=60)
+        started = time.monotonic()
+        with pytest.raises(pr.CoordinatorUnavailableError, match="does not speak gRPC: is that the coordinator's gRPC port") as failed:
             client.get("k", wait=False)
+        # (not the 60 s of connect_timeout: an answer in another protocol does not pass by waiting)
+        assert time.monotonic() - started < 30 and "not its connect_timeout: the server there speaks another protocol" in str(failed.value)
         client.close()
     warned = [r for r in caplog.records if "client connected to the session port" in r.getMessage()]
     assert len(warned) == 1 and "dial the gRPC port" in warned[0].getMessage(), warned
