@@ -451,6 +451,9 @@ def _int_arg(query: dict, name: str, env_name: str, url: str) -> int:
         raise UsageError(f"{SCHEME}:// rendezvous: {name} {text!r} (from {source}) is not an int") from None
 
 
+_URL_PARAMETERS = ("job", "prefix", "rank", "world_size")  # (torch adds rank and world_size)
+
+
 def rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, **kwargs):
     """The ``pjrt-rendezvous://HOST:PORT[?job=J&prefix=P&rank=R&world_size=N]`` init_method.
 
@@ -468,6 +471,16 @@ def rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, **kwar
     """
     parsed = urllib.parse.urlparse(url)
     query = {k: v[-1] for k, v in urllib.parse.parse_qs(parsed.query, keep_blank_values=True).items()}
+    unknown = sorted(set(query) - set(_URL_PARAMETERS))
+    if unknown:  # (a mistyped prefix put the keys under the default one, shared across runs)
+        import difflib
+
+        close = [difflib.get_close_matches(name, _URL_PARAMETERS, n=1) for name in unknown]
+        hints = "".join(f"; {name}: did you mean {match[0]}?" for name, match in zip(unknown, close) if match)
+        raise UsageError(
+            f"{SCHEME}:// rendezvous: unknown parameter(s) {', '.join(unknown)} in {url!r} "
+            f"(known: {', '.join(_URL_PARAMETERS)}){hints}"
+        )
     address = _address(parsed, url)
     rank = _int_arg(query, "rank", "RANK", url)
     world_size = _int_arg(query, "world_size", "WORLD_SIZE", url)

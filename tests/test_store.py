@@ -554,6 +554,9 @@ def test_url_handler_needs_rank_and_world_size(coordinator, monkeypatch):
     assert (rank, world_size) == (3, -1)
     store.set("k", b"v")
     assert store.get("k") == b"v"
+    # A parameter nothing reads is refused (?prefx= put the keys under the default prefix, shared across runs).
+    with pytest.raises(pr.UsageError, match=r"unknown parameter\(s\) prefx, timeout in .*\(known: job, prefix, rank, world_size\); prefx: did you mean prefix\?"):
+        next(dist.rendezvous(f"{SCHEME}://{coordinator.address}?prefx=run-a&timeout=3"))
 
 
 # --- gloo process groups in real processes -------------------------------------------------------
