@@ -209,6 +209,11 @@ class Binding:
     _thread: threading.Thread | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __enter__(self) -> "Binding":
+        if getattr(_bound, "binding", None) is not self:  # (a with block again after release did nothing)
+            raise UsageError(
+                f"this binding of ordinal {self.ordinal} is not the calling thread's (released at the end of its "
+                "with block or by unbind_thread, or made in another thread): enter bind_thread(...) again"
+            )
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -347,7 +347,7 @@ class Settings:
             except ssl.SSLError as exc:
                 raise UsageError(
                     f"the TLS key {self.tls_key} (tls_key, {_VARIABLES['tls_key']}) is not an unencrypted private key of "
-                    f"the certificate {self.tls_cert} (tls_cert, {_VARIABLES['tls_cert']}): {exc.reason or exc}"
+                    f"the certificate {self.tls_cert} (tls_cert, {_VARIABLES['tls_cert']}): {exc.reason or 'not PEM'}"
                 ) from None
         return credentials
     @classmethod

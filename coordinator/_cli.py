@@ -525,6 +525,31 @@ def _read(args, dest: str) -> bytes | None:
         raise ValueError(f"cannot read {path} ({_source(args, dest)}): {exc.strerror or exc}") from exc
 
 
+def _check_tls_files(args) -> None:
+    """A certificate and key that are not a PEM pair, or a CA file without a certificate:
+    refused as malformed settings (exit 2), before gRPC fails to listen with them (exit 1,
+    restarted by the unit to fail again). A file that cannot be read is _read's to report."""
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        if args.tls_cert is not None and args.tls_key is not None:
+            try:  # (an empty password: an encrypted key, which gRPC cannot use, fails here, not at a prompt)
+                context.load_cert_chain(args.tls_cert, args.tls_key, password=b"")
+            except ssl.SSLError as exc:
+                raise ValueError(
+                    f"the TLS certificate {args.tls_cert} (--tls-cert) and key {args.tls_key} (--tls-key) are not a PEM "
+                    f"certificate and its unencrypted private key: {exc.reason or 'not PEM'}"
+                ) from None
+        if args.tls_ca is not None:
+            try:
+                context.load_verify_locations(cafile=str(args.tls_ca))
+            except ssl.SSLError as exc:
+                raise ValueError(f"the client CA {args.tls_ca} (--tls-ca) holds no PEM certificate: {exc.reason or exc}") from None
+    except OSError:
+        pass
+
+
 def _serve(args, env: Mapping[str, str]) -> int:
     from . import _logging
     from ._core import CoreError
@@ -557,6 +582,7 @@ def _serve(args, env: Mapping[str, str]) -> int:
         )
     configured = False
     try:
+        _check_tls_files(args)
         options = ServerOptions(
             host=args.host,
             port=args.port,

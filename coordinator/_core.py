@@ -1261,6 +1261,8 @@ class Core:
                 f"{over}; round {round_number} of {describe_group(group)} fails for every member",
             )
             if not rnd.finished:
+                if not rnd.arrivals:  # (a later caller is told the round's tag: it was '?')
+                    rnd.tag = _one_line(_shown_tag(tags[0]))
                 rnd.arrivals.update(dict.fromkeys(ordinals))  # (it came: a resend of part of it is not late)
                 self._fail(state, rnd, error)
             raise error

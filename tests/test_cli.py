@@ -937,12 +937,21 @@ def test_serve_startup_errors_name_their_option(tmp_path, tls_files):
         (("--tls-cert", missing, "--tls-key", key), {}, f"cannot read {missing} (--tls-cert): No such file"),
         (("--tls-key", key), {"PJRT_RENDEZVOUS_SERVER_TLS_CERT": missing}, f"cannot read {missing} (PJRT_RENDEZVOUS_SERVER_TLS_CERT)"),
         (("--token-file", missing), {}, f"cannot read the token file {missing} (--token-file)"),
-        (("--tls-cert", cert, "--tls-key", str(tls_files / "other.key")), {}, "(--tls-cert, --tls-key) are not valid PEM, or the key"),
-        (("--tls-cert", cert, "--tls-key", key, "--tls-ca", str(tls_files / "junk.pem")), {}, "the client CA (--tls-ca) holds no valid PEM"),
     ]
     for args, env, named in cases:
         out = run_cli("serve", "--port", "0", *args, env=env, timeout=30)
         assert out.returncode == 1 and named in out.stderr and "port is in use" not in out.stderr, (args, out.stderr)
+    # Files that are there but no PEM pair are malformed settings, exit 2 (they failed when gRPC
+    # listened, exit 1, which the unit restarts to fail again).
+    other = str(tls_files / "other.key")
+    for args, env, named in [
+        (("--tls-cert", cert, "--tls-key", other), {},
+         f"the TLS certificate {cert} (--tls-cert) and key {other} (--tls-key) are not a PEM certificate and its unencrypted private key: "),
+        (("--tls-key", key, "--tls-ca", str(tls_files / "junk.pem")), {"PJRT_RENDEZVOUS_SERVER_TLS_CERT": cert},
+         f"the client CA {tls_files / 'junk.pem'} (--tls-ca) holds no PEM certificate"),
+    ]:
+        out = run_cli("serve", "--port", "0", *args, env=env, timeout=30)
+        assert out.returncode == 2 and named in out.stderr, (args, out.stderr)
     with Serve(env={"PJRT_RENDEZVOUS_HOST": "127.0.0.1 "}) as server:
         assert server.stdout_lines[0] == f"pjrt-rendezvous coordinator listening on 127.0.0.1:{server.port}"
         server.stop()

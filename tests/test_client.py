@@ -288,6 +288,25 @@ def test_world_of_one_binding_returns_own_payload(client):
         assert client.rendezvous(binding, "solo", b"me") == [b"me"]
 
 
+def test_a_released_binding_entered_again_is_refused(client):
+    """A binding's with block entered again after it ended did nothing, and the next call
+    found the thread unbound: it is refused, saying to bind again; so is one of another thread."""
+    binding = client.bind_thread(0)
+    with binding:
+        pass
+    with pytest.raises(pr.UsageError, match=r"this binding of ordinal 0 is not the calling thread's \(released at the end of its with block"):
+        with binding:
+            pass
+    with client.bind_thread(0) as again:
+        assert pr.current_binding() is again
+        other = concurrent.futures.ThreadPoolExecutor(1)
+        with pytest.raises(pr.UsageError, match="not the calling thread's"):
+            other.submit(again.__enter__).result()
+        other.shutdown()
+        assert pr.current_binding() is again  # (the refusal unbound nothing)
+    assert pr.current_binding() is None
+
+
 def test_payload_over_limit_is_resource_exhausted_for_the_caller_and_its_waiting_peer(coordinator):
     """A payload over the coordinator's limit fails with the limit and the size in the
     message, at once for the peer already waiting in the round too (not after its timeout,

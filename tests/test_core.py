@@ -1272,6 +1272,11 @@ def test_payload_over_the_limit_is_resource_exhausted_and_fails_the_round_for_ev
     key = pod.arrive([0], round_number=1)
     pod.arrive(1, round_number=1, payloads={1: b"x" * 8})
     assert pod.result(key) == [payload_of(0), b"x" * 8]
+    # The first to come over the limit: a later member is told the round's tag (it was "rendezvous ?").
+    with raises(Code.RESOURCE_EXHAUSTED):
+        pod.arrive(1, round_number=2, tag="big", payloads={1: b"x" * 9})
+    with raises(Code.RESOURCE_EXHAUSTED, "ordinal 0 called with tag 'big' as rendezvous 'big' on all ordinals (round 2), which had failed"):
+        pod.arrive(0, round_number=2, tag="big")
 
 
 def test_tag_over_the_limit_is_resource_exhausted_and_fails_the_round():
