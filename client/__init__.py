@@ -33,6 +33,7 @@ from ._api import (
     is_master_ordinal,
     rendezvous,
     shutdown,
+    unbind_thread,
 )
 from ._client import Binding, Client, current_binding
 from ._config import DEFAULT, Settings
@@ -75,6 +76,7 @@ __all__ = [
     "UsageError",
     "barrier",
     "bind_thread",
+    "unbind_thread",
     "current_binding",
     "detect_topology",
     "get_client",

@@ -213,6 +213,16 @@ def bind_thread(thread_index: int, **kwargs) -> Binding:
     return get_client().bind_thread(thread_index, **kwargs)
 
 
+def unbind_thread() -> None:
+    """Forgets the calling thread's binding, if it has one (see :meth:`Client.unbind_thread`:
+    its ordinal stays registered, its replica is not ended)."""
+    from ._client import _bound
+
+    binding = getattr(_bound, "binding", None)
+    if binding is not None:
+        binding.client.unbind_thread()
+
+
 def _world_of_one() -> bool:
     """Whether the job is a world of one, as the environment (or the process client) lays it
     out and the started XLA runtime agrees: under torch_xla's own runner (``xmp.spawn``,

@@ -279,7 +279,7 @@ def _hook_thread_failures() -> None:
     if not isinstance(current, _ThreadFailed):
         threading.excepthook = _ThreadFailed(current)
     global _main_hooked
-    if not _main_hooked and threading.current_thread() is threading.main_thread():
+    if not _main_hooked:
         # (the hook the interpreter's exit runs before it waits for the other threads, as
         # concurrent.futures uses it; private, so where it is missing nothing is hooked)
         register = getattr(threading, "_register_atexit", None)
@@ -305,12 +305,27 @@ def _main_thread_died() -> None:
     exceptions they caught, which ended nothing; so does an interactive prompt."""
     binding = current_binding()  # (run in the main thread)
     exc = getattr(sys, "last_value", None)
-    if binding is None or exc is None or inherited(binding.client) or hasattr(sys, "ps1") or sys.flags.interactive:
+    if exc is None or hasattr(sys, "ps1") or sys.flags.interactive:
         return
     tb = exc.__traceback__
     if tb is None or tb.tb_frame.f_back is not None:  # caught on its way, by a caller of that frame
         return
-    binding.__exit__(type(exc), exc, tb)
+    if binding is not None:
+        if not inherited(binding.client):
+            binding.__exit__(type(exc), exc, tb)
+        return
+    if not isinstance(exc, KeyboardInterrupt):  # (a main thread that raised, its workers alone may finish)
+        return
+    # Ctrl-C while the main thread, bound to nothing, waited for bound threads (a join): the
+    # interpreter waits for them, in rounds that may wait for others, and others for them.
+    # Their replicas end: their rounds fail everywhere, naming the interrupt, and they raise.
+    for client in list(_clients):
+        ordinals = sorted(b.ordinal for b in list(client._bindings.values()) if b is not None)
+        if ordinals and not client._closed and not inherited(client):
+            try:
+                client.end_replicas(ordinals, "the process's main thread was interrupted (KeyboardInterrupt)")
+            except Exception as error:  # noqa: BLE001 -- the exit goes on
+                log.warning("could not tell the coordinator that ordinals %s ended: %r", ordinals, error)
 
 
 def _asked_by(deadline: float | None) -> float:
@@ -653,7 +668,8 @@ class Client:
             if self._closed:  # cancelled by close(), not refused by the coordinator
                 raise UsageError(_CLOSED) from exc
             if not _retried(exc) or (deadline is not None and time.monotonic() >= deadline):
-                raise from_rpc_error(exc, address=self.settings.address, method=method, where=self._where()) from exc
+                # (from None: the gRPC error's details are in the message; its chain printed them twice)
+                raise from_rpc_error(exc, address=self.settings.address, method=method, where=self._where()) from None
             log.debug("%s to %s failed (%s); retrying", method, self.settings.address, exc)
             first = exc.details() if hasattr(exc, "details") else None  # (for the final error)
         # The retry budget counts from the start of the current outage, not of the call: a
@@ -734,7 +750,7 @@ class Client:
                 # What the coordinator said first, before it went away (it could not write
                 # its state file, or was stopping): the last attempt only found nobody there.
                 error = CoordinatorUnavailableError(f"{error} (its first failed attempt: {first})")
-            raise error from exc
+            raise error from None
 
     def _where(self) -> str:
         """For an unreachable coordinator at the address a client takes when nothing names
@@ -1441,7 +1457,7 @@ class Client:
         (``held`` s; the coordinator counts from when it came: "timed out after 0.0014 s"
         for a timeout of 0.5 s), and which of this process's ordinals in the round no thread
         is bound to (unbound, or never bound: the coordinator names them as alive)."""
-        from pjrt_rendezvous.coordinator._core import _ordinals_word
+        from pjrt_rendezvous.coordinator._core import FAILED_BEFORE_IT_CAME, _ordinals_word
 
         topo = self.topology
         with self._lock:
@@ -1456,12 +1472,12 @@ class Client:
                 f"this process sent its call {held:.2g} s after its first thread arrived: it waited for {waited_for} "
                 "for up to the batch window"
             )
-        if unbound:
+        if unbound and FAILED_BEFORE_IT_CAME not in str(exc):  # (a round it came late to waited for others)
             notes.append(f"no thread of this process is bound to {_ordinals_word(unbound)}")
         if not notes:
             return exc
         error = RendezvousTimeout(f"{exc} ({'; '.join(notes)})")
-        error.__cause__ = exc
+        error.__suppress_context__ = True  # (exc's message is in it)
         return error
 
     def _stand_in_calls(self, call: tuple) -> tuple[LockType, list] | None:
@@ -1604,7 +1620,7 @@ class Client:
                 f"{exc} (the call was round {round_number} of {describe_group(group)}, tag {rows[0][1]!r}, "
                 f"sent {_duration(time.monotonic() - started)} s before)"
             )
-            raise error from exc
+            raise error from None
 
     def _give_up(self, replicas: list[int], round_number: int, batch: _Batch) -> None:
         """A round's call ended without an answer, the coordinator out of reach: its threads

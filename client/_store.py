@@ -215,6 +215,8 @@ def _seconds(timeout: timedelta | float | None) -> float | None:
     """torch's timeout (timedelta; zero = no timeout) as our seconds (None = no timeout)."""
     if timeout is None:
         return None
+    if not isinstance(timeout, (timedelta, int, float)) or isinstance(timeout, bool):  # ('x' raised float()'s ValueError)
+        raise TypeError(f"timeout must be a timedelta or a number of seconds, got {timeout!r}")
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     if seconds < 0:
         raise UsageError(f"timeout must not be negative, got {timeout!r}")

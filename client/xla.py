@@ -48,10 +48,13 @@ ordinals, tag)``               calls it, looked up at call time: a
                                comes here)
 =============================  ==============================================  ==========================
 
-An unbound thread's ``rendezvous`` or ``mesh_reduce`` beside a process client of a larger world
-logs a warning the first time: torch_xla's own spans the XLA runtime's world, not the job's;
-without one, in an XLA world larger than one (torch_xla's own ``xmp.spawn``), it says that
-:func:`install` binds no thread and names :func:`spawn`.
+Beside a process client of a job of several ordinals (``init()``), an unbound thread's
+``get_ordinal``, ``xrt_world_size``, ``get_local_ordinal``, ``is_master_ordinal``,
+``rendezvous`` and ``mesh_reduce`` raise ``UsageError`` unless the XLA runtime has started with
+the job's world size (a TPU pod): torch_xla's own answer for the runtime's world (a CPU
+simulation: the process alone) made every process's main thread master ordinal 0 of a world
+of one. Without one, in an XLA world larger than one (torch_xla's own ``xmp.spawn``), an
+unbound ``rendezvous`` says once that :func:`install` binds no thread and names :func:`spawn`.
 
 Functions that ``xm`` calls internally (``xm.save``, ``xm.master_print``) look these names up at
 call time and so use the replacements too; ``xm.do_on_ordinals`` chooses by the runtime's
@@ -315,6 +318,7 @@ def _xrt_world_size(defval: int = 1) -> int:
         return binding.world_size
     if _device_threads > 1:  # (a helper thread of spawn's, or a worker it forked: the job's, every replica's)
         return _job_world_size
+    _refuse_other_world("xm.xrt_world_size()")
     if "xrt_world_size" in _originals:
         return _originals["xrt_world_size"](defval)
     runtime = _api.started_xla_runtime()
@@ -384,6 +388,28 @@ def _xla_rendezvous(payload: bytes = b"", ordinals: Sequence[int] | None = None,
     return _rendezvous("" if tag is None else tag, payload, ordinals or ())
 
 
+def _refuse_other_world(what: str) -> None:
+    """With a process client of a job of several ordinals in use, torch_xla's own answer in a
+    thread bound to none is the XLA runtime's, for a world that is not the job's where the
+    runtime's is another size (a CPU simulation: the process alone) or not started: the
+    main thread of every process was master ordinal 0 of a world of one, and its rendezvous
+    waited for nobody (a download meant for one process ran in all)."""
+    client = _api._client
+    if client is None or client._closed or client.topology.world_size <= 1:
+        return
+    runtime = _api.started_xla_runtime()
+    size = None if runtime is None else runtime.world_size()
+    if size == client.topology.world_size:
+        return
+    runtime_world = "not started" if size is None else f"of {size}" + (" (this process alone)" if size == client.topology.devices_per_process else "")
+    raise UsageError(
+        f"{what} in thread {threading.current_thread().name!r}, bound to no ordinal, beside job "
+        f"{client.settings.job!r} of {client.topology.world_size} ordinals: torch_xla's own would answer for the XLA "
+        f"runtime's world ({runtime_world}), not the job's; bind the thread (bind_thread, bind_device) or run the "
+        "replicas with xla.spawn, and ask there"
+    )
+
+
 def _refuse_whose(what: str) -> None:
     """In a process of several device threads (``spawn``), a thread bound to none (a helper
     thread: ``MpDeviceLoader``'s, which forks the DataLoader's workers, or one of the
@@ -396,16 +422,16 @@ def _refuse_whose(what: str) -> None:
             f"of {_device_threads} device threads: which replica's? Ask in a replica's thread (the one "
             "spawn() runs fn in) and pass the value on (to a Dataset, a DistributedSampler)"
         )
+    _refuse_other_world(what)
 
 
 def _refuse_unbound(what: str) -> None:
     """In a process of several device threads (``spawn``), torch_xla's own rendezvous is an
     XLA all-gather over every device of the process: from a thread bound to none (a helper
     thread) it waits for the device threads' part, which never comes, until XLA aborts the
-    process. Elsewhere it runs, and it says so once: with a process client of a larger world
-    in use, that this is the XLA runtime's world, not the job's (in a CPU simulation, the
-    process alone: a silent world of one); else, in an XLA world larger than one (torch_xla's
-    own runner), that install() binds no thread."""
+    process. Beside a process client of a job whose world the runtime's is not, it is refused
+    (_refuse_other_world). Elsewhere it runs, and in an XLA world larger than one (torch_xla's
+    own runner) says once that install() binds no thread."""
     global _told_unbound
     if _device_threads > 1:
         raise UsageError(
@@ -414,17 +440,8 @@ def _refuse_unbound(what: str) -> None:
             "thread and never complete; make the call in a replica's thread (the one spawn() runs "
             "fn in)"
         )
+    _refuse_other_world(what)
     if _told_unbound:
-        return
-    client = _api._client
-    if client is not None and not client._closed and client.topology.world_size > 1:
-        _told_unbound = True
-        log.warning(
-            "%s in thread %r, bound to no ordinal: torch_xla's own runs, over the XLA runtime's world, "
-            "not through the coordinator over job %r's %d ordinals; bind the thread (bind_thread, "
-            "bind_device) for the job's (said once per process)",
-            what, threading.current_thread().name, client.settings.job, client.topology.world_size,
-        )
         return
     runtime = _api.started_xla_runtime()
     if runtime is not None and runtime.world_size() > 1:  # torch_xla's own runner: xmp.spawn, torch_xla.launch
@@ -464,7 +481,13 @@ def _mesh_reduce(tag: str, data: Any, reduce_fn: Callable[[list], Any]) -> Any:
     buffer = io.BytesIO()
     torch.save(cpu_data, buffer)
     payloads = binding.client.rendezvous(binding, tag, buffer.getvalue())
-    copies = [torch.load(io.BytesIO(p)) for p in payloads]
+    copies = []
+    for ordinal, payload in enumerate(payloads):
+        try:
+            copies.append(torch.load(io.BytesIO(payload)))
+        except Exception as exc:  # (weights_only refused it: every member raises, and said not whose)
+            exc.add_note(f"(xm.mesh_reduce({tag!r}): the copy of ordinal {ordinal}, which every member reads)")
+            raise
     return reduce_fn(copies) if copies else cpu_data
 
 

@@ -190,6 +190,11 @@ _MESSAGE_CHARACTERS = 2000
 _REST_CHARACTERS = 120
 
 
+# How a call to a round that failed before it came is told so (Core._too_late; the client
+# reads it: such a round waited for others, not for this process's unbound threads).
+FAILED_BEFORE_IT_CAME = "which had failed before it came"
+
+
 def _missing_word(ordinals: Sequence[int]) -> str:
     """The missing ordinals before their description by host (describe_missing): as ranges
     when short, else their count. (The ranges twice, the first list long, filled the 2,000
@@ -470,6 +475,9 @@ class Job:
     refused: collections.OrderedDict[int, str] = dataclasses.field(
         default_factory=collections.OrderedDict, repr=False
     )
+    # Task id -> its process in the run before the job started afresh, and how it went, while
+    # the task has none since: a wait for its ordinals says so (not kept in the state file).
+    last_run: dict[int, str] = dataclasses.field(default_factory=dict, repr=False)
     # (generation, group, ordinal, round number) of the latest calls from outside their
     # replicas, per ordinal (_OUTSIDER_CALLS_KEPT): a resend of one fails no second round.
     outsider_calls: collections.OrderedDict[tuple, None] = dataclasses.field(
@@ -751,7 +759,9 @@ class Core:
                 while len(job.refused) > _REFUSED_KEPT:
                     job.refused.popitem(last=False)
             raise
-        self.jobs[request.job].refused.pop(request.task_id, None)
+        job = self.jobs[request.job]
+        job.refused.pop(request.task_id, None)
+        job.last_run.pop(request.task_id, None)
         return registered
 
     def _register(self, now: float, request: Registration) -> Registered:
@@ -821,16 +831,17 @@ class Core:
         # A refused first registration must not leave an empty job behind.
         job = self.jobs.get(r.job) or self._new_job(r.job, insert=False)
         self._uses = job.used = self._uses + 1
-        # A run formed and every process of it is gone: this is a new run, started only once
-        # the registration is taken. (A process that fails or leaves before the world ever
-        # formed does not end the run: late members still join it, and learn at once that a
-        # member is gone; unless every process is gone and the newcomer has another size or
-        # layout: a relaunch with the mistake mended.)
-        gone = bool(job.processes) and not any(p.alive for p in job.processes.values())
-        afresh = gone and (
-            job.formed
-            or (job.world_fixed_by != _DECLARED and job.world_size not in (None, world_size))
-            or job.devices_per_task not in (None, r.devices_per_task)
+        # Every process of the run is gone (left, died, or its connection closed without a
+        # Leave): this is a new run, started only once the registration is taken, formed or
+        # not. (A process that fails or leaves while others of its run live does not end the
+        # run: late members still join it, and learn at once that a member is gone. With all
+        # gone, a newcomer joining the old run met its failed rounds and gone members, and
+        # failed: a relaunch's first process, while the rest of the relaunch came after it.)
+        mine = job.processes.get(r.incarnation)  # (a live one binding more threads is its run's)
+        afresh = (
+            bool(job.processes)
+            and (mine is None or not mine.alive)
+            and not any(p.alive and p.disconnected is None for p in job.processes.values())
         )
         # (a new run may have another world size, unless declared, and another layout)
         fixed_size = job.world_size if not afresh or job.world_fixed_by == _DECLARED else None
@@ -1108,8 +1119,14 @@ class Core:
         for ordinal in ordinals:
             process = self._owner(job, ordinal)
             if process is None:
-                refused = job.refused.get(ordinal // job.devices_per_task) if job.devices_per_task else None
-                by_where[("never registered" if refused is None else f"not registered ({refused})", "")].append(ordinal)
+                task = ordinal // job.devices_per_task if job.devices_per_task else None
+                refused, last = job.refused.get(task), job.last_run.get(task)
+                where = (
+                    f"not registered ({refused})" if refused is not None
+                    else f"not registered since the job started afresh (the last run's was {last})" if last is not None
+                    else "never registered"
+                )
+                by_where[(where, "")].append(ordinal)
                 continue
             closed = process.disconnected if process.alive else None
             where = f"on {process.host or 'an unnamed host'}" + (
@@ -1580,10 +1597,12 @@ class Core:
         """The error of a call that comes to ``rnd`` after it failed: the round's own, which
         names the caller as missing, under the tag the others brought, said to be that (the
         round's message shortened at a "; " to keep the whole within _MESSAGE_CHARACTERS)."""
-        shown = repr(tag) if len(tag) <= 40 else f"{tag[:40]!r}..."
+        shown = _shown_tag(tag)
+        peers = f"its peers called rendezvous({_shown_tag(rnd.tag)!r}); " if rnd.tag not in ("", tag, shown) else ""
         head = (
-            f"{_missing_word(sorted(ordinals))} called with tag {shown} as {rnd.describe()}, which had "
-            "failed before it came (its round counter for the group moves on with its peers'): "
+            f"{_missing_word(sorted(ordinals))} called rendezvous({shown!r}) as round {rnd.number} of "
+            f"{describe_group(rnd.group)}, {FAILED_BEFORE_IT_CAME} ({peers}its round counter for the group "
+            "moves on with its peers'): "
         )
         message = rnd.error.message
         if len(head) + len(message) > _MESSAGE_CHARACTERS:
@@ -1832,6 +1851,10 @@ class Core:
         error = CoreError(Code.ABORTED, f"job {job.name!r} starts afresh: {why}")
         for rnd in list(job.pending.values()):
             self._fail(job, rnd, error)
+        job.last_run = {
+            p.task_id: f"{p.label()}, which " + ("left" if p.left else "died" if not p.alive else "lost its connection")
+            for p in job.processes.values()
+        }
         job.processes.clear()
         job.tasks.clear()
         job.members.clear()
@@ -1951,8 +1974,8 @@ class Core:
         if len(key) > self.limits.max_key_length:
             raise CoreError(
                 Code.RESOURCE_EXHAUSTED,
-                f"key of {len(key)} characters exceeds the limit of {self.limits.max_key_length} "
-                "(max_key_length)",
+                f"key {_shown_tag(key)!r} of {len(key)} characters (a torch Store's prefix included) exceeds the "
+                f"limit of {self.limits.max_key_length} (max_key_length)",
             )
 
     @staticmethod

@@ -156,6 +156,7 @@ def test_settings_spawn_seed_and_store_of_the_wrong_type_are_type_errors(client)
         (lambda: xla.spawn(print, grace="1"), "grace must be a number of seconds, got '1'"),
         (lambda: xla.seed("x"), "base_seed must be an int, got 'x'"),
         (lambda: Store(client, prefix=5), "prefix must be a str, got 5"),
+        (lambda: Store(client, timeout="x"), "timeout must be a timedelta or a number of seconds, got 'x'"),  # (float()'s ValueError)
     ]
     for call, words in wrong:
         with pytest.raises(TypeError, match=re.escape(words)):
@@ -305,6 +306,11 @@ def test_a_released_binding_entered_again_is_refused(client):
         other.shutdown()
         assert pr.current_binding() is again  # (the refusal unbound nothing)
     assert pr.current_binding() is None
+    # The module's unbind_thread, as the README names it (only Client.unbind_thread existed).
+    client.bind_thread(0)
+    pr.unbind_thread()
+    assert pr.current_binding() is None and 0 not in client._bindings
+    pr.unbind_thread()  # (none: nothing to do)
 
 
 def test_payload_over_limit_is_resource_exhausted_for_the_caller_and_its_waiting_peer(coordinator):
@@ -673,7 +679,7 @@ def test_settings_read_variables_as_written_by_hand():
     for bad in ("tr\rain", "tr\x85ain", "tr\u2028ain"):  # (C1 and line separators: refused at the first bind)
         with pytest.raises(pr.UsageError, match="holds a control character"):
             Settings.resolve({"PJRT_RENDEZVOUS_JOB": bad}, address="127.0.0.1:1")
-    with pytest.raises(pr.UsageError, match=r"PJRT_RENDEZVOUS_CONNECT_TIMEOUT\), got None"):
+    with pytest.raises(pr.UsageError, match=r"PJRT_RENDEZVOUS_CONNECT_TIMEOUT='none' is not a number of seconds"):
         Settings.resolve({"PJRT_RENDEZVOUS_CONNECT_TIMEOUT": "none"}, address="127.0.0.1:1")
 
 
@@ -1178,6 +1184,58 @@ def test_a_main_thread_that_dies_bound_ends_its_replica(coordinator, worker):
         assert "a member ended (ordinal 1 on " in str(error) and str(error).endswith(why), error
     assert task0.returncode == 1 and err.rstrip().endswith("ValueError: loss is nan"), err
     assert out.startswith("worker: ") and out.rstrip().endswith(why), out
+
+
+_MAIN_INTERRUPTED = """
+import sys, threading, time
+import pjrt_rendezvous.client as pr
+
+address = sys.argv[1]
+env = {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": "0", "PJRT_RENDEZVOUS_CORES_PER_CHIP": "2"}
+client = pr.Client(pr.Settings(address=address, timeout=60, batch_window=0.01), pr.detect_topology(env, address=address))
+
+
+def worker(index):
+    with client.bind_thread(index) as binding:
+        try:
+            client.rendezvous(binding, "step")
+        except pr.ParticipantFailedError as exc:
+            print("worker:", exc, flush=True)
+
+
+threads = [threading.Thread(target=worker, args=(i,)) for i in (0, 1)]
+for t in threads:
+    t.start()
+while not any(j.pending_rounds for j in client.status().jobs):
+    time.sleep(0.05)
+print("waiting", flush=True)
+for t in threads:  # the main thread, bound to nothing, joins (Ctrl-C comes here)
+    t.join()
+"""
+
+
+def test_ctrl_c_while_the_main_thread_joins_bound_threads_ends_their_replicas(coordinator):
+    """The README's pattern: the main thread, bound to nothing, joins threads bound and waiting
+    in a round for another process. Ctrl-C stopped the main thread alone; the interpreter then
+    waited for the workers, and they and the other process for each other, until a second
+    Ctrl-C. At the exit their replicas end: the rounds fail everywhere naming the interrupt,
+    and the process exits."""
+    client = make_client(coordinator.address, tasks=2, devices=2, task=1, timeout=60)
+    try:
+        bindings = _threads({t: (lambda t=t: client.bind_thread(t)) for t in (0, 1)})
+        task0 = subprocess.Popen([sys.executable, "-c", _MAIN_INTERRUPTED, coordinator.address],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert task0.stdout.readline() == "waiting\n", task0.stderr.read()
+        task0.send_signal(signal.SIGINT)
+        out, err = task0.communicate(timeout=30)
+        outcome = _threads({t: (lambda t=t: client.rendezvous(bindings[t], "step")) for t in (0, 1)})
+    finally:
+        client.close()
+    why = "the process's main thread was interrupted (KeyboardInterrupt)"
+    assert task0.returncode != 0 and "KeyboardInterrupt" in err, err  # (-SIGINT: Python ends so)
+    assert out.count("worker: ") == 2 and why in out, out
+    for error in outcome.values():
+        assert isinstance(error, pr.ParticipantFailedError) and why in str(error), error
 
 
 def test_a_thread_that_ended_bound_is_named_when_its_siblings_wait_for_it(coordinator, caplog):

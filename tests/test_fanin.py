@@ -326,8 +326,8 @@ def test_a_replica_that_ends_fails_the_rounds_that_need_it_through_the_relays(co
         assert isinstance(results[ordinal], tuple), (ordinal, results[ordinal])
         message, failed_at, without = results[ordinal]
         own = [o for o in range(ordinal // THREADS * THREADS, (ordinal // THREADS + 1) * THREADS) if o != ended]
-        late = (f"{'ordinal' if len(own) == 1 else 'ordinals'} {'-'.join(map(str, own))} called with tag 'needs' as "
-                f"rendezvous 'needs' on all ordinals (round 1), which had failed before it came (its round counter "
+        late = (f"{'ordinal' if len(own) == 1 else 'ordinals'} {'-'.join(map(str, own))} called rendezvous('needs') as "
+                f"round 1 of all ordinals, which had failed before it came (its round counter "
                 f"for the group moves on with its peers'): ")
         late = f"(?:{re.escape(late)})?" if order == "later" else ""
         assert re.fullmatch(late + error, message), (ordinal, message)

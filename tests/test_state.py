@@ -134,7 +134,7 @@ def test_a_call_that_comes_to_a_failed_round_after_a_restart_is_told_it_came_lat
                                contributions=[Contribution(ordinal=ordinal, tag="late", payload=b"")], deadline=None)
 
     assert "timed out" in arrive(0).error.message  # (a resend)
-    with pytest.raises(CoreError, match=r"^ordinal 1 called with tag 'late' as rendezvous 't' on all ordinals \(round 0\), which had failed before it came"):
+    with pytest.raises(CoreError, match=r"^ordinal 1 called rendezvous\('late'\) as round 0 of all ordinals, which had failed before it came \(its peers called rendezvous\('t'\)"):
         arrive(1)
 
 

@@ -567,6 +567,29 @@ def test_bound_threads_answer_xm_calls_through_the_coordinator(xm, torch_xla, co
     assert not torch_xla._XLAC._xla_runtime_is_initialized()  # no device sync, no compile
 
 
+class _NotWeights:
+    """An object torch.load(weights_only=True) refuses."""
+
+
+@pytest.mark.xla
+def test_a_mesh_reduce_copy_torch_load_refuses_says_whose_it_is(xm, coordinator):
+    """A copy that torch.load (weights_only) refuses raised its UnpicklingError in every
+    member, without a word of whose copy it was: a note names the ordinal."""
+    xla.install()
+    client = _client(coordinator.address)
+
+    def replica(index):
+        with pytest.raises(Exception) as refused:
+            xm.mesh_reduce("odd", _NotWeights() if index == 1 else 1.0, len)
+        return refused.value
+
+    results, errors = _in_threads(client, replica)
+    client.close()
+    assert not errors, errors
+    for error in results.values():
+        assert "(xm.mesh_reduce('odd'): the copy of ordinal 1, which every member reads)" in getattr(error, "__notes__", []), error
+
+
 @pytest.mark.xla
 def test_is_master_ordinal_takes_a_bool_or_0_1_and_refuses_other_types(xm, coordinator, no_process_client):
     """local=1/0 and numpy's bools are read as torch_xla reads them (their truth value); a
@@ -644,21 +667,34 @@ def test_unbound_thread_falls_back(xm, monkeypatch, no_process_client):
 
 
 @pytest.mark.xla
-def test_an_unbound_xm_rendezvous_beside_a_larger_job_says_so_once(xm, monkeypatch, no_process_client, caplog):
-    """With a process client of a world of 2 in use, an unbound thread's xm.rendezvous is
-    torch_xla's own, over the runtime's world (here this process alone): it answered as a
-    world of one in silence; now it says so, once per process."""
-    monkeypatch.setattr(xla, "_told_unbound", False)
+def test_unbound_xm_calls_beside_a_larger_job_are_refused(xm, coordinator, monkeypatch, no_process_client):
+    """With a process client of a world of 2 in use, an unbound thread's xm calls were
+    torch_xla's own, over the runtime's world (here this process alone): the main thread of
+    every process was master ordinal 0 of a world of one, and its rendezvous waited for
+    nobody (a warning once per process said so). They are refused, naming the job's world and
+    the runtime's, before and after the runtime started."""
     xla.install()
     monkeypatch.setenv("PJRT_RENDEZVOUS_NUM_TASKS", "2")
     monkeypatch.setenv("PJRT_RENDEZVOUS_TASK_ID", "0")
-    pr.init(address="127.0.0.1:1")  # (connects at its first call: none here)
-    with caplog.at_level(logging.WARNING, logger="pjrt_rendezvous.client"):
-        assert xm.rendezvous("unbound", b"x") == [b"x"]
-        assert xm.mesh_reduce("unbound", 1, sum) == 1
-    told = [r.getMessage() for r in caplog.records if "bound to no ordinal" in r.getMessage()]
-    assert len(told) == 1 and told[0].startswith("xm.rendezvous() in thread 'MainThread', bound to no ordinal"), told
-    assert "job 'default''s 2 ordinals" in told[0]
+    pr.init(address=coordinator.address)
+    calls = {
+        "xm.get_ordinal()": xm.get_ordinal, "xm.xrt_world_size()": xm.xrt_world_size,
+        "xm.is_master_ordinal()": xm.is_master_ordinal, "xm.get_local_ordinal()": xm.get_local_ordinal,
+        "xm.rendezvous()": lambda: xm.rendezvous("unbound", b"x"), "xm.mesh_reduce()": lambda: xm.mesh_reduce("unbound", 1, sum),
+    }
+    import torch_xla
+
+    torch_xla.device()  # (starts the runtime: refused either way)
+    for what, call in calls.items():
+        with pytest.raises(pr.UsageError) as refused:
+            call()
+        assert str(refused.value).startswith(
+            f"{what} in thread 'MainThread', bound to no ordinal, beside job 'default' of 2 ordinals: torch_xla's own "
+            "would answer for the XLA runtime's world (of 1 (this process alone)), not the job's; bind the thread"
+        ), refused.value
+    # Bound, the same calls are the job's.
+    with pr.bind_thread(0):
+        assert (xm.get_ordinal(), xm.xrt_world_size(), xm.is_master_ordinal()) == (0, 2, True)
 
 
 # --- spawn: 2 processes x 2 threads --------------------------------------------------------------
