@@ -76,7 +76,6 @@ __all__ = [
     "UsageError",
     "barrier",
     "bind_thread",
-    "unbind_thread",
     "current_binding",
     "detect_topology",
     "get_client",
@@ -87,4 +86,5 @@ __all__ = [
     "is_master_ordinal",
     "rendezvous",
     "shutdown",
+    "unbind_thread",
 ]

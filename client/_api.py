@@ -218,7 +218,8 @@ def unbind_thread() -> None:
     its ordinal stays registered, its replica is not ended)."""
     from ._client import _bound
 
-    binding = getattr(_bound, "binding", None)
+    # (or the binding of a client closed since, which calls name until it is forgotten)
+    binding = getattr(_bound, "binding", None) or getattr(_bound, "closed", None)
     if binding is not None:
         binding.client.unbind_thread()
 

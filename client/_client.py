@@ -133,6 +133,14 @@ class _NoAnswer(StatusError):
         super().__init__(grpc.StatusCode.UNAVAILABLE, details)
 
 
+def _with_rpc(error: RendezvousError, exc: grpc.RpcError) -> RendezvousError:
+    """``error``, raised ``from None`` (the gRPC error's details are in its message), keeping
+    those details (``_rpc_details``: a str, which pickles, as ``xla.spawn`` sends a replica's
+    error) for the host relay, which passes them on alone (client/_relay.py)."""
+    error._rpc_details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
+    return error
+
+
 def _retried(exc: BaseException) -> bool:
     return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE and not isinstance(exc, _NoAnswer)
 
@@ -212,7 +220,8 @@ class Binding:
         if getattr(_bound, "binding", None) is not self:  # (a with block again after release did nothing)
             raise UsageError(
                 f"this binding of ordinal {self.ordinal} is not the calling thread's (released at the end of its "
-                "with block or by unbind_thread, or made in another thread): enter bind_thread(...) again"
+                "with block or by unbind_thread, made in another thread, or of a client closed since): enter "
+                "bind_thread(...) again"
             )
         return self
 
@@ -273,8 +282,9 @@ _main_hooked = False  # whether _main_thread_died is registered (_hook_thread_fa
 
 def _hook_thread_failures() -> None:
     """Puts a ``_ThreadFailed`` in front of ``threading.excepthook`` unless one is there (a
-    hook set since may have replaced it); bound in the main thread, has ``_main_thread_died``
-    run at the interpreter's exit, once per process."""
+    hook set since may have replaced it); has ``_main_thread_died`` run at the interpreter's
+    exit, once per process (bound in any thread: a main thread bound to nothing may be
+    interrupted while it joins bound threads)."""
     current = threading.excepthook  # (read once: two threads binding at once set the same)
     if not isinstance(current, _ThreadFailed):
         threading.excepthook = _ThreadFailed(current)
@@ -302,7 +312,10 @@ def _main_thread_died() -> None:
     alone). ``sys.last_value`` is that exception (the interpreter sets it before it prints
     one) only if its traceback starts at the bottom of the main thread's stack (the script's
     module, or runpy's for ``-m``): pytest, ``code.interact`` and tkinter set it for
-    exceptions they caught, which ended nothing; so does an interactive prompt."""
+    exceptions they caught, which ended nothing; so does an interactive prompt. A main
+    thread bound to nothing that an interrupt (KeyboardInterrupt, and only that) stopped ends
+    the replicas of the process's bound threads: the interpreter waits for them next, and
+    they, in rounds, for other processes, which wait for them."""
     binding = current_binding()  # (run in the main thread)
     exc = getattr(sys, "last_value", None)
     if exc is None or hasattr(sys, "ps1") or sys.flags.interactive:
@@ -669,7 +682,7 @@ class Client:
                 raise UsageError(_CLOSED) from exc
             if not _retried(exc) or (deadline is not None and time.monotonic() >= deadline):
                 # (from None: the gRPC error's details are in the message; its chain printed them twice)
-                raise from_rpc_error(exc, address=self.settings.address, method=method, where=self._where()) from None
+                raise _with_rpc(from_rpc_error(exc, address=self.settings.address, method=method, where=self._where()), exc) from None
             log.debug("%s to %s failed (%s); retrying", method, self.settings.address, exc)
             first = exc.details() if hasattr(exc, "details") else None  # (for the final error)
         # The retry budget counts from the start of the current outage, not of the call: a
@@ -716,6 +729,8 @@ class Client:
             left = self.settings.connect_timeout - (now - outage["since"])
             if deadline is not None:
                 left = min(left, deadline - now)
+            if outage["wrong"] is not None:  # (its patience, not past it by the backoff)
+                left = min(left, outage["wrong"] + _WRONG_PROTOCOL_PATIENCE - now)
             return max(0.0, min(backoff(state), left))
 
         retrying = tenacity.Retrying(
@@ -737,7 +752,11 @@ class Client:
                     f"{error} (the call waited {time.monotonic() - began:.1f} s in all: it was sent again "
                     "after an attempt failed)"
                 )
-            elif isinstance(error, CoordinatorUnavailableError) and outage["wrong"] is not None:
+            elif (
+                isinstance(error, CoordinatorUnavailableError)
+                and outage["wrong"] is not None
+                and time.monotonic() - outage["wrong"] >= _WRONG_PROTOCOL_PATIENCE
+            ):
                 error = CoordinatorUnavailableError(
                     f"{error} (given up after {time.monotonic() - outage['wrong']:.1f} s, not its connect_timeout: the "
                     "server there speaks another protocol, which waiting does not change)"
@@ -750,7 +769,7 @@ class Client:
                 # What the coordinator said first, before it went away (it could not write
                 # its state file, or was stopping): the last attempt only found nobody there.
                 error = CoordinatorUnavailableError(f"{error} (its first failed attempt: {first})")
-            raise error from None
+            raise _with_rpc(error, exc) from None
 
     def _where(self) -> str:
         """For an unreachable coordinator at the address a client takes when nothing names

@@ -73,6 +73,24 @@ def comment_hint(value: str) -> str:
     )
 
 
+def tls_pair_problem(cert: str, key: str) -> str | None:
+    """Why the files ``cert`` and ``key`` are not a PEM certificate and its unencrypted private
+    key (an encrypted one, which gRPC cannot use, fails here, not at a password prompt); None
+    when they are, or cannot be read (their reader says so). Read at OpenSSL's security level
+    0: gRPC's BoringSSL takes keys the system's level refuses (a 1,024-bit RSA key)."""
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.set_ciphers("ALL:@SECLEVEL=0")
+    try:
+        context.load_cert_chain(cert, key, password=b"")
+    except ssl.SSLError as exc:
+        return exc.reason or "not PEM"
+    except OSError:
+        return None
+    return None
+
+
 MAX_TOKEN_LENGTH = 4096  # characters; gRPC's headers take 8 KiB in all by default
 
 
@@ -339,16 +357,12 @@ class Settings:
             private_key=read(self.tls_key, "tls_key", b"PRIVATE KEY-----"),
             certificate_chain=read(self.tls_cert, "tls_cert", _PEM_CERTIFICATE),
         )
-        if self.tls_cert is not None:  # (another key: every handshake failed, retried for connect_timeout)
-            import ssl
-
-            try:  # (an empty password: an encrypted key, which gRPC cannot use, fails here, not at a prompt)
-                ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(self.tls_cert, self.tls_key, password=b"")
-            except ssl.SSLError as exc:
-                raise UsageError(
-                    f"the TLS key {self.tls_key} (tls_key, {_VARIABLES['tls_key']}) is not an unencrypted private key of "
-                    f"the certificate {self.tls_cert} (tls_cert, {_VARIABLES['tls_cert']}): {exc.reason or 'not PEM'}"
-                ) from None
+        problem = None if self.tls_cert is None else tls_pair_problem(self.tls_cert, self.tls_key)
+        if problem is not None:  # (another key: every handshake failed, retried for connect_timeout)
+            raise UsageError(
+                f"the TLS key {self.tls_key} (tls_key, {_VARIABLES['tls_key']}) is not an unencrypted private key of "
+                f"the certificate {self.tls_cert} (tls_cert, {_VARIABLES['tls_cert']}): {problem}"
+            )
         return credentials
     @classmethod
     def resolve(cls, env: Mapping[str, str], *, address: str, **given: Any) -> "Settings":

@@ -137,8 +137,9 @@ def wrong_protocol(details: str) -> bool:
 
 
 def from_rpc_error(exc: grpc.RpcError, *, address: str, method: str, where: str = "") -> RemoteError:
-    """The one place a gRPC error becomes ours; callers ``raise ... from exc``. ``where``:
-    more on how the client came to ``address``, for an unreachable coordinator's error."""
+    """The one place a gRPC error becomes ours (``Client._call`` raises it ``from None``,
+    keeping the gRPC error's details as ``_rpc_details``). ``where``: more on how the client came to
+    ``address``, for an unreachable coordinator's error."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
     cls = _BY_CODE.get(code, RemoteError)

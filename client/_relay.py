@@ -450,8 +450,9 @@ def _answer(call_id: int, outcome: bytes | Exception) -> tuple[bytes, bytes]:
     # The relay could not send it (its process closing, the coordinator unreachable): the
     # caller retries on the coordinator directly. (An unreachable coordinator's error says
     # where it is and what to check: the caller says so again, with the cause.)
-    if isinstance(outcome, CoordinatorUnavailableError) and isinstance(outcome.__cause__, grpc.RpcError):
-        why = f"the host relay could not reach the coordinator: {outcome.__cause__.details()}"
+    details = getattr(outcome, "_rpc_details", None)  # (Client._call's)
+    if isinstance(outcome, CoordinatorUnavailableError) and details is not None:
+        why = f"the host relay could not reach the coordinator: {details}"
     else:
         why = f"the host relay could not send the call: {outcome}"
     return session_answer(call_id, grpc.StatusCode.UNAVAILABLE, why)

@@ -50,8 +50,8 @@ ordinals, tag)``               calls it, looked up at call time: a
 
 Beside a process client of a job of several ordinals (``init()``), an unbound thread's
 ``get_ordinal``, ``xrt_world_size``, ``get_local_ordinal``, ``is_master_ordinal``,
-``rendezvous`` and ``mesh_reduce`` raise ``UsageError`` unless the XLA runtime has started with
-the job's world size (a TPU pod): torch_xla's own answer for the runtime's world (a CPU
+``rendezvous`` and ``mesh_reduce`` raise ``UsageError`` unless the XLA runtime's world is the
+job's (a TPU pod; the runtime is started to know, but by the first two): torch_xla's own answer for the runtime's world (a CPU
 simulation: the process alone) made every process's main thread master ordinal 0 of a world
 of one. Without one, in an XLA world larger than one (torch_xla's own ``xmp.spawn``), an
 unbound ``rendezvous`` says once that :func:`install` binds no thread and names :func:`spawn`.
@@ -301,7 +301,7 @@ def _get_ordinal(defval: int = 0) -> int:
     binding = xm_binding("xm.get_ordinal()")
     if binding is not None:
         return binding.ordinal
-    _refuse_whose("xm.get_ordinal()")
+    _refuse_whose("xm.get_ordinal()", start=False)  # (not started: refused below, world > 1)
     if "get_ordinal" in _originals:
         return _originals["get_ordinal"](defval)
     runtime = _api.started_xla_runtime()  # torch_xla < 2.7 answered with its numbers
@@ -318,7 +318,7 @@ def _xrt_world_size(defval: int = 1) -> int:
         return binding.world_size
     if _device_threads > 1:  # (a helper thread of spawn's, or a worker it forked: the job's, every replica's)
         return _job_world_size
-    _refuse_other_world("xm.xrt_world_size()")
+    _refuse_other_world("xm.xrt_world_size()", start=False)
     if "xrt_world_size" in _originals:
         return _originals["xrt_world_size"](defval)
     runtime = _api.started_xla_runtime()
@@ -388,20 +388,26 @@ def _xla_rendezvous(payload: bytes = b"", ordinals: Sequence[int] | None = None,
     return _rendezvous("" if tag is None else tag, payload, ordinals or ())
 
 
-def _refuse_other_world(what: str) -> None:
+def _refuse_other_world(what: str, *, start: bool = True) -> None:
     """With a process client of a job of several ordinals in use, torch_xla's own answer in a
     thread bound to none is the XLA runtime's, for a world that is not the job's where the
-    runtime's is another size (a CPU simulation: the process alone) or not started: the
-    main thread of every process was master ordinal 0 of a world of one, and its rendezvous
-    waited for nobody (a download meant for one process ran in all)."""
+    runtime's is another size (a CPU simulation: the process alone): the main thread of every
+    process was master ordinal 0 of a world of one, and its rendezvous waited for nobody (a
+    download meant for one process ran in all). With ``start``, the runtime is started to
+    know (the original, about to run, would start it: on a TPU pod its world is the job's);
+    without, one not started is let be (the caller refuses that itself)."""
     client = _api._client
     if client is None or client._closed or client.topology.world_size <= 1:
         return
     runtime = _api.started_xla_runtime()
-    size = None if runtime is None else runtime.world_size()
+    if runtime is None and not start:
+        return
+    if runtime is None:
+        import torch_xla.runtime as runtime
+    size = runtime.world_size()  # (starts it)
     if size == client.topology.world_size:
         return
-    runtime_world = "not started" if size is None else f"of {size}" + (" (this process alone)" if size == client.topology.devices_per_process else "")
+    runtime_world = f"of {size}" + (" (this process alone)" if size == client.topology.devices_per_process else "")
     raise UsageError(
         f"{what} in thread {threading.current_thread().name!r}, bound to no ordinal, beside job "
         f"{client.settings.job!r} of {client.topology.world_size} ordinals: torch_xla's own would answer for the XLA "
@@ -410,7 +416,7 @@ def _refuse_other_world(what: str) -> None:
     )
 
 
-def _refuse_whose(what: str) -> None:
+def _refuse_whose(what: str, *, start: bool = True) -> None:
     """In a process of several device threads (``spawn``), a thread bound to none (a helper
     thread: ``MpDeviceLoader``'s, which forks the DataLoader's workers, or one of the
     program's) is no replica: torch_xla's answer, the XLA runtime's for the thread's default
@@ -422,7 +428,7 @@ def _refuse_whose(what: str) -> None:
             f"of {_device_threads} device threads: which replica's? Ask in a replica's thread (the one "
             "spawn() runs fn in) and pass the value on (to a Dataset, a DistributedSampler)"
         )
-    _refuse_other_world(what)
+    _refuse_other_world(what, start=start)
 
 
 def _refuse_unbound(what: str) -> None:
@@ -486,7 +492,11 @@ def _mesh_reduce(tag: str, data: Any, reduce_fn: Callable[[list], Any]) -> Any:
         try:
             copies.append(torch.load(io.BytesIO(payload)))
         except Exception as exc:  # (weights_only refused it: every member raises, and said not whose)
-            exc.add_note(f"(xm.mesh_reduce({tag!r}): the copy of ordinal {ordinal}, which every member reads)")
+            note = f"(xm.mesh_reduce({tag!r}): the copy of ordinal {ordinal}, which every member reads)"
+            if hasattr(exc, "add_note"):
+                exc.add_note(note)
+            else:  # Python 3.10: in its message
+                exc.args = (f"{exc.args[0] if exc.args else ''} {note}", *exc.args[1:])
             raise
     return reduce_fn(copies) if copies else cpu_data
 

@@ -531,23 +531,21 @@ def _check_tls_files(args) -> None:
     restarted by the unit to fail again). A file that cannot be read is _read's to report."""
     import ssl
 
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        if args.tls_cert is not None and args.tls_key is not None:
-            try:  # (an empty password: an encrypted key, which gRPC cannot use, fails here, not at a prompt)
-                context.load_cert_chain(args.tls_cert, args.tls_key, password=b"")
-            except ssl.SSLError as exc:
-                raise ValueError(
-                    f"the TLS certificate {args.tls_cert} (--tls-cert) and key {args.tls_key} (--tls-key) are not a PEM "
-                    f"certificate and its unencrypted private key: {exc.reason or 'not PEM'}"
-                ) from None
-        if args.tls_ca is not None:
-            try:
-                context.load_verify_locations(cafile=str(args.tls_ca))
-            except ssl.SSLError as exc:
-                raise ValueError(f"the client CA {args.tls_ca} (--tls-ca) holds no PEM certificate: {exc.reason or exc}") from None
-    except OSError:
-        pass
+    from pjrt_rendezvous.client._config import tls_pair_problem
+
+    problem = None if args.tls_cert is None or args.tls_key is None else tls_pair_problem(str(args.tls_cert), str(args.tls_key))
+    if problem is not None:
+        raise ValueError(
+            f"the TLS certificate {args.tls_cert} (--tls-cert) and key {args.tls_key} (--tls-key) are not a PEM "
+            f"certificate and its unencrypted private key: {problem}"
+        )
+    if args.tls_ca is not None:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_verify_locations(cafile=str(args.tls_ca))
+        except ssl.SSLError as exc:
+            raise ValueError(f"the client CA {args.tls_ca} (--tls-ca) holds no PEM certificate: {exc.reason or exc}") from None
+        except OSError:
+            pass
 
 
 def _serve(args, env: Mapping[str, str]) -> int:

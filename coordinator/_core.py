@@ -31,6 +31,7 @@ import dataclasses
 import enum
 import itertools
 import math
+import os
 import secrets
 from typing import Iterable, Mapping, NamedTuple, Sequence
 
@@ -147,6 +148,21 @@ def _shown_tag(tag: str) -> str:
     """A tag over the limit as an error names it: its start (it would be copied whole into
     the members' stored error, the journal and the state file)."""
     return tag if len(tag) <= 40 else tag[:40] + "..."
+
+
+def _distinct_tags(tags: Iterable[str]) -> dict[str, str]:
+    """Tags as an error that names them side by side shows each: whole while all of them take
+    600 characters at most, else 40 characters of each from just before where it first
+    differs from another (cut at 40 from the start, tags that differ after it read alike)."""
+    tags = list(dict.fromkeys(tags))
+    if sum(map(len, tags)) <= 600:
+        return {t: t for t in tags}
+    shown = {}
+    for tag in tags:
+        common = max((len(os.path.commonprefix([tag, other])) for other in tags if other != tag), default=0)
+        start = common - 10 if common > 30 else 0
+        shown[tag] = ("..." if start else "") + tag[start : start + 40] + ("..." if start + 40 < len(tag) else "")
+    return shown
 
 
 def format_ranges(ordinals: Iterable[int], limit: int | None = None) -> str:
@@ -1314,9 +1330,10 @@ class Core:
             # one process that skipped or added a call is the one whose log to read.
             largest = sorted(map(len, by_tag.values()))
             common = largest[-1] if len(largest) == 1 or largest[-1] > largest[-2] else None
+            shown = _distinct_tags(by_tag)
             described = "; ".join(
                 f"{_ordinals_word(o)}{'' if len(o) == common else self._where_called(state, o)} "
-                f"called rendezvous({_shown_tag(t)!r})"
+                f"called rendezvous({shown[t]!r})"
                 for t, o in sorted(by_tag.items(), key=lambda item: min(item[1]))
             )
             missing = rnd.missing()
@@ -1597,10 +1614,10 @@ class Core:
         """The error of a call that comes to ``rnd`` after it failed: the round's own, which
         names the caller as missing, under the tag the others brought, said to be that (the
         round's message shortened at a "; " to keep the whole within _MESSAGE_CHARACTERS)."""
-        shown = _shown_tag(tag)
-        peers = f"its peers called rendezvous({_shown_tag(rnd.tag)!r}); " if rnd.tag not in ("", tag, shown) else ""
+        shown = _distinct_tags([tag, rnd.tag])
+        peers = f"its peers called rendezvous({shown[rnd.tag]!r}); " if rnd.tag not in ("", tag, _shown_tag(tag)) else ""
         head = (
-            f"{_missing_word(sorted(ordinals))} called rendezvous({shown!r}) as round {rnd.number} of "
+            f"{_missing_word(sorted(ordinals))} called rendezvous({shown[tag]!r}) as round {rnd.number} of "
             f"{describe_group(rnd.group)}, {FAILED_BEFORE_IT_CAME} ({peers}its round counter for the group "
             "moves on with its peers'): "
         )
@@ -1852,7 +1869,10 @@ class Core:
         for rnd in list(job.pending.values()):
             self._fail(job, rnd, error)
         job.last_run = {
-            p.task_id: f"{p.label()}, which " + ("left" if p.left else "died" if not p.alive else "lost its connection")
+            p.task_id: f"{p.label()}, which " + (
+                "left" if p.left else "died" if not p.alive
+                else "lost its connection" if p.disconnected is not None else f"was dropped ({why})"
+            )
             for p in job.processes.values()
         }
         job.processes.clear()

@@ -268,14 +268,16 @@ class Servicer(pb_grpc.CoordinatorServicer):
             if self._deadlines.get(key) == deadline:
                 del self._deadlines[key]
                 expired.append(key)
-        if any(key[0] == "round" for key in expired):
-            # First: a waiter may resume inside set_result (a session's call) and wait again.
-            self._core.expire(due)
-            self._wake()
-        for key in expired:
-            for waiter in list(self._waiters.get(key, ())):
-                if not waiter.done():
-                    waiter.set_result(False)
+        try:
+            if any(key[0] == "round" for key in expired):
+                # First: a waiter may resume inside set_result (a session's call) and wait again.
+                self._core.expire(due)
+                self._wake()
+        finally:  # (whatever it raised, no popped key's waiter is left waiting)
+            for key in expired:
+                for waiter in list(self._waiters.get(key, ())):
+                    if not waiter.done():
+                        waiter.set_result(False)
         while heap and self._deadlines.get(heap[0][2]) != heap[0][0]:  # lapsed
             heapq.heappop(heap)
         if heap:
@@ -526,8 +528,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
             round_number=request.round, ordinals=request.ordinals, tag=request.tag, reason=request.reason,
             now=self._clock(), job_id=request.job_id,
         )
-        if rnd is not None:  # (the monitor logs the failed round)
-            self._wake()
+        self._wake()  # (the monitor logs the failed round; or its deadline passed, found here: Core._round)
         # Failed or not, on disk first: "not failed" may rest on a round's end (or a new
         # generation) still being written, which a crash would take back, and the process
         # forgets the round once told.

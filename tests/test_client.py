@@ -289,7 +289,7 @@ def test_world_of_one_binding_returns_own_payload(client):
         assert client.rendezvous(binding, "solo", b"me") == [b"me"]
 
 
-def test_a_released_binding_entered_again_is_refused(client):
+def test_a_released_binding_entered_again_is_refused(client, coordinator):
     """A binding's with block entered again after it ended did nothing, and the next call
     found the thread unbound: it is refused, saying to bind again; so is one of another thread."""
     binding = client.bind_thread(0)
@@ -311,6 +311,14 @@ def test_a_released_binding_entered_again_is_refused(client):
     pr.unbind_thread()
     assert pr.current_binding() is None and 0 not in client._bindings
     pr.unbind_thread()  # (none: nothing to do)
+    # The binding of a client closed since, which calls name until it is forgotten: forgotten.
+    other = make_client(coordinator.address)
+    other.bind_thread(0)
+    other.close()
+    with pytest.raises(pr.UsageError, match="through a client that was closed since"):
+        pr.get_ordinal()
+    pr.unbind_thread()
+    assert pr.get_ordinal() == 0  # (unbound, in a world of one)
 
 
 def test_payload_over_limit_is_resource_exhausted_for_the_caller_and_its_waiting_peer(coordinator):

@@ -852,6 +852,18 @@ def test_tag_mismatch_between_equal_groups_places_both_and_shortens_long_tags():
         f"ordinal 0 (host-0 pid 1000) called rendezvous('{'a' * 40}...'); ordinal 1 (host-0 pid 1001) called rendezvous('{'b' * 40}...')",
     )
     assert len(error.message) < 500, error.message
+    # Tags that differ only past their 40th character: whole while they fit, else from just
+    # before where they differ (cut at 40, they read alike).
+    pod = make_pod(2)
+    prefix = "model.encoder.layers.11.attention.output."
+    pod.arrive(0, tag=prefix + "dense")
+    error = pod.error(pod.arrive(1, tag=prefix + "norm"))
+    assert f"called rendezvous('{prefix}dense')" in error.message and f"called rendezvous('{prefix}norm')" in error.message, error.message
+    pod = make_pod(2)
+    prefix = "p" * 400
+    pod.arrive(0, tag=prefix + "dense-weights")
+    error = pod.error(pod.arrive(1, tag=prefix + "norm-weights"))
+    assert f"called rendezvous('...{'p' * 10}dense-weights')" in error.message and f"rendezvous('...{'p' * 10}norm-weights')" in error.message, error.message
 
 
 def test_a_relays_calls_resent_per_process_after_a_failure_get_the_rounds_error():

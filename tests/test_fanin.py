@@ -766,3 +766,23 @@ def test_a_process_whose_relay_carries_a_waiting_round_exits_at_once_and_leaves(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+
+
+def test_a_relay_passes_on_why_the_coordinator_could_not_be_reached():
+    """The relay answers a call it could not carry with the gRPC error's details alone (its
+    process's client raises without chaining them, and keeps them for it), not the client's
+    whole error with its hints, which the caller adds itself."""
+    from pjrt_rendezvous.client._relay import _answer
+
+    client = pr.Client(pr.Settings(address="127.0.0.1:1", connect_timeout=1.0), pr.detect_topology({}, address="127.0.0.1:1"))
+    try:
+        with pytest.raises(pr.CoordinatorUnavailableError) as unreachable:
+            client.count()
+    finally:
+        client.close()
+    assert unreachable.value.__cause__ is None and unreachable.value._rpc_details
+    import pickle  # (xla.spawn sends a replica's error so: a gRPC error kept on it did not pickle)
+
+    assert pickle.loads(pickle.dumps(unreachable.value))._rpc_details == unreachable.value._rpc_details
+    answer = pb.SessionAnswer.FromString(_answer(5, unreachable.value)[0])
+    assert answer.message.startswith("the host relay could not reach the coordinator: ") and "Is `pjrt-rendezvous serve`" not in answer.message, answer

@@ -19,7 +19,7 @@ def test_client_exports_exactly_the_public_api():
     for name in client.__all__:
         assert getattr(client, name) is not None
     assert {
-        "init", "bind_thread", "get_ordinal", "get_local_ordinal", "get_world_size",
+        "init", "bind_thread", "unbind_thread", "get_ordinal", "get_local_ordinal", "get_world_size",
         "is_master_ordinal", "rendezvous", "barrier", "RendezvousError",
     } <= set(client.__all__)
 

@@ -218,6 +218,15 @@ def test_tls_files_without_pem_are_refused_when_the_client_is_made(pki, tmp_path
     with pytest.raises(pr.UsageError, match=rf"the TLS key {pki / 'rogue.key'} \(tls_key, PJRT_RENDEZVOUS_TLS_KEY\) is not an unencrypted "
                        rf"private key of the certificate {pki / 'client.pem'} \(tls_cert, PJRT_RENDEZVOUS_TLS_CERT\): KEY_VALUES_MISMATCH"):
         client_for("127.0.0.1:1", tls_ca=str(pki / "ca.pem"), tls_cert=str(pki / "client.pem"), tls_key=str(pki / "rogue.key"))
+    # A pair gRPC (BoringSSL) takes, which the system OpenSSL's security level refuses
+    # ("EE_KEY_TOO_SMALL"): taken, by clients and serve alike.
+    openssl("req", "-x509", "-newkey", "rsa:1024", "-nodes", "-keyout", "small.key", "-out", "small.pem",
+            "-days", "1", "-subj", "/CN=small", cwd=tmp_path)
+    client_for("127.0.0.1:1", tls_ca=str(pki / "ca.pem"), tls_cert=str(tmp_path / "small.pem"), tls_key=str(tmp_path / "small.key")).close()
+    from pjrt_rendezvous.client._config import tls_pair_problem
+
+    assert tls_pair_problem(str(tmp_path / "small.pem"), str(tmp_path / "small.key")) is None
+    assert tls_pair_problem(str(tmp_path / "small.pem"), str(pki / "client.key")) == "KEY_VALUES_MISMATCH"
 
 
 def test_tls_server_refuses_plaintext_and_accepts_its_ca(pki):
