@@ -336,7 +336,7 @@ def _main_thread_died() -> None:
         ordinals = sorted(b.ordinal for b in list(client._bindings.values()) if b is not None)
         if ordinals and not client._closed and not inherited(client):
             try:
-                client.end_replicas(ordinals, "the process's main thread was interrupted (KeyboardInterrupt)")
+                client.end_replicas(ordinals, "ended when the process's main thread was interrupted (KeyboardInterrupt)")
             except Exception as error:  # noqa: BLE001 -- the exit goes on
                 log.warning("could not tell the coordinator that ordinals %s ended: %r", ordinals, error)
 

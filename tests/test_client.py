@@ -1201,6 +1201,7 @@ import pjrt_rendezvous.client as pr
 address = sys.argv[1]
 env = {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": "0", "PJRT_RENDEZVOUS_CORES_PER_CHIP": "2"}
 client = pr.Client(pr.Settings(address=address, timeout=60, batch_window=0.01), pr.detect_topology(env, address=address))
+said = threading.Lock()  # (two threads' prints interleave)
 
 
 def worker(index):
@@ -1208,7 +1209,8 @@ def worker(index):
         try:
             client.rendezvous(binding, "step")
         except pr.ParticipantFailedError as exc:
-            print("worker:", exc, flush=True)
+            with said:
+                print("worker:", exc, flush=True)
 
 
 threads = [threading.Thread(target=worker, args=(i,)) for i in (0, 1)]
@@ -1239,7 +1241,7 @@ def test_ctrl_c_while_the_main_thread_joins_bound_threads_ends_their_replicas(co
         outcome = _threads({t: (lambda t=t: client.rendezvous(bindings[t], "step")) for t in (0, 1)})
     finally:
         client.close()
-    why = "the process's main thread was interrupted (KeyboardInterrupt)"
+    why = "its replica ended when the process's main thread was interrupted (KeyboardInterrupt)"
     assert task0.returncode != 0 and "KeyboardInterrupt" in err, err  # (-SIGINT: Python ends so)
     assert out.count("worker: ") == 2 and why in out, out
     for error in outcome.values():
