@@ -157,8 +157,8 @@ LONGEST_TIMEOUT = 21 * 86400.0
 
 def check_timeout(value: Any, what: str = "timeout", none: str = "None waits forever") -> float | None:
     """Validates a timeout: a positive number of seconds, or None for no limit (as is
-    anything from LONGEST_TIMEOUT, 21 days, on). ``none`` says what None means (or, for a
-    setting that must be finite, that it is refused)."""
+    anything from LONGEST_TIMEOUT, 21 days, on). ``none`` says what None means (settings that
+    must be finite: _finite_seconds)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
