@@ -145,6 +145,34 @@ def _retried(exc: BaseException) -> bool:
     return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE and not isinstance(exc, _NoAnswer)
 
 
+_IMPORTED = time.monotonic()
+
+
+def _launch_age() -> float:
+    """Seconds since this process's launch started: since this process started or, in a
+    multiprocessing child (xla.spawn's), its parent, as Linux's /proc tells (elsewhere,
+    since this module was imported). A registration sends it: one to a job whose processes
+    are all gone joins their run if it started before they were gone, a slower process of
+    their launch, rather than start a new run as a relaunch does."""
+    processes = [os.getpid()]
+    multiprocessing = sys.modules.get("multiprocessing")  # (a multiprocessing child has imported it)
+    parent = multiprocessing.parent_process() if multiprocessing is not None else None
+    if parent is not None and parent.pid:
+        processes.append(parent.pid)
+    ages = []
+    try:
+        now, tick = time.clock_gettime(time.CLOCK_BOOTTIME), os.sysconf("SC_CLK_TCK")
+        for pid in processes:
+            with open(f"/proc/{pid}/stat", "rb") as stat:
+                fields = stat.read().rpartition(b")")[2].split()  # (the name before it may hold anything)
+            ages.append(now - int(fields[19]) / tick)  # (field 22, starttime: ticks after boot)
+    except (AttributeError, OSError, ValueError, IndexError):  # (not Linux: no CLOCK_BOOTTIME or /proc)
+        pass
+    if not ages or ages[0] <= 0:
+        return time.monotonic() - _IMPORTED
+    return max(ages)
+
+
 _bound = threading.local()
 
 # Every live client, and in a forked child those of its parent, with the parent's pid: a
@@ -1241,23 +1269,26 @@ class Client:
             thread = pb.ThreadSpec(thread_index=thread_index)
             if runtime_ordinal is not None:
                 thread.runtime_ordinal = runtime_ordinal
-            response = self._call(
-                "Register",
-                pb.RegisterRequest(
-                    job=self.settings.job,
-                    incarnation=self.incarnation,
-                    host=topo.host,
-                    pid=os.getpid(),
-                    task_id=topo.task_id,
-                    num_tasks=topo.num_tasks,
-                    devices_per_task=topo.devices_per_process,
-                    local_rank=topo.local_rank,
-                    threads=[thread],
-                    runtime_world_size=runtime_world_size,
-                    client_version=VERSION,
-                    heartbeat_interval=self.settings.heartbeat_interval,
-                ),
+            request = pb.RegisterRequest(
+                job=self.settings.job,
+                incarnation=self.incarnation,
+                host=topo.host,
+                pid=os.getpid(),
+                task_id=topo.task_id,
+                num_tasks=topo.num_tasks,
+                devices_per_task=topo.devices_per_process,
+                local_rank=topo.local_rank,
+                threads=[thread],
+                runtime_world_size=runtime_world_size,
+                client_version=VERSION,
+                heartbeat_interval=self.settings.heartbeat_interval,
             )
+
+            def register(_left) -> bytes:  # (its age as it is sent: a resend may be much later)
+                request.process_age = _launch_age()
+                return request.SerializeToString()
+
+            response = self._call("Register", register)
         except BaseException:
             with self._lock:
                 del self._bindings[thread_index]

@@ -394,6 +394,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 runtime_world_size=request.runtime_world_size,
                 client_version=request.client_version,
                 heartbeat_interval=request.heartbeat_interval,
+                process_age=request.process_age,
             ),
         )
 
@@ -498,7 +499,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
 
     @_translated
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveResponse:
-        self._core.leave(request.job, request.incarnation)
+        self._core.leave(request.job, request.incarnation, self._clock())
         self._wake()
         await self._persist()
         return pb.LeaveResponse()

@@ -6,6 +6,7 @@ each thread prints one JSON line: ``{"thread": i, "ordinal": o, ...}`` or ``{"er
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -151,6 +152,14 @@ SCENARIOS = {
 def main(scenario: str) -> int:
     client = pr.init()
     run = SCENARIOS[scenario]
+    if os.environ.get("POD_WORKER_AFTER_OTHERS_LEFT"):  # a slower process: binds once every other has left
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(pr.UnknownJobError):  # (until the first registers)
+                if any(p.left for job in client.status().jobs for p in job.participants):
+                    break
+            assert time.monotonic() < deadline, "no other process left"
+            time.sleep(0.05)
 
     def thread_main(index: int) -> None:
         try:

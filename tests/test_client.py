@@ -905,6 +905,22 @@ def test_a_second_run_of_a_job_starts_afresh(coordinator):
             c.close()
 
 
+def test_a_registration_says_how_long_ago_its_launch_started():
+    """The coordinator tells a slower process of a launch from a relaunch by it: a new
+    process's age is its own; a multiprocessing child's (xla.spawn's) is its parent's."""
+    from pjrt_rendezvous.client._client import _launch_age
+
+    before = _launch_age()
+    assert before > 0
+    fresh = subprocess.run(
+        [sys.executable, "-c", "from pjrt_rendezvous.client._client import _launch_age; print(_launch_age())"],
+        capture_output=True, text=True, check=True, timeout=60,
+    )
+    assert 0 < float(fresh.stdout) < before  # (this one has run this test suite so far)
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        assert pool.submit(_launch_age).result(timeout=60) >= before
+
+
 def _threads(bodies: dict) -> dict:
     """Runs each body in a thread of its own; returns each one's result or exception."""
     results: dict = {}
