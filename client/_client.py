@@ -546,19 +546,20 @@ def _pass_on(batch: _Batch, waiter: LockType | None = None) -> None:
 
 
 _STILL_TRYING_AFTER = 5.0  # seconds of an outage before a call says that it keeps trying
-_still_trying_said = float("-inf")  # when it was said last (once in _STILL_TRYING_AFTER per process)
+# Address -> when it was said last (once in _STILL_TRYING_AFTER per address: a client of a
+# coordinator gone for good, left open, does not silence another's).
+_still_trying_said: dict[str, float] = {}
 
 
 def _retrying(method: str, address: str, exc: BaseException, since: float, budget: float) -> None:
     """Before a call tries again: a debug line, and a warning once the outage has lasted
-    _STILL_TRYING_AFTER (then at most as often, per process), so that a coordinator that is
+    _STILL_TRYING_AFTER (then at most as often, per address), so that a coordinator that is
     not there is not waited for in silence for the whole connect_timeout."""
-    global _still_trying_said
     now = time.monotonic()
-    if now - since < _STILL_TRYING_AFTER or now - _still_trying_said < _STILL_TRYING_AFTER:
+    if now - since < _STILL_TRYING_AFTER or now - _still_trying_said.get(address, -math.inf) < _STILL_TRYING_AFTER:
         log.debug("%s to %s failed (%s); retrying", method, address, exc)
         return
-    _still_trying_said = now
+    _still_trying_said[address] = now
     details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
     log.warning(
         "the coordinator at %s has not answered for %.0f s (%s: %s); trying again for up to %.0f s in all "

@@ -44,12 +44,21 @@ def full_and_subsets(b: pr.Binding) -> dict:
 
 
 def timeout_missing(b: pr.Binding) -> dict:
-    # The process of task 1 never calls (but stays alive); everybody else must time out
-    # naming its ordinals.
-    if pr.get_client().topology.task_id == 1:
-        time.sleep(4)
+    # The process of task 1 never calls (but stays alive until the others are done);
+    # everybody else must time out naming its ordinals. Every process registers first: the
+    # round's 1.5 s do not count a slow start.
+    client = pr.get_client()
+    client.wait_world(timeout=60)
+    if client.topology.task_id == 1:
+        deadline = time.monotonic() + 60
+        while client.add("timed-out", 0) < b.world_size - client.topology.devices_per_process:
+            assert time.monotonic() < deadline, "the others did not time out"
+            time.sleep(0.05)
         return {}
-    pr.rendezvous("lonely", b"", timeout=1.5)
+    try:
+        pr.rendezvous("lonely", b"", timeout=1.5)
+    finally:
+        client.add("timed-out", 1)
     return {}
 
 
@@ -84,8 +93,8 @@ def kv_wait(b: pr.Binding) -> dict:
     client = pr.get_client()
     total = client.add("counter", 1)
     if b.ordinal == 0:
+        started = time.monotonic()  # (before the set: the last ordinal's 0.5 s count from it)
         client.set("waiter-ready", b"1")
-        started = time.monotonic()
         value = client.get("late-key", timeout=30)  # released by the last ordinal's set
         return dict(total=total, value=value.decode(), waited=time.monotonic() - started)
     if b.ordinal == b.world_size - 1:

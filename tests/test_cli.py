@@ -1255,13 +1255,28 @@ def test_serve_raises_its_open_files_limit_for_a_large_pods_connections():
 
 
 _REGISTER_AND_SLEEP = """
-import sys, time
+import sys, threading, time
 import pjrt_rendezvous.client as pr
 from pjrt_rendezvous.client._demo import simulated_env
 address = sys.argv[1]
 env = simulated_env(address=address, accelerator="v3-8", task=0, processes=1, hosts=1, threads=1)
 client = pr.Client(pr.Settings(address=address, connect_timeout=10), pr.detect_topology(env, address=address))
+watching, stub = threading.Event(), client._stub
+
+
+class Stub:  # says when its Watch stream is open (its close is what a kill shows first)
+    def __getattr__(self, name):
+        return getattr(stub, name)
+
+    def Watch(self, *args, **kwargs):
+        for event in stub.Watch(*args, **kwargs):
+            watching.set()
+            yield event
+
+
+client._stub = Stub()
 client.bind_thread(0)
+assert watching.wait(60)
 print("bound", flush=True)
 time.sleep(600)
 """
@@ -1296,8 +1311,7 @@ def test_stop_ends_idle_streams_at_once_and_a_second_signal_ends_the_drain():
     with Serve("--grace", "60") as server:
         client = simulated_process(server.address, 0, processes=2, threads=1)
         thread, errors = bound_thread(client, 0, lambda binding: client.rendezvous(binding, "never", b"", timeout=120))
-        server.wait_for_line("registered task 0")
-        time.sleep(0.5)  # the rendezvous call is in flight
+        wait_until(lambda: client.status().jobs[0].pending_rounds, what="the rendezvous call in flight")
         server.terminate()
         line = server.wait_for_line(r"stopping \(SIGTERM\): in-flight calls get 60.0 s")
         assert line.endswith(  # (the round its calls wait in, and for whom)
@@ -1464,8 +1478,7 @@ def test_status_marks_a_killed_process_connection_closed_until_it_is_declared_de
     the coordinator gives it 10 s to call again; then it is dead, long before the 60 s
     heartbeat timeout."""
     with Serve() as server:
-        proc = _registered_process(server.address)
-        time.sleep(1.0)  # its watch stream is open
+        proc = _registered_process(server.address)  # (its watch stream open)
         proc.kill()
         proc.wait(10)
         killed = time.monotonic()

@@ -386,14 +386,16 @@ def test_unreachable_coordinator_is_retried_then_reported(monkeypatch, caplog):
     # Retries at most 0.2 s apart: with the default cap (2 s, random waits) the last retry
     # before the 1.5 s budget may come before 0.5 s, and nothing is said (CI saw it once).
     monkeypatch.setattr(_client, "_BACKOFF_CAP", 0.2)
+    monkeypatch.setattr(_client, "_still_trying_said", {})
     port = _unused_port()
     client = make_client(f"127.0.0.1:{port}", connect_timeout=1.5)
     started = time.monotonic()
     with pytest.raises(pr.CoordinatorUnavailableError, match=f"127.0.0.1:{port} unavailable.*is that its address"):
         client.set("k", b"v")
     assert time.monotonic() - started >= 1.4
-    warned = [r.getMessage() for r in caplog.records if "has not answered for" in r.getMessage()]
-    assert warned and all(f"127.0.0.1:{port}" in m and "KvSet" in m and "up to 2 s" in m for m in warned), warned
+    # (this client's: another test's left open, whose coordinator is gone, warns too)
+    warned = [r.getMessage() for r in caplog.records if f"coordinator at 127.0.0.1:{port} has not answered for" in r.getMessage()]
+    assert warned and all("KvSet" in m and "up to 2 s" in m for m in warned), warned
     assert len(warned) <= 3, warned  # once in 0.5 s at most (retried every 0.2 s: about 5)
     client.close()
 
@@ -664,7 +666,7 @@ def test_still_waiting_counts_from_the_call_across_a_resend(coordinator, caplog)
         with pytest.raises(pr.RendezvousTimeout):
             client.rendezvous(binding, "slow", b"", timeout=3.0)
         cut.join()
-    waited = [float(m.group(1)) for r in caplog.records if (m := re.search(r"still waiting after ([\d.]+) s", r.getMessage()))]
+    waited = [float(m.group(1)) for r in caplog.records if (m := re.search(r"still waiting after ([\d.]+) s.*tag 'slow'", r.getMessage()))]
     assert len(waited) >= 4 and waited == sorted(waited) and waited[-1] >= 2, waited
     assert waited[0] > 0.3, waited  # in figures that show it below a second: it said "after 0 s"
     client.close()
@@ -698,7 +700,7 @@ def test_still_waiting_lines_name_the_missing_ordinals(coordinator, caplog):
     with client.bind_thread(0) as binding:
         with pytest.raises(pr.RendezvousTimeout):
             client.rendezvous(binding, "slow", b"", timeout=1.2)
-    lines = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage() and "'slow'" in r.getMessage()]
     assert len(lines) >= 2
     assert "tag 'slow', missing 1 of 2: ordinal 1 never registered" in lines[0]
     client.close()
@@ -727,7 +729,7 @@ def test_still_waiting_lines_name_groups_and_ordinals_as_ranges_as_the_coordinat
     for t in threads:
         t.join(30)
     assert len(errors) == 2 and "rendezvous 'sub' on replicas [0-2] (round 0)" in errors[0], errors
-    lines = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage() and "'sub'" in r.getMessage()]
     assert lines and all("in round 0 of replicas [0-2] (ordinals 0-1 here): " in line for line in lines), lines
     assert "(ordinals 0-1 here): tag 'sub', missing 1 of 3: ordinal 2 never registered" in lines[0], lines
     client.close()
@@ -741,19 +743,19 @@ def test_a_blocking_get_or_wait_says_every_interval_which_keys_are_still_not_set
     caplog.set_level(logging.WARNING, logger="pjrt_rendezvous.client")
     with pytest.raises(pr.RendezvousTimeout, match="still not set"):
         client.get("ckpt/step", timeout=1.0)
-    lines = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage() and "ckpt/step" in r.getMessage()]
     assert lines and "for key 'ckpt/step' of job 'default': not set yet" in lines[0], lines
     caplog.clear()
     client.set("a", b"1")
     with pytest.raises(pr.RendezvousTimeout, match="2 keys of job 'default' still not set"):
         client.wait(["a", "b", "c/d"], timeout=1.0)
-    lines = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage() and "3 keys" in r.getMessage()]
     assert lines and "for 3 keys of job 'default': 2 not set yet: 'b', 'c/d'" in lines[0], lines
     quiet = make_client(coordinator.address, progress_interval=None)
     caplog.clear()
     with pytest.raises(pr.RendezvousTimeout):
         quiet.get("ckpt/step", timeout=0.5)
-    assert "still waiting" not in caplog.text
+    assert not [r for r in caplog.records if "still waiting" in r.getMessage() and "ckpt/step" in r.getMessage()]
     client.close()
     quiet.close()
 
@@ -1069,9 +1071,15 @@ def test_a_thread_that_leaves_its_binding_on_an_exception_ends_its_replica(coord
 
         def rebound():
             with clients[0].bind_thread(1) as binding:
+                back.set()  # (a round called before its registration fails: ordinal 1 ended)
                 return pair(clients[0], binding, 1)
 
-        paired = _threads({1: rebound, 2: lambda: pair(clients[1], waiters[0], 2)})
+        def other():
+            assert back.wait(30)
+            return pair(clients[1], waiters[0], 2)
+
+        back = threading.Event()
+        paired = _threads({1: rebound, 2: other})
         assert paired == {1: [b"1", b"2"], 2: [b"1", b"2"]}, paired
         assert _ended(clients[0]) == ["", "", "", ""]
         with pytest.raises(SystemExit):
@@ -1259,7 +1267,10 @@ def test_ctrl_c_while_the_main_thread_joins_bound_threads_ends_their_replicas(co
         client.close()
     why = "its replica ended when the process's main thread was interrupted (KeyboardInterrupt)"
     assert task0.returncode != 0 and "KeyboardInterrupt" in err, err  # (-SIGINT: Python ends so)
-    assert out.count("worker: ") == 2 and why in out, out
+    # (both workers' rounds fail; the one the main thread was joining may be cut short in its
+    # print: Python 3.11's join, interrupted, takes that thread for ended and the exit does
+    # not wait for it)
+    assert out.startswith("worker: ") and why in out, out
     for error in outcome.values():
         assert isinstance(error, pr.ParticipantFailedError) and why in str(error), error
 
@@ -1358,11 +1369,12 @@ def test_a_timeout_names_the_ordinals_of_the_process_that_no_thread_is_bound_to(
 
 
 def test_a_process_holds_a_round_for_a_sibling_at_most_half_the_time_left_before_its_deadline(coordinator):
-    """Task 1's threads call with a timeout of 1 s; task 0's thread 0 comes 0.3 s later, its
+    """Task 1's threads call with a timeout of 4 s; task 0's thread 0 comes 1 s later, its
     thread 1 never. Waiting for its sibling for the whole batch window (15 s) but for its
-    deadline (at 1.3 s), task 0 sent its call after the round's deadline (at 1 s), so every
+    deadline (at 5 s), task 0 sent its call after the round's deadline (at 4 s), so every
     member was told ordinals 0-1 were missing: ordinal 0, which came in time, too. As a host
-    relay does, a process now holds a round at most half the time left before its deadline."""
+    relay does, a process now holds a round at most half the time left before its deadline
+    (it sends at 3 s: a second to spare on a loaded machine)."""
     clients = [make_client(coordinator.address, tasks=2, devices=2, task=t, timeout=60, batch_window=15.0) for t in (0, 1)]
     bound = threading.Barrier(4)
     errors: dict[int, str] = {}
@@ -1375,9 +1387,9 @@ def test_a_process_holds_a_round_for_a_sibling_at_most_half_the_time_left_before
                 done.wait(30)  # bound, never comes
                 return
             if binding.ordinal == 0:
-                time.sleep(0.3)
+                time.sleep(1.0)
             try:
-                client.rendezvous(binding, "quick", timeout=1.0)
+                client.rendezvous(binding, "quick", timeout=4.0)
             except pr.RendezvousTimeout as exc:
                 errors[binding.ordinal] = str(exc)
             if binding.ordinal == 0:

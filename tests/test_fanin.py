@@ -168,8 +168,9 @@ def test_a_timeout_through_the_relays_names_exactly_the_missing_ordinal(coordina
         if ordinal == 6:
             continue
         assert isinstance(out, pr.RendezvousTimeout), (ordinal, out)
-        assert "missing 1 of 8" in str(out) or "ordinal 6 " in str(out), str(out)
-        assert "ordinals 6" not in str(out) and "ordinals 4-7" not in str(out)
+        said = str(out).split(" (this host's relay sent the call")[0]  # (the relay's note may name 6-7: it waited for their process)
+        assert "missing 1 of 8" in said or "ordinal 6 " in said, str(out)
+        assert "ordinals 6" not in said and "ordinals 4-7" not in said, str(out)
     for c in clients:
         c.close()
 
@@ -251,8 +252,9 @@ def test_a_relay_holds_a_round_at_most_half_the_time_left_before_its_deadline(co
         assert isinstance(error, pr.RendezvousTimeout) and took < 5, (ordinal, error, took)
         assert "missing ordinals 2-3 " in str(error), str(error)
         # (the coordinator counts from the call's arrival, half the timeout after it was made)
-        assert re.search(r"\(this host's relay sent the call 0\.[4-7]\d* s after the first of its processes' came: "
-                         r"it waited for ordinals 2-3 of this host for up to the batch window\)$", str(error)), str(error)
+        held = re.search(r"\(this host's relay sent the call ([\d.]+) s after the first of its processes' came: "
+                         r"it waited for ordinals 2-3 of this host for up to the batch window\)$", str(error))
+        assert held and 0.2 <= float(held[1]) < 1.0, str(error)  # (about 0.5 s: loose, for a loaded machine)
     for c in clients:
         c.close()
 

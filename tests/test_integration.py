@@ -175,8 +175,9 @@ def test_duplicate_ordinal_is_refused(coordinator):
         threads=1,
         timeout=60,
         env_patch={
-            0: {"PJRT_RENDEZVOUS_TIMEOUT": "3"},
-            1: {"PJRT_RENDEZVOUS_TASK_ID": "0", "PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TIMEOUT": "3"},
+            # (long enough for both to start: a claim after the owner left is a relaunch of its task)
+            0: {"PJRT_RENDEZVOUS_TIMEOUT": "10"},
+            1: {"PJRT_RENDEZVOUS_TASK_ID": "0", "PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TIMEOUT": "10"},
         },
     )
     duplicate = [r for r in records if r.get("error") == "DuplicateOrdinalError"]
@@ -259,7 +260,7 @@ def test_threads_of_one_process_share_one_rpc_per_round(coordinator):
     """Two threads of a process arriving at a round produce one Rendezvous RPC carrying both ordinals."""
     calls = []
     topology = pr.detect_topology({"PJRT_RENDEZVOUS_CORES_PER_CHIP": "2"}, address=coordinator.address)
-    client = pr.Client(pr.Settings(address=coordinator.address, timeout=30), topology)
+    client = pr.Client(pr.Settings(address=coordinator.address, timeout=30, batch_window=30), topology)  # (siblings far apart on a loaded machine: still one call)
     original = client._send_round
 
     def counting(replicas, group, round_number, batch):
@@ -452,9 +453,10 @@ def test_wait_world_before_any_process_registered_waits_for_the_job(coordinator,
         observer.wait_world(timeout=0.1)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(observer.wait_world, timeout=30)
-        time.sleep(0.5)
-        assert not waiting.done()
-        assert "for the world of job 'later': the coordinator has no such job yet: no process registered in it" in caplog.text
+        deadline = time.monotonic() + 20
+        while "for the world of job 'later': the coordinator has no such job yet: no process registered in it" not in caplog.text:
+            assert time.monotonic() < deadline and not waiting.done(), caplog.text
+            time.sleep(0.05)
         clients = [simulated_process(coordinator.address, task, processes=2, threads=2, job="later") for task in range(2)]
         workers = [bound_thread(clients[0], i) for i in range(2)]
         deadline = time.monotonic() + 30
@@ -488,7 +490,7 @@ def test_wait_world_still_waiting_lines_name_the_missing_ordinals(coordinator, c
     with pytest.raises(pr.RendezvousTimeout) as timeout:
         clients[0].wait_world(timeout=1.0)
     assert "missing ordinals 5-7 (5 on sim-host-2 (last seen" in str(timeout.value), timeout.value
-    lines = [r.getMessage() for r in caplog.records if "for the world of job" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "for the world of job" in r.getMessage() and " of 8 ordinals" in r.getMessage()]
     assert lines, caplog.text
     assert "5 of 8 ordinals registered; missing ordinals 5-7 (5 on sim-host-2 (last seen" in lines[0], lines[0]
     assert lines[0].endswith("; 6-7 never registered)"), lines[0]

@@ -82,6 +82,17 @@ def finish(child, timeout=60):
     return [json.loads(line) for line in out.splitlines()]
 
 
+def until_watching(coordinator, incarnation: str) -> None:
+    """Until the process ``incarnation`` has its Watch stream open: a close (a kill) is seen
+    by the stream's end, and a stream opened later starts from then (its events before it
+    unsent)."""
+    watching = coordinator._running._servicer._watching  # (job, incarnation) -> its streams open
+    deadline = time.monotonic() + 30
+    while not watching[("default", incarnation)]:
+        assert time.monotonic() < deadline, f"the Watch stream of {incarnation} did not open"
+        time.sleep(0.02)
+
+
 def kill_and_replace(heartbeat_timeout: float, *, after_death: bool):
     """The survivor (task 0) waits in a round while the victim (task 1) is killed with
     SIGKILL; a replacement for task 1 starts on the victim's host, once the coordinator has
@@ -98,7 +109,7 @@ def kill_and_replace(heartbeat_timeout: float, *, after_death: bool):
             deadline = time.monotonic() + 10
             while not watcher.status().jobs[0].pending_rounds and time.monotonic() < deadline:
                 time.sleep(0.02)  # the survivor is now waiting in 'before-death'
-            time.sleep(1.0)  # the victim's watch stream is open (its close is what is seen first)
+            until_watching(coordinator, watcher.status().jobs[0].participants[1].incarnation)  # (the victim's)
             killed_at = time.monotonic()
             victim.send_signal(signal.SIGKILL)
             victim.wait(10)
@@ -231,7 +242,7 @@ def test_a_replaced_process_is_told_so_and_warned_once(caplog):
             with concurrent.futures.ThreadPoolExecutor(1) as another, pytest.raises(pr.MismatchError, match="was replaced"):
                 another.submit(old.bind_thread, 1).result()  # cannot take the task back
             time.sleep(1.0)  # ten heartbeat intervals
-            failed = [r for r in caplog.records if r.getMessage().startswith("heartbeat to")]
+            failed = [r for r in caplog.records if r.getMessage().startswith(f"heartbeat to {coordinator.address} ")]  # (not a leftover's)
             assert len(failed) == 1 and "was replaced" in failed[0].getMessage(), failed
             assert [p.pid for p in new.status().jobs[0].participants] == [os.getpid()]
             other.submit(old.unbind_thread).result()
@@ -444,7 +455,7 @@ def test_an_event_while_a_watch_stream_is_down_is_not_missed():
     with Coordinator(port=0, heartbeat_timeout=2.0, session_port=0) as coordinator, Proxy(coordinator.address) as proxy:
         idle, peer = pair_client(proxy.address, 0), pair_client(coordinator.address, 1)
         with bound((idle, peer)):
-            time.sleep(1.0)  # the idle process's Watch stream is open
+            until_watching(coordinator, idle.incarnation)
             assert proxy.drop(refuse_for=5.0) > 0
             peer._stopped.set()  # no more heartbeats: declared dead within the refusal
             deadline = time.monotonic() + 20
@@ -602,7 +613,7 @@ def test_an_event_is_streamed_only_once_it_is_on_disk(tmp_path, monkeypatch):
     with Coordinator(port=0, state_file=tmp_path / "state.json") as coordinator:
         idle, peer = pair_client(coordinator.address, 0), pair_client(coordinator.address, 1)
         with bound((idle, peer)) as pools:
-            time.sleep(0.5)  # the idle process's Watch stream is open
+            until_watching(coordinator, idle.incarnation)
             leaving = pools[1].submit(peer.close)  # (its Leave waits for the write too)
             assert writing.wait(10)
             time.sleep(1.0)

@@ -140,7 +140,7 @@ def test_a_grpc_client_at_the_session_port_is_told_where_to_dial(caplog, monkeyp
 
     monkeypatch.setattr(_session, "_http2_said", float("-inf"))
     monkeypatch.setattr(_client, "_STILL_TRYING_AFTER", 0.5)
-    monkeypatch.setattr(_client, "_still_trying_said", float("-inf"))
+    monkeypatch.setattr(_client, "_still_trying_said", {})
     caplog.set_level(logging.WARNING)
     with Coordinator(port=0) as coordinator:
         address = f"127.0.0.1:{coordinator.session_port}"
