@@ -148,29 +148,19 @@ def _retried(exc: BaseException) -> bool:
 _IMPORTED = time.monotonic()
 
 
-def _launch_age() -> float:
-    """Seconds since this process's launch started: since this process started or, in a
-    multiprocessing child (xla.spawn's), its parent, as Linux's /proc tells (elsewhere,
-    since this module was imported). A registration sends it: one to a job whose processes
-    are all gone joins their run if it started before they were gone, a slower process of
-    their launch, rather than start a new run as a relaunch does."""
-    processes = [os.getpid()]
-    multiprocessing = sys.modules.get("multiprocessing")  # (a multiprocessing child has imported it)
-    parent = multiprocessing.parent_process() if multiprocessing is not None else None
-    if parent is not None and parent.pid:
-        processes.append(parent.pid)
-    ages = []
+def _process_age() -> float:
+    """Seconds since this process started, as Linux's /proc tells (elsewhere, since this
+    module was imported). A registration sends it: one that comes while the processes of an
+    unformed run all have their connections closed joins their run if it started before the
+    last close (a network cut), and starts a new run if after (a relaunch after a kill)."""
     try:
-        now, tick = time.clock_gettime(time.CLOCK_BOOTTIME), os.sysconf("SC_CLK_TCK")
-        for pid in processes:
-            with open(f"/proc/{pid}/stat", "rb") as stat:
-                fields = stat.read().rpartition(b")")[2].split()  # (the name before it may hold anything)
-            ages.append(now - int(fields[19]) / tick)  # (field 22, starttime: ticks after boot)
+        with open("/proc/self/stat", "rb") as stat:
+            fields = stat.read().rpartition(b")")[2].split()  # (the name before it may hold anything)
+        # (field 22, starttime: clock ticks after boot)
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
     except (AttributeError, OSError, ValueError, IndexError):  # (not Linux: no CLOCK_BOOTTIME or /proc)
-        pass
-    if not ages or ages[0] <= 0:
-        return time.monotonic() - _IMPORTED
-    return max(ages)
+        age = 0.0
+    return age if age > 0 else time.monotonic() - _IMPORTED
 
 
 _bound = threading.local()
@@ -1286,7 +1276,7 @@ class Client:
             )
 
             def register(_left) -> bytes:  # (its age as it is sent: a resend may be much later)
-                request.process_age = _launch_age()
+                request.process_age = _process_age()
                 return request.SerializeToString()
 
             response = self._call("Register", register)

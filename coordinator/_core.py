@@ -326,9 +326,7 @@ class Registration:
     runtime_world_size: int = 0
     client_version: str = ""
     heartbeat_interval: float = 0.0  # seconds between its heartbeats (0: not told)
-    # Seconds since the process's launch started (it, or the process that spawned it), as it
-    # registered (0: not told): a process of a run all gone joins that run if it started
-    # before they were gone (see Core._register).
+    # Seconds since the process started, as it registered (0: not told): see Core._register.
     process_age: float = 0.0
 
 
@@ -852,19 +850,21 @@ class Core:
         job = self.jobs.get(r.job) or self._new_job(r.job, insert=False)
         self._uses = job.used = self._uses + 1
         # Every process of the run is gone (left, died, or its connection closed without a
-        # Leave): a relaunch starts a new run, once the registration is taken. A relaunch is
-        # a registration to a formed run, or of a task the run had, or from a process that
-        # started after the run's processes were gone (or that does not say when it started).
-        # A process of the same launch, only slower (started before they were gone), joins
-        # their run, to learn at once that its rounds failed and its members are gone rather
-        # than wait its timeout for them. (A process that fails or leaves while others of its
-        # run live does not end the run either.)
+        # Leave): this is a new run, started only once the registration is taken, formed or
+        # not. (A process that fails or leaves while others of its run live does not end the
+        # run: late members still join it, and learn at once that a member is gone. With all
+        # gone, a newcomer joining the old run met its failed rounds and gone members, and
+        # failed: a relaunch's first process, while the rest of the relaunch came after it.)
+        # But a connection closed is not yet a process gone: a network cut may have closed
+        # every one at once. A new task of an unformed run joins it unless the process
+        # started after the last of those closes (a relaunch after a kill).
         mine = job.processes.get(r.incarnation)  # (a live one binding more threads is its run's)
+        closed = [p.disconnected for p in job.processes.values() if p.alive and p.disconnected is not None]
         afresh = (
             bool(job.processes)
             and (mine is None or not mine.alive)
             and not any(p.alive and p.disconnected is None for p in job.processes.values())
-            and (job.formed or r.task_id in job.tasks or not self._started_before_gone(job, r, now))
+            and (job.formed or r.task_id in job.tasks or not closed or not self._started_before(r, max(closed), now))
         )
         # (a new run may have another world size, unless declared, and another layout)
         fixed_size = job.world_size if not afresh or job.world_fixed_by == _DECLARED else None
@@ -1863,24 +1863,17 @@ class Core:
         )
         return rnd
 
-    def leave(self, job_name: str, incarnation: str, now: float | None = None) -> None:
+    def leave(self, job_name: str, incarnation: str) -> None:
         """A process is done: its ordinals are gone now, not after the heartbeat timeout."""
         job = self._job(job_name)
-        process = job.processes.get(incarnation)
-        if process is not None:
-            if now is not None and process.alive:
-                process.last_seen = now
+        if incarnation in job.processes:
             self.declare_dead(job_name, incarnation, "its client closed", left=True)
 
     @staticmethod
-    def _started_before_gone(job: Job, r: Registration, now: float) -> bool:
-        """Whether the registering process's launch started before the last of the job's
-        processes was gone (its Leave or its last call, or its connection closing): a slower
-        process of their launch, not a relaunch."""
-        if not 0 < r.process_age < math.inf:
-            return False  # (not told)
-        gone = max(p.disconnected if p.disconnected is not None else p.last_seen for p in job.processes.values())
-        return now - r.process_age < gone
+    def _started_before(r: Registration, when: float, now: float) -> bool:
+        """Whether the registering process started before ``when`` (False when it does not
+        say: a relaunch, as before clients said)."""
+        return 0 < r.process_age < math.inf and now - r.process_age < when
 
     def _start_afresh(self, job: Job, why: str = "every process of the last run is gone") -> None:
         """A new run starts from an empty rank table (keys stay: a new run may have written

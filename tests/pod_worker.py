@@ -63,8 +63,10 @@ def timeout_missing(b: pr.Binding) -> dict:
 
 
 def tag_mismatch(b: pr.Binding) -> dict:
+    if not os.environ.get("POD_WORKER_NO_WORLD_WAIT"):
+        pr.get_client().wait_world(timeout=60)  # every process registered before the round fails
     tag = "save" if b.ordinal != 3 else "step"
-    pr.rendezvous(tag, b"", timeout=30)
+    pr.rendezvous(tag, b"", timeout=float(os.environ.get("POD_WORKER_TIMEOUT", "30")))
     return {}
 
 

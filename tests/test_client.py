@@ -907,20 +907,21 @@ def test_a_second_run_of_a_job_starts_afresh(coordinator):
             c.close()
 
 
-def test_a_registration_says_how_long_ago_its_launch_started():
-    """The coordinator tells a slower process of a launch from a relaunch by it: a new
-    process's age is its own; a multiprocessing child's (xla.spawn's) is its parent's."""
-    from pjrt_rendezvous.client._client import _launch_age
+def test_a_registration_says_how_long_ago_its_process_started():
+    """The coordinator tells a relaunch after a kill from a process whose connection was cut
+    by when each started: a process's age is its own, a spawned child's too."""
+    from pjrt_rendezvous.client._client import _process_age
 
-    before = _launch_age()
-    assert before > 0
+    before = _process_age()
     fresh = subprocess.run(
-        [sys.executable, "-c", "from pjrt_rendezvous.client._client import _launch_age; print(_launch_age())"],
+        [sys.executable, "-c", "import time; from pjrt_rendezvous.client._client import _process_age; "
+         "time.sleep(0.5); print(_process_age())"],
         capture_output=True, text=True, check=True, timeout=60,
     )
-    assert 0 < float(fresh.stdout) < before  # (this one has run this test suite so far)
+    assert 0.5 <= float(fresh.stdout) < 60
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        assert pool.submit(_launch_age).result(timeout=60) >= before
+        spawned = pool.submit(_process_age).result(timeout=60)
+    assert 0 < spawned <= _process_age() - before + 0.1  # (started during this test, not with pytest)
 
 
 def _threads(bodies: dict) -> dict:

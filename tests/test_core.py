@@ -2053,8 +2053,8 @@ def test_a_relaunch_after_a_run_that_never_formed_works_whichever_process_comes_
         old = pod.arrive(0, incarnation="old-0", deadline=4.0)
         pod.core.expire(4.0)
         assert pod.error(old).code is Code.DEADLINE_EXCEEDED
-        pod.core.leave(JOB, "old-0", 5.0)
-        pod.register(first, now=10.0, process_age=2.0)  # (started at 8.0, after the old run)
+        pod.core.leave(JOB, "old-0")
+        pod.register(first, now=10.0)
         key = pod.arrive(first, now=11.0, deadline=20.0)
         assert pod.outcome(key) is None  # waits: a new run
         if first == 1:
@@ -2066,41 +2066,52 @@ def test_a_relaunch_after_a_run_that_never_formed_works_whichever_process_comes_
         assert pod.result(key) == [payload_of(0), payload_of(1)]
 
 
-@pytest.mark.parametrize("how", ["left", "died", "disconnected"])
-def test_a_slower_process_of_the_same_launch_joins_the_run_its_peers_left_and_fails_at_once(how):
-    """Task 1 of 2 registered, brought another tag than its sibling thread (the round failed)
-    and was gone before task 0, started with it but slower, registered: task 0 started a new
-    run and waited its timeout for task 1. A process that started before the run's processes
-    were gone is of their launch: it joins their run and its call fails at once, naming the
-    mismatch; one that started after them (a relaunch) starts a new run."""
+@pytest.mark.parametrize("how", ["left", "died"])
+def test_a_slower_process_of_the_same_launch_starts_afresh_once_its_peers_are_all_gone(how):
+    """Task 1 of 2 registered, its round failed (a tag mismatch between its threads) and it
+    was gone before task 0, started with it, registered: task 0 starts a new run, as a
+    relaunch of task 1 would join it, and its wait names what became of the last run's."""
     pod = make_pod(2, devices=2, register=False)
-    pod.register(1, now=10.0)
+    pod.register(1, now=10.0, pid=77)
     pod.arrive([2, 3], now=10.0, tags={2: "save", 3: "step"}, deadline=40.0)
     if how == "left":
-        pod.core.leave(JOB, incarnation_of(1), 11.0)
-    elif how == "disconnected":  # (killed: not declared dead yet)
-        pod.core.disconnect(JOB, incarnation_of(1), 11.0)
+        pod.core.leave(JOB, incarnation_of(1))
     else:
         pod.core.declare_dead(JOB, incarnation_of(1), "killed")
-    registered = pod.register(0, now=12.0, process_age=5.0)  # started at 7.0, before task 1 was gone
-    assert registered.generation == 1
-    with raises(Code.FAILED_PRECONDITION, "called rendezvous('save') as round 0 of all ordinals, which had failed before it came", "tag mismatch"):
-        pod.arrive([0, 1], now=12.0, tag="save", deadline=42.0)
-    # A relaunch of task 0 (started at 12.5, after the run's processes were gone) starts afresh.
-    pod.core.leave(JOB, incarnation_of(0), 13.0)
-    relaunched = pod.register(0, now=14.0, incarnation="relaunched-0", process_age=1.5)
-    assert relaunched.generation == 2 and set(pod.core.jobs[JOB].members) == {0, 1}
+    assert pod.register(0, now=12.0, process_age=5.0).generation == 2  # (started at 7.0: of the same launch)
+    key = pod.arrive([0, 1], now=12.0, tag="save", deadline=15.0)
+    pod.core.expire(15.0)
+    which = "left" if how == "left" else "died"
+    assert f"missing ordinals 2-3 not registered since the job started afresh (the last run's was host-0 pid 77, which {which})" in pod.error(key).message
 
 
-def test_a_process_that_does_not_say_when_it_started_or_whose_task_the_run_had_starts_afresh():
-    """Registrations from before process_age was sent start a new run as before; so does a
-    relaunch of a task the run had, however long ago it started (a long-lived process)."""
-    for age, task in ((0.0, 1), (float("nan"), 1), (float("inf"), 1), (1000.0, 0)):
-        core = Core()
-        core.register(0.0, registration(0, 2, 1))
-        core.leave(JOB, "inc-0", 1.0)
-        core.register(2.0, registration(task, 2, 1, incarnation="next", process_age=age))
-        assert core.jobs[JOB].generation == 2, (age, task)
+def test_a_new_task_joins_a_run_whose_connections_closed_unless_it_started_after_the_last_close():
+    """Task 0 waits in round 0 of an unformed run; its connection closes (a network cut, or a
+    kill), and task 1 registers before task 0 is declared dead. Started before the close, it
+    joins (a cut: task 0 calls again and the round completes); started after, or not saying
+    when, it is a relaunch after a kill and starts afresh."""
+    for age, joins in ((5.0, True), (1.0, False), (0.0, False), (float("nan"), False)):
+        pod = make_pod(2, register=False)
+        pod.register(0, now=0.0)
+        key = pod.arrive(0, now=1.0, deadline=30.0)
+        pod.core.disconnect(JOB, incarnation_of(0), 10.0)
+        registered = pod.register(1, now=12.0, process_age=age)  # (started at 7.0, or at 11.0)
+        assert registered.generation == (1 if joins else 2), age
+        if joins:
+            pod.arrive(1, now=12.0, deadline=30.0)
+            assert pod.result(key) == [payload_of(0), payload_of(1)]
+        else:
+            assert "starts afresh" in pod.error(key).message
+
+
+def test_a_relaunch_of_a_task_the_run_had_starts_afresh_however_old_its_process():
+    """A long-lived process (a notebook's) registering a task the run had again, with a new
+    client, once the run's processes are all gone: a new run, whenever it started."""
+    core = Core()
+    core.register(0.0, registration(0, 2, 1))
+    core.disconnect(JOB, "inc-0", 1.0)
+    core.register(2.0, registration(0, 2, 1, incarnation="next", process_age=1000.0))
+    assert core.jobs[JOB].generation == 2
 
 
 def test_processes_whose_connections_closed_are_gone_for_a_relaunch_but_not_for_themselves():

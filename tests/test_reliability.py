@@ -455,7 +455,8 @@ def test_an_event_while_a_watch_stream_is_down_is_not_missed():
     with Coordinator(port=0, heartbeat_timeout=2.0, session_port=0) as coordinator, Proxy(coordinator.address) as proxy:
         idle, peer = pair_client(proxy.address, 0), pair_client(coordinator.address, 1)
         with bound((idle, peer)):
-            until_watching(coordinator, idle.incarnation)
+            for client in (idle, peer):  # (the peer's too: one opening as it stops, it closes, and dies of that)
+                until_watching(coordinator, client.incarnation)
             assert proxy.drop(refuse_for=5.0) > 0
             peer._stopped.set()  # no more heartbeats: declared dead within the refusal
             deadline = time.monotonic() + 20
