@@ -501,6 +501,17 @@ def rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, **kwar
         _generations[counted] = generation + 1
     store = Store(client, prefix=f"{prefix}/{generation}" if prefix else str(generation), timeout=timeout)
     store._url = (address, client.settings.job, timeout)  # (the job in use now: not another after init(job=...))
+    try:  # (TCPStore's clients connect here too: an unreachable coordinator fails init at its timeout)
+        joined = client.add(f"{store.prefix}.ranks/{rank}", 1) if world_size > 0 else 1  # (outside the Store's keys)
+    except RemoteError as exc:
+        raise _torch_error(exc, store.prefix) from exc
+    if joined > 1:
+        raise UsageError(
+            f"{SCHEME}:// rendezvous: rank {rank} joined a process group under prefix {store.prefix!r} of job "
+            f"{client.settings.job!r} on this coordinator before, in another process: an earlier run's, whose keys "
+            "are still there (this run would read its peers' addresses, and gloo wait on them without a word); "
+            f"give each run a prefix of its own (?prefix=<run id> in {url!r}), or run under torchrun"
+        )
     yield store, rank, world_size
     raise RuntimeError(f"Unable to perform re-rendezvous using {SCHEME}:// method")
 

@@ -374,6 +374,23 @@ def test_url_handler_yields_a_store_per_group(coordinator):
         next(dist.rendezvous(url, rank=3, world_size=3))
 
 
+def test_a_later_run_under_the_same_prefix_is_refused_at_once(coordinator, monkeypatch):
+    """A second run of a script on one long-lived coordinator, outside torchrun and without a
+    prefix of its own, read the first run's gloo addresses and hung without a word: each rank
+    now joins a namespace once, and a later process's rank there is refused, naming the fix."""
+    from pjrt_rendezvous.client import _store
+
+    url = f"{SCHEME}://{coordinator.address}?job=rerun&prefix=same"
+    for rank in (0, 1):
+        next(dist.rendezvous(url, rank=rank, world_size=2))  # (two ranks' groups: this process counts 2)
+    monkeypatch.setattr(_store, "_generations", {})  # a new process: it counts its groups from 0
+    with pytest.raises(pr.UsageError, match=r"rank 0 joined a process group under prefix 'same/0' of job 'rerun' on this "
+                       r"coordinator before, in another process.*\?prefix=<run id>"):
+        next(dist.rendezvous(url, rank=0, world_size=2))
+    store, _, _ = next(dist.rendezvous(url, rank=0, world_size=2))  # (its next group: 'same/1', where rank 0 is new)
+    assert store.prefix == "same/1" and store.num_keys() == 0  # (the marks are not the Store's keys)
+
+
 def test_the_url_handler_does_not_take_a_closed_process_client(coordinator):
     """A process client closed by hand (``init()`` would replace it) is not the one a new
     group's Store uses: it makes its own (it took the closed one, and every call of the
@@ -716,10 +733,9 @@ def test_the_url_handler_looks_for_a_coordinator_as_long_as_its_timeout_and_refu
     monkeypatch.delenv("PJRT_RENDEZVOUS_CONNECT_TIMEOUT", raising=False)
     with pytest.raises(pr.UsageError, match="port 0"):
         next(dist.rendezvous(f"{SCHEME}://127.0.0.1:0?rank=0&world_size=1"))
-    store, _, _ = next(dist.rendezvous(f"{SCHEME}://127.0.0.1:1?job=unreachable&rank=0&world_size=1", timeout=datetime.timedelta(seconds=2)))
     started = time.monotonic()
-    with pytest.raises(StoreUnavailable):
-        store.set("k", b"v")
+    with pytest.raises(StoreUnavailable):  # (the handler marks its rank: it connects, as TCPStore's does)
+        next(dist.rendezvous(f"{SCHEME}://127.0.0.1:1?job=unreachable&rank=0&world_size=1", timeout=datetime.timedelta(seconds=2)))
     assert time.monotonic() - started < 20
     # So too where the process client talks to that address (it looks for 60 s: torch_xla's
     # processes all have one), as the URL's own client does.
@@ -727,10 +743,8 @@ def test_the_url_handler_looks_for_a_coordinator_as_long_as_its_timeout_and_refu
 
     process_client = pr.Client(pr.Settings(address="127.0.0.1:1"), pr.detect_topology({}, address="127.0.0.1:1"))
     monkeypatch.setattr(_api, "_client", process_client)
-    store, _, _ = next(dist.rendezvous(f"{SCHEME}://127.0.0.1:1?rank=0&world_size=1", timeout=datetime.timedelta(seconds=2)))
-    assert store.client is not process_client
     started = time.monotonic()
     with pytest.raises(StoreUnavailable):
-        store.set("k", b"v")
+        next(dist.rendezvous(f"{SCHEME}://127.0.0.1:1?rank=0&world_size=1", timeout=datetime.timedelta(seconds=2)))
     assert time.monotonic() - started < 20
     process_client.close()
