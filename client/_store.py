@@ -502,7 +502,8 @@ def rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, **kwar
     store = Store(client, prefix=f"{prefix}/{generation}" if prefix else str(generation), timeout=timeout)
     store._url = (address, client.settings.job, timeout)  # (the job in use now: not another after init(job=...))
     try:  # (TCPStore's clients connect here too: an unreachable coordinator fails init at its timeout)
-        joined = client.add(f"{store.prefix}.ranks/{rank}", 1) if world_size > 0 else 1  # (outside the Store's keys)
+        # (a world of one has no peers' addresses to read: its runs may share keys, as they did)
+        joined = client.add(f"{store.prefix}.ranks/{rank}", 1) if world_size > 1 else 1  # (outside the Store's keys)
     except RemoteError as exc:
         raise _torch_error(exc, store.prefix) from exc
     if joined > 1:

@@ -389,6 +389,9 @@ def test_a_later_run_under_the_same_prefix_is_refused_at_once(coordinator, monke
         next(dist.rendezvous(url, rank=0, world_size=2))
     store, _, _ = next(dist.rendezvous(url, rank=0, world_size=2))  # (its next group: 'same/1', where rank 0 is new)
     assert store.prefix == "same/1" and store.num_keys() == 0  # (the marks are not the Store's keys)
+    for _ in range(2):  # a world of one, whose runs read no peer's address, runs again as it did
+        monkeypatch.setattr(_store, "_generations", {})
+        next(dist.rendezvous(f"{SCHEME}://{coordinator.address}?job=rerun&prefix=alone", rank=0, world_size=1))
 
 
 def test_the_url_handler_does_not_take_a_closed_process_client(coordinator):
@@ -735,7 +738,7 @@ def test_the_url_handler_looks_for_a_coordinator_as_long_as_its_timeout_and_refu
         next(dist.rendezvous(f"{SCHEME}://127.0.0.1:0?rank=0&world_size=1"))
     started = time.monotonic()
     with pytest.raises(StoreUnavailable):  # (the handler marks its rank: it connects, as TCPStore's does)
-        next(dist.rendezvous(f"{SCHEME}://127.0.0.1:1?job=unreachable&rank=0&world_size=1", timeout=datetime.timedelta(seconds=2)))
+        next(dist.rendezvous(f"{SCHEME}://127.0.0.1:1?job=unreachable&rank=0&world_size=2", timeout=datetime.timedelta(seconds=2)))
     assert time.monotonic() - started < 20
     # So too where the process client talks to that address (it looks for 60 s: torch_xla's
     # processes all have one), as the URL's own client does.
@@ -745,6 +748,6 @@ def test_the_url_handler_looks_for_a_coordinator_as_long_as_its_timeout_and_refu
     monkeypatch.setattr(_api, "_client", process_client)
     started = time.monotonic()
     with pytest.raises(StoreUnavailable):
-        next(dist.rendezvous(f"{SCHEME}://127.0.0.1:1?rank=0&world_size=1", timeout=datetime.timedelta(seconds=2)))
+        next(dist.rendezvous(f"{SCHEME}://127.0.0.1:1?rank=0&world_size=2", timeout=datetime.timedelta(seconds=2)))
     assert time.monotonic() - started < 20
     process_client.close()
