@@ -466,7 +466,9 @@ def rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, **kwar
     ``torch.distributed``; under torchrun also ``TORCHELASTIC_RUN_ID`` and the attempt's id,
     ``_run_prefix``) plus the number of groups this process created there before, so a
     process group created again after ``destroy_process_group`` does not meet the previous
-    one's keys (every rank makes the same groups on the URL, in the same order).
+    one's keys (every rank makes the same groups on the URL, in the same order). A rank of a
+    world of several that joined those keys before, in another process (an earlier run with
+    the same prefix), is refused: ``UsageError`` naming ``?prefix=``.
 
     Yields:
         ``(Store, rank, world_size)``, as torch's handlers do.
@@ -501,9 +503,13 @@ def rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, **kwar
         _generations[counted] = generation + 1
     store = Store(client, prefix=f"{prefix}/{generation}" if prefix else str(generation), timeout=timeout)
     store._url = (address, client.settings.job, timeout)  # (the job in use now: not another after init(job=...))
-    try:  # (TCPStore's clients connect here too: an unreachable coordinator fails init at its timeout)
-        # (a world of one has no peers' addresses to read: its runs may share keys, as they did)
-        joined = client.add(f"{store.prefix}.ranks/{rank}", 1) if world_size > 1 else 1  # (outside the Store's keys)
+    # Each rank of a world of several marks the namespace (beside the Store's keys): a mark
+    # there before, from another process, is an earlier run's, whose keys this run would read
+    # (gloo waited on its peers' addresses without a word). A world of one reads no peer's.
+    # (So the handler connects, as TCPStore's clients do: an unreachable coordinator fails
+    # init at its timeout.)
+    try:
+        joined = client.add(f"{store.prefix}.ranks/{rank}", 1) if world_size > 1 else 1
     except RemoteError as exc:
         raise _torch_error(exc, store.prefix) from exc
     if joined > 1:

@@ -502,11 +502,25 @@ def test_a_process_counts_as_disconnected_only_when_its_last_watch_stream_ends()
 
     with Coordinator(port=0, heartbeat_timeout=60) as coordinator:
         client = pair_client(coordinator.address, 0)
+        marked, stub = threading.Event(), client._stub
+
+        class Stub:  # says when the client's Watch stream has brought it its marker
+            def __getattr__(self, name):
+                return getattr(stub, name)
+
+            def Watch(self, *args, **kwargs):
+                for event in stub.Watch(*args, **kwargs):
+                    marked.set()
+                    yield event
+
+        client._stub = Stub()
         watching = coordinator._running._servicer._watching  # (job, incarnation) -> its streams open
         with bound((client,)), grpc.insecure_channel(coordinator.address) as channel:
             process = coordinator.core.jobs["default"].processes[client.incarnation]
-            until(lambda: watching[("default", client.incarnation)] == 1, "its watch stream did not open")
-            client._stopped.set()  # no heartbeat clears a mark from here on
+            until(marked.is_set, "its watch stream did not open")
+            # (no heartbeat clears a mark from here on; its watch, past its marker, goes on: it
+            # closed its stream at the marker when it came after this)
+            client._stopped.set()
             extra = pb_grpc.CoordinatorStub(channel).Watch(pb.WatchRequest(job="default", incarnation=client.incarnation))
             next(extra)  # (its marker: the stream is open)
             assert watching[("default", client.incarnation)] == 2
