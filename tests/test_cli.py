@@ -1255,26 +1255,15 @@ def test_serve_raises_its_open_files_limit_for_a_large_pods_connections():
 
 
 _REGISTER_AND_SLEEP = """
-import sys, threading, time
+import sys, time
+sys.path.insert(0, sys.argv[2])
 import pjrt_rendezvous.client as pr
 from pjrt_rendezvous.client._demo import simulated_env
+from _watch import watch_opened
 address = sys.argv[1]
 env = simulated_env(address=address, accelerator="v3-8", task=0, processes=1, hosts=1, threads=1)
 client = pr.Client(pr.Settings(address=address, connect_timeout=10), pr.detect_topology(env, address=address))
-watching, stub = threading.Event(), client._stub
-
-
-class Stub:  # says when its Watch stream is open (its close is what a kill shows first)
-    def __getattr__(self, name):
-        return getattr(stub, name)
-
-    def Watch(self, *args, **kwargs):
-        for event in stub.Watch(*args, **kwargs):
-            watching.set()
-            yield event
-
-
-client._stub = Stub()
+watching = watch_opened(client)  # (its close is what a kill shows first)
 client.bind_thread(0)
 assert watching.wait(60)
 print("bound", flush=True)
@@ -1284,7 +1273,10 @@ time.sleep(600)
 
 def _registered_process(address: str) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, "-c", _REGISTER_AND_SLEEP, address], env=clean_env(), stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _REGISTER_AND_SLEEP, address, str(pathlib.Path(__file__).parent)],
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout.readline().strip() == "bound"
     return proc

@@ -17,6 +17,7 @@ import time
 
 import grpc
 import pytest
+from _watch import watch_opened
 
 import pjrt_rendezvous.client as pr
 from pjrt_rendezvous.client._client import _store_ids
@@ -502,18 +503,7 @@ def test_a_process_counts_as_disconnected_only_when_its_last_watch_stream_ends()
 
     with Coordinator(port=0, heartbeat_timeout=60) as coordinator:
         client = pair_client(coordinator.address, 0)
-        marked, stub = threading.Event(), client._stub
-
-        class Stub:  # says when the client's Watch stream has brought it its marker
-            def __getattr__(self, name):
-                return getattr(stub, name)
-
-            def Watch(self, *args, **kwargs):
-                for event in stub.Watch(*args, **kwargs):
-                    marked.set()
-                    yield event
-
-        client._stub = Stub()
+        marked = watch_opened(client)  # (set when its Watch stream has brought it its marker)
         watching = coordinator._running._servicer._watching  # (job, incarnation) -> its streams open
         with bound((client,)), grpc.insecure_channel(coordinator.address) as channel:
             process = coordinator.core.jobs["default"].processes[client.incarnation]
