@@ -558,6 +558,15 @@ def detect_topology(
                 f"({local_world.source})",
                 "TPU_WORKER_ID",
             )
+        if local_rank.source == "default" and local_world.value > 1:
+            # Nor which of the host's processes: the task id says that too (every process of the
+            # host was local rank 0, its local ordinals and local master those of the first).
+            local_rank = _Known(
+                task.value % local_world.value,
+                f"derived: task id {task.value} ({task.source}) mod local world size {local_world.value} "
+                f"({local_world.source})",
+                "PJRT_RENDEZVOUS_LOCAL_RANK",
+            )
     else:
         task = _Known(
             worker.value * local_world.value + local_rank.value,

@@ -806,6 +806,17 @@ def test_a_task_id_without_a_worker_id_names_its_own_host():
     assert detect_topology({**env, "TPU_WORKER_ID": "0"}, metadata=_no_metadata).host == "a"
 
 
+def test_a_task_id_without_a_local_rank_gives_the_local_rank():
+    """Task 5 of 2 hosts x 4 processes is the second on its host: without a local rank every
+    process of a host was local rank 0 (the same local ordinals, each its host's local master).
+    A local rank given stays as given."""
+    env = {"TPU_WORKER_HOSTNAMES": "a,b", "CLOUD_TPU_TASK_ID": "5", "PJRT_LOCAL_PROCESS_COUNT": "4",
+           "TPU_ACCELERATOR_TYPE": "v3-32", "TPU_SKIP_MDS_QUERY": "1"}
+    topo = detect_topology(env, metadata=_no_metadata)
+    assert (topo.local_rank, topo.local_ordinal(1), topo.ordinal(1)) == (1, 3, 11)
+    assert detect_topology({**env, "PJRT_LOCAL_PROCESS_RANK": "0"}, metadata=_no_metadata).local_rank == 0
+
+
 @pytest.mark.parametrize("address", ["", "   ", "coord:x"])
 def test_bad_address_argument_names_the_argument(address):
     """An unusable explicit address argument raises, naming the argument rather than a variable."""
