@@ -1164,30 +1164,38 @@ class Core:
         parts = []
         for key, group in sorted(by_where.items(), key=lambda item: min(item[1])):
             where, how = key
-            text = f"{format_ranges(group)} {where}"
+            tail = f" {where}"
             if how == "closed":
-                text += f", connection closed {_duration(closed_ages[key])} s ago without a Leave (last seen {_duration(ages[key])} s ago)"
+                tail += f", connection closed {_duration(closed_ages[key])} s ago without a Leave (last seen {_duration(ages[key])} s ago)"
             elif how == "unheard":
-                text += f" (not heard from since the coordinator restarted {_duration(ages[key])} s ago)"
+                tail += f" (not heard from since the coordinator restarted {_duration(ages[key])} s ago)"
             elif how == "seen":
-                text += f" (last seen {_duration(ages[key])} s ago)"
-            parts.append((text, len(group), hosts_of.get(key)))
-        described = "; ".join(text for text, _, _ in parts)
+                tail += f" (last seen {_duration(ages[key])} s ago)"
+            parts.append((group, tail, hosts_of.get(key)))
+        described = "; ".join(format_ranges(group) + tail for group, tail, _ in parts)
         if budget is None or len(described) <= budget:
             return described
         shown, used = [], 0
-        for text, _, _ in parts:
-            if used + len(text) + 2 > budget - _REST_CHARACTERS:
+        for group, tail, _ in parts:
+            text, room = format_ranges(group) + tail, budget - _REST_CHARACTERS - used - 2
+            if len(text) > room:
+                # the first that does not fit, its ordinals cut short where that leaves room to
+                # say where they are (a host of 2,000 scattered ordinals was only counted)
+                ranges_room = room - len(tail) - len(f", ... ({_plural(len(group), 'ordinal')})")
+                if ranges_room >= 40:
+                    shown.append(format_ranges(group, limit=ranges_room) + tail)
                 break
             shown.append(text)
             used += len(text) + 2
         rest = parts[len(shown):]
+        if not rest:
+            return "; ".join(shown)
         hosts = len({host for _, _, host in rest if host is not None})  # (each once)
         where = " or ".join(
             ([f"on {hosts} more {'host' if hosts == 1 else 'hosts'}"] if hosts else [])
             + (["not registered"] if any(host is None for _, _, host in rest) else [])
         )
-        count = sum(n for _, n, _ in rest)
+        count = sum(len(group) for group, _, _ in rest)
         return "; ".join(shown + [f"and {_plural(count, 'more ordinal')} {where} (`pjrt-rendezvous status` lists them all)"])
 
     def with_missing(self, job: Job, head: str, missing: Sequence[int], now: float) -> str:

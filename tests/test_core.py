@@ -1213,6 +1213,23 @@ def test_a_timeout_missing_many_hosts_names_those_that_fit_and_counts_the_rest()
     assert listed + int(rest) == 200, (listed, rest)
 
 
+def test_a_host_whose_missing_ordinals_do_not_fit_is_named_with_them_cut_short():
+    """Every other ordinal of one process missing (1,000 of them, about 5,900 characters as
+    ranges): the message counted them "on 1 more host" and named no ordinal, host or time,
+    with most of its 2,000 characters free; now it lists those that fit, then their count,
+    host and last seen."""
+    pod = make_pod(2, 2000, register=False, limits=Limits(max_world_size=4096))
+    for task in range(2):
+        pod.register(task, host="t1v-n-0")
+    pod.arrive(range(2000), now=1.0, deadline=10.0)
+    key = pod.arrive(range(2000, 4000, 2), now=1.0, deadline=10.0)
+    pod.core.expire(11.0)
+    message = pod.error(key).message
+    assert len(message) <= 2000, len(message)
+    cut = re.search(r"missing 1000 ordinals \((2001, 2003, [-, 0-9]+), \.\.\. \(1000 ordinals\) on t1v-n-0 \(last seen 10.0 s ago\)\)$", message)
+    assert cut and len(cut.group(1)) > 1500, message
+
+
 def test_a_cut_description_counts_each_host_left_out_once():
     """800 tasks of 2 on 200 hosts, each task's thread 1 not bound and one process per host
     dead: a host's missing ordinals are told in two parts, "(dead)" and not, and the count
