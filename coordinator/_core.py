@@ -445,7 +445,7 @@ class Round:
         return [o for o in candidates if o not in self.arrivals]
 
     def describe(self) -> str:
-        tag = repr(self.tag) if self.tag else "?"
+        tag = repr(self.tag) if self.tag or self.arrivals else "?"  # ('' is a tag: xla_rendezvous's default)
         return f"rendezvous {tag} on {describe_group(self.group)} (round {self.number})"
 
 

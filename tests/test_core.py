@@ -1230,6 +1230,14 @@ def test_a_host_whose_missing_ordinals_do_not_fit_is_named_with_them_cut_short()
     assert cut and len(cut.group(1)) > 1500, message
 
 
+def test_an_empty_tag_is_named_as_one():
+    """xla_rendezvous's default tag is '' (tag=None): a round of it was told as "rendezvous ?"."""
+    pod = make_pod(2)
+    key = pod.arrive(0, tag="", deadline=5.0)
+    pod.core.expire(6.0)
+    assert pod.error(key).message.startswith("rendezvous '' on all ordinals (round 0) timed out"), pod.error(key).message
+
+
 def test_a_cut_description_counts_each_host_left_out_once():
     """800 tasks of 2 on 200 hosts, each task's thread 1 not bound and one process per host
     dead: a host's missing ordinals are told in two parts, "(dead)" and not, and the count
