@@ -134,13 +134,14 @@ def cores_per_chip(accelerator_type: str) -> int:
     hint = ""
     if _unconfirmed(accelerator_type):
         # JAX's tpu_info lists TPU7x with two TensorCores a chip and no megacore (each core
-        # a device), but torch_xla's thread-per-device runtime does not name TPU7x (its
-        # tpu.version() parses v<N>-<size> only): how many threads a process runs there is
-        # torch_xla's to say, not ours to guess (detect_topology asks its runtime).
+        # a device); torch_xla 2.9 takes it for version 7, counts one device a chip there
+        # (num_logical_cores_per_chip) and writes a fourth process bound of 2: how many
+        # threads a process runs is its runtime's to say, not ours to guess (detect_topology
+        # asks it).
         hint = (
-            " (a TPU7x chip has two TensorCores and no megacore, so JAX sees two devices per "
-            "chip; torch_xla's runtime does not name TPU7x yet, so this is not guessed; or "
-            "start torch_xla's runtime before init(), and its device count is used)"
+            " (a TPU7x chip has two TensorCores and no megacore: JAX sees two devices a chip, "
+            "torch_xla 2.9 counts one, so this is not guessed; or start torch_xla's runtime "
+            "before init(), and its device count is used)"
         )
     raise TopologyError(
         f"unknown TPU accelerator type {accelerator_type!r}: cores per chip is known only for "
@@ -151,7 +152,7 @@ def cores_per_chip(accelerator_type: str) -> int:
 
 def _unconfirmed(accelerator_type: str) -> bool:
     """A TPU generation whose devices per chip are taken from the XLA runtime, not guessed
-    (TPU7x: torch_xla does not name it yet; see cores_per_chip)."""
+    (TPU7x: see cores_per_chip)."""
     match = _ACCELERATOR_RE.fullmatch(accelerator_type.strip().lower())
     return bool(match) and match["family"].startswith("tpu7")
 
