@@ -1501,10 +1501,16 @@ class Client:
         from pjrt_rendezvous.coordinator._core import FAILED_BEFORE_IT_CAME, _ordinals_word
 
         topo = self.topology
+        ours = [topo.ordinal(i) for i in range(topo.devices_per_process)]
         with self._lock:
             bound = self._local_ordinals()
-        ours = [topo.ordinal(i) for i in range(topo.devices_per_process)]
-        ours = [o for o in ours if o not in batch.contributions and (batch.members is None or o in batch.members)]
+            # (not those that came to the round in another call: a sibling sent apart, its
+            # with block since ended by the same timeout, was named as never bound)
+            ours = [
+                o for o in ours
+                if o not in batch.contributions and (batch.members is None or o in batch.members)
+                and self._rounds.get((o, batch.group), 0) <= batch.number
+            ]
         absent, unbound = [o for o in ours if o in bound], [o for o in ours if o not in bound]
         notes = []
         if held is not None and held >= 0.01:

@@ -1369,6 +1369,45 @@ def test_a_timeout_names_the_ordinals_of_the_process_that_no_thread_is_bound_to(
     assert message.endswith("(no thread of this process is bound to ordinal 1)"), message
 
 
+def test_a_timeout_does_not_name_as_unbound_a_sibling_that_came_to_the_round_in_another_call(coordinator):
+    """Threads 0 and 1 come to a round in two calls (their replicas lists differ in order)
+    and both time out (task 1 never comes); thread 0 leaves its with block before thread 1's
+    error is made: ordinal 0 came, and was named as "no thread of this process is bound"."""
+    client = make_client(coordinator.address, tasks=2, devices=2, timeout=20)
+    left, messages = threading.Event(), {}
+    local_timeout = client._local_timeout
+
+    def after_thread_0_left(exc, held, batch):
+        if 1 in batch.contributions:
+            assert left.wait(20)
+        return local_timeout(exc, held, batch)
+
+    client._local_timeout = after_thread_0_left
+
+    def thread(index: int, replicas: list[int]) -> None:
+        try:
+            with client.bind_thread(index) as binding:
+                if index == 1:
+                    while not client.status().jobs[0].pending_rounds:  # (thread 0's call)
+                        time.sleep(0.01)
+                client.rendezvous(binding, "t", replicas=replicas, timeout=2)
+        except pr.RendezvousTimeout as exc:
+            messages[index] = str(exc)
+        finally:
+            if index == 0:
+                left.set()
+
+    try:
+        threads = [threading.Thread(target=thread, args=args) for args in ((0, [0, 1, 2, 3]), (1, [3, 2, 1, 0]))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert "missing ordinals 2-3" in messages[1] and "bound to" not in messages[1], messages
+    finally:
+        client.close()
+
+
 def test_a_process_holds_a_round_for_a_sibling_at_most_half_the_time_left_before_its_deadline(coordinator):
     """Task 1's threads call with a timeout of 4 s; task 0's thread 0 comes 1 s later, its
     thread 1 never. Waiting for its sibling for the whole batch window (15 s) but for its
