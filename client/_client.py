@@ -187,7 +187,9 @@ _forked = False  # whether _inherited may hold any (a bool: cheap to test at eve
 
 
 def _after_fork_in_child() -> None:
-    global _forked
+    global _forked, _closing
+    _closing = threading.Condition()  # (its lock may be held by a parent's thread)
+    store_callers.clear()  # (the parent's threads)
     clients = list(_clients)
     if not clients:
         return  # (no check for this process's own clients to pay at each call)
@@ -588,6 +590,12 @@ def _stand_in_round(client: "Client", calls: queue.SimpleQueue) -> bool:
     return True
 
 
+# Threads inside a torch Store's call (client/_store.py) -> the client it calls through:
+# Client.close() lets them leave. (Not an attribute: see Client.__init__.)
+store_callers: dict[int, "Client"] = {}
+_closing = threading.Condition()  # notified by Client.close(): calls waiting to retry end
+
+
 class Client:
     """Talks to the coordinator for every thread of one process.
 
@@ -733,7 +741,7 @@ class Client:
                 got_through = now - outage["attempt"] > _BACKOFF_CAP
             if got_through:
                 outage["since"] = now
-            if deadline is not None and now >= deadline:
+            if self._closed or (deadline is not None and now >= deadline):
                 return True
             details = state.outcome.exception().details() or ""
             outage["wrong"] = (outage["wrong"] or now) if wrong_protocol(details) else None
@@ -758,6 +766,7 @@ class Client:
             stop=stop,
             before=before,
             reraise=True,
+            sleep=self._retry_wait,
             before_sleep=lambda state: _retrying(method, self.settings.address, state.outcome.exception(), outage["since"], self.settings.connect_timeout),
         )
         try:
@@ -1007,6 +1016,8 @@ class Client:
             self._closed = True
             return
         self._stopped.set()
+        me = threading.get_ident()
+        inside = {thread for thread, client in list(store_callers.items()) if client is self and thread != me}
         if leave and self._background_started:  # registered: say goodbye
             try:
                 self._stub.Leave(
@@ -1021,6 +1032,8 @@ class Client:
             for session in (self._current_session, self._relay_session):
                 if session is not None:
                     session.close()
+        with _closing:
+            _closing.notify_all()  # (calls waiting to retry: they end, UsageError)
         if self._relay is not None:
             self._relay.close()
         with self._lock:  # from here on the main thread makes its calls itself (they fail)
@@ -1028,6 +1041,20 @@ class Client:
         if calls is not None:
             calls.put(None)  # ends the thread once the calls before it are done
         self._channel.close()
+        if inside:
+            # A Store's callers are let leave, and return out of the torch frames they were
+            # called from: at the interpreter's exit (shutdown) a daemon thread still in one
+            # when finalization began was stopped inside torch's C++ (a PrefixStore's, a
+            # process group's), and the process aborted (134 or 139) instead of exiting.
+            left = time.monotonic() + 1.0
+            while inside.intersection(store_callers) and time.monotonic() < left:
+                time.sleep(0.005)
+            time.sleep(0.05)
+
+    def _retry_wait(self, seconds: float) -> None:
+        """The wait before a call's next attempt, ended by close()."""
+        with _closing:
+            _closing.wait_for(lambda: self._closed, seconds)
 
     def end_replicas(self, ordinals: Sequence[int], reason: str) -> None:
         """Tells the coordinator that the threads of these ordinals (this process's) are

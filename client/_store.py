@@ -24,6 +24,7 @@ process (they are small, and a process makes a handful).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import socket
@@ -40,7 +41,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.distributed.rendezvous import register_rendezvous_handler
 
 from . import _api
-from ._client import Client, _integer, _key_list, inherited
+from ._client import Client, _integer, _key_list, inherited, store_callers
 from ._config import Settings, check_timeout
 from ._errors import CoordinatorUnavailableError, RemoteError, RendezvousTimeout, UsageError
 from ._topology import DEFAULT_PORT, Topology, host_port
@@ -75,10 +76,14 @@ def _as_torch_errors(method):
 
     @functools.wraps(method)
     def call(self: "Store", *args, **kwargs):
+        me = threading.get_ident()
+        store_callers[me] = self.client  # (Client.close lets them leave)
         try:
             return method(self, *args, **kwargs)
         except RemoteError as exc:
             raise _torch_error(exc, self._root) from exc
+        finally:
+            store_callers.pop(me, None)
 
     return call
 
@@ -435,8 +440,19 @@ def _client_for(address: str, job: str | None, timeout: timedelta | None = None)
                 num_tasks=1, local_rank=0, local_world_size=1, worker_id=0,
                 worker_hostnames=(), host=socket.gethostname(), address=address,
             )
+            if not _clients:
+                atexit.register(_close_clients)
             client = _clients[(address, job, seconds)] = Client(settings, topology)
         return client
+
+
+def _close_clients() -> None:
+    """At the interpreter's exit, as shutdown() the process client: a Store's caller still
+    looking for a coordinator gone is let out of torch's frames (Client.close)."""
+    with _clients_lock:
+        clients = list(_clients.values())
+    for client in clients:
+        client.close()
 
 
 def _int_arg(query: dict, name: str, env_name: str, url: str) -> int:

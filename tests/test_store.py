@@ -491,6 +491,62 @@ def test_a_forked_child_makes_its_own_clients():
         server.wait(30)
 
 
+_WAITING_AT_EXIT = """
+import sys, threading, time
+from datetime import timedelta
+import torch.distributed as dist
+import pjrt_rendezvous.client as pr
+from pjrt_rendezvous.client.torch_store import Store
+
+if sys.argv[2] == "store":  # (on the process client, which init's exit hook closes)
+    pr.init(sys.argv[1], env={}, connect_timeout=60)
+    store = Store(prefix="exit")
+else:  # (a client of the URL's own)
+    store, _, _ = next(dist.rendezvous(f"pjrt-rendezvous://{sys.argv[1]}?prefix=exit", rank=0, world_size=1, timeout=timedelta(seconds=60)))
+waiting = dist.PrefixStore("p", store)
+
+def wait():
+    try:
+        waiting.get("never")
+    except pr.UsageError as exc:
+        print("woken:", exc, flush=True)
+
+threading.Thread(target=wait, daemon=True).start()
+time.sleep(0.5)
+print("waiting", flush=True)
+sys.stdin.readline()  # (the coordinator is killed)
+time.sleep(0.5)  # (its get retries)
+print("exits", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["store", "url"])
+def test_a_daemon_thread_waiting_in_a_store_on_a_coordinator_gone_lets_the_process_exit(how):
+    """A daemon thread in a Store's get through torch's PrefixStore, retrying for a
+    coordinator killed, when the main thread ends: the exit's shutdown (or, for a URL's own
+    client, the Store module's exit hook) ends its retry at once and waits for it to leave. It slept on in its backoff, and finalization stopped it inside
+    torch's C++ frames: the process aborted (134, or 139), 3 times in 5."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "pjrt_rendezvous.coordinator", "serve", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        address = re.search(r"listening on (127\.0\.0\.1:\d+)", server.stdout.readline()).group(1)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "TPU_", "CLOUD_TPU"))}
+        script = subprocess.Popen(
+            [sys.executable, "-c", _WAITING_AT_EXIT, address, how], env=env, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )
+        assert script.stdout.readline() == "waiting\n"
+        server.kill()
+        server.wait(30)
+        out, err = script.communicate("\n", timeout=60)
+        assert script.returncode == 0 and out.startswith("exits\n"), (script.returncode, out, err)  # (its print may be cut)
+    finally:
+        server.kill()
+        server.wait(30)
+
+
 def test_under_torchrun_the_default_prefix_is_the_run_s_own(client, coordinator, monkeypatch):
     """Under torchrun (TORCHELASTIC_RUN_ID) a Store and the URL handler put their keys under
     the run id and an attempt id by default, so a later run or restart on a long-lived
