@@ -92,7 +92,7 @@ class Monitor:
         # (job, round key) reported late -> the wait at which it is reported again (twice the
         # last: at 60, 120, 240 and 480 s by default, and not only at 60 of a 600 s timeout)
         self._late: dict[tuple[str, tuple], float] = {}
-        self._formed: set[tuple[str, int]] = set()  # (job, generation) whose world formed
+        self._formed: dict[str, int] = {}  # job -> the generation whose world formed last
         # (job, generation) whose world is incomplete -> [first seen so, reported late]
         self._worlds: dict[tuple[str, int], list] = {}
         # (job, why a member is gone) -> [when last counted, rounds failed for it since, told]
@@ -180,7 +180,7 @@ class Monitor:
         """A finished job dropped to make room for a new one (``Limits.max_jobs``)."""
         self._events_seen.pop(job_name, None)
         self._causes = {key: said for key, said in self._causes.items() if key[0] != job_name}
-        self._formed = {(name, generation) for name, generation in self._formed if name != job_name}
+        self._formed.pop(job_name, None)
         if self._metrics is not None:
             self._metrics.forget(job_name)
         log.info(
@@ -194,9 +194,9 @@ class Monitor:
 
     def _world(self, job_name: str) -> None:
         job = self._core.jobs.get(job_name)  # None: dropped since (max_jobs)
-        if job is None or not job.complete or (job_name, job.generation) in self._formed:
+        if job is None or not job.complete or self._formed.get(job_name) == job.generation:
             return
-        self._formed.add((job_name, job.generation))
+        self._formed[job_name] = job.generation  # (one a job: a set of each run's grew for ever)
         hosts = {p.host for p in job.processes.values()}
         log.info(
             "world formed in job %r: %s, %s on %s, generation %d",

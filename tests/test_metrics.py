@@ -514,6 +514,31 @@ def test_world_formed_line_counts_in_words(caplog):
     assert line == "world formed in job 'j': 2 ordinals, 2 processes on 1 host, generation 1", line
 
 
+def test_a_job_run_again_and_again_is_one_entry_of_the_monitor_s(caplog):
+    """Each run of a job under one name (all its processes gone, the next starts afresh) gets
+    its world_formed line; the monitor kept every run's (job, generation) for the job's life:
+    133 bytes a run (a soak trial)."""
+    from pjrt_rendezvous.coordinator import Core
+    from pjrt_rendezvous.coordinator._core import Registration, ThreadRequest
+    from pjrt_rendezvous.coordinator._monitor import Monitor
+
+    core = Core()
+    monitor = Monitor(core, None, clock=lambda: 1.0)
+    with caplog.at_level("INFO", logger="pjrt_rendezvous.coordinator"):
+        for run in range(20):
+            for task in range(2):
+                core.register(1.0, Registration(job="j", incarnation=f"i{run}-{task}", host="h", pid=task,
+                                                task_id=task, num_tasks=2, devices_per_task=1, local_rank=task,
+                                                threads=(ThreadRequest(thread_index=0),)))
+            monitor.woke(core.take_wakeups())
+            for task in range(2):
+                core.leave("j", f"i{run}-{task}")
+            monitor.woke(core.take_wakeups())
+    formed = [r.generation for r in caplog.records if getattr(r, "event", "") == "world_formed"]
+    assert len(formed) == 20 and len(set(formed)) == 20, formed
+    assert len(monitor._formed) == 1
+
+
 def test_every_round_a_death_fails_is_counted_and_logged(caplog):
     """A death fails three pending rounds of one group at once: each is counted and logged
     (the monitor looked each up after the fact, and the core keeps a group's last two)."""
