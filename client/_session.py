@@ -385,6 +385,7 @@ class SocketSession(Session):
         self._received = bytearray(_RECEIVE)  # where a read lands (see _RECEIVE)
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
+        self._over = threading.Event()  # set when broken: the keepalive ends at once (it slept on up to 10 s)
         threading.Thread(target=self._keepalive, name="pjrt-rendezvous-keepalive", daemon=True).start()
 
     def _keepalive(self) -> None:
@@ -396,7 +397,7 @@ class SocketSession(Session):
         (a large one to a frozen peer blocks for ever, and the ping behind it)."""
         every, timeout = self._ping
         while self.broken is None:
-            time.sleep(max(0.0, max(self.heard, self._receiving) + every - time.monotonic()))
+            self._over.wait(max(0.0, max(self.heard, self._receiving) + every - time.monotonic()))
             if self.broken is not None or time.monotonic() - max(self.heard, self._receiving) < every:
                 continue  # (a large answer coming in is a peer alive: the ping's waits behind it)
             if not self._send_lock.acquire(True, timeout):
@@ -659,6 +660,7 @@ class SocketSession(Session):
             for pending in pending_calls:
                 pending.error = error
                 self._wake(pending)
+        self._over.set()
         try:
             self._socket.shutdown(socket.SHUT_RDWR)
         except OSError:

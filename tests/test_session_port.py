@@ -553,6 +553,19 @@ def test_a_session_whose_peer_is_gone_is_broken_for_good_so_the_next_call_opens_
         assert session.broken is not None
 
 
+def test_a_closed_session_s_keepalive_thread_ends_at_once():
+    """It slept out its 10 s between pings first: a process closing clients often (145 a
+    second in a soak trial) held 1,467 threads and 183 MB."""
+    ours, theirs = socket.socketpair()
+    before = set(threading.enumerate())
+    session = SocketSession(ours, "a peer")
+    (keepalive,) = [t for t in set(threading.enumerate()) - before if t.name == "pjrt-rendezvous-keepalive"]
+    session.close()
+    keepalive.join(5)
+    assert not keepalive.is_alive()
+    theirs.close()
+
+
 def test_a_large_send_to_a_peer_that_takes_no_bytes_fails_within_the_keepalive():
     """A frozen peer (a host relay under a debugger): a send larger than the socket's buffers
     blocked for ever, holding the send lock the keepalive's ping needs (a 4 MB payload was
