@@ -590,9 +590,9 @@ def _stand_in_round(client: "Client", calls: queue.SimpleQueue) -> bool:
     return True
 
 
-# Threads inside a torch Store's call (client/_store.py) -> the client it calls through:
+# Threads inside a torch Store's call (client/_store.py) -> the client it calls through, and the thread:
 # Client.close() lets them leave. (Not an attribute: see Client.__init__.)
-store_callers: dict[int, "Client"] = {}
+store_callers: dict[int, tuple["Client", threading.Thread]] = {}
 _closing = threading.Condition()  # notified by Client.close(): calls waiting to retry end
 
 
@@ -1016,8 +1016,6 @@ class Client:
             self._closed = True
             return
         self._stopped.set()
-        me = threading.get_ident()
-        inside = {thread for thread, client in list(store_callers.items()) if client is self and thread != me}
         if leave and self._background_started:  # registered: say goodbye
             try:
                 self._stub.Leave(
@@ -1034,6 +1032,8 @@ class Client:
                     session.close()
         with _closing:
             _closing.notify_all()  # (calls waiting to retry: they end, UsageError)
+        me = threading.get_ident()
+        inside = {key: thread for key, (client, thread) in list(store_callers.items()) if client is self and key != me}
         if self._relay is not None:
             self._relay.close()
         with self._lock:  # from here on the main thread makes its calls itself (they fail)
@@ -1042,19 +1042,26 @@ class Client:
             calls.put(None)  # ends the thread once the calls before it are done
         self._channel.close()
         if inside:
-            # A Store's callers are let leave, and return out of the torch frames they were
-            # called from: at the interpreter's exit (shutdown) a daemon thread still in one
-            # when finalization began was stopped inside torch's C++ (a PrefixStore's, a
-            # process group's), and the process aborted (134 or 139) instead of exiting.
+            # A Store's callers are let leave, and out of the torch frames they were called
+            # from: at the interpreter's exit (shutdown) a daemon thread still in one when
+            # finalization began was stopped inside torch's C++ (a PrefixStore's, a process
+            # group's), and the process aborted (134 or 139) instead of exiting. Each is given
+            # a moment to end (a thread torch started has no Python thread to join).
             left = time.monotonic() + 1.0
-            while inside.intersection(store_callers) and time.monotonic() < left:
+            while any(key in store_callers for key in inside) and time.monotonic() < left:
                 time.sleep(0.005)
-            time.sleep(0.05)
+            left = time.monotonic() + 0.25
+            for thread in inside.values():
+                if isinstance(thread, threading._DummyThread):
+                    time.sleep(max(0.0, min(0.05, left - time.monotonic())))
+                else:
+                    thread.join(max(0.0, left - time.monotonic()))
 
     def _retry_wait(self, seconds: float) -> None:
         """The wait before a call's next attempt, ended by close()."""
-        with _closing:
-            _closing.wait_for(lambda: self._closed, seconds)
+        closing = _closing  # (once: a forked child makes its own)
+        with closing:
+            closing.wait_for(lambda: self._closed, seconds)
 
     def end_replicas(self, ordinals: Sequence[int], reason: str) -> None:
         """Tells the coordinator that the threads of these ordinals (this process's) are

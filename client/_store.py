@@ -77,7 +77,7 @@ def _as_torch_errors(method):
     @functools.wraps(method)
     def call(self: "Store", *args, **kwargs):
         me = threading.get_ident()
-        store_callers[me] = self.client  # (Client.close lets them leave)
+        store_callers[me] = (self.client, threading.current_thread())  # (Client.close lets them leave)
         try:
             return method(self, *args, **kwargs)
         except RemoteError as exc:

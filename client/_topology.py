@@ -559,9 +559,10 @@ def detect_topology(
                 f"({local_world.source})",
                 "TPU_WORKER_ID",
             )
-        if local_rank.source == "default" and local_world.value > 1:
-            # Nor which of the host's processes: the task id says that too (every process of the
-            # host was local rank 0, its local ordinals and local master those of the first).
+        if local_rank.source == "default" and local_world.value > 1 and task.value // local_world.value == worker.value:
+            # Nor which of the host's processes: the task id says that too where it counts host
+            # by host as the worker id does (every process of the host was local rank 0, its
+            # local ordinals and local master those of the first).
             local_rank = _Known(
                 task.value % local_world.value,
                 f"derived: task id {task.value} ({task.source}) mod local world size {local_world.value} "
@@ -609,7 +610,7 @@ def detect_topology(
         unknown = {}  # what is not known -> the variable that would say it
         if worker.source == "default" and num.value > local_world.value:
             unknown["worker id"] = "TPU_WORKER_ID"
-        if local_rank.source == "default" and local_world.value > 1:
+        if local_rank.source == "default" and local_world.value > 1 and task.value // local_world.value == worker.value:
             unknown["local rank"] = "PJRT_LOCAL_PROCESS_RANK"
         if unknown:
             raise TopologyError(

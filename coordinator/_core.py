@@ -446,8 +446,7 @@ class Round:
         return [o for o in candidates if o not in self.arrivals]
 
     def describe(self) -> str:
-        tag = repr(self.tag) if self.tag or self.arrivals else "?"  # ('' is a tag: xla_rendezvous's default)
-        return f"rendezvous {tag} on {describe_group(self.group)} (round {self.number})"
+        return f"rendezvous {self.tag!r} on {describe_group(self.group)} (round {self.number})"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -2068,7 +2067,7 @@ class Core:
             return apply()
         # (a long key by its digest: kept whole, 100,000 adds of a key of 4,000 characters
         # held 400 MB, and as much in the state file, for a store of one key)
-        named = key if len(key) <= 32 else hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+        named = key if len(key) <= 32 else "#" + hashlib.blake2b(key.encode(), digest_size=16).hexdigest()  # (33: no key's)
         entry = f"{change}\0{named}\0{request_id}"
         if entry in job.request_results:
             return job.request_results[entry]

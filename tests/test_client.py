@@ -1390,7 +1390,7 @@ def test_a_timeout_does_not_name_as_unbound_a_sibling_that_came_to_the_round_in_
                 if index == 1:
                     while not client.status().jobs[0].pending_rounds:  # (thread 0's call)
                         time.sleep(0.01)
-                client.rendezvous(binding, "t", replicas=replicas, timeout=2)
+                client.rendezvous(binding, "t", replicas=replicas, timeout=8)
         except pr.RendezvousTimeout as exc:
             messages[index] = str(exc)
         finally:
