@@ -649,13 +649,18 @@ class Core:
     def _new_job(self, name: str, *, insert: bool = True) -> Job:
         self._check_job_name(name)
         if len(self.jobs) >= self.limits.max_jobs and self._droppable() is None:
+            # (which ones stay for their keys: a torch URL's ?job= a run fills max_jobs so)
+            stores = sorted(j.name for j in self.jobs.values() if not j.processes and j.kv)
+            shown = ", ".join(map(repr, stores[:5])) + (f" and {len(stores) - 5} more" if len(stores) > 5 else "")
             raise CoreError(
                 Code.RESOURCE_EXHAUSTED,
                 f"this coordinator already serves {len(self.jobs)} jobs, the limit "
                 f"(max_jobs={self.limits.max_jobs}), and none can make room: a job is dropped "
                 "once every process of it is gone, or while it holds nothing (no process, key or "
                 "pending round); one holding keys without ever having a process, or declared "
-                f"with --world-size, stays; job {name!r} cannot be created",
+                f"with --world-size, stays; job {name!r} cannot be created"
+                + (f" ({_plural(len(stores), 'job')} of keys alone: {shown}; deleting a job's keys "
+                   "lets it be dropped)" if stores else ""),
             )
         job = Job(name=name)
         if insert:

@@ -453,9 +453,12 @@ def test_reads_of_unknown_jobs_create_none_and_empty_jobs_make_room():
     core.register(0.0, registration(0, 1, 1, job="run"))  # takes the empty job's place
     assert sorted(core.jobs) == ["run", "store"]
     with raises(Code.RESOURCE_EXHAUSTED, "max_jobs=2", "none can make room", "every process of it is gone",
-                "holding keys without ever having a process", "'other'"):
+                "holding keys without ever having a process", "'other'", "(1 job of keys alone: 'store'; deleting"):
         core.kv_set("other", [("k", b"v")])
     assert core.kv_get("store", ["k"]) == [b"v"]
+    core.kv_delete("store", "k")  # (as the refusal says)
+    core.kv_set("other", [("k", b"v")])
+    assert sorted(core.jobs) == ["other", "run"]
 
 
 @pytest.mark.parametrize(
