@@ -610,7 +610,7 @@ def detect_topology(
         unknown = {}  # what is not known -> the variable that would say it
         if worker.source == "default" and num.value > local_world.value:
             unknown["worker id"] = "TPU_WORKER_ID"
-        if local_rank.source == "default" and local_world.value > 1 and task.value // local_world.value == worker.value:
+        if local_rank.source == "default" and local_world.value > 1:
             unknown["local rank"] = "PJRT_LOCAL_PROCESS_RANK"
         if unknown:
             raise TopologyError(
