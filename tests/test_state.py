@@ -153,6 +153,21 @@ def test_a_replaced_incarnation_stays_refused_after_a_restart():
     assert restored.jobs["j"].members[1].incarnation == "inc1-again"
 
 
+def test_a_state_file_keeps_a_job_s_latest_request_ids():
+    """The core keeps 100,000 request ids a job for retried key-value changes; the state file
+    keeps the latest REQUESTS_SAVED (all of them made every rewrite slow). A resend of a recent
+    change across the restart is answered, not applied again."""
+    core = Core()
+    for n in range(_state.REQUESTS_SAVED + 500):
+        core.kv_add("j", "n", 1, request_id=f"r{n}")
+    restored = _state.restore(_state.decode(_state.encode(_state.snapshot(core))), now=1.0)
+    kept = restored.jobs["j"].request_results
+    assert len(kept) == _state.REQUESTS_SAVED and next(iter(kept)).endswith("\0r500")
+    last = _state.REQUESTS_SAVED + 499
+    assert restored.kv_add("j", "n", 1, request_id=f"r{last}") == last + 1  # its first answer
+    assert restored.kv_get("j", ["n"]) == [str(last + 1).encode()]
+
+
 @pytest.mark.parametrize(
     "damage, message",
     [
