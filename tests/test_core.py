@@ -2083,6 +2083,28 @@ def test_a_run_whose_processes_are_all_gone_starts_afresh_formed_or_not():
     assert core.jobs[JOB].generation == 3 and set(core.jobs[JOB].members) == {0, 1}  # (a restart of task 0)
 
 
+def test_a_run_whose_processes_are_all_gone_keeps_its_rounds_outcomes_but_not_their_payloads():
+    """The rounds a job keeps for resends (two a group, up to 4,096 groups) kept their
+    payloads until max_jobs dropped the finished job: once every process is gone nobody can
+    resend, so the payloads go; the outcomes stay, and the next run meets as before."""
+    pod = make_pod(2)
+    keys = [pod.arrive(0, round_number=n, payloads={0: b"x" * 1000}) for n in range(2)]
+    for n, key in enumerate(keys):
+        assert pod.arrive(1, round_number=n) == key
+    failed = pod.arrive(0, round_number=2, deadline=5.0)
+    pod.core.leave(JOB, incarnation_of(0))  # (its round 2 fails: a member left)
+    assert pod.result(keys[1]) == [b"x" * 1000, payload_of(1)]  # (one process lives)
+    pod.core.leave(JOB, incarnation_of(1))
+    assert pod.result(keys[1]) == [b"", b""] and pod.outcome(failed).error is not None  # (round 0 is not kept)
+    assert all(rnd.response is None and not any(rnd.arrivals.values())
+               for state in pod.core.jobs[JOB].groups.values() for rnd in state.finished.values())
+    for task in range(2):
+        pod.register(task, now=10.0, incarnation=f"again-{task}")
+    key = pod.arrive(0, incarnation="again-0", now=11.0)
+    pod.arrive(1, incarnation="again-1", now=11.0)
+    assert pod.result(key) == [payload_of(0), payload_of(1)]
+
+
 def test_a_relaunch_after_a_run_that_never_formed_works_whichever_process_comes_first():
     """Task 0 of 2 ran alone, timed out and left; the relaunch's task 1 came first, joined the
     old run and got its failed round ("which had failed before it came"), and exited, so the
