@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import concurrent.futures
+import contextlib
 import gc
 import itertools
 import multiprocessing
@@ -469,6 +470,22 @@ print("ok")
 """
 
 
+@contextlib.contextmanager
+def serve_apart():
+    """``serve`` in a process of its own, and an environment naming no coordinator or
+    topology for a script's: (the server, its address, the environment)."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "pjrt_rendezvous.coordinator", "serve", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        address = re.search(r"listening on (127\.0\.0\.1:\d+)", server.stdout.readline()).group(1)
+        yield server, address, {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "TPU_", "CLOUD_TPU"))}
+    finally:
+        server.kill()
+        server.wait(30)
+
+
 def test_a_forked_child_makes_its_own_clients():
     """A forked child cannot use its parent's clients (their channel, session socket and
     threads are the parent's: its calls hung for their retry budget, then timed out): the
@@ -477,18 +494,9 @@ def test_a_forked_child_makes_its_own_clients():
     working. (The coordinator and the forking process run in processes of their own: gRPC
     survives a fork only while no thread of the process is inside it, which a server's
     always are, and the earlier tests' clients may be, in this one.)"""
-    server = subprocess.Popen(
-        [sys.executable, "-m", "pjrt_rendezvous.coordinator", "serve", "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )
-    try:
-        address = re.search(r"listening on (127\.0\.0\.1:\d+)", server.stdout.readline()).group(1)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "TPU_", "CLOUD_TPU"))}
+    with serve_apart() as (_, address, env):
         run = subprocess.run([sys.executable, "-c", _FORK_SCENARIO, address], env=env, capture_output=True, text=True, timeout=120)
         assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
-    finally:
-        server.terminate()
-        server.wait(30)
 
 
 _WAITING_AT_EXIT = """
@@ -524,15 +532,10 @@ print("exits", flush=True)
 def test_a_daemon_thread_waiting_in_a_store_on_a_coordinator_gone_lets_the_process_exit(how):
     """A daemon thread in a Store's get through torch's PrefixStore, retrying for a
     coordinator killed, when the main thread ends: the exit's shutdown (or, for a URL's own
-    client, the Store module's exit hook) ends its retry at once and waits for it to leave. It slept on in its backoff, and finalization stopped it inside
-    torch's C++ frames: the process aborted (134, or 139), 3 times in 5."""
-    server = subprocess.Popen(
-        [sys.executable, "-m", "pjrt_rendezvous.coordinator", "serve", "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )
-    try:
-        address = re.search(r"listening on (127\.0\.0\.1:\d+)", server.stdout.readline()).group(1)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "TPU_", "CLOUD_TPU"))}
+    client, the Store module's exit hook) ends its retry at once and waits for it to leave.
+    It slept on in its backoff, and finalization stopped it inside torch's C++ frames: the
+    process aborted (134, or 139), 3 times in 5."""
+    with serve_apart() as (server, address, env):
         script = subprocess.Popen(
             [sys.executable, "-c", _WAITING_AT_EXIT, address, how], env=env, text=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -542,9 +545,6 @@ def test_a_daemon_thread_waiting_in_a_store_on_a_coordinator_gone_lets_the_proce
         server.wait(30)
         out, err = script.communicate("\n", timeout=60)
         assert script.returncode == 0 and out.startswith("exits\n"), (script.returncode, out, err)  # (its print may be cut)
-    finally:
-        server.kill()
-        server.wait(30)
 
 
 def test_under_torchrun_the_default_prefix_is_the_run_s_own(client, coordinator, monkeypatch):
