@@ -23,7 +23,7 @@ import time
 import uuid
 import weakref
 from _thread import LockType, allocate_lock as _allocate_lock, get_ident as _get_ident
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Sequence
 
 import grpc
 import tenacity
@@ -60,8 +60,6 @@ def _warn_of_variables(env) -> None:
 
     for _, warning in unknown_variables(dict.fromkeys(names, "")):
         log.warning("%s", warning)
-
-T = TypeVar("T")
 
 ALL: tuple[int, ...] = ()
 # The server answers a timed-out wait with the list of missing ordinals; the transport
@@ -1679,7 +1677,7 @@ class Client:
         rows = sorted(batch.contributions.values())  # by ordinal (each once)
 
         def request(timeout: float | None) -> bytes:
-            return encode_rendezvous(job, incarnation, replicas, round_number, timeout, generation, rows, False)
+            return encode_rendezvous(job, incarnation, replicas, round_number, timeout, generation, rows)
 
         started = time.monotonic()
 
@@ -1732,7 +1730,9 @@ class Client:
                 except CoordinatorUnavailableError:
                     raise  # (told at the next call)
                 except RendezvousError as exc:  # this process gone (declared dead, replaced): void anyway
-                    log.debug("could not tell the coordinator that round %d was given up: %s", requests[0].round, exc)
+                    # (unless the coordinator predates GiveUpRound: the round's peers wait out their timeout)
+                    level = logging.WARNING if getattr(exc, "code", "") == "UNIMPLEMENTED" else logging.DEBUG
+                    log.log(level, "could not tell the coordinator that round %d was given up: %s", requests[0].round, exc)
                 if _given_up.get(self) is requests:  # (else cleared meanwhile: the job moved on)
                     del requests[0]
                     if not requests:

@@ -106,22 +106,29 @@ _BY_CODE: dict[grpc.StatusCode, type[RemoteError]] = {
 }
 
 
+# In an UNAVAILABLE error's details (lowered): a server that does not speak HTTP/2, and a
+# TLS client's hello answered in plain text.
+_NOT_HTTP2 = ("failed parsing http/2", "http1.x")
+_NOT_TLS = "wrong_version_number"
+
+
 def connection_hint(details: str) -> str:
     """For an UNAVAILABLE error's details: a TLS mismatch looks like a connection cut (a
     plaintext client against a TLS coordinator, or mutual TLS without a client certificate
     from its CA), and a server that does not speak HTTP/2 like one that cannot parse it; ""
     when the details do not look like either."""
-    if "failed parsing http/2" in details.lower() or "http1.x" in details.lower():
+    lowered = details.lower()
+    if any(marker in lowered for marker in _NOT_HTTP2):
         return (
             " The server there does not speak gRPC: is that the coordinator's gRPC port (7481 by default), "
             "not its session port or metrics port?"
         )
-    if "wrong_version_number" in details.lower():  # (a TLS client's hello answered in plain text)
+    if _NOT_TLS in lowered:
         return (
             " The server there does not speak TLS: if it is the coordinator, it serves without TLS, and this "
             "client must not set PJRT_RENDEZVOUS_TLS_CA (nor _TLS_CERT, _TLS_KEY)."
         )
-    if not any(word in details.lower() for word in ("handshake", "socket closed", "ssl", "tls")):
+    if not any(word in lowered for word in ("handshake", "socket closed", "ssl", "tls")):
         return ""
     return (
         " If it serves TLS, this client needs PJRT_RENDEZVOUS_TLS_CA (and, for mutual TLS, "
@@ -133,7 +140,7 @@ def wrong_protocol(details: str) -> bool:
     """Whether an UNAVAILABLE error's details say the server there speaks another protocol
     (HTTP/1, or plain text to a TLS client), which waiting does not change."""
     lowered = details.lower()
-    return "failed parsing http/2" in lowered or "http1.x" in lowered or "wrong_version_number" in lowered
+    return any(marker in lowered for marker in (*_NOT_HTTP2, _NOT_TLS))
 
 
 def from_rpc_error(exc: grpc.RpcError, *, address: str, method: str, where: str = "") -> RemoteError:
@@ -153,7 +160,8 @@ def from_rpc_error(exc: grpc.RpcError, *, address: str, method: str, where: str 
     elif code == grpc.StatusCode.UNIMPLEMENTED:  # another gRPC server, an HTTP one (404), or an older coordinator
         details = (
             f"{address} does not serve {method}: {details}. Is that the gRPC port of `pjrt-rendezvous serve` "
-            f"(not its session or metrics port, nor another server), and is the coordinator's version at least "
-            f"this client's ({VERSION})?{where}"
+            f"(not its session or metrics port, nor another server)? If so, the coordinator is a build older than "
+            f"this client's (version {VERSION}; builds between releases share a version) from before {method}: "
+            f"run one build everywhere (deploy/README.md, Upgrading){where}"
         )
     return cls(details, code=code.name)

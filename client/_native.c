@@ -16,7 +16,12 @@
  * again with protobuf, which names what is wrong. So they may refuse more than protobuf
  * does, never less, and what they accept they decode as protobuf would (tests/test_native.py
  * compares the two).
+ *
+ * INTERFACE counts the changes of these functions' arguments and results: client/_session.py
+ * takes the module only if its count is the one it was written for (an editable install
+ * keeps the module built before a checkout changed this file).
  */
+#define INTERFACE 2
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -337,7 +342,7 @@ static int session_answer(Span body, PyObject **out) {
     return made(*out);
 }
 
-/* _session_response in client/_session.py: (answer without response, response) pairs as a
+/* encode_answers_in_python in client/_session.py: (answer without response, response) pairs as a
  * serialized SessionResponse, with framed behind its four-byte big-endian length. */
 static PyObject *encode_answers(PyObject *Py_UNUSED(module), PyObject *args) {
     PyObject *answers;
@@ -521,14 +526,14 @@ static int out_text(Out *o, int field, PyObject *text) {
     const char *data = PyUnicode_AsUTF8AndSize(text, &size);
     return data == NULL ? -1 : out_bytes(o, field, data, size);
 }
-/* A packed repeated integer field of the items' values (int32 or uint32 as protobuf encodes
- * them: a negative int32 as ten bytes). */
-static int out_packed(Out *o, int field, PyObject *const *items, Py_ssize_t count, int is_signed) {
+/* A packed repeated int32 field of the items' values (as protobuf encodes them: a negative
+ * one as ten bytes). */
+static int out_packed(Out *o, int field, PyObject *const *items, Py_ssize_t count) {
     if (count == 0) return 0;
     Out body = {NULL, 0, 0};
     for (Py_ssize_t i = 0; i < count; i++) {
         long long v = PyLong_AsLongLong(items[i]);
-        if ((v == -1 && PyErr_Occurred()) || v < (is_signed ? INT32_MIN : 0) || v > (is_signed ? INT32_MAX : (long long)UINT32_MAX)) {
+        if ((v == -1 && PyErr_Occurred()) || v < INT32_MIN || v > INT32_MAX) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a value out of its field's range");
             PyMem_Free(body.data);
             return -1;
@@ -540,21 +545,20 @@ static int out_packed(Out *o, int field, PyObject *const *items, Py_ssize_t coun
     return rc;
 }
 
-/* set_contribution_rows in client/_wire.py and protobuf's serialization in one: a
+/* set_contribution_rows in client/_wire.py (incarnations unindexed: a client's rows carry
+ * none, a relay's go through protobuf) and protobuf's serialization in one: a
  * RendezvousRequest of the rows (ordinal, tag, payload, incarnation), each list as short as
  * the form allows, its fields in number order as protobuf writes them. */
 static PyObject *encode_rendezvous(PyObject *Py_UNUSED(module), PyObject *args) {
     PyObject *job, *incarnation, *replicas_arg, *timeout, *rows_arg;
     long long round, generation;
-    int index_processes;
-    if (!PyArg_ParseTuple(args, "UUOLOLOp", &job, &incarnation, &replicas_arg, &round, &timeout, &generation,
-                          &rows_arg, &index_processes))
+    if (!PyArg_ParseTuple(args, "UUOLOLO", &job, &incarnation, &replicas_arg, &round, &timeout, &generation, &rows_arg))
         return NULL;
     /* A tuple of our own: PySequence_Fast would hand back the caller's list, which an item's
      * __index__ (called by out_packed) could change under us. */
     PyObject *replicas = PySequence_Tuple(replicas_arg);
     PyObject *rows = replicas ? PySequence_Fast(rows_arg, "rows must be a sequence") : NULL;
-    PyObject *columns[4] = {NULL, NULL, NULL, NULL}, *index = NULL, *processes = NULL, *out = NULL;
+    PyObject *columns[4] = {NULL, NULL, NULL, NULL}, *out = NULL;
     Out o = {NULL, 0, 0};
     if (rows == NULL) goto done;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(rows);
@@ -582,7 +586,7 @@ static PyObject *encode_rendezvous(PyObject *Py_UNUSED(module), PyObject *args) 
     PyObject *const *payloads = PySequence_Fast_ITEMS(columns[2]), *const *incarnations = PySequence_Fast_ITEMS(columns[3]);
     if ((PyUnicode_GET_LENGTH(job) && out_text(&o, F_JOB, job) < 0)
         || (PyUnicode_GET_LENGTH(incarnation) && out_text(&o, F_INCARNATION, incarnation) < 0)
-        || out_packed(&o, F_REPLICAS, PySequence_Fast_ITEMS(replicas), PySequence_Fast_GET_SIZE(replicas), 1) < 0
+        || out_packed(&o, F_REPLICAS, PySequence_Fast_ITEMS(replicas), PySequence_Fast_GET_SIZE(replicas)) < 0
         || (round && (out_varint(&o, F_ROUND << 3 | WT_VARINT) < 0 || out_varint(&o, (uint64_t)round) < 0)))
         goto done;
     if (timeout != Py_None) {
@@ -594,33 +598,18 @@ static PyObject *encode_rendezvous(PyObject *Py_UNUSED(module), PyObject *args) 
         for (int i = 0; i < 8; i++) o.data[o.size++] = (uint8_t)(bits >> (8 * i));  /* little-endian */
     }
     if ((generation && (out_varint(&o, F_GENERATION << 3 | WT_VARINT) < 0 || out_varint(&o, (uint64_t)generation) < 0))
-        || out_packed(&o, F_ORDINALS, ordinals, n, 1) < 0)
+        || out_packed(&o, F_ORDINALS, ordinals, n) < 0)
         goto done;
     for (Py_ssize_t i = 0; i < (same_tag ? 1 : n); i++)
         if (out_text(&o, F_TAGS, tags[i]) < 0) goto done;
     for (Py_ssize_t i = 0; any_payload && i < n; i++)
         if (out_bytes(&o, F_PAYLOADS, PyBytes_AS_STRING(payloads[i]), PyBytes_GET_SIZE(payloads[i])) < 0) goto done;
-    if (any_incarnation && !index_processes) {
-        for (Py_ssize_t i = 0; i < n; i++)
-            if (out_text(&o, F_INCARNATIONS, incarnations[i]) < 0) goto done;
-    } else if (any_incarnation) {  /* each process named once, in order of first appearance */
-        if ((index = PyDict_New()) == NULL || (processes = PyList_New(n)) == NULL) goto done;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *at = PyDict_GetItemWithError(index, incarnations[i]);
-            if (at == NULL) {
-                if (PyErr_Occurred() || out_text(&o, F_PROCESSES, incarnations[i]) < 0) goto done;
-                at = PyLong_FromSsize_t(PyDict_GET_SIZE(index));
-                if (at == NULL || PyDict_SetItem(index, incarnations[i], at) < 0) { Py_XDECREF(at); goto done; }
-                Py_DECREF(at);  /* the dict holds it */
-            }
-            PyList_SET_ITEM(processes, i, Py_NewRef(at));
-        }
-        if (out_packed(&o, F_PROCESS_INDEXES, PySequence_Fast_ITEMS(processes), n, 0) < 0) goto done;
-    }
+    for (Py_ssize_t i = 0; any_incarnation && i < n; i++)
+        if (out_text(&o, F_INCARNATIONS, incarnations[i]) < 0) goto done;
     out = PyBytes_FromStringAndSize((const char *)o.data, o.size);
 done:
     PyMem_Free(o.data);
-    Py_XDECREF(replicas); Py_XDECREF(rows); Py_XDECREF(index); Py_XDECREF(processes);
+    Py_XDECREF(replicas); Py_XDECREF(rows);
     for (int c = 0; c < 4; c++) Py_XDECREF(columns[c]);
     return out;
 }
@@ -641,12 +630,12 @@ static PyMethodDef methods[] = {
     {"encode_payloads", encode_payloads, METH_O,
      "encode_payloads(payloads) -> bytes: a RendezvousResponse of the payloads, serialized."},
     {"encode_rendezvous", encode_rendezvous, METH_VARARGS,
-     "encode_rendezvous(job, incarnation, replicas, round, timeout, generation, rows, index_processes) -> bytes\n\n"
+     "encode_rendezvous(job, incarnation, replicas, round, timeout, generation, rows) -> bytes\n\n"
      "A serialized RendezvousRequest of the rows, as set_contribution_rows and protobuf make it."},
     {"encode_call", encode_call, METH_VARARGS,
      "encode_call(id, method, request, cancel, framed) -> bytes: session_request in client/_session.py."},
     {"encode_answers", encode_answers, METH_VARARGS,
-     "encode_answers(answers, framed) -> bytes: _session_response in client/_session.py."},
+     "encode_answers(answers, framed) -> bytes: encode_answers_in_python in client/_session.py."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -655,4 +644,8 @@ static struct PyModuleDef module = {
     "The native path of client/_wire.py and client/_session.py (built when a C compiler is at hand).", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "INTERFACE", INTERFACE) < 0) Py_CLEAR(m);
+    return m;
+}

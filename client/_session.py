@@ -50,6 +50,23 @@ from ._topology import host_port
 log = logging.getLogger("pjrt_rendezvous.client")
 
 _native = None  # the native path (_native.c): built when a C compiler was at hand
+NATIVE_INTERFACE = 2  # _native.c's INTERFACE this code calls
+
+
+def native_if_current(module):
+    """``module`` (the built ``_native``) if it was built from the ``_native.c`` this code
+    calls, else None with a warning: an editable install keeps the module built before a
+    checkout changed the file, and every round would fail on its arguments."""
+    built = getattr(module, "INTERFACE", 1)
+    if built == NATIVE_INTERFACE:
+        return module
+    log.warning(
+        "%s was built from another version of client/_native.c (interface %s, this code calls %s): "
+        "the Python path is used instead, slower; reinstall the package (pip install -e .) to build it again",
+        module.__file__, built, NATIVE_INTERFACE,
+    )
+    return None
+
 _switch = os.environ.get("PJRT_RENDEZVOUS_NATIVE", "").strip().lower()
 if _switch not in ("0", "false", "off", "no"):  # (those: the Python path alone)
     if _switch not in ("", "1", "true", "on", "yes"):
@@ -61,6 +78,8 @@ if _switch not in ("0", "false", "off", "no"):  # (those: the Python path alone)
         from . import _native
     except ImportError:
         pass
+    else:
+        _native = native_if_current(_native)
 
 _CODES = {status.value[0]: status for status in grpc.StatusCode}
 

@@ -33,13 +33,13 @@ _parse_rendezvous = parser(pb.RendezvousRequest)
 
 def encode_rendezvous_in_python(
     job: str, incarnation: str, replicas: Sequence[int], round_number: int, timeout: float | None,
-    generation: int, rows: Sequence[Row], index_processes: bool,
+    generation: int, rows: Sequence[Row],
 ) -> bytes:
     """A serialized RendezvousRequest of ``rows`` (at least one; see :func:`set_contribution_rows`)."""
     request = pb.RendezvousRequest(job=job, incarnation=incarnation, replicas=replicas, round=round_number, generation=generation)
     if timeout is not None:
         request.timeout = timeout
-    set_contribution_rows(request, rows, index_processes=index_processes)
+    set_contribution_rows(request, rows)
     return request.SerializeToString()
 
 

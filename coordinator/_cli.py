@@ -28,9 +28,9 @@ from pjrt_rendezvous.client._errors import UsageError
 from pjrt_rendezvous.client._topology import host_port
 from pjrt_rendezvous.client._version import VERSION
 
-from ._core import MIN_HEARTBEAT_TIMEOUT, MIN_NAME_LENGTH, Limits, _plural
+from ._core import MAX_ROUND_BYTES, MIN_HEARTBEAT_TIMEOUT, MIN_NAME_LENGTH, Limits, _plural
 from ._monitor import DEFAULT_LATE_AFTER
-from ._server import DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_SESSION_PORT, listen_host
+from ._server import DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_JOB, DEFAULT_SESSION_PORT, listen_host
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_HEALTH_TIMEOUT = 5.0
@@ -330,7 +330,7 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         None,
         "fix the world size of --job up front (default: the first registration fixes it)",
     )
-    option("--job", _job, "default", "the job --world-size applies to (default 'default')")
+    option("--job", _job, DEFAULT_JOB, f"the job --world-size applies to (default {DEFAULT_JOB!r})")
     option(
         "--heartbeat-timeout",
         _heartbeat_seconds,
@@ -374,8 +374,11 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         f"{DEFAULT_LATE_AFTER:g}; 'none' never)",
     )
     for field in dataclasses.fields(Limits):
-        floor = f"; at least {MIN_NAME_LENGTH}, as it bounds client ids too" if field.name == "max_name_length" else ""
-        option(f"--{field.name.replace('_', '-')}", _positive, field.default, f"limit (default {field.default}{floor})")
+        bound = {
+            "max_name_length": f"; at least {MIN_NAME_LENGTH}, as it bounds client ids too",
+            "max_round_bytes": f"; at most {MAX_ROUND_BYTES}: every member's answer holds the round's payloads",
+        }.get(field.name, "")
+        option(f"--{field.name.replace('_', '-')}", _positive, field.default, f"limit (default {field.default}{bound})")
     option("--log-level", _log_level, "INFO", f"one of {', '.join(LOG_LEVELS)} (default INFO)")
     option("--log-format", _log_format, "text", "text lines or JSON lines on stderr (default text)")
 
@@ -571,7 +574,7 @@ def _serve(args, env: Mapping[str, str]) -> int:
             )
 
     _warn_of_variables(args, env)
-    if args.job != "default" and args.world_size is None and args.sources.get("job") == "--job":
+    if args.job != DEFAULT_JOB and args.world_size is None and args.sources.get("job") == "--job":
         # (the flag only: PJRT_RENDEZVOUS_JOB may be there for clients, in an environment shared)
         logging.getLogger("pjrt_rendezvous.coordinator").warning(
             "--job %r does nothing without %s: it only names the job whose world size that fixes "

@@ -9,8 +9,9 @@ queues whenever something a waiter may be blocked on changes (see :meth:`Core.ta
 - ``("round", job, generation, group, number)`` a rendezvous round finished
 - ``("kv", job, key)``             a key was written
 - ``("events", job)``              a job event (a process died or restarted) was recorded
+- ``("dropped", job, for_job)``    a finished job was dropped at max_jobs for a new one
 
-Rounds, not tags, match calls (DESIGN "Rendezvous semantics"): a participant's k-th call
+Rounds, not tags, match calls (README "The client API"): a participant's k-th call
 on a replica group is round k of that group. A group is the sorted tuple of its ordinals,
 or ``ALL`` (the empty tuple) for every ordinal of the job.
 
@@ -105,6 +106,11 @@ class CoreError(Exception):
 MIN_NAME_LENGTH = 32  # a client's incarnation id: uuid4().hex
 
 
+MAX_ROUND_BYTES = (1 << 31) - (16 << 20)
+# Bytes a payload takes in an answer beyond its own: its field's tag and length.
+_PAYLOAD_FRAMING = 6
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Limits:
     """Size and count limits; breaching one is RESOURCE_EXHAUSTED, naming the limit and the value."""
@@ -118,12 +124,20 @@ class Limits:
     max_jobs: int = 1024
     max_pending_rounds: int = 65_536
     max_kv_bytes: int = 1 << 30  # a job's keys and values together
+    # A round's payloads together (with their framing): every member's answer holds them
+    # all, in one message of at most 2 GiB (protobuf's and gRPC's limit), less room for the rest.
+    max_round_bytes: int = MAX_ROUND_BYTES
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"limit {field.name} must be a positive integer, got {value!r}")
+        if self.max_round_bytes > MAX_ROUND_BYTES:
+            raise ValueError(
+                f"limit max_round_bytes must be at most {MAX_ROUND_BYTES} (a round's answer is one message "
+                f"of at most 2 GiB), got {self.max_round_bytes}"
+            )
         if self.max_name_length < MIN_NAME_LENGTH:
             raise ValueError(
                 f"limit max_name_length must be at least {MIN_NAME_LENGTH} (it also bounds the "
@@ -227,7 +241,6 @@ class Process:
     pid: int
     task_id: int
     local_rank: int
-    registered_at: float
     last_seen: float
     ordinals: set[int] = dataclasses.field(default_factory=set)
     alive: bool = True
@@ -686,8 +699,7 @@ class Core:
         self._uses = job.used = self._uses + 1
         if len(self.jobs) >= self.limits.max_jobs:
             dropped = self._droppable()
-            if dropped is None:  # _new_job refused already; never reached
-                raise CoreError(Code.RESOURCE_EXHAUSTED, f"max_jobs={self.limits.max_jobs} reached")
+            assert dropped is not None  # (_new_job refused already)
             del self.jobs[dropped.name]
             self._changed()
             self._wakeups.append(("dropped", dropped.name, job.name))
@@ -983,7 +995,6 @@ class Core:
                 pid=r.pid,
                 task_id=r.task_id,
                 local_rank=r.local_rank,
-                registered_at=now,
                 last_seen=now,
                 client_version=r.client_version[: self.limits.max_name_length],  # (told only: a long one is cut, not refused)
             )
@@ -1008,7 +1019,7 @@ class Core:
 
     @staticmethod
     def _check_runtime_ordinal(r: Registration, thread: ThreadRequest, ordinal: int, world_size: int) -> None:
-        # DESIGN "Ordinals": where the runtime's world is ours, its ordinal is the authority
+        # Where the runtime's world is ours, its ordinal is the authority
         # and must equal the rank table's; where it only sees this process (PJRT on CPU),
         # its device index is the thread index.
         if thread.runtime_ordinal is None:
@@ -1617,7 +1628,17 @@ class Core:
         # The XRT mesh service returned payloads sorted by ordinal; torch_xla's docstring
         # promises index == ordinal for the full group. Complete, the arrivals are exactly
         # the members, so the members' order needs no sorting.
-        rnd.result = list(map(rnd.arrivals.__getitem__, range(rnd.size) if rnd.members is None else rnd.group))
+        result = list(map(rnd.arrivals.__getitem__, range(rnd.size) if rnd.members is None else rnd.group))
+        size = sum(map(len, result)) + _PAYLOAD_FRAMING * len(result)
+        if size > self.limits.max_round_bytes:
+            self._fail(job, rnd, CoreError(
+                Code.RESOURCE_EXHAUSTED,
+                f"{rnd.describe()} fails for every member: its answer, the {len(result)} payloads every member "
+                f"receives, would be {size} bytes, over the limit of {self.limits.max_round_bytes} bytes "
+                "(max_round_bytes; a message carries at most 2 GiB): exchange less in one round",
+            ))
+            return
+        rnd.result = result
         job.rounds_completed += 1
         self._finish(job, rnd)
         rnd.arrivals = {}  # the result holds the payloads
@@ -2071,10 +2092,9 @@ class Core:
             )
 
     def _write(self, job: Job, key: str, value: bytes) -> None:
-        """Sets ``key`` (``_kv_room`` checked first)."""
+        """Sets ``key`` (``_kv_room`` checked first, which counted ``kv_bytes``)."""
         old = job.kv.get(key)
-        if job.kv_bytes is not None:
-            job.kv_bytes += len(value) - (len(old) if old is not None else -len(key))
+        job.kv_bytes += len(value) - (len(old) if old is not None else -len(key))  # type: ignore[operator]
         job.kv[key] = value
         self._journaled(("set", job.name, key, value))
         self._wakeups.append(("kv", job.name, key))
@@ -2180,17 +2200,11 @@ class Core:
 
         def apply() -> bytes:
             current = job.kv.get(key)
-            if current is None:
-                if expected:
-                    return expected
-                self._kv_room(job, {key: len(desired)})
-                self._write(job, key, desired)
-                return desired
-            if current == expected:
-                self._kv_room(job, {key: len(desired)})
-                self._write(job, key, desired)
-                return desired
-            return current
+            if (b"" if current is None else current) != expected:
+                return expected if current is None else current
+            self._kv_room(job, {key: len(desired)})
+            self._write(job, key, desired)
+            return desired
 
         return self._once(job, request_id, "compare_set", key, apply)
 

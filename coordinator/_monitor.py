@@ -42,7 +42,7 @@ from typing import Callable, Iterable
 
 from pjrt_rendezvous.client._session import clip
 
-from ._core import _MESSAGE_CHARACTERS, ALL, Core, CoreError, Round, _plural, describe_group, format_ranges
+from ._core import ALL, Core, CoreError, Round, _plural, describe_group, format_ranges
 from ._metrics import Metrics
 
 log = logging.getLogger("pjrt_rendezvous.coordinator")

@@ -30,6 +30,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pjrt_rendezvous.client._config import DEFAULT_JOB
 from pjrt_rendezvous.client._session import MAX_MESSAGE, FramedSession
 from pjrt_rendezvous.client._topology import host_port
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
@@ -44,7 +45,6 @@ from ._servicer import Servicer, add_to_server
 log = logging.getLogger("pjrt_rendezvous.coordinator")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
-DEFAULT_JOB = "default"
 DEFAULT_HEARTBEAT_TIMEOUT = 60.0
 DEFAULT_SESSION_PORT = 7482  # of `pjrt-rendezvous serve`; next to the gRPC port, 7481
 FINAL_WRITE_TIMEOUT = 10.0  # seconds the state file's last write on stop may take
@@ -590,7 +590,7 @@ class RunningServer:
         self._hurry_task = asyncio.get_running_loop().create_task(self.server.stop(0))
 
 
-async def start_server(options: ServerOptions = ServerOptions(), *, core: Core | None = None) -> RunningServer:
+async def start_server(options: ServerOptions = ServerOptions()) -> RunningServer:
     """Starts serving on the current event loop.
 
     Raises:
@@ -603,7 +603,7 @@ async def start_server(options: ServerOptions = ServerOptions(), *, core: Core |
     files = _state.Files(options.state_file) if options.state_file is not None else None
     writer = None
     try:
-        core = _core_to_serve(options, core, files)
+        core = _core_to_serve(options, files)
         writer = _StateWriter(core, files) if files is not None else None
         return await _serving(options, core, writer)
     except BaseException:  # the state file's lock goes, for a start again in this process
@@ -614,9 +614,10 @@ async def start_server(options: ServerOptions = ServerOptions(), *, core: Core |
         raise
 
 
-def _core_to_serve(options: ServerOptions, core: Core | None, files: "_state.Files | None") -> Core:
-    """``core``, else the one the state file holds, else a new one; with ``--world-size``'s job declared."""
-    if core is None and files is not None:
+def _core_to_serve(options: ServerOptions, files: "_state.Files | None") -> Core:
+    """The core the state file holds, else a new one; with ``--world-size``'s job declared."""
+    core = None
+    if files is not None:
         core = _state.load(
             files.path,
             given=files.given,

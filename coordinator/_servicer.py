@@ -13,7 +13,7 @@ import heapq
 import itertools
 import logging
 import time
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import grpc
 
@@ -647,14 +647,21 @@ class Servicer(pb_grpc.CoordinatorServicer):
 
     # -- key-value ------------------------------------------------------------------------
 
-    @_translated
-    async def KvSet(self, request: pb.KvSetRequest, context) -> pb.KvSetResponse:
+    async def _kv_change(self, request, change: Callable[[], Any]) -> tuple[Any, str]:
+        """Makes a key-value ``change`` in the store the caller saw; returns its result and
+        the store's id once the change is on disk (and its waiters woken)."""
         core = self._core
         core.check_store(request.job, request.store_id)
-        core.kv_set(request.job, [(e.key, e.value) for e in request.entries], request.request_id)
+        result = change()
         store_id = core.store_id(request.job)  # (the store changed: not after an await)
         self._wake()
         await self._persist()
+        return result, store_id
+
+    @_translated
+    async def KvSet(self, request: pb.KvSetRequest, context) -> pb.KvSetResponse:
+        entries = [(e.key, e.value) for e in request.entries]
+        _, store_id = await self._kv_change(request, lambda: self._core.kv_set(request.job, entries, request.request_id))
         return pb.KvSetResponse(store_id=store_id)
 
     @_translated
@@ -688,41 +695,24 @@ class Servicer(pb_grpc.CoordinatorServicer):
 
     @_translated
     async def KvAdd(self, request: pb.KvAddRequest, context) -> pb.KvAddResponse:
-        core = self._core
-        core.check_store(request.job, request.store_id)
-        value = core.kv_add(request.job, request.key, request.delta, request.request_id)
-        store_id = core.store_id(request.job)
-        self._wake()
-        await self._persist()
+        value, store_id = await self._kv_change(request, lambda: self._core.kv_add(request.job, request.key, request.delta, request.request_id))
         return pb.KvAddResponse(value=value, store_id=store_id)
 
     @_translated
     async def KvCompareSet(self, request: pb.KvCompareSetRequest, context) -> pb.KvCompareSetResponse:
-        core = self._core
-        core.check_store(request.job, request.store_id)
-        value = core.kv_compare_set(request.job, request.key, request.expected, request.desired, request.request_id)
-        store_id = core.store_id(request.job)
-        self._wake()
-        await self._persist()
+        value, store_id = await self._kv_change(request, lambda: self._core.kv_compare_set(
+            request.job, request.key, request.expected, request.desired, request.request_id
+        ))
         return pb.KvCompareSetResponse(value=value, store_id=store_id)
 
     @_translated
     async def KvAppend(self, request: pb.KvAppendRequest, context) -> pb.KvAppendResponse:
-        core = self._core
-        core.check_store(request.job, request.store_id)
-        core.kv_append(request.job, request.key, request.value, request.request_id)
-        store_id = core.store_id(request.job)
-        self._wake()
-        await self._persist()
+        _, store_id = await self._kv_change(request, lambda: self._core.kv_append(request.job, request.key, request.value, request.request_id))
         return pb.KvAppendResponse(store_id=store_id)
 
     @_translated
     async def KvDelete(self, request: pb.KvDeleteRequest, context) -> pb.KvDeleteResponse:
-        core = self._core
-        core.check_store(request.job, request.store_id)
-        deleted = core.kv_delete(request.job, request.key, request.request_id)
-        store_id = core.store_id(request.job)
-        await self._persist()
+        deleted, store_id = await self._kv_change(request, lambda: self._core.kv_delete(request.job, request.key, request.request_id))
         return pb.KvDeleteResponse(deleted=deleted, store_id=store_id)
 
     @_translated

@@ -220,7 +220,6 @@ def restore(
                 pid=p["pid"],
                 task_id=p["task_id"],
                 local_rank=p["local_rank"],
-                registered_at=now,
                 last_seen=now - p.get("seen_ago", 0.0),  # (at least that long ago: the coordinator was down since)
                 ordinals=set(p["ordinals"]),
                 alive=p["alive"],

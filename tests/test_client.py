@@ -347,6 +347,31 @@ def test_payload_over_limit_is_resource_exhausted_for_the_caller_and_its_waiting
     peer.close()
 
 
+def test_a_round_whose_answer_passes_max_round_bytes_fails_for_every_thread_and_the_next_runs():
+    """Each payload within its limit, the round's together over max_round_bytes (the
+    answer every member receives): every thread is told, naming the size and the limit,
+    not left to an answer that cannot be sent; the group's next round runs."""
+    with Coordinator(port=0, limits=Limits(max_round_bytes=3000)) as coordinator:
+        client = make_client(coordinator.address, devices=2, timeout=30)
+
+        def thread(index: int) -> list:
+            outcomes = []
+            with client.bind_thread(index) as binding:
+                for payload in (b"x" * 2000, b"small"):
+                    try:
+                        outcomes.append(client.rendezvous(binding, "gather", payload))
+                    except pr.LimitExceededError as exc:
+                        outcomes.append(str(exc))
+            return outcomes
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            outcomes = list(pool.map(thread, range(2)))
+        client.close()
+    for big, small in outcomes:
+        assert "would be 4012 bytes, over the limit of 3000 bytes (max_round_bytes" in big
+        assert small == [b"small", b"small"]
+
+
 def test_a_set_resent_after_another_clients_set_is_not_applied_again(client):
     """A set's answer lost and the set resent (the client's retry sends the same request)
     after another client set the key: the newer value stays (it was overwritten)."""
@@ -466,7 +491,8 @@ def test_another_grpc_server_at_the_address_is_named_as_such():
         assert time.monotonic() - started < 10  # (not retried for the connect timeout)
         message = str(raised.value)
         assert f"127.0.0.1:{port} does not serve " in message and "Method not found!" in message, message
-        assert "gRPC port of `pjrt-rendezvous serve`" in message and f"({VERSION})" in message, message
+        assert "gRPC port of `pjrt-rendezvous serve`" in message and f"(version {VERSION}; builds between" in message, message
+        assert "run one build everywhere" in message, message  # (it asked whether the versions differed: they may not)
         client.close()
     finally:
         other.stop(None)

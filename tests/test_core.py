@@ -1321,6 +1321,26 @@ def test_payload_over_the_limit_is_resource_exhausted_and_fails_the_round_for_ev
         pod.arrive(0, round_number=2, tag="big")
 
 
+def test_a_round_whose_answer_passes_max_round_bytes_fails_for_every_member():
+    """Every member's answer holds the round's payloads, in one message (at most 2 GiB):
+    a round whose payloads together (6 bytes of framing each) pass max_round_bytes fails for
+    every member, naming its size and the limit, where the answer could not be sent (a
+    round of 64 ordinals of 40 MiB each had no check); at the limit it completes, and the
+    group's next round is not spoiled."""
+    pod = make_pod(3, limits=Limits(max_round_bytes=3 * 6 + 30))
+    first = pod.arrive(0, payloads={0: b"x" * 10})
+    second = pod.arrive(1, payloads={1: b"y" * 10})
+    with raises(Code.RESOURCE_EXHAUSTED, "rendezvous 't' on all ordinals (round 0) fails for every member",
+                "3 payloads", "49 bytes", "limit of 48 bytes (max_round_bytes"):
+        raise pod.error(pod.arrive(2, payloads={2: b"z" * 11}))
+    assert pod.error(first) is pod.error(second)
+    assert pod.core.jobs[JOB].rounds_completed == 0 and pod.core.jobs[JOB].pending == {}
+    keys = [pod.arrive(o, round_number=1, payloads={o: b"w" * 10}) for o in range(3)]
+    assert pod.result(keys[0]) == [b"w" * 10] * 3
+    with pytest.raises(ValueError, match="max_round_bytes must be at most 2130706432"):
+        Limits(max_round_bytes=1 << 31)
+
+
 def test_tag_over_the_limit_is_resource_exhausted_and_fails_the_round():
     """A tag longer than max_tag_length is RESOURCE_EXHAUSTED naming its length and the limit."""
     pod = make_pod(2, limits=Limits(max_tag_length=5))

@@ -827,7 +827,7 @@ def test_a_refusal_resting_on_another_call_s_change_waits_for_the_disk(tmp_path,
     core, writer, servicer, gate = _stalling(path, monkeypatch, "append")
 
     def call(call_id: int, ordinal: int, timeout: float):
-        body = encode_rendezvous("j", f"i{ordinal}", [], 0, timeout, core.jobs["j"].generation, [(ordinal, "save", b"", "")], False)
+        body = encode_rendezvous("j", f"i{ordinal}", [], 0, timeout, core.jobs["j"].generation, [(ordinal, "save", b"", "")])
         return asyncio.ensure_future(servicer._session_call((call_id, "Rendezvous", body, False)))
 
     async def main():
