@@ -1490,9 +1490,13 @@ class Core:
             members = [o for o in members if 0 <= o < world]
         group: GroupKey = ALL if len(members) == world else tuple(members)
         if out_of_range:
+            # (a client sends a value past the wire's 32 bits as the nearest 32-bit one)
+            shown = ", ".join(
+                f"{o} or more" if o == 2**31 - 1 else f"{o} or less" if o == -(2**31) else str(o) for o in out_of_range
+            )
             problem = CoreError(
                 Code.INVALID_ARGUMENT,
-                f"replicas {out_of_range} are out of range [0, {world}) for job {state.name!r} "
+                f"replicas [{shown}] are out of range [0, {world}) for job {state.name!r} "
                 f"(called by {_ordinals_word(ordinals)} with tag {tag!r})",
             )
             if not members:

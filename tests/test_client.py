@@ -897,8 +897,9 @@ def test_replicas_out_of_range_count_as_a_round_of_the_ordinals_in_range(coordin
             with pytest.raises(pr.InvalidArgumentError, match=r"replicas \[5, 7\] are out of range"):
                 c.rendezvous(b, "none-in-range", b"", replicas=[7, 5])
             # Past 32 bits, on one side only: the round fails for both members too (it was
-            # refused in its thread alone, the other waiting out its timeout, then out of step).
-            with pytest.raises(pr.InvalidArgumentError, match=r"out of range"):
+            # refused in its thread alone, the other waiting out its timeout, then out of step),
+            # naming the wire's largest value as a bound (it was named as the value given).
+            with pytest.raises(pr.InvalidArgumentError, match=r"replicas \[2147483647 or more\] are out of range"):
                 c.rendezvous(b, "huge", b"", replicas=[0, 1, 2**40] if t else [0, 1])
             return c.rendezvous(b, "good", b"%d" % t)
 
