@@ -1529,7 +1529,8 @@ class Client:
         """``exc``, with what this process knows of it: that the call waited here first
         (``held`` s; the coordinator counts from when it came: "timed out after 0.0014 s"
         for a timeout of 0.5 s), and which of this process's ordinals in the round no thread
-        is bound to (unbound, or never bound: the coordinator names them as alive)."""
+        is bound to (unbound, or never bound: the coordinator names them as alive), or bound
+        but absent."""
         from pjrt_rendezvous.coordinator._core import FAILED_BEFORE_IT_CAME, _ordinals_word
 
         topo = self.topology
@@ -1551,7 +1552,10 @@ class Client:
                 f"this process sent its call {held:.2g} s after its first thread arrived: it waited for {waited_for} "
                 "for up to the batch window"
             )
-        if unbound and FAILED_BEFORE_IT_CAME not in str(exc):  # (a round it came late to waited for others)
+        late = FAILED_BEFORE_IT_CAME in str(exc)  # (a round it came late to waited for others)
+        if absent and not late and not notes:  # (bound since the call went out, or sent by an arrival elsewhere)
+            notes.append(f"{_ordinals_word(absent)} of this process {'is' if len(absent) == 1 else 'are'} bound but did not come to this round")
+        if unbound and not late:
             notes.append(f"no thread of this process is bound to {_ordinals_word(unbound)}")
         if not notes:
             return exc

@@ -1396,6 +1396,27 @@ def test_a_timeout_names_the_ordinals_of_the_process_that_no_thread_is_bound_to(
     assert message.endswith("(no thread of this process is bound to ordinal 1)"), message
 
 
+def test_a_timeout_names_the_ordinals_of_the_process_bound_since_its_call_went_out(coordinator):
+    """Thread 0 calls alone (nothing else bound: its call goes out at once), and thread 1
+    binds while it waits but does not call: the coordinator names ordinal 1 as missing of a
+    live process, and the process says it is bound but did not come (it said nothing)."""
+    client = make_client(coordinator.address, devices=2, timeout=20)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        bound_first = pool.submit(client.bind_thread, 0).result()
+        started = time.monotonic()
+        waiting = pool.submit(client.rendezvous, bound_first, "alone", b"", timeout=1.0)
+        while not client.status().jobs[0].pending_rounds:
+            time.sleep(0.01)
+        pool.submit(client.bind_thread, 1).result()
+        with pytest.raises(pr.RendezvousTimeout) as raised:
+            waiting.result(timeout=20)
+        assert time.monotonic() - started < 10
+    client.close()
+    message = str(raised.value)
+    assert "missing ordinal 1 on " in message, message
+    assert message.endswith("(ordinal 1 of this process is bound but did not come to this round)"), message
+
+
 def test_a_timeout_does_not_name_as_unbound_a_sibling_that_came_to_the_round_in_another_call(coordinator):
     """Threads 0 and 1 come to a round in two calls (their replicas lists differ in order)
     and both time out (task 1 never comes); thread 0 leaves its with block before thread 1's
