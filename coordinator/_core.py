@@ -165,6 +165,9 @@ def _shown_tag(tag: str) -> str:
     return tag if len(tag) <= 40 else tag[:40] + "..."
 
 
+_TAGS_NAMED = 8  # a tag mismatch names the tags of the first few groups, then counts the rest
+
+
 def _distinct_tags(tags: Iterable[str]) -> dict[str, str]:
     """Tags as an error that names them side by side shows each: whole while all of them take
     600 characters at most, else 40 characters of each from just before where it first
@@ -173,7 +176,7 @@ def _distinct_tags(tags: Iterable[str]) -> dict[str, str]:
     if sum(map(len, tags)) <= 600:
         return {t: t for t in tags}
     shown = {}
-    for tag in tags:
+    for tag in tags:  # (a few: every pair is compared)
         common = max((len(os.path.commonprefix([tag, other])) for other in tags if other != tag), default=0)
         start = common - 10 if common > 30 else 0
         shown[tag] = ("..." if start else "") + tag[start : start + 40] + ("..." if start + 40 < len(tag) else "")
@@ -1361,12 +1364,17 @@ class Core:
             # one process that skipped or added a call is the one whose log to read.
             largest = sorted(map(len, by_tag.values()))
             common = largest[-1] if len(largest) == 1 or largest[-1] > largest[-2] else None
-            shown = _distinct_tags(by_tag)
+            named = sorted(by_tag.items(), key=lambda item: min(item[1]))
+            rest = [o for _, ordinals in named[_TAGS_NAMED:] for o in ordinals]
+            named = named[:_TAGS_NAMED]
+            shown = _distinct_tags(t for t, _ in named)
             described = "; ".join(
                 f"{_ordinals_word(o)}{'' if len(o) == common else self._where_called(state, o)} "
                 f"called rendezvous({shown[t]!r})"
-                for t, o in sorted(by_tag.items(), key=lambda item: min(item[1]))
+                for t, o in named
             )
+            if rest:
+                described += f"; {_missing_word(sorted(rest))} called rendezvous with {len(by_tag) - _TAGS_NAMED} other tags"
             missing = rnd.missing()
             if missing:
                 described += f"; {_ordinals_word(missing)} had not arrived"

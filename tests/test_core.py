@@ -918,6 +918,19 @@ def test_a_late_call_to_a_round_whose_error_is_long_keeps_within_what_a_message_
     assert pod.error(key).message[:1000] in message
 
 
+def test_a_mismatch_of_thousands_of_tags_names_eight_and_counts_the_rest():
+    """One call of 3,000 ordinals, each with a tag of its own of 1,000 characters: the
+    error names the first 8 groups' tags and counts the others (every pair of tags was
+    compared to show them apart: 1,000 such tags held the coordinator's loop 34 s)."""
+    pod = make_pod(1, 3000, limits=Limits(max_world_size=4096))
+    key = pod.arrive(range(3000), tags={o: f"{o:04d}" + "x" * 996 for o in range(3000)})
+    error = pod.error(key)
+    assert error.code is Code.FAILED_PRECONDITION
+    assert "ordinal 7 (host-0 pid 1000) called rendezvous('0007xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx...'); " \
+        "ordinals 8-2999 called rendezvous with 2992 other tags. Every member" in error.message, error.message
+    assert error.message.count("called rendezvous(") == 8 and len(error.message) < 1500, error.message
+
+
 def test_tags_mismatching_inside_one_batched_call_fail_the_round():
     """Two threads of one process bringing different tags in one call fail the round."""
     pod = make_pod(2, 2)
