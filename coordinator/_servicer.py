@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import hashlib
 import heapq
 import itertools
 import logging
@@ -772,6 +773,14 @@ class Servicer(pb_grpc.CoordinatorServicer):
         return response
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _process_id(incarnation: str) -> str:
+    """A process's incarnation as others are told it (the world table, status): a digest.
+    The incarnation itself is what the process's calls prove it is by (its contributions, its
+    replicas ending, its leave): a caller that read it could act as that process."""
+    return hashlib.blake2b(incarnation.encode(), digest_size=8).hexdigest()
+
+
 def _world_processes(table) -> list[pb.WorldProcess]:
     """The rank table grouped by process, in ordinal order of each process's first thread."""
     processes: dict[str, pb.WorldProcess] = {}
@@ -782,7 +791,7 @@ def _world_processes(table) -> list[pb.WorldProcess]:
                 task_id=view.task_id,
                 host=view.host,
                 pid=view.pid,
-                incarnation=view.incarnation,
+                incarnation=_process_id(view.incarnation),
                 last_seen_age=view.last_seen_age,
                 alive=view.alive,
             )
@@ -802,7 +811,7 @@ def _participant(view) -> pb.Participant:
         thread_index=view.thread_index,
         host=view.host,
         pid=view.pid,
-        incarnation=view.incarnation,
+        incarnation=_process_id(view.incarnation),
         last_seen_age=view.last_seen_age,
         alive=view.alive,
         left=view.left,

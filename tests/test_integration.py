@@ -418,7 +418,10 @@ def test_status_shows_a_stuck_round(coordinator):
 
 def test_wait_world_returns_every_ordinal_with_its_process(coordinator):
     """The rank table travels grouped by process; the client expands it to one Participant per
-    ordinal, in ordinal order, with each process's host, pid and incarnation."""
+    ordinal, in ordinal order, with each process's host, pid and incarnation (its digest:
+    the incarnation itself proves the process's calls)."""
+    from pjrt_rendezvous.coordinator._servicer import _process_id
+
     from test_cli import bound_thread, simulated_process
 
     clients = [simulated_process(coordinator.address, task, processes=2, threads=2) for task in range(2)]
@@ -427,8 +430,8 @@ def test_wait_world_returns_every_ordinal_with_its_process(coordinator):
     assert [p.ordinal for p in table] == [0, 1, 2, 3]
     assert [(p.task_id, p.thread_index, p.local_ordinal) for p in table] == [(0, 0, 0), (0, 1, 1), (1, 0, 0), (1, 1, 1)]
     assert [p.host for p in table] == ["sim-host-0", "sim-host-0", "sim-host-1", "sim-host-1"]
-    assert {p.incarnation for p in table[:2]} == {clients[0].incarnation}
-    assert {p.incarnation for p in table[2:]} == {clients[1].incarnation}
+    assert {p.incarnation for p in table[:2]} == {_process_id(clients[0].incarnation)}
+    assert {p.incarnation for p in table[2:]} == {_process_id(clients[1].incarnation)}
     assert all(p.pid == os.getpid() and p.alive for p in table)
     for c in clients:
         c.close()

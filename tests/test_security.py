@@ -312,6 +312,43 @@ def _peak_memory_mb(pid: int) -> float:
     raise AssertionError(f"no VmHWM for process {pid}")
 
 
+def test_what_status_and_the_world_table_tell_of_a_process_cannot_act_as_it():
+    """A process proves its calls by its incarnation id; status and the world table told it
+    to any caller with the token, which could then end another process's replica or bring
+    its contribution to a round (its peers took the forged payload). They now tell a digest
+    of it, and calls made with that are refused."""
+    with Coordinator(port=0) as coordinator:
+        clients = make_clients(coordinator.address, fan_in="off", processes=2, hosts=2)
+        try:
+            run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm", b"x"))
+            channel = grpc.insecure_channel(coordinator.address)
+            stub = pb_grpc.CoordinatorStub(channel)
+            status = stub.Status(pb.StatusRequest(job="default"), timeout=10)
+            world = stub.WaitWorld(pb.WaitWorldRequest(job="default"), timeout=10)
+            told = {p.incarnation for p in status.jobs[0].participants} | {p.incarnation for p in world.processes}
+            assert len(told) == 2 and told.isdisjoint(c.incarnation for c in clients), told
+            generation = status.jobs[0].generation
+            for incarnation in told:
+                calls = [
+                    lambda: stub.EndReplicas(pb.EndReplicasRequest(job="default", incarnation=incarnation, ordinals=[1], reason="x"), timeout=10),
+                    lambda: stub.Rendezvous(pb.RendezvousRequest(
+                        job="default", incarnation=incarnation, round=1, generation=generation,
+                        contributions=[pb.Contribution(ordinal=o, tag="warm", payload=b"forged") for o in range(4)],
+                    ), timeout=10),
+                ]
+                for call in calls:
+                    with pytest.raises(grpc.RpcError) as refused:
+                        call()
+                    assert "is not registered in job 'default'" in refused.value.details(), refused.value.details()
+                stub.Leave(pb.LeaveRequest(job="default", incarnation=incarnation), timeout=10)  # (of nobody: nothing)
+            channel.close()
+            results = run_threads(clients, lambda client, binding: client.rendezvous(binding, "after", b"%d" % binding.ordinal))
+            assert results == {o: [b"0", b"1", b"2", b"3"] for o in range(4)}, results
+        finally:
+            for client in clients:
+                client.close()
+
+
 def test_a_refused_call_is_refused_before_its_request_is_read():
     """A call without the token is refused as soon as it starts: a caller that never sends
     its request (a client stream that does not yield) still gets UNAUTHENTICATED, rather

@@ -589,7 +589,7 @@ def test_the_world_told_is_the_one_complete_before_the_wait_for_the_disk():
     """A process restarted in place (its first thread bound, the world incomplete again)
     while WaitWorld waits for the disk: it answers the table it built, complete (it built
     it after the wait, and failed with TypeError on an incomplete world)."""
-    from pjrt_rendezvous.coordinator._servicer import Servicer
+    from pjrt_rendezvous.coordinator._servicer import Servicer, _process_id
     from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
     def registration(task: int, incarnation: str, thread: int) -> Registration:
@@ -610,7 +610,7 @@ def test_the_world_told_is_the_one_complete_before_the_wait_for_the_disk():
         servicer._wake()
         assert not core.world_complete("j")
         told = pb.WaitWorldResponse.FromString(await world)
-        assert told.world_size == 4 and [p.incarnation for p in told.processes] == ["inc0", "inc1"]
+        assert told.world_size == 4 and [p.incarnation for p in told.processes] == [_process_id("inc0"), _process_id("inc1")]
 
     asyncio.run(main())
 
