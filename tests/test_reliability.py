@@ -110,7 +110,7 @@ def kill_and_replace(heartbeat_timeout: float, *, after_death: bool):
             deadline = time.monotonic() + 10
             while not watcher.status().jobs[0].pending_rounds and time.monotonic() < deadline:
                 time.sleep(0.02)  # the survivor is now waiting in 'before-death'
-            until_watching(coordinator, watcher.status().jobs[0].participants[1].incarnation)  # (the victim's)
+            until_watching(coordinator, coordinator.core.jobs["default"].members[1].incarnation)  # (the victim's)
             killed_at = time.monotonic()
             victim.send_signal(signal.SIGKILL)
             victim.wait(10)
