@@ -448,8 +448,8 @@ def _text(value, what: str) -> str:
 def _ints(values, what: str) -> list[int]:
     """``values``, a sequence of ints (a numpy array's, a range, a set, a generator: read
     once), as a list of ints; else a TypeError naming ``what``. A str, bytes or mapping is
-    refused: their items are characters, bytes' values or keys (b"\\x00\\x01" was taken as
-    [0, 1], {0: 1} as [0])."""
+    refused: their items are characters, bytes' values or keys (b"\\x00\\x01" would be read
+    as [0, 1], {0: 1} as [0])."""
     if type(values) is not list and type(values) is not tuple and isinstance(values, _NOT_SEQUENCES):
         raise TypeError(f"{what} must be a sequence of ints, got {type(values).__name__} {values!r}")
     try:
@@ -470,7 +470,7 @@ _NOT_SEQUENCES = (str, bytes, bytearray, memoryview, collections.abc.Mapping)
 
 
 def _integer(value, what: str) -> int:
-    """``value`` as an int (numpy's too); a bool (an int subclass: True was added as 1),
+    """``value`` as an int (numpy's too); a bool (an int subclass: True would count as 1),
     float or str is a TypeError naming ``what``."""
     try:
         if isinstance(value, bool):
@@ -749,7 +749,7 @@ class Client:
 
         backoff = tenacity.wait_random_exponential(multiplier=0.05, max=_BACKOFF_CAP)
 
-        def wait(state) -> float:  # never past the budget or the deadline (by up to 2 s, it was)
+        def wait(state) -> float:  # never past the budget or the deadline
             now = time.monotonic()
             left = self.settings.connect_timeout - (now - outage["since"])
             if deadline is not None:
@@ -1066,9 +1066,8 @@ class Client:
         done, the process perhaps going on with others: the rounds that need one fail now
         and later, naming ``reason``, instead of waiting for them until their timeout (best
         effort: a failure is logged; ``xla.spawn`` refuses this process's own calls anyway).
-        ``ordinals`` of the wrong type or ``reason`` not a str: TypeError (they raised
-        protobuf's bare TypeError, "must assign iterable" or "'str' object cannot be
-        interpreted as an integer"); an ordinal outside the wire's 32 bits: UsageError."""
+        ``ordinals`` of the wrong type or ``reason`` not a str: TypeError; an ordinal outside
+        the wire's 32 bits: UsageError."""
         ordinals = _ints(ordinals, "ordinals")
         reason = _text(reason, "reason")
         if ordinals and not 0 <= min(ordinals) <= max(ordinals) < 2**31:
@@ -1095,7 +1094,7 @@ class Client:
         ``_moved``). A Register answer's (``registered``) is taken even when lower, or the
         same number of another job (``job_id``): the coordinator restarted without its state
         file, or dropped the job, and the job is new to it (at generation 1 again, the
-        counters of a process that had been at 1 went on, out of step for good with a new
+        counters of a process that had been at 1 would go on, out of step for good with a new
         process's)."""
         with self._lock:
             known = _job_ids.get(self)
@@ -1170,7 +1169,7 @@ class Client:
         while not self._stopped.wait(min(self.settings.heartbeat_interval, (self._heartbeat_timeout or math.inf) / 3)):
             try:
                 response = self._call("Heartbeat", request)
-            except ValueError:  # the channel was closed under us: close() was called
+            except ValueError:  # closed under us: close() was called (_call's UsageError, or the channel's)
                 return
             except RendezvousError as exc:
                 if self._stopped.is_set():
@@ -1178,8 +1177,8 @@ class Client:
                 if str(exc) != refused:
                     log.warning("heartbeat to %s failed: %s", self.settings.address, exc)
                     refused = str(exc)
-                if isinstance(exc, UsageError) or getattr(exc, "code", "") == "ABORTED":
-                    return  # declared dead or closed: nothing left to keep alive
+                if getattr(exc, "code", "") == "ABORTED":
+                    return  # declared dead: nothing left to keep alive
                 continue  # a replaced process, or one a restarted coordinator forgot, may bind again
             refused = None
             self._heartbeat_timeout = response.heartbeat_timeout
@@ -1538,7 +1537,7 @@ class Client:
         with self._lock:
             bound = self._local_ordinals()
             # (not those that came to the round in another call: a sibling sent apart, its
-            # with block since ended by the same timeout, was named as never bound)
+            # with block since ended by the same timeout, is not unbound in this round)
             ours = [
                 o for o in ours
                 if o not in batch.contributions and (batch.members is None or o in batch.members)
@@ -1801,6 +1800,7 @@ class Client:
         self.multi_set([key], [value])
 
     def multi_set(self, keys: Sequence[str], values: Sequence[bytes]) -> None:
+        """Sets each of ``keys`` to its value of ``values`` in one call (all or none)."""
         keys = _key_list(keys, text=True)
         try:
             values = list(values)  # (an iterator too)
@@ -1817,12 +1817,14 @@ class Client:
         return self.multi_get([key], wait=wait, timeout=timeout)[0]
 
     def multi_get(self, keys: Sequence[str], *, wait: bool = True, timeout=DEFAULT) -> list[bytes | None]:
+        """The values of ``keys`` in one call, as :meth:`get`: with ``wait``, once every one
+        of them is set."""
         deadline = self._deadline(timeout)  # (checked, and bounding the call, without wait too)
         if wait and self not in _store_ids:
             # A client's first call that waits learns the job's store first (once): a wait
             # through a restart that lost the keys would otherwise wait for nothing. (Retried
-            # until the call's deadline, not connect_timeout, and given the grace of a wait
-            # to answer, as the wait after it is.)
+            # as any call, until connect_timeout of an outage or the call's deadline, and given
+            # the grace of a wait to answer, as the wait after it is.)
             request = pb.KvGetRequest(job=self.settings.job, keys=_key_list(keys, text=True))
             values = [v.value if v.found else None for v in self._kv("KvGet", request, deadline, waits=True).values]
             if all(v is not None for v in values):

@@ -364,8 +364,9 @@ def _xla_device(n: int | None = None, devkind: str | None = None):
 
 
 def _rendezvous(tag: str, payload: bytes = b"", replicas: Sequence[int] = ()) -> list[bytes]:
-    """Waits for every ordinal in ``replicas`` (default all) at round ``tag``, through the
-    pjrt-rendezvous coordinator; returns the payloads in ordinal order.
+    """Waits until every ordinal in ``replicas`` (default all) made its matching call (its
+    k-th on that group; each brings ``tag``), through the pjrt-rendezvous coordinator;
+    returns the payloads in ordinal order.
 
     See :func:`pjrt_rendezvous.client.rendezvous` for the errors.
     """
@@ -418,7 +419,7 @@ def _refuse_other_world(what: str, *, start: bool = True) -> None:
 
 def _refuse_whose(what: str, *, start: bool = True) -> None:
     """In a process of several device threads (``spawn``), a thread bound to none (a helper
-    thread: ``MpDeviceLoader``'s, which forks the DataLoader's workers, or one of the
+    thread: ``MpDeviceLoader``'s, which starts the DataLoader's workers, or one of the
     program's) is no replica: torch_xla's answer, the XLA runtime's for the thread's default
     device, was ordinal 0 of a world of the process's devices in every replica's helpers,
     and silently wrong for a dataset sharded by it."""
@@ -521,8 +522,10 @@ def bind_device(thread_index: int, *, client: Client | None = None) -> Binding:
 
     Raises:
         MismatchError: the runtime numbers the device differently from the rank table; the
-            message names both numbers.
-        UsageError, DuplicateOrdinalError: see :meth:`Client.bind_thread`.
+            message names both numbers (InvalidArgumentError: its number is out of the
+            job's range).
+        UsageError: ``spawn`` bound this thread already; and see :meth:`Client.bind_thread`.
+        DuplicateOrdinalError: see :meth:`Client.bind_thread`.
     """
     import torch_xla
 
@@ -578,12 +581,15 @@ class SpawnError(RendezvousError):
     Attributes:
         failures: ordinal -> the exception it raised (rebuilt in the parent; ``RuntimeError``
             with the text when it could not be pickled). A process that died before reporting
-            appears under each of its unreported ordinals, or under ``-(task + 1)`` when it
-            died before its threads had ordinals.
-        tracebacks: ordinal -> the formatted traceback from the child.
+            appears under each of its unreported ordinals; under ``-(task + 1)`` when it died
+            before its threads had ordinals, when its setup raised, or when it exited with a
+            failure after its replicas returned.
+        tracebacks: ordinal -> the formatted traceback from the child ("" for a process that
+            died; the calling process's, marked so, for a result it could not unpickle).
         results: ordinal -> return value of the replicas that finished.
-        terminated: ordinals whose processes were stopped after the failure or timeout
-            (``-(task + 1)`` for a process stopped before it reported its ordinals).
+        terminated: ordinals still running when their processes were stopped after the
+            failure or timeout (``-(task + 1)`` for a process stopped before it reported its
+            ordinals).
     """
 
     def __init__(
@@ -662,7 +668,8 @@ def spawn(
 
     Raises:
         SpawnError: a replica raised (the message names its ordinal and carries its
-            traceback), a process died before reporting, or ``timeout`` passed.
+            traceback), a process died (before reporting, or with a failure after its
+            replicas returned), a result could not be unpickled, or ``timeout`` passed.
         UsageError: bad arguments, or an unsupported ``PJRT_DEVICE``.
         TypeError: ``nprocs`` or ``devices_per_process`` not an int, ``grace`` not a number.
         pickle.PicklingError: ``fn`` or ``args`` cannot be pickled (a lambda, a nested
@@ -1005,8 +1012,8 @@ def _supervise(
             break
         for task, process in enumerate(processes):
             # A crash is a failure as soon as it is seen: its peers waiting for it are stopped
-            # after the grace (they waited for the coordinator's heartbeat timeout, then
-            # failed, and were named before it).
+            # after the grace (not left to the coordinator's heartbeat timeout), and named
+            # after the crash that failed them.
             if task not in finished and task not in crashed and not process.is_alive():
                 settle()  # what it sent before it exited
                 if task not in finished:
