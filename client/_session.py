@@ -15,11 +15,13 @@ for every call (see ``Client._call``).
 :class:`SocketSession` carries the same messages length-prefixed on a plain socket: to the
 coordinator's session port when it offers one (cheaper than gRPC's stream), and over a Unix
 socket to the host's relay (fan-in, ``_relay.py``). It has no reader thread: the callers
-waiting for answers take turns reading the socket. The serving end, :func:`serve_session`
-(and :class:`FramedSession` for sockets), is shared by the coordinator and the relay.
+waiting for answers take turns reading the socket. The serving ends are
+:func:`serve_session` (the coordinator's gRPC Session stream) and :class:`FramedSession`
+(sockets: the coordinator's session port and the host relay).
 
 Both ends decode and encode these messages natively when ``_native.c`` was built (each
-function here has its Python twin: ``*_in_python``); a call on the serving end is an
+function here has its Python twin: ``*_in_python``, and ``session_request`` for
+``encode_call``); a call on the serving end is an
 ``(id, method, request, cancel)`` tuple, an answer on the calling end ``(id, code, message,
 response)``.
 """

@@ -61,8 +61,8 @@ SERVE_VARIABLES: dict[str, str] = {
 }
 # Read by serve besides SERVE_VARIABLES: the shared secret itself (as clients read it).
 TOKEN_VARIABLE = "PJRT_RENDEZVOUS_TOKEN"
-# Read by health only: the name the coordinator's TLS certificate is issued for, when
-# health connects to it by another name (127.0.0.1 in a container).
+# Read by status and health: the name the coordinator's TLS certificate is issued for, when
+# they connect to it by another name (127.0.0.1 in a container).
 TLS_SERVER_NAME_VARIABLE = "PJRT_RENDEZVOUS_TLS_SERVER_NAME"
 # The client settings (client/_config.py) status and health use: TLS, and the token (status
 # only: health checks are exempt from it). The others (timeouts, job, fan-in...) they do not
@@ -143,7 +143,7 @@ def _seconds(text: str) -> float | None:
     except UsageError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if value is None and text.strip().lower() not in NO_LIMIT_WORDS or value is not None and value > _MAX_SECONDS:
-        # (1e400 is inf to float(): it turned the watch off)
+        # (parse_seconds reads an infinite number, 1e400 too, as no limit: only the words may mean that)
         raise argparse.ArgumentTypeError(f"must be at most {_MAX_SECONDS:g} s (about 31 years) or 'none', got {text}")
     return value
 
@@ -153,7 +153,7 @@ def _heartbeat_seconds(text: str) -> float | None:
         number = float(text)
     except ValueError:
         number = math.nan  # (a word: 'none', a unit, or not a number, _seconds says)
-    value = number if number < MIN_HEARTBEAT_TIMEOUT else _seconds(text)  # (-5 was told "> 0 seconds")
+    value = number if number < MIN_HEARTBEAT_TIMEOUT else _seconds(text)  # (-5 is told the minimum, not "> 0")
     if value is not None and value < MIN_HEARTBEAT_TIMEOUT:
         raise argparse.ArgumentTypeError(
             f"must be at least {MIN_HEARTBEAT_TIMEOUT:g} s (or 'none'), got {text}: clients heartbeat at a "
@@ -310,6 +310,7 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
             _non_negative_seconds: "SECONDS",
             _heartbeat_seconds: "SECONDS",
             _path: "PATH",
+            _host: "HOST",
             _log_level: "{" + ",".join(LOG_LEVELS) + "}",
             _log_format: "{text,json}",
         }.get(convert)
@@ -336,7 +337,7 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         _heartbeat_seconds,
         DEFAULT_HEARTBEAT_TIMEOUT,
         f"declare a process dead after this many seconds without a heartbeat (default "
-        f"{DEFAULT_HEARTBEAT_TIMEOUT:g}; 'none' disables)",
+        f"{DEFAULT_HEARTBEAT_TIMEOUT:g}; at least {MIN_HEARTBEAT_TIMEOUT:g}; 'none' disables)",
     )
     option("--state-file", _path, None, "keep ranks, job config, finished rounds and keys here across restarts")
     option(
@@ -388,7 +389,8 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         description="Show who registered and what every pending round waits for. The coordinator is "
         "found as clients find it (PJRT_RENDEZVOUS_ADDRESS, TPU worker 0, localhost), or where serve "
         "listens when serve's PJRT_RENDEZVOUS_PORT is set (as in the image); token and TLS come from "
-        "the client variables (PJRT_RENDEZVOUS_TOKEN, PJRT_RENDEZVOUS_TLS_CA, ...).",
+        "the client variables (PJRT_RENDEZVOUS_TOKEN, PJRT_RENDEZVOUS_TLS_CA, ...). Exit code 0 with an "
+        "answer, 1 without one (unreachable, refused, an unknown --job), 2 for a bad argument or setting.",
     )
     status.add_argument(
         "--address",
@@ -434,7 +436,7 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     health.add_argument("--tls-server-name", **tls_server_name)
 
     demo = commands.add_parser("demo", help="run a coordinator and a simulated pod on this machine")
-    demo.add_argument("--processes", type=_positive, default=4, help="simulated chips/processes (default 4)")
+    demo.add_argument("--processes", type=_positive, default=4, help="simulated chips/processes (default 4; at most 512, a multiple of --hosts)")
     demo.add_argument(
         "--threads", type=_positive, help="threads (cores) per process (default: by --accelerator, 2 on v3)"
     )

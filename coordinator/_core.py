@@ -8,7 +8,7 @@ queues whenever something a waiter may be blocked on changes (see :meth:`Core.ta
 - ``("world", job)``               the job's world became complete
 - ``("round", job, generation, group, number)`` a rendezvous round finished
 - ``("kv", job, key)``             a key was written
-- ``("events", job)``              a job event (a process died or restarted) was recorded
+- ``("events", job)``              a job event (a process died, left or restarted) was recorded
 - ``("dropped", job, for_job)``    a finished job was dropped at max_jobs for a new one
 
 Rounds, not tags, match calls (README "The client API"): a participant's k-th call
@@ -231,8 +231,8 @@ FAILED_BEFORE_IT_CAME = "which had failed before it came"
 
 def _missing_word(ordinals: Sequence[int]) -> str:
     """The missing ordinals before their description by host (describe_missing): as ranges
-    when short, else their count. (The ranges twice, the first list long, filled the 2,000
-    characters a client's error keeps before any host was named.)"""
+    when short, else their count. (Listed twice, long ranges would fill the 2,000
+    characters a client's error keeps before any host is named.)"""
     text = _ordinals_word(ordinals)
     return text if len(text) <= 80 else f"{len(ordinals)} ordinals"
 
@@ -480,7 +480,7 @@ class Job:
     world_fixed_by: str = ""
     devices_per_task: int | None = None
     generation: int = 1  # 0 on the wire means "not said"
-    formed: bool = False  # the world was complete in this generation (a run took place)
+    formed: bool = False  # the world was complete in this run (since the job last started afresh)
     processes: dict[str, Process] = dataclasses.field(default_factory=dict)
     tasks: dict[int, str] = dataclasses.field(default_factory=dict)  # task id -> incarnation
     members: dict[int, Member] = dataclasses.field(default_factory=dict)
@@ -588,13 +588,13 @@ class Core:
 
     def take_finished(self) -> list[tuple[str, "Round"]]:
         """Returns and clears the rounds finished since the last call (kept only once an
-        observer has set ``finished``)."""
+        observer has set ``finished``, or called this)."""
         finished, self.finished = self.finished or [], []
         return finished
 
     def take_journal(self) -> list[tuple]:
         """Returns and clears the journaled changes made since the last call (kept only once
-        a state-file writer has set ``journal``)."""
+        a state-file writer has set ``journal``, or called this)."""
         changes, self.journal = self.journal or [], []
         return changes
 
@@ -606,10 +606,10 @@ class Core:
         # Re-inserted: groups stay in the order they last finished a round.
         state = groups[key] = groups.pop(key, None) or _Group()
         state.finished[rnd.number] = rnd
+        while state.next_round in state.finished:  # (before any is let go: one may finish out of order)
+            state.next_round += 1
         while len(state.finished) > _FINISHED_ROUNDS_KEPT:
             state.finished.popitem(last=False)
-        while state.next_round in state.finished:
-            state.next_round += 1
         if len(groups) - len(job.pending) > _GROUPS_KEPT:  # (more than that many have none pending)
             Core._forget_groups(job)
 
@@ -873,8 +873,8 @@ class Core:
         # Leave): this is a new run, started only once the registration is taken, formed or
         # not. (A process that fails or leaves while others of its run live does not end the
         # run: late members still join it, and learn at once that a member is gone. With all
-        # gone, a newcomer joining the old run met its failed rounds and gone members, and
-        # failed: a relaunch's first process, while the rest of the relaunch came after it.)
+        # gone, a relaunch's first process would otherwise join the old run and fail on its
+        # failed rounds and gone members.)
         # But a connection closed is not yet a process gone: a network cut may have closed
         # every one at once. A new task of an unformed run joins it unless the process
         # started after the last of those closes (a relaunch after a kill).
@@ -903,11 +903,19 @@ class Core:
                 f"{r.task_id} on {r.host} pid {r.pid} declares {r.devices_per_task}; check "
                 "PJRT_RENDEZVOUS_CORES_PER_CHIP and TPU_ACCELERATOR_TYPE on every host",
             )
+        # A runtime that sees only this process numbers its devices as every other process
+        # does (PJRT on CPU); any other numbering is global: one number, one device of the job.
+        global_numbers = r.runtime_world_size != r.devices_per_task or r.devices_per_task == world_size
         if afresh:  # refused before it changes anything, where the request alone decides
             if r.incarnation in job.replaced or r.incarnation in job.processes:
                 self._process(job, r.incarnation, now)  # (declared dead, or gone: refused)
+            seen: dict[int, int] = {}
             for thread in r.threads:
-                self._check_runtime_ordinal(r, thread, r.task_id * r.devices_per_task + thread.thread_index, world_size)
+                ordinal = r.task_id * r.devices_per_task + thread.thread_index
+                self._check_runtime_ordinal(r, thread, ordinal, world_size)
+                ro = thread.runtime_ordinal
+                if global_numbers and ro is not None and seen.setdefault(ro, ordinal) != ordinal:
+                    self._check_runtime_unique(job, r, thread, ordinal, seen, None)  # (two of its threads share one: raises)
             self._start_afresh(job)
 
         owner = job.tasks.get(r.task_id)
@@ -948,9 +956,6 @@ class Core:
 
         assignments = []
         new_members = []
-        # A runtime that sees only this process numbers its devices as every other process
-        # does (PJRT on CPU); any other numbering is global: one number, one device of the job.
-        global_numbers = r.runtime_world_size != r.devices_per_task or r.devices_per_task == world_size
         numbered: dict[int, int] = {}  # runtime ordinal -> ordinal, in this registration
         for thread in r.threads:
             ordinal = r.task_id * r.devices_per_task + thread.thread_index
@@ -1027,7 +1032,7 @@ class Core:
         # its device index is the thread index.
         if thread.runtime_ordinal is None:
             return
-        if r.runtime_world_size == 1 < r.devices_per_task:  # FACTS 1
+        if r.runtime_world_size == 1 < r.devices_per_task:  # (torch_xla keeps the first world size it reads)
             raise CoreError(
                 Code.FAILED_PRECONDITION,
                 f"the XLA runtime of task {r.task_id} ({r.host} pid {r.pid}) has a world of 1 device "
@@ -1274,8 +1279,8 @@ class Core:
         finished (``result`` or ``error`` set) in place, never replaced.
 
         Request-level errors raise :class:`CoreError` and leave the round untouched, except
-        for bad replica lists, which fail the round they name for every member, as does a
-        tag mismatch.
+        for bad replica lists and a tag or payload over its limit, which fail the round for
+        every member and raise; a tag mismatch fails the round, which is returned.
         """
         state = self._job(job)
         process = self._process(state, incarnation, now)
@@ -1766,7 +1771,10 @@ class Core:
                     process.last_seen += now - read_at
 
     def check_liveness(self, now: float) -> None:
-        """Declares dead every process not heard from within the heartbeat timeout."""
+        """Declares dead every process not heard from within the heartbeat timeout, and
+        every one whose connection closed without a Leave longer than its grace ago
+        (DISCONNECTED_GRACE); nobody in the window after a restore, nor without a heartbeat
+        timeout."""
         if self.heartbeat_timeout is None:
             return
         if self.restored is not None:
@@ -1797,7 +1805,7 @@ class Core:
     def disconnect(self, job_name: str, incarnation: str, now: float) -> None:
         """A process's connection closed without a Leave (its event watch ended): unless
         it calls again within DISCONNECTED_GRACE (or twice its heartbeat interval),
-        ``check_liveness`` declares it dead."""
+        ``check_liveness`` declares it dead (with a heartbeat timeout)."""
         job = self.jobs.get(job_name)
         process = job.processes.get(incarnation) if job is not None else None
         if process is not None and process.alive and process.disconnected is None:
@@ -1932,8 +1940,8 @@ class Core:
 
     @staticmethod
     def _started_before(r: Registration, when: float, now: float) -> bool:
-        """Whether the registering process started before ``when`` (False when it does not
-        say: a relaunch, as before clients said)."""
+        """Whether the registering process started before ``when`` (False when the
+        registration gives no process age: it is then taken for a relaunch)."""
         return 0 < r.process_age < math.inf and now - r.process_age < when
 
     def _start_afresh(self, job: Job, why: str = "every process of the last run is gone") -> None:
@@ -2039,10 +2047,10 @@ class Core:
 
     @staticmethod
     def _new_generation(job: Job) -> None:
-        """Moves ``job`` to its next generation, forgetting the rounds of the one before the
-        last: calls naming an old generation are refused as void (Core.arrive), so nobody
-        asks for them. The last generation's stay, until the next move, for whoever looks
-        at the rounds its end failed (a monitor's round_failed report)."""
+        """Moves ``job`` to its next generation, forgetting the rounds of the generations
+        before the last. The last one's stay until the next move: a resent call of a round
+        that finished just before the move gets its outcome (Core._finished_before); other
+        calls naming an old generation are refused as void (Core.arrive)."""
         job.generation += 1
         stale = [key for key in job.groups if key[0] < job.generation - 1]
         for key in stale:
@@ -2139,7 +2147,7 @@ class Core:
                 Code.FAILED_PRECONDITION,
                 f"the keys of job {job_name!r} are not the ones this client saw: the coordinator restarted "
                 "without its state file (serve --state-file keeps them), or dropped the job (at "
-                "--max-jobs, one holding no key and no process may make room for another); this call "
+                "--max-jobs, a finished job, every process gone, may make room for another); this call "
                 "fails, and the client's calls from now on use the job's keys as they are now",
             )
 

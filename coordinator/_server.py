@@ -4,8 +4,8 @@ an optional Prometheus endpoint.
 
 :class:`Coordinator` runs one in a background thread of the calling process (task 0
 embedding it, the demo, tests); :func:`serve_forever` runs one in the foreground
-(``pjrt-rendezvous serve``) until SIGINT, SIGTERM or SIGHUP, telling systemd when it is ready and
-when it stops (``_notify``).
+(``pjrt-rendezvous serve``) until SIGINT, SIGTERM or SIGHUP (or a failed write of the state
+file), telling systemd when it is ready and when it stops (``_notify``).
 """
 
 from __future__ import annotations
@@ -152,9 +152,9 @@ class ServerOptions:
             TCP on this port (0 picks a free one; clients learn it from their Register and
             Heartbeat answers). Cheaper than gRPC's stream for both ends; None serves none.
             With TLS, 0 means none: the session port has no TLS.
-        late_after: log a rendezvous round still waiting after this long (once per
-            round, naming who is missing), and a job's world still incomplete (once, until
-            it forms); None never.
+        late_after: log a rendezvous round still waiting after this long, and again each
+            time its wait doubles (naming who is missing), and a job's world still
+            incomplete (once, until it forms); None never.
     """
 
     host: str = "127.0.0.1"
@@ -311,7 +311,7 @@ class _SessionPort:
         self._token = token
         self._max_message = max_message
         self._connections: set[FramedSession] = set()
-        # (its idle connections close after HELLO_TIMEOUT, freeing files)
+        # (a connection that sends no SessionHello within HELLO_TIMEOUT is closed: _Connection)
         self._listener = Listener(self._connection, "the session port", lambda: len(self._connections))
 
     async def start(self, host: str, port: int) -> int:
@@ -422,7 +422,7 @@ class _StateWriter:
                 self._write()
             # Every caller waiting on a write wakes when it is done, in one pass of the
             # loop. A cancelled Task would cancel what it awaits: gRPC's calls wait behind a
-            # shield (a session's calls, run without a Task, cancel no future).
+            # shield (the session port's calls, run without a Task, cancel no future).
             try:
                 await (self._inflight if asyncio.current_task() is None else asyncio.shield(self._inflight))
             except OSError as exc:
@@ -784,7 +784,8 @@ class Coordinator:
     Keyword arguments are :class:`ServerOptions` fields, with its defaults: as under
     ``serve``, a process silent for ``heartbeat_timeout`` (60 s) is declared dead, and
     ``heartbeat_timeout=None`` turns the watch off. Except ``grace``: calls still running at
-    :meth:`stop` get 1 s by default here (5 s under ``serve``).
+    :meth:`stop` get 1 s by default here (5 s under ``serve``); and the session port is a
+    free one (7482 under ``serve``).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, **options) -> None:
@@ -818,7 +819,7 @@ class Coordinator:
     def address(self) -> str:
         if self._running is None:
             raise RuntimeError("the coordinator is not running; call start() first")
-        host = "127.0.0.1" if self._options.host in ("0.0.0.0", "") else self._options.host
+        host = "127.0.0.1" if self._options.host in ("0.0.0.0", "::") else self._options.host
         return host_port(host, self.port)
 
     def start(self) -> "Coordinator":
@@ -968,19 +969,24 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def serve_forever(options: ServerOptions, *, on_ready=None) -> None:
-    """Serves until SIGINT/SIGTERM/SIGHUP, then drains for ``options.grace`` seconds. Meant to own
+    """Serves until SIGINT/SIGTERM/SIGHUP (or until the state file cannot be written), then
+    drains for ``options.grace`` seconds. Meant to own
     its process (``pjrt-rendezvous serve``): it raises the process's open files limit
     (:func:`raise_open_files_limit`) and tunes its garbage collector once it listens
     (:func:`tune_collector`).
 
     Under systemd (``NOTIFY_SOCKET`` set, ``Type=notify``) it sends ``READY=1`` once the
-    gRPC port (and the metrics port) listen, ``STOPPING=1`` when a stop signal arrives, and
+    gRPC port (and the session and metrics ports) listen and the state file is written,
+    ``STOPPING=1`` when a stop signal arrives, and
     ``WATCHDOG=1`` keep-alives from the event loop when the unit sets ``WatchdogSec=``.
 
     Args:
         options: how to serve.
         on_ready: called with the :class:`RunningServer` once it listens and a stop signal
             drains it (before READY=1).
+
+    Raises:
+        RuntimeError: it stopped because the state file could not be written.
     """
 
     async def main() -> None:
@@ -1006,7 +1012,7 @@ def serve_forever(options: ServerOptions, *, on_ready=None) -> None:
         metrics = "" if running.metrics_port is None else f", metrics on port {running.metrics_port}"
         tls = "mutual TLS" if options.tls_ca else "TLS" if options.tls_cert else "no TLS"
         seconds = {"heartbeat_timeout": options.heartbeat_timeout, "late_after": options.late_after}
-        log.info(  # (what is in effect: a misspelt setting was ignored without a word, see _cli)
+        log.info(  # (what is in effect, beside the warnings of variables it does not know: _cli)
             "listening on %s%s; %s, %s, %s, heartbeat timeout %s, late after %s",
             where,
             metrics,

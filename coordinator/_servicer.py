@@ -134,8 +134,9 @@ class Servicer(pb_grpc.CoordinatorServicer):
         # Called before answering any call that changed state or tells it, so nothing a
         # client was told is lost if the coordinator dies right after (the state file).
         self._persist = persist or _nothing
-        # Calls waiting on a wake key: asyncio Futures (gRPC's calls run as Tasks), or
-        # Wakeups (a session's calls, resumed at once when set; client/_session.py).
+        # Calls waiting on a wake key: asyncio Futures (gRPC's calls run as Tasks, a Session
+        # stream's too), or Wakeups (the session port's calls, resumed at once when set;
+        # client/_session.py).
         self._waiters: dict[tuple, set[asyncio.Future | Wakeup]] = collections.defaultdict(set)
         # (job, incarnation) -> the latest refusal of its registration logged: each thread of a
         # refused process registers, and is refused, for the same reason (one warning, the rest DEBUG).
@@ -221,7 +222,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
     async def _wait(self, key: tuple, deadline: float | None) -> bool:
         """Waits until ``key`` is woken (True) or ``deadline`` (or an earlier waiter's on the
         same key) passes (False)."""
-        # A session's call has no Task (client/_session.py, _Call) and can be resumed at once.
+        # A session port's call has no Task (client/_session.py, _Call) and can be resumed at once.
         waiter = asyncio.get_running_loop().create_future() if asyncio.current_task() else Wakeup()
         waiters = self._waiters[key]
         waiters.add(waiter)
@@ -456,14 +457,14 @@ class Servicer(pb_grpc.CoordinatorServicer):
         if rnd.error is not None:
             raise rnd.error
         if rnd.response is None:
-            # Serialized once for every member of the round (see _server._serialize).
+            # Serialized once for every member of the round (see _serialize).
             rnd.response = encode_payloads(rnd.result)
         return rnd.response
 
     # -- liveness -------------------------------------------------------------------------
 
     async def watch_liveness(self) -> None:
-        """Runs until cancelled: declares silent processes dead, a few times per timeout."""
+        """Runs until cancelled: declares silent processes dead, checking every min(1 s, timeout / 4)."""
         timeout = self._core.heartbeat_timeout
         if timeout is None:
             return

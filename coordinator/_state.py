@@ -2,16 +2,17 @@
 
 Kept: per job the world size, rank table, generation, the latest events (and how many came
 before them), finished rounds of the last two generations (so a client resending a round that
-finished just before the crash gets its result), round counters, key-value data, applied
-request ids and the incarnations replaced by restarts.
-Not kept: pending rounds (their members resend them when they reconnect) and last-seen
-times (every process gets a fresh heartbeat timeout from the restart).
+finished just before the crash gets its result), round counters, key-value data, each job's
+latest 10,000 applied request ids and the incarnations replaced by restarts.
+Not kept: pending rounds (their members resend them when they reconnect) and the last-seen
+times of live processes (each gets a fresh heartbeat timeout from the restart; a dead one
+keeps how long ago it was seen).
 
 Format: one JSON document ``{"format", "version", "sha256", "body"}``; bytes are base64.
 Writes are atomic (temporary file, fsync, rename, fsync of the folder); a torn or edited
 file fails its checksum and is reported, never half-loaded.
 
-Beside it, ``PATH.journal``: the rounds finished and the key-value changes made since the
+Beside it, ``PATH.journal``: the rounds finished, the jobs made and the key-value changes made since the
 state file was written, one line per write, ``<sha256 of the JSON> <JSON>``, appended and
 fsynced before their callers are answered. A round or a key set costs one short line instead
 of a rewrite of the whole state (every rank, key and kept round). Any other change (ranks,
@@ -197,7 +198,7 @@ def restore(
 
     A process's client heartbeats every third of the timeout it was last given, at most every
     heartbeat interval it registered (5 s by default): for the shorter of the file's timeout
-    and three of the longest interval after the restore (15 s by default), nobody is
+    and three times the longest interval (or the client's default 5 s, if longer) after the restore, nobody is
     declared dead (a coordinator restarted with a shorter timeout must not find a process
     silent at its old interval, which its next answer shortens)."""
     core = Core(limits, heartbeat_timeout=heartbeat_timeout)

@@ -931,6 +931,22 @@ def test_a_mismatch_of_thousands_of_tags_names_eight_and_counts_the_rest():
     assert error.message.count("called rendezvous(") == 8 and len(error.message) < 1500, error.message
 
 
+def test_a_round_that_finished_out_of_order_and_was_let_go_is_not_started_again():
+    """Rounds 1 and 2 finish while round 0 waits (a member went on without it); once round 0
+    finishes, round 1 is let go (two are kept). A call of round 1 then is told its result is
+    gone: the group's next round counted past it (it stayed at 1, and round 1 started again,
+    waiting for members that had long moved on)."""
+    pod = make_pod(2)
+    pod.arrive(0, round_number=0)
+    for number in (1, 2):
+        pod.arrive(0, round_number=number)
+        pod.arrive(1, round_number=number)
+    pod.arrive(1, round_number=0)
+    with raises(Code.FAILED_PRECONDITION, "round 1 of all ordinals finished long ago", "the group is at round 3"):
+        pod.arrive(0, round_number=1)
+    assert pod.core.jobs[JOB].pending == {}
+
+
 def test_tags_mismatching_inside_one_batched_call_fail_the_round():
     """Two threads of one process bringing different tags in one call fail the round."""
     pod = make_pod(2, 2)
@@ -2239,6 +2255,23 @@ def test_a_process_declared_dead_is_refused_when_the_run_starts_afresh():
     with raises(Code.ABORTED, "was declared dead"):
         core.register(101.0, registration(0, 2, 1))
     assert core.register(101.0, registration(0, 2, 1, incarnation="new-0")).generation == 2
+
+
+def test_a_registration_whose_threads_share_a_runtime_ordinal_is_refused_before_the_run_starts_afresh():
+    """Every process of the run gone, a registration that would start a new run but whose
+    two threads name one global runtime ordinal is refused before it changes anything (it
+    was refused after the job had started afresh: the old run's processes and rounds were
+    gone, for a registration that was not taken)."""
+    core = Core()
+    for task in (0, 1):
+        core.register(0.0, registration(task, 2, 2))
+        core.leave(JOB, incarnation_of(task))
+    job = core.jobs[JOB]
+    before = (job.generation, dict(job.processes))
+    with raises(Code.FAILED_PRECONDITION, "global ordinal 3", "thread 0 of this registration"):
+        core.register(1.0, registration(0, 2, 2, incarnation="new-0", runtime={0: 3, 1: 3}))
+    assert (job.generation, job.processes) == before
+    assert core.register(1.0, registration(0, 2, 2, incarnation="new-0", runtime={0: 0, 1: 1})).generation == before[0] + 1
 
 
 def test_a_new_call_of_the_old_generation_is_told_of_the_move_not_given_an_old_failure():
