@@ -39,7 +39,7 @@ from ._errors import (
 from ._relay import Relay, relay_path
 from ._session import PING_EVERY, PING_TIMEOUT, Session, SocketSession, StatusError
 from ._topology import Topology
-from ._version import VERSION
+from ._version import build
 from ._wire import Row, decode_payloads, encode_rendezvous
 
 log = logging.getLogger("pjrt_rendezvous.client")
@@ -1302,7 +1302,7 @@ class Client:
                 local_rank=topo.local_rank,
                 threads=[thread],
                 runtime_world_size=runtime_world_size,
-                client_version=VERSION,
+                client_version=build(),
                 heartbeat_interval=self.settings.heartbeat_interval,
             )
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import grpc
 
-from ._version import VERSION
+from ._version import build
 
 
 class RendezvousError(Exception):
@@ -161,7 +161,7 @@ def from_rpc_error(exc: grpc.RpcError, *, address: str, method: str, where: str 
         details = (
             f"{address} does not serve {method}: {details}. Is that the gRPC port of `pjrt-rendezvous serve` "
             f"(not its session or metrics port, nor another server)? If so, the coordinator is a build older than "
-            f"this client's (version {VERSION}; builds between releases share a version) from before {method}: "
+            f"this client's ({build()}) from before {method}: "
             f"run one build everywhere (deploy/README.md, Upgrading){where}"
         )
     return cls(details, code=code.name)

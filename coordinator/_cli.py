@@ -24,9 +24,10 @@ from pjrt_rendezvous.client._config import (
     NO_LIMIT_WORDS, check_token, comment_hint, job_problem, parse_seconds, quote_hint, read_token_file, token_conflict,
     versions_differ,
 )
+from pjrt_rendezvous.client._demo import MAX_PROCESSES
 from pjrt_rendezvous.client._errors import UsageError
 from pjrt_rendezvous.client._topology import host_port
-from pjrt_rendezvous.client._version import VERSION
+from pjrt_rendezvous.client._version import build
 
 from ._core import MAX_ROUND_BYTES, MIN_HEARTBEAT_TIMEOUT, MIN_NAME_LENGTH, Limits, _plural
 from ._monitor import DEFAULT_LATE_AFTER
@@ -272,7 +273,7 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         prog="pjrt-rendezvous",
         description="Coordinator and tools for PJRT thread-per-core rendezvous on TPU pod slices.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {VERSION}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {build()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser(
@@ -436,7 +437,7 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     health.add_argument("--tls-server-name", **tls_server_name)
 
     demo = commands.add_parser("demo", help="run a coordinator and a simulated pod on this machine")
-    demo.add_argument("--processes", type=_positive, default=4, help="simulated chips/processes (default 4; at most 512, a multiple of --hosts)")
+    demo.add_argument("--processes", type=_positive, default=4, help=f"simulated chips/processes (default 4; at most {MAX_PROCESSES}, a multiple of --hosts)")
     demo.add_argument(
         "--threads", type=_positive, help="threads (cores) per process (default: by --accelerator, 2 on v3)"
     )

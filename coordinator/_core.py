@@ -789,9 +789,11 @@ class Core:
         except CoreError as exc:
             job = self.jobs.get(request.job)
             if job is not None and exc.code is not Code.RESOURCE_EXHAUSTED and request.task_id >= 0:
+                # (told to every process and status: without the incarnation, which proves the process's calls)
+                message = exc.message.replace(request.incarnation, "...") if request.incarnation else exc.message
                 job.refused[request.task_id] = (
-                    f"{request.host} pid {request.pid} was refused: {exc.message[:300]}"
-                    + ("..." if len(exc.message) > 300 else "")
+                    f"{request.host} pid {request.pid} was refused: {message[:300]}"
+                    + ("..." if len(message) > 300 else "")
                 )
                 job.refused.move_to_end(request.task_id)
                 while len(job.refused) > _REFUSED_KEPT:
@@ -950,7 +952,7 @@ class Core:
         if process is not None and process.task_id != r.task_id:
             raise CoreError(
                 Code.INVALID_ARGUMENT,
-                f"incarnation {r.incarnation!r} registered task {process.task_id} before and now "
+                f"this process ({process.label()}) registered task {process.task_id} before and now "
                 f"claims task {r.task_id}; one process is one task",
             )
 
@@ -1369,9 +1371,10 @@ class Core:
             # one process that skipped or added a call is the one whose log to read.
             largest = sorted(map(len, by_tag.values()))
             common = largest[-1] if len(largest) == 1 or largest[-1] > largest[-2] else None
-            named = sorted(by_tag.items(), key=lambda item: min(item[1]))
+            # The round's own tag (the first to arrive) always named, the others by lowest ordinal.
+            named = sorted(by_tag.items(), key=lambda item: (item[0] != rnd.tag, min(item[1])))
             rest = [o for _, ordinals in named[_TAGS_NAMED:] for o in ordinals]
-            named = named[:_TAGS_NAMED]
+            named = sorted(named[:_TAGS_NAMED], key=lambda item: min(item[1]))
             shown = _distinct_tags(t for t, _ in named)
             described = "; ".join(
                 f"{_ordinals_word(o)}{'' if len(o) == common else self._where_called(state, o)} "
@@ -1379,7 +1382,7 @@ class Core:
                 for t, o in named
             )
             if rest:
-                described += f"; {_missing_word(sorted(rest))} called rendezvous with {len(by_tag) - _TAGS_NAMED} other tags"
+                described += f"; {_missing_word(sorted(rest))} called rendezvous with {_plural(len(by_tag) - _TAGS_NAMED, 'other tag')}"
             missing = rnd.missing()
             if missing:
                 described += f"; {_ordinals_word(missing)} had not arrived"

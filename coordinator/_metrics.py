@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Sequence
 
 import grpc
 
-from pjrt_rendezvous.client._version import VERSION
+from pjrt_rendezvous.client._version import build
 
 from ._listener import Listener
 
@@ -171,8 +171,8 @@ class Metrics:
             return made
 
         families: list[Family] = []
-        family("build_info", "gauge", "Always 1; the version label is the coordinator's package version.").add(
-            {"version": VERSION}, 1
+        family("build_info", "gauge", "Always 1; the version label is the coordinator's build (client/_version.py).").add(
+            {"version": build()}, 1
         )
         expected = family("participants_expected", "gauge", "World size of the job (0 until known).")
         registered = family("participants_registered", "gauge", "Ordinals registered in the job.")

@@ -20,7 +20,7 @@ import grpc
 
 from pjrt_rendezvous.client._config import versions_differ
 from pjrt_rendezvous.client._session import Call, Malformed, Wakeup, clip, decode_session_calls, parser, serve_session, session_answer
-from pjrt_rendezvous.client._version import VERSION
+from pjrt_rendezvous.client._version import build
 from pjrt_rendezvous.client._wire import RendezvousCall, decode_rendezvous, encode_payloads
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
@@ -359,7 +359,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
         """Logs, once per job and version, a process whose client is not of this coordinator's
         version (an image and a training environment upgraded apart): what differs between
         versions is the first thing to rule out when they disagree."""
-        if not versions_differ(theirs, VERSION) or (request.job, theirs) in self._versions_told:
+        if not versions_differ(theirs, build()) or (request.job, theirs) in self._versions_told:
             return
         if len(self._versions_told) >= _VERSIONS_TOLD_KEPT:
             self._versions_told.clear()
@@ -367,10 +367,10 @@ class Servicer(pb_grpc.CoordinatorServicer):
         log.warning(
             "task %d (%s pid %d) in job %r runs pjrt-rendezvous %s, this coordinator %s: upgrade both to "
             "one version (`pjrt-rendezvous status` names each process's)",
-            request.task_id, request.host, request.pid, request.job, theirs, VERSION,
+            request.task_id, request.host, request.pid, request.job, theirs, build(),
             extra={
                 "event": "version_mismatch", "job": request.job, "task": request.task_id, "host": request.host,
-                "pid": request.pid, "client_version": theirs, "coordinator_version": VERSION,
+                "pid": request.pid, "client_version": theirs, "coordinator_version": build(),
             },
         )
 
@@ -768,7 +768,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 )
                 for v in views
             ],
-            coordinator_version=VERSION,
+            coordinator_version=build(),
         )
         await self._persist()  # (what it tells, as WaitWorld)
         return response

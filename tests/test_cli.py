@@ -21,7 +21,7 @@ import pytest
 
 import pjrt_rendezvous.client as pr
 from pjrt_rendezvous.client._demo import simulated_env
-from pjrt_rendezvous.client._version import VERSION
+from pjrt_rendezvous.client._version import VERSION, build
 from pjrt_rendezvous.coordinator import _cli
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
@@ -431,7 +431,8 @@ def test_the_version_is_the_installed_distributions():
 
     assert metadata.version("pjrt-rendezvous") == VERSION
     done = run_cli("--version")
-    assert done.returncode == 0 and done.stdout.split() == ["pjrt-rendezvous", VERSION], done
+    assert done.returncode == 0 and done.stdout.split() == ["pjrt-rendezvous", build()], done
+    assert build().startswith(f"{VERSION}+proto.") and len(build()) == len(VERSION) + 15
 
 
 def test_a_client_of_another_version_is_logged_once_and_named_by_status(capsys, caplog):
@@ -444,7 +445,7 @@ def test_a_client_of_another_version_is_logged_once_and_named_by_status(capsys, 
     from pjrt_rendezvous.coordinator import Coordinator
     from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
-    ours = VERSION
+    ours = build()  # (the release and its protocol's digest)
     with Coordinator(port=0, heartbeat_timeout=None) as coordinator:
         client = simulated_process(coordinator.address, 0, processes=3, threads=1)
         bound_thread(client, 0)

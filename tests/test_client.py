@@ -23,7 +23,7 @@ import pytest
 import pjrt_rendezvous.client as pr
 from pjrt_rendezvous.client._client import _Batch, _ThreadFailed, _allocate_lock, _pass_on
 from pjrt_rendezvous.client._config import Settings
-from pjrt_rendezvous.client._version import VERSION
+from pjrt_rendezvous.client._version import build
 from pjrt_rendezvous.coordinator import Coordinator, Limits
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
@@ -491,7 +491,7 @@ def test_another_grpc_server_at_the_address_is_named_as_such():
         assert time.monotonic() - started < 10  # (not retried for the connect timeout)
         message = str(raised.value)
         assert f"127.0.0.1:{port} does not serve " in message and "Method not found!" in message, message
-        assert "gRPC port of `pjrt-rendezvous serve`" in message and f"(version {VERSION}; builds between" in message, message
+        assert "gRPC port of `pjrt-rendezvous serve`" in message and f"this client's ({build()}) from before" in message, message
         assert "run one build everywhere" in message, message  # (it asked whether the versions differed: they may not)
         client.close()
     finally:

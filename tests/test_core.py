@@ -929,6 +929,13 @@ def test_a_mismatch_of_thousands_of_tags_names_eight_and_counts_the_rest():
     assert "ordinal 7 (host-0 pid 1000) called rendezvous('0007xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx...'); " \
         "ordinals 8-2999 called rendezvous with 2992 other tags. Every member" in error.message, error.message
     assert error.message.count("called rendezvous(") == 8 and len(error.message) < 1500, error.message
+    # The tag most members brought, the round's, is named however high their ordinals.
+    pod = make_pod(2, 10)
+    key = pod.arrive(range(10, 20), tag="common")
+    pod.arrive(range(10), tags={o: f"odd-{o}" for o in range(10)})
+    message = pod.error(key).message
+    assert "ordinals 10-19 called rendezvous('common')" in message, message
+    assert "ordinals 7-9 called rendezvous with 3 other tags" in message and "'odd-6'" in message, message
 
 
 def test_a_round_that_finished_out_of_order_and_was_let_go_is_not_started_again():
@@ -2272,6 +2279,23 @@ def test_a_registration_whose_threads_share_a_runtime_ordinal_is_refused_before_
         core.register(1.0, registration(0, 2, 2, incarnation="new-0", runtime={0: 3, 1: 3}))
     assert (job.generation, job.processes) == before
     assert core.register(1.0, registration(0, 2, 2, incarnation="new-0", runtime={0: 0, 1: 1})).generation == before[0] + 1
+
+
+def test_a_refused_registrations_reason_told_to_others_holds_no_incarnation():
+    """A refusal is told to every process waiting for the task's ordinals and to status:
+    a live process that claimed a second task had its incarnation, which proves its calls,
+    in it (a security review)."""
+    core = Core()
+    secret = "0123456789abcdef0123456789abcdef"
+    core.register(0.0, registration(0, 2, 2, incarnation=secret))
+    with raises(Code.INVALID_ARGUMENT, "this process (host-0 pid 1000) registered task 0 before and now claims task 1"):
+        core.register(1.0, registration(1, 2, 2, incarnation=secret))
+    with raises(Code.FAILED_PRECONDITION, "was replaced"):  # (a message naming the incarnation itself)
+        core.register(2.0, registration(0, 2, 2, incarnation="new-0"))
+        core.register(3.0, registration(0, 2, 2, incarnation=secret))
+    (view,) = core.status(4.0, JOB)
+    told = repr(view.refused) + view.world_missing_summary
+    assert "was refused" in told and secret not in told, told
 
 
 def test_a_new_call_of_the_old_generation_is_told_of_the_move_not_given_an_old_failure():
