@@ -89,7 +89,7 @@ _CODES = {status.value[0]: status for status in grpc.StatusCode}
 # random, all over 16 KiB): a longer message would reach the client as a bare
 # RESOURCE_EXHAUSTED. Non-ASCII text can take 3 bytes a character once escaped.
 _MESSAGE_CHARACTERS = 2000
-_BATCH_BYTES = 8 << 20  # a gRPC Session message's requests, at most (one bigger call alone)
+_BATCH_BYTES = 8 << 20  # a gRPC Session message's requests or answers, at most (one bigger alone)
 
 
 def clip(message: str) -> str:
@@ -847,14 +847,16 @@ async def serve_session(
     call runs as its own task (``run`` returns its answer as in :func:`encode_answers`) and
     is answered when done, in any order (see the .proto).
     Answers that are ready while the stream is busy writing go out together in the next
-    message; a cancel stops the call's task. While it serves, ``streams`` maps its task to
-    a test whether it is idle (no call running, every answer written). A peer that does not
-    read its answers ends its stream once those waiting behind a write hold more than
-    ``FramedSession.MAX_UNSENT`` bytes, as on the session port."""
+    message, up to ``_BATCH_BYTES`` (a bigger one alone: two answers of a round near its
+    limit would pass what a message carries); a cancel stops the call's task. While it
+    serves, ``streams`` maps its task to a test whether it is idle (no call running, every
+    answer written). A peer that does not read its answers ends its stream once those
+    waiting behind a write hold more than ``FramedSession.MAX_UNSENT`` bytes before another
+    is added, as on the session port (an answer of any size may go)."""
     calls: dict[int, asyncio.Task] = {}  # running, cancellable by the client
     ready: list[tuple[bytes, bytes]] = []  # answers waiting for the stream
     writer: asyncio.Task | None = None
-    queued = 0  # bytes of the answers in ``ready`` (waiting behind a write)
+    queued = 0  # bytes of the answers in ``ready`` (not yet taken by the writer)
     overflowed = False
     this = asyncio.current_task()
     if streams is not None:
@@ -864,9 +866,13 @@ async def serve_session(
         nonlocal queued
         try:
             while ready:
-                message = encode_answers(ready, False)
-                ready.clear()
-                queued = 0
+                taken, size = 0, 0
+                while taken < len(ready) and (not taken or size + sum(map(len, ready[taken])) <= _BATCH_BYTES):
+                    size += sum(map(len, ready[taken]))
+                    taken += 1
+                message = encode_answers(ready[:taken], False)
+                del ready[:taken]
+                queued -= size
                 await context.write(message)
         except Exception as exc:  # the stream is gone; the client resends on a new one
             log.debug("session answers not sent: %s", exc)
@@ -877,12 +883,12 @@ async def serve_session(
             reply = await run(call)
         finally:  # done: a late cancel must not stop the writer with others' answers
             calls.pop(call[0], None)
+        waiting = queued  # (before this one: an answer of any size may go)
+        queued += len(reply[0]) + len(reply[1])
         ready.append(reply)
         if writer is None or writer.done():
             writer = asyncio.create_task(write())
-            return
-        queued += len(reply[0]) + len(reply[1])  # the running writer takes it along
-        if queued > FramedSession.MAX_UNSENT and not overflowed:
+        elif waiting > FramedSession.MAX_UNSENT and not overflowed:  # the running writer takes it along
             overflowed = True
             log.warning("a Session stream's peer does not read its answers; ending the stream", extra={"event": "session_ended"})
             this.cancel()  # (the stream's task waits for its next request)

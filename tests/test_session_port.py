@@ -247,6 +247,25 @@ def test_a_grpc_session_peer_that_does_not_read_its_answers_loses_its_stream(mon
         assert stub.Status(pb.StatusRequest(), timeout=10).jobs  # the coordinator serves on
 
 
+def test_a_grpc_session_joins_waiting_answers_up_to_the_batch_size_a_bigger_one_alone(monkeypatch):
+    """Answers ready while the stream writes go out together, but not past _BATCH_BYTES
+    a message: all of them were joined, and two answers of a round near its limit (2 GiB
+    less 16 MiB) would have made a message gRPC cannot send."""
+    from pjrt_rendezvous.client import _session
+
+    monkeypatch.setattr(_session, "_BATCH_BYTES", 250 << 10)
+    with Coordinator(port=0) as coordinator, grpc.insecure_channel(coordinator.address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        stub.KvSet(pb.KvSetRequest(job="j", entries=[pb.KvEntry(key="big", value=b"x" * (100 << 10))]))
+        get = pb.KvGetRequest(job="j", keys=["big"]).SerializeToString()
+        call = stub.Session(iter([pb.SessionRequest(calls=[
+            pb.SessionCall(id=i, method="KvGet", request=get) for i in range(1, 41)
+        ])]), timeout=30)
+        time.sleep(1.0)  # the answers pile up behind the first, unread
+        sizes = [len(response.answers) for response in call]
+    assert sum(sizes) == 40 and max(sizes) == 2 and len(sizes) >= 20, sizes
+
+
 @pytest.mark.parametrize("transport", ["auto", "grpc"])
 def test_an_answer_larger_than_the_unread_cap_reaches_a_peer_that_reads(monkeypatch, caplog, transport):
     """The cap on answers a peer has not read counts those waiting behind one: a single
