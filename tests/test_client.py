@@ -541,6 +541,31 @@ def test_retries_end_at_connect_timeout_not_a_backoff_after_it():
     client.close()
 
 
+def test_a_given_up_round_a_coordinator_does_not_serve_is_warned_of(coordinator, monkeypatch, caplog):
+    """A coordinator older than GiveUpRound answers it UNIMPLEMENTED: the round's peers then
+    wait out their timeout, so the process says so (a WARNING; it was a DEBUG line), and its
+    next call goes on."""
+    from pjrt_rendezvous.client import _client
+
+    client = make_client(coordinator.address)
+    request = pb.GiveUpRoundRequest(job="default", incarnation=client.incarnation, round=3)
+    _client._given_up[client] = [request]
+    real = _client.Client._call
+
+    def older(self, method, *args, **kwargs):
+        if method == "GiveUpRound":
+            raise pr.RemoteError("127.0.0.1 does not serve GiveUpRound", code="UNIMPLEMENTED")
+        return real(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(_client.Client, "_call", older)
+    caplog.set_level("DEBUG", logger="pjrt_rendezvous.client")
+    client.set("k", b"v")
+    (told,) = [r for r in caplog.records if "was given up" in r.getMessage()]
+    assert told.levelname == "WARNING" and "could not tell the coordinator that round 3 was given up" in told.getMessage()
+    assert client not in _client._given_up and client.get("k") == b"v"
+    client.close()
+
+
 def test_a_waiting_get_gives_up_on_an_unreachable_coordinator_at_its_timeout():
     """A client's first waiting get learns the job's store with a call of its own, which had
     no deadline: against a coordinator down it retried for the whole connect_timeout (a
