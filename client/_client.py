@@ -182,6 +182,11 @@ _telling = threading.Lock()
 _NOT_AFTER_GIVE_UPS = frozenset({"GiveUpRound", "Register"})  # (the telling's own call; a registration is told nothing)
 _inherited: "weakref.WeakKeyDictionary[Client, int]" = weakref.WeakKeyDictionary()
 _forked = False  # whether _inherited may hold any (a bool: cheap to test at every call)
+# In a forked child: the session ports its parent's clients used, by coordinator address. A
+# client the child makes calls there from the start: gRPC, whose threads the parent had
+# inside it at the fork, aborted in about one child of ten once the child called through it
+# ("Check failed: ... g_active_poller"); the session port is plain sockets.
+_ports_at_fork: dict[str, int] = {}
 
 
 def _after_fork_in_child() -> None:
@@ -195,6 +200,9 @@ def _after_fork_in_child() -> None:
     parent = os.getppid()
     for client in clients:
         _inherited.setdefault(client, parent)
+        port, _, backoff = client._session_port
+        if port and not backoff:
+            _ports_at_fork.setdefault(client.settings.address, port)
         # Held by a parent's thread at the fork, they would stay held: what the child may
         # still do (unbind a thread, close) must not wait for them.
         client._lock, client._session_lock = threading.Lock(), threading.Lock()
@@ -642,6 +650,8 @@ class Client:
         # The coordinator's session port, once a Register or Heartbeat answer names it (0:
         # none), and the time (monotonic) before which it is not tried again after failing.
         self._session_port = (0, 0.0, 0.0)  # (port, retry at, probe backoff: > 0 after a failure)
+        if _ports_at_fork.get(settings.address):  # (a forked child's: see _ports_at_fork)
+            self._learn_session_port(_ports_at_fork[settings.address])
         # Whether the coordinator reads a relay's processes named once (Register, Heartbeat).
         self.reads_process_indexes = False
         _clients.add(self)
@@ -668,6 +678,23 @@ class Client:
                 "may use the key-value store through a client of its own, "
                 "pjrt_rendezvous.client.get_client())"
             )
+
+    def _refuse_parents_task(self) -> None:
+        """In a forked child: refuses to register the task a parent's client registered (the
+        child reads the parent's environment, so a client of its own is the same task): the
+        coordinator took the child for the task's process restarted, and the parent, replaced,
+        failed with the rest of its job."""
+        for parent, pid in list(_inherited.items()):
+            if (
+                parent._background_started and parent.settings.address == self.settings.address
+                and parent.settings.job == self.settings.job and parent.topology.task_id == self.topology.task_id
+            ):
+                raise UsageError(
+                    f"bind_thread: task {self.topology.task_id} of job {self.settings.job!r} is registered by this "
+                    f"process's parent ({pid}), of which it is a fork ({os.getpid()}); bound here, it would replace "
+                    "the parent in the job: make rendezvous calls in the parent (a thread's binding from the parent "
+                    "answers get_ordinal here), or start the child with a task of its own"
+                )
 
     def _call(
         self,
@@ -1263,6 +1290,7 @@ class Client:
                 )
         if _forked:
             self._refuse_if_inherited("bind_thread")
+            self._refuse_parents_task()
         self.topology.ordinal(thread_index)  # validates the range with a clear message
         existing = current_binding()
         if existing is not None and existing.client is not self and inherited(existing.client):

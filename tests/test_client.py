@@ -1858,6 +1858,63 @@ def test_a_forked_child_refuses_its_parent_s_client():
         server.wait(30)
 
 
+def _own_client_in_forked_child(results, address) -> None:
+    """A forked child's client of its own: key-value calls, and a bind_thread of its parent's task."""
+    faulthandler.dump_traceback_later(50, exit=True)
+    try:
+        own = make_client(address, devices=2, job="fork")
+        own.set(f"child-{os.getpid()}", b"c")
+        transport = type(own._current_session).__name__
+        try:
+            own.bind_thread(1)
+            bound = "bound"
+        except pr.UsageError as exc:
+            bound = "is registered by this process's parent" in str(exc)
+        own.close()
+        results.put((transport, bound))
+    except BaseException as exc:
+        results.put(repr(exc))
+
+
+def test_a_forked_childs_own_client_uses_the_session_port_and_not_its_parents_task():
+    """A forked child's client of its own calls on the session port its parent's clients
+    used: through gRPC, whose threads the parent had inside it (its Watch stream, a Store's
+    client), about one child in ten aborted ("Check failed ... g_active_poller"; a DataLoader
+    with fork workers failed 8 runs in 10 in a trial). And it does not register its parent's
+    task (the child reads the parent's environment): the coordinator took it for the task's
+    process restarted, and the parent, replaced, failed with the rest of its job."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "pjrt_rendezvous.coordinator", "serve", "--port", "0", "--session-port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        address = re.search(r"listening on (127\.0\.0\.1:\d+)", server.stdout.readline()).group(1)
+        client = make_client(address, devices=2, job="fork")
+        store_like = make_client(address, job="fork")  # a client that never registers: on gRPC
+        store_like.set("parent", b"p")
+        bindings = [client.bind_thread(0)]
+        sibling = concurrent.futures.ThreadPoolExecutor(1)
+        bindings.append(sibling.submit(client.bind_thread, 1).result())
+        context = multiprocessing.get_context("fork")
+        for number in range(6):
+            other = sibling.submit(client.rendezvous, bindings[1], f"r{number}", b"1", timeout=30)  # in flight at the fork
+            results = context.Queue()
+            child = context.Process(target=_own_client_in_forked_child, args=(results, address))
+            child.start()
+            outcome = results.get(timeout=60)
+            child.join(30)
+            assert child.exitcode == 0 and outcome == ("SocketSession", True), (child.exitcode, outcome)
+            assert client.rendezvous(bindings[0], f"r{number}", b"0", timeout=30) == [b"0", b"1"] == other.result(30)
+        assert store_like.get("parent") == b"p" and client.status().jobs[0].generation == 1
+        sibling.submit(client.unbind_thread).result()
+        sibling.shutdown()
+        store_like.close()
+        client.close()
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
 def test_a_client_has_fewer_than_30_attributes(client):
     """From 30 attributes on, CPython 3.11-3.13 stop sharing an instance's keys with its
     class, and attribute and method access on it falls off its specialized fast path: every
