@@ -789,8 +789,10 @@ class Core:
         except CoreError as exc:
             job = self.jobs.get(request.job)
             if job is not None and exc.code is not Code.RESOURCE_EXHAUSTED and request.task_id >= 0:
-                # (told to every process and status: without the incarnation, which proves the process's calls)
-                message = exc.message.replace(request.incarnation, "...") if request.incarnation else exc.message
+                # (told to every process and status: without the incarnation, which proves the
+                # process's calls; one of a few characters proves nothing, and would cut up the text)
+                incarnation = request.incarnation
+                message = exc.message.replace(incarnation, "...") if len(incarnation) >= 8 else exc.message
                 job.refused[request.task_id] = (
                     f"{request.host} pid {request.pid} was refused: {message[:300]}"
                     + ("..." if len(message) > 300 else "")
