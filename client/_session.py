@@ -867,9 +867,10 @@ async def serve_session(
         try:
             while ready:
                 taken, size = 0, 0
-                while taken < len(ready) and (not taken or size + sum(map(len, ready[taken])) <= _BATCH_BYTES):
-                    size += sum(map(len, ready[taken]))
-                    taken += 1
+                for head, body in ready:
+                    if taken and size + len(head) + len(body) > _BATCH_BYTES:
+                        break
+                    taken, size = taken + 1, size + len(head) + len(body)
                 message = encode_answers(ready[:taken], False)
                 del ready[:taken]
                 queued -= size

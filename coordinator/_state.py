@@ -12,9 +12,9 @@ Format: one JSON document ``{"format", "version", "sha256", "body"}``; bytes are
 Writes are atomic (temporary file, fsync, rename, fsync of the folder); a torn or edited
 file fails its checksum and is reported, never half-loaded.
 
-Beside it, ``PATH.journal``: the rounds finished, the jobs made and the key-value changes made since the
-state file was written, one line per write, ``<sha256 of the JSON> <JSON>``, appended and
-fsynced before their callers are answered. A round or a key set costs one short line instead
+Beside it, ``PATH.journal``: the rounds finished, the jobs made and the key-value changes
+made since the state file was written, one line per write, ``<sha256 of the JSON> <JSON>``,
+appended and fsynced before their callers are answered. A round or a key set costs one short line instead
 of a rewrite of the whole state (every rank, key and kept round). Any other change (ranks,
 events) rewrites the state file and empties the journal, as does a journal grown past
 ``JOURNAL_LIMIT``. Loading replays the lines newer than the state file (each carries the
@@ -198,8 +198,8 @@ def restore(
 
     A process's client heartbeats every third of the timeout it was last given, at most every
     heartbeat interval it registered (5 s by default): for the shorter of the file's timeout
-    and three times the longest interval (or the client's default 5 s, if longer) after the restore, nobody is
-    declared dead (a coordinator restarted with a shorter timeout must not find a process
+    and three times the longest interval (or the client's default 5 s, if longer) after the
+    restore, nobody is declared dead (a coordinator restarted with a shorter timeout must not find a process
     silent at its old interval, which its next answer shortens)."""
     core = Core(limits, heartbeat_timeout=heartbeat_timeout)
     core.state_id = body.get("state_id", core.state_id)  # (not in files before it was kept)
