@@ -197,7 +197,8 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def get_client() -> Client:
     """The process client, created from the environment on first use."""
-    return _client if _client is not None and not _client._closed else init()
+    client = _client  # (read once: a shutdown() in another thread sets it to None)
+    return client if client is not None and not client._closed else init()
 
 
 def bind_thread(thread_index: int, **kwargs) -> Binding:
@@ -229,7 +230,8 @@ def _world_of_one() -> bool:
     out and the started XLA runtime agrees: under torch_xla's own runner (``xmp.spawn``,
     ``torch_xla.launch``) the environment names no job, while the runtime runs a replica per
     device, and each unbound thread was answered as ordinal 0 of one, its rendezvous alone."""
-    topology = _client.topology if _client is not None else _detect(os.environ, None)
+    client = _client  # (read once, as in get_client)
+    topology = client.topology if client is not None else _detect(os.environ, None)
     if topology.world_size != 1:
         return False
     runtime = started_xla_runtime()

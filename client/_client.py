@@ -103,6 +103,7 @@ _RELAY_RETRY = 5.0
 _RELAY_RETRY_MAX = 80.0
 _REFRESH_TIMEOUT = 5.0  # seconds for the job's generation after a failed round (_refresh_generation)
 _END_TIMEOUT = 5.0  # seconds to tell the coordinator that replicas ended (end_replicas)
+_LEAVE_TIMEOUT = 2.0  # seconds close() gives its Leave, and a registration under way before it
 # The coordinator's session port: how long to try connecting. After a connection refused (a
 # coordinator restarting, a container that does not publish the port) or one that timed out
 # (a firewall, or SYNs lost in a start-up burst) calls stay on gRPC, and the heartbeat
@@ -173,6 +174,8 @@ _clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
 _store_ids: "weakref.WeakKeyDictionary[Client, str]" = weakref.WeakKeyDictionary()
 # The job each client registered in (RegisterResponse.job_id), kept here for the same reason.
 _job_ids: "weakref.WeakKeyDictionary[Client, str]" = weakref.WeakKeyDictionary()
+# How many of each client's registrations are under way (under its lock; close() waits for them).
+_registering: "weakref.WeakKeyDictionary[Client, int]" = weakref.WeakKeyDictionary()
 # Bindings whose thread ended bound, said so (Client._wait_for_sender): once each.
 _said_ended: "weakref.WeakSet[Binding]" = weakref.WeakSet()
 # The rounds each client gave up on without an answer, to tell the coordinator (Client._tell_given_up),
@@ -190,8 +193,8 @@ _ports_at_fork: dict[str, int] = {}
 
 
 def _after_fork_in_child() -> None:
-    global _forked, _closing
-    _closing = threading.Condition()  # (its lock may be held by a parent's thread)
+    global _forked, _closing, _telling
+    _closing, _telling = threading.Condition(), threading.Lock()  # (either may be held by a parent's thread)
     store_callers.clear()  # (the parent's threads)
     clients = list(_clients)
     if not clients:
@@ -1019,10 +1022,16 @@ class Client:
                 return
             self._relay_started = True
         try:
-            self._relay = Relay(self, self._relay_path)
+            relay = Relay(self, self._relay_path)
         except Exception as exc:  # the host's processes call the coordinator directly
             log.warning("cannot start the host relay at %s: %s; calling the coordinator directly", self._relay_path, exc)
             self._relay_path = None
+            return
+        with self._lock:
+            if not self._closed:
+                self._relay, relay = relay, None
+        if relay is not None:  # close() ran while it started
+            relay.close()
 
     def close(self, *, leave: bool = True) -> None:
         """Stops heartbeats and the event watch and closes the channel.
@@ -1041,17 +1050,22 @@ class Client:
             self._closed = True
             return
         self._stopped.set()
-        if leave and self._background_started:  # registered: say goodbye
-            try:
-                self._stub.Leave(
-                    pb.LeaveRequest(job=self.settings.job, incarnation=self.incarnation),
-                    timeout=2.0,
-                    metadata=self._metadata,
-                )
-            except grpc.RpcError as exc:
-                log.debug("leaving job %s failed: %s", self.settings.job, exc)
+        # Closed before the Leave: a call its Leave fails (this process's rounds) is told the
+        # client was closed, not that this process died.
         with self._session_lock:
             self._closed = True
+        # A registration under way is waited for (as long as a Leave may take): a Leave that
+        # reached the coordinator before it would leave the process registered.
+        give_up = time.monotonic() + _LEAVE_TIMEOUT
+        while True:
+            with self._lock:
+                registered, registering = self._background_started, _registering.get(self, 0)
+            if not registering or time.monotonic() >= give_up:
+                break
+            time.sleep(0.005)
+        if leave and (registered or registering):  # say goodbye
+            self._leave()
+        with self._session_lock:
             for session in (self._current_session, self._relay_session):
                 if session is not None:
                     session.close()
@@ -1059,10 +1073,11 @@ class Client:
             _closing.notify_all()  # (calls waiting to retry: they end, UsageError)
         me = threading.get_ident()
         inside = {key: thread for key, (client, thread) in list(store_callers.items()) if client is self and key != me}
-        if self._relay is not None:
-            self._relay.close()
         with self._lock:  # from here on the main thread makes its calls itself (they fail)
             calls, self._stand_in = self._stand_in, None
+            relay, self._relay = self._relay, None  # (one started meanwhile closes itself: _start_relay)
+        if relay is not None:
+            relay.close()
         if calls is not None:
             calls.put(None)  # ends the thread once the calls before it are done
         self._channel.close()
@@ -1081,6 +1096,16 @@ class Client:
                     time.sleep(max(0.0, min(0.05, left - time.monotonic())))
                 else:
                     thread.join(max(0.0, left - time.monotonic()))
+
+    def _leave(self) -> None:
+        """Tells the coordinator this process is done (best effort)."""
+        try:
+            self._stub.Leave(
+                pb.LeaveRequest(job=self.settings.job, incarnation=self.incarnation), timeout=_LEAVE_TIMEOUT,
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as exc:
+            log.debug("leaving job %s failed: %s", self.settings.job, exc)
 
     def _retry_wait(self, seconds: float) -> None:
         """The wait before a call's next attempt, ended by close()."""
@@ -1180,11 +1205,7 @@ class Client:
         )
 
     def _start_background(self) -> None:
-        """Heartbeats and the event watch run once this process has registered."""
-        with self._lock:
-            if self._background_started:
-                return
-            self._background_started = True
+        """Heartbeats and the event watch run once this process has registered (called once)."""
         for target, name in ((self._heartbeat_loop, "heartbeat"), (self._watch_loop, "watch")):
             threading.Thread(target=target, name=f"pjrt-rendezvous-{name}", daemon=True).start()
 
@@ -1314,6 +1335,7 @@ class Client:
                     "process; each thread binds its own index"
                 )
             self._bindings[thread_index] = None  # reserved while registering
+            _registering[self] = _registering.get(self, 0) + 1
         try:
             topo = self.topology
             thread = pb.ThreadSpec(thread_index=thread_index)
@@ -1342,13 +1364,21 @@ class Client:
         except BaseException:
             with self._lock:
                 del self._bindings[thread_index]
+                _registering[self] -= 1
             raise
+        with self._lock:  # registered: close() leaves from now on (and waited for this answer)
+            _registering[self] -= 1
+            first, self._background_started = not self._background_started, True
+            if self._closed:
+                del self._bindings[thread_index]
+                raise UsageError(_CLOSED)
         (assignment,) = response.assignments
         self._heartbeat_timeout = response.heartbeat_timeout
         self._learn_session_port(response.session_port)
         self.reads_process_indexes = response.reads_process_indexes
         self._adopt_generation(response.generation, registered=True, job_id=response.job_id)
-        self._start_background()
+        if first:
+            self._start_background()
         self._start_relay()
         _hook_thread_failures()
         binding = Binding(
@@ -1361,6 +1391,9 @@ class Client:
             _thread=threading.current_thread(),
         )
         with self._lock:
+            if self._closed:  # (meanwhile, after its Leave: see close)
+                del self._bindings[thread_index]
+                raise UsageError(_CLOSED)
             self._bindings[thread_index] = binding
             self._local = None
             self._told.setdefault(binding.ordinal, self._generation)  # (bound again: its sequence goes on)

@@ -227,7 +227,10 @@ class Relay:
                 asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=10)
             except Exception as exc:  # pragma: no cover - best effort on the way out
                 log.debug("stopping the host relay: %s", exc)
-            self._loop.call_soon_threadsafe(self._loop.stop)
+            try:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+            except RuntimeError:  # it stopped and closed meanwhile (closed twice)
+                pass
         self._senders.shutdown(wait=False, cancel_futures=True)
         try:  # ours only: a restarted process's new relay may have taken the path since
             with _path_lock(self.path) as held:

@@ -2057,3 +2057,69 @@ def _raised(call):
     except Exception as exc:  # noqa: BLE001 -- returned to the test
         return exc
     return None
+
+
+def test_close_while_a_round_waits_says_the_client_was_closed_even_when_its_leave_is_answered_late(coordinator):
+    """close() fails this process's waiting rounds through its Leave; their answers come while
+    the Leave's own answer is still on its way, and they said this process had died (about
+    one close in four): the client counts as closed before it leaves."""
+    client = make_client(coordinator.address, tasks=2, timeout=30)
+    binding = client.bind_thread(0)
+    leave = client._stub.Leave
+
+    def slow_leave(*args, **kwargs):  # (its answer late, as on a busy network)
+        answer = leave(*args, **kwargs)
+        time.sleep(1.0)
+        return answer
+
+    client._stub.Leave = slow_leave
+    outcome = []
+    waiting = threading.Thread(target=lambda: outcome.append(_raised(lambda: client.rendezvous(binding, "r"))))
+    waiting.start()
+    while not client.status().jobs[0].pending_rounds:
+        time.sleep(0.01)
+    client.close()
+    waiting.join(10)
+    assert outcome and isinstance(outcome[0], pr.UsageError) and "was closed" in str(outcome[0]), outcome
+
+
+@pytest.mark.parametrize("when", ["answered", "bound"])
+def test_close_while_a_thread_registers_leaves_the_job_and_refuses_the_binding(coordinator, monkeypatch, when):
+    """close() in another thread while a thread's registration is under way (``answered``:
+    its answer on its way back; ``bound``: answered, the binding being made): it sent no Leave
+    in the first case (the process stayed registered until declared dead), and the binding was
+    given out on a closed client. Now close() waits for the answer and leaves, and the
+    binding is refused."""
+    client = make_client(coordinator.address, tasks=2, timeout=30)
+    closer = threading.Thread(target=client.close)
+    if when == "answered":
+        call = client._call
+
+        def close_meanwhile(method, *args, **kwargs):
+            answer = call(method, *args, **kwargs)
+            if method == "Register":
+                closer.start()
+                while not client._closed:
+                    time.sleep(0.001)
+            return answer
+
+        monkeypatch.setattr(client, "_call", close_meanwhile)
+    else:
+        adopt = client._adopt_generation
+
+        def close_meanwhile(*args, **kwargs):
+            closer.start()
+            closer.join(10)
+            return adopt(*args, **kwargs)
+
+        monkeypatch.setattr(client, "_adopt_generation", close_meanwhile)
+    with pytest.raises(pr.UsageError, match="was closed"):
+        client.bind_thread(0)
+    closer.join(10)
+    assert pr.current_binding() is None
+    other = make_client(coordinator.address)
+    try:
+        (participant,) = other.status().jobs[0].participants
+        assert not participant.alive and participant.left, participant
+    finally:
+        other.close()

@@ -788,3 +788,28 @@ def test_a_relay_passes_on_why_the_coordinator_could_not_be_reached():
     assert pickle.loads(pickle.dumps(unreachable.value))._rpc_details == unreachable.value._rpc_details
     answer = pb.SessionAnswer.FromString(_answer(5, unreachable.value)[0])
     assert answer.message.startswith("the host relay could not reach the coordinator: ") and "Is `pjrt-rendezvous serve`" not in answer.message, answer
+
+
+def test_close_while_a_binding_starts_the_relay_closes_the_relay(coordinator, monkeypatch):
+    """close() in another thread while bind_thread starts the host's relay: close() found no
+    relay yet, and the relay, made after, served a closed client for good (its thread, loop and
+    socket). Now the relay is closed as soon as it is made, and the binding refused."""
+    (client,) = make_clients(coordinator.address, processes=1, hosts=1)
+    made = []
+
+    def relay_then_close(owner, path):
+        made.append(Relay(owner, path))
+        closer = threading.Thread(target=owner.close)
+        closer.start()
+        closer.join(10)
+        return made[-1]
+
+    monkeypatch.setattr("pjrt_rendezvous.client._client.Relay", relay_then_close)
+    with pytest.raises(pr.UsageError, match="was closed"):
+        client.bind_thread(0)
+    (relay,) = made
+    deadline = time.monotonic() + 10
+    while relay._loop.is_running():
+        assert time.monotonic() < deadline, "the relay still serves a closed client"
+        time.sleep(0.01)
+    assert client._relay is None and not os.path.exists(relay.path)
