@@ -563,8 +563,8 @@ def _retrying(method: str, address: str, exc: BaseException, since: float, budge
     _still_trying_said[address] = now
     details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
     log.warning(
-        "the coordinator at %s has not answered for %.0f s (%s: %s); trying again for up to %.0f s in all "
-        "(connect_timeout).%s", address, now - since, method, details, budget, connection_hint(details),
+        "the coordinator at %s has not answered for %.0f s (%s: %s); trying again for up to %.0f s from its first "
+        "failure (connect_timeout).%s", address, now - since, method, details, budget, connection_hint(details),
     )
 
 
@@ -1034,7 +1034,9 @@ class Client:
             relay.close()
 
     def close(self, *, leave: bool = True) -> None:
-        """Stops heartbeats and the event watch and closes the channel.
+        """Stops heartbeats and the event watch and closes the channel. Calls other threads
+        are making end with UsageError ("this client was closed"), and a thread binding
+        meanwhile is refused so (its registration, once answered, is left too).
 
         Args:
             leave: tell the coordinator this process is done, so its ordinals are gone at once
@@ -1534,7 +1536,7 @@ class Client:
                     self._signal_gathered(batch)
         if handed:  # from here on an interrupt stops only the wait
             done, outcome = handed
-            if not done.acquire(True, -1 if deadline is None else max(0.0, deadline - time.monotonic() + _TRANSPORT_GRACE)):
+            if not done.acquire(True, -1 if deadline is None else max(0.0, deadline - time.monotonic())):
                 if not outcome:
                     # Queued behind an earlier call that was interrupted and still waits: the
                     # stand-in runs this one later, expired (its round fails for its peers too).

@@ -276,7 +276,8 @@ class Store(dist.Store):
         self._url: tuple | None = None  # (address, job, timeout) when made for a URL (rendezvous_handler)
         self.prefix = prefix
         self._root = prefix.rstrip("/") + "/" if prefix else ""
-        self.set_timeout(timedelta(0) if seconds is None else timedelta(seconds=seconds))
+        # (at least a millisecond before timedelta rounds it: under half a microsecond became 0, no timeout)
+        self.set_timeout(timedelta(0) if seconds is None else timedelta(seconds=max(seconds, _AT_ONCE)))
         with _kept_lock:
             _kept.append(self)
 

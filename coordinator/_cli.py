@@ -695,14 +695,17 @@ def _ask(call: Callable[[float], Any], timeout: float, again: Callable[[Any], bo
         time.sleep(RETRY_EVERY)
 
 
-def _rpc_failure(exc) -> str:
-    """A failed call's status for ``health`` and ``status``, with the clients' TLS hint."""
+def _rpc_failure(exc, timeout: float) -> str:
+    """A failed call's status for ``health`` and ``status``, with the clients' TLS hint, or
+    what no answer within ``timeout`` (--timeout) means."""
     import grpc
 
     from pjrt_rendezvous.client._errors import connection_hint
 
     details = exc.details() or "(no details)"
     hint = connection_hint(details) if exc.code() == grpc.StatusCode.UNAVAILABLE else ""
+    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # connected (else UNAVAILABLE), not answered
+        hint = f" No answer within {timeout:g} s (--timeout): the coordinator, or the network to it, is frozen or overloaded."
     return f"{exc.code().name}: {details}{'.' if hint and not details.endswith('.') else ''}{hint}"
 
 
@@ -740,7 +743,7 @@ def _health(args, env: Mapping[str, str]) -> int:
     elif reply.code() == grpc.StatusCode.NOT_FOUND:  # (gRPC's health service says no more)
         outcome = "NOT_FOUND: the coordinator has no such service"
     else:
-        outcome = _rpc_failure(reply)
+        outcome = _rpc_failure(reply, args.timeout)
     print(f"pjrt-rendezvous health: {address}{service}: {outcome}", file=sys.stderr)
     return 1
 
@@ -1108,7 +1111,7 @@ def _status(args, env: Mapping[str, str]) -> int:
             lambda reply: isinstance(reply, grpc.RpcError) and reply.code() == grpc.StatusCode.UNAVAILABLE,
         )
     if isinstance(response, grpc.RpcError):
-        print(f"pjrt-rendezvous status: {address}: {_rpc_failure(response)}", file=sys.stderr)
+        print(f"pjrt-rendezvous status: {address}: {_rpc_failure(response, args.timeout)}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(status_json(response, address), indent=2))

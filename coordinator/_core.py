@@ -1745,6 +1745,15 @@ class Core:
             for rnd in overdue:
                 self._fail(job, rnd, self._timeout_error(job, rnd, now))
 
+    def hold_over(self, now: float, until: float) -> None:
+        """The coordinator was held up (stopped, paused) as the deadlines of pending rounds
+        passed: each round whose deadline passed is judged at ``until`` instead, once the
+        calls that came meanwhile are read (they may complete it; see Servicer._read_first)."""
+        for job in self.jobs.values():
+            for rnd in job.pending.values():
+                if rnd.deadline is not None and rnd.deadline <= now:
+                    rnd.deadline = until
+
     def _timeout_error(self, job: Job, rnd: Round, now: float) -> CoreError:
         timed_out = now if rnd.deadline is None else min(now, rnd.deadline)  # (noticed late: when it passed)
         return CoreError(

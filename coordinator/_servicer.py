@@ -61,6 +61,9 @@ def _serialize(message) -> bytes:
 _DECODERS = {"Rendezvous": decode_rendezvous, "Session": decode_session_calls}
 _VERSIONS_TOLD_KEPT = 1024  # (job, version) pairs, and refusals, logged once each (Servicer._tell_version, _refusal)
 _REFUSALS_KEPT = 1024  # processes whose latest refused registration is remembered (Servicer.Register)
+# Seconds late an alarm rings when the loop was held up (Servicer._ring), and the time then
+# given to read the calls that came meanwhile before what was due is judged.
+HELD_UP = 1.0
 
 
 def _decoder(method) -> Callable:
@@ -149,6 +152,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
         self._deadline_order = itertools.count()
         self._alarm: asyncio.TimerHandle | None = None  # at the heap's first live deadline
         self._alarm_at = 0.0
+        self._reading_first_until = 0.0  # (see _read_first)
         self._world_tables: dict[str, tuple[int, bytes]] = {}  # job -> (core version, WaitWorldResponse)
         # Told to clients in Register and Heartbeat answers (0: none; see _server._SessionPort).
         self.session_port = 0
@@ -262,7 +266,11 @@ class Servicer(pb_grpc.CoordinatorServicer):
         members waiting or not (Core.expire; left pending, it would hold its arrivals and
         complete with a late one)."""
         self._alarm = None
-        due = max(self._alarm_at, self._clock())
+        now = self._clock()
+        if now - self._alarm_at > HELD_UP and self._alarm_at > self._reading_first_until:
+            self._read_first(now)
+            return
+        due = max(self._alarm_at, now)
         heap = self._deadline_heap
         expired = []
         while heap and heap[0][0] <= due:
@@ -282,6 +290,25 @@ class Servicer(pb_grpc.CoordinatorServicer):
                         waiter.set_result(False)
         while heap and self._deadlines.get(heap[0][2]) != heap[0][0]:  # lapsed
             heapq.heappop(heap)
+        if heap:
+            self._set_alarm(heap[0][0])
+
+    def _read_first(self, now: float) -> None:
+        """The alarm rang late: the loop was held up (the process stopped and continued, a
+        paused host or container) while deadlines passed. The calls sent meanwhile wait
+        unread in the sockets, and after a stop the loop runs its overdue timers before it
+        reads them: what was due is judged ``HELD_UP`` later instead, once they are read (a
+        call sent in time completes its round, its member not counted missing). Once: what
+        was due by the end of that time is judged then, however late the alarm rings."""
+        until = self._reading_first_until = now + HELD_UP
+        self._core.hold_over(now, until)
+        deadlines = self._deadlines
+        for key, deadline in deadlines.items():
+            if deadline <= now:
+                deadlines[key] = until
+        heap = self._deadline_heap
+        heap[:] = [(d, next(self._deadline_order), k) for k, d in deadlines.items()]
+        heapq.heapify(heap)
         if heap:
             self._set_alarm(heap[0][0])
 

@@ -700,6 +700,20 @@ def test_status_and_health_wait_say_why_they_cannot_connect():
     assert "nowhere.invalid:7481: UNAVAILABLE: " in unknown.stderr, unknown.stderr
 
 
+def test_status_and_health_say_what_no_answer_means():
+    """Against a port that takes connections and never answers (a stopped or frozen
+    coordinator), `status` and `health` end at --timeout saying so, not with gRPC's bare
+    "Deadline Exceeded"."""
+    with socket.socket() as frozen:
+        frozen.bind(("127.0.0.1", 0))
+        frozen.listen(16)  # (connections complete in the backlog; nothing reads them)
+        address = f"127.0.0.1:{frozen.getsockname()[1]}"
+        for command in ("status", "health"):
+            out = run_cli(command, "--address", address, "--timeout", "1.5")
+            assert out.returncode == 1, (command, out.stderr)
+            assert "No answer within 1.5 s (--timeout): the coordinator, or the network to it, is frozen" in out.stderr, out.stderr
+
+
 def test_health_and_status_ignore_client_settings_they_do_not_use():
     """A container's probe runs in the coordinator's environment, which may hold client
     settings too: malformed ones that `health` and `status` do not use (timeouts, job,

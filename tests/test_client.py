@@ -1950,8 +1950,9 @@ def test_the_wake_chain_wakes_each_waiter_in_turn():
 
 def test_a_call_queued_behind_an_interrupted_one_still_keeps_its_timeout(coordinator, sigint_raises_interrupted):
     """The main thread's rounds run on its stand-in, in order: interrupted in a round that
-    waits for ever, its next call (timeout 2 s) raises RendezvousTimeout once its deadline
-    and the transport grace have passed, instead of waiting for the first one."""
+    waits for ever, its next call (timeout 2 s) raises RendezvousTimeout at its deadline,
+    instead of waiting for the first one (or 10 s more, the grace an answer on its way is
+    given: none is)."""
     client = make_client(coordinator.address, tasks=2, devices=2, timeout=None)
     stop = threading.Event()
 
@@ -1973,7 +1974,7 @@ def test_a_call_queued_behind_an_interrupted_one_still_keeps_its_timeout(coordin
         started = time.monotonic()
         with pytest.raises(pr.RendezvousTimeout, match=r"rendezvous\('next'\) of ordinal 0 timed out before it started"):
             client.rendezvous(binding, "next", b"0", replicas=[0, 1], timeout=2)
-        assert time.monotonic() - started < 30
+        assert time.monotonic() - started < 8
     finally:
         stop.set()
         sibling.join(10)

@@ -1328,6 +1328,24 @@ def test_an_arrival_after_the_deadline_fails_the_round_it_would_have_completed()
     assert pod.result(pod.arrive(1, now=11.0, round_number=1)) == [b"p0", b"p1"]  # the next round is whole
 
 
+def test_a_round_held_over_is_completed_by_an_arrival_read_after_its_deadline():
+    """hold_over (the coordinator was held up as deadlines passed): each pending round whose
+    deadline passed is judged at ``until`` instead, so a member whose call waited unread
+    completes it; a round whose deadline is still ahead keeps it; one held over that nobody
+    completes fails at ``until``."""
+    pod = make_pod(3)
+    held = pod.arrive(0, now=0.0, deadline=1.0, replicas=[0, 1])
+    lonely = pod.arrive(0, now=0.0, deadline=2.0, replicas=[0, 2])
+    ahead = pod.arrive(0, now=0.0, deadline=30.0)
+    pod.core.hold_over(5.0, 6.0)
+    assert (pod.deadline(held), pod.deadline(lonely), pod.deadline(ahead)) == (6.0, 6.0, 30.0)
+    assert pod.result(pod.arrive(1, now=5.5, deadline=20.0, replicas=[0, 1])) == [b"p0", b"p1"]
+    pod.core.expire(5.9)
+    assert pod.outcome(lonely) is None
+    pod.core.expire(6.0)
+    assert pod.error(lonely).code is Code.DEADLINE_EXCEEDED and pod.outcome(ahead) is None
+
+
 def test_rounds_without_a_deadline_never_expire():
     """expire() leaves rounds whose members all wait forever alone."""
     pod = make_pod(2)

@@ -257,20 +257,25 @@ def test_a_coordinator_stopped_and_continued_past_the_heartbeat_timeout_declares
     heartbeat timeout while its clients keep heartbeating, then continued: the heartbeats
     waiting in its sockets count before anyone is judged. (After a stop, the loop ran the
     overdue liveness check before reading them, and declared every process dead.) Likewise
-    a round that the calls waiting there complete is not logged late."""
+    a round that the calls waiting there complete is not logged late, and a round or a key
+    wait whose deadline passed during the stop is completed by them (the overdue alarm
+    failed both, naming as missing a member whose call was on time)."""
     from test_cli import Serve
 
     with Serve("--heartbeat-timeout", "2", "--late-after", "2") as server:
         clients = [pair_client(server.address, task) for task in range(2)]
-        with bound(clients) as pools:  # heartbeats every 2/3 s
-            time.sleep(1.0)
-            first = pools[0].submit(lambda: clients[0].rendezvous(pr.current_binding(), "during", b"x"))
-            time.sleep(0.3)  # (waiting in the round)
+        with bound(clients) as pools, concurrent.futures.ThreadPoolExecutor(2) as kv:
+            time.sleep(1.0)  # heartbeats every 2/3 s
+            first = pools[0].submit(lambda: clients[0].rendezvous(pr.current_binding(), "during", b"x", timeout=2.5))
+            read = kv.submit(clients[0].get, "during", timeout=2.5)
+            time.sleep(0.3)  # (waiting in the round and for the key)
             server.proc.send_signal(signal.SIGSTOP)
             second = pools[1].submit(lambda: clients[1].rendezvous(pr.current_binding(), "during", b"x"))
+            setting = kv.submit(clients[1].set, "during", b"v")
             time.sleep(3.5)
             server.proc.send_signal(signal.SIGCONT)
             assert first.result(10) == second.result(10) == [b"x", b"x"]
+            assert read.result(10) == b"v" and setting.result(10) is None
             time.sleep(2.0)
             status = clients[0].status()
             assert all(p.alive for p in status.jobs[0].participants), status

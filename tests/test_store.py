@@ -166,7 +166,8 @@ def test_a_timeout_under_a_millisecond_expires_and_is_not_no_timeout(client, sto
     get of a missing key times out as on a TCPStore (it became 0 and waited forever)."""
     store.set_timeout(datetime.timedelta(microseconds=500))
     assert store.timeout == datetime.timedelta(milliseconds=1)
-    assert Store(client, prefix=store.prefix, timeout=0.0005).timeout == datetime.timedelta(milliseconds=1)
+    for tiny in (0.0005, 1e-9):  # (timedelta(seconds=1e-9) is 0)
+        assert Store(client, prefix=store.prefix, timeout=tiny).timeout == datetime.timedelta(milliseconds=1), tiny
     started = time.monotonic()
     with pytest.raises(StoreTimeout, match="never-set"):
         store.get("never-set")
