@@ -599,6 +599,10 @@ def _stand_in_round(client: "Client", calls: queue.SimpleQueue) -> bool:
     return True
 
 
+# Each client's latest call handed to its stand-in, while the main thread has not taken its
+# outcome (interrupted, or gone at its deadline): the list the stand-in fills (Client._stand_in_calls).
+_stand_in_latest: "weakref.WeakKeyDictionary[Client, list]" = weakref.WeakKeyDictionary()
+
 # Threads inside a torch Store's call (client/_store.py) -> the client it calls through, and the thread:
 # Client.close() lets them leave. (Not an attribute: see Client.__init__.)
 store_callers: dict[int, tuple["Client", threading.Thread]] = {}
@@ -1052,20 +1056,12 @@ class Client:
             self._closed = True
             return
         self._stopped.set()
-        # Closed before the Leave: a call its Leave fails (this process's rounds) is told the
-        # client was closed, not that this process died.
-        with self._session_lock:
-            self._closed = True
-        # A registration under way is waited for (as long as a Leave may take): a Leave that
-        # reached the coordinator before it would leave the process registered.
-        give_up = time.monotonic() + _LEAVE_TIMEOUT
-        while True:
-            with self._lock:
-                registered, registering = self._background_started, _registering.get(self, 0)
-            if not registering or time.monotonic() >= give_up:
-                break
-            time.sleep(0.005)
-        if leave and (registered or registering):  # say goodbye
+        # Closed before the Leave (a call its Leave fails, this process's round, is told the
+        # client was closed, not that this process died), and without a lock: a signal
+        # handler runs this (xla's SIGTERM), perhaps while its thread holds one. The
+        # sessions are closed under the session lock below, once no new one is opened.
+        self._closed = True
+        if leave:
             self._leave()
         with self._session_lock:
             for session in (self._current_session, self._relay_session):
@@ -1100,10 +1096,25 @@ class Client:
                     thread.join(max(0.0, left - time.monotonic()))
 
     def _leave(self) -> None:
-        """Tells the coordinator this process is done (best effort)."""
+        """close()'s goodbye (best effort), within _LEAVE_TIMEOUT in all: first the
+        registrations under way are waited for (a Leave that reached the coordinator before
+        one would leave the process registered); none when nothing was registered, or when
+        a registration is still unanswered then (the coordinator declares the process dead
+        once its connection closes)."""
+        give_up = time.monotonic() + _LEAVE_TIMEOUT
+        if _registering.get(self):
+            with _closing:
+                _closing.notify_all()  # (one waiting to try again ends now: UsageError)
+        # The count is read before whether any registration was answered: one answered in
+        # between counts as registered (bind_thread changes both in one hold of the lock).
+        while (registering := _registering.get(self, 0)) and time.monotonic() < give_up:
+            time.sleep(0.005)
+        if registering or not self._background_started:
+            return
         try:
             self._stub.Leave(
-                pb.LeaveRequest(job=self.settings.job, incarnation=self.incarnation), timeout=_LEAVE_TIMEOUT,
+                pb.LeaveRequest(job=self.settings.job, incarnation=self.incarnation),
+                timeout=max(0.1, give_up - time.monotonic()),
                 metadata=self._metadata,
             )
         except grpc.RpcError as exc:
@@ -1535,8 +1546,8 @@ class Client:
                 if len(self._batches) > (not send):  # other open batches (ours is one unless sent)
                     self._signal_gathered(batch)
         if handed:  # from here on an interrupt stops only the wait
-            done, outcome = handed
-            if not done.acquire(True, -1 if deadline is None else max(0.0, deadline - time.monotonic())):
+            done, outcome, queued = handed
+            if not done.acquire(True, -1 if deadline is None or not queued else max(0.0, deadline - time.monotonic())):
                 if not outcome:
                     # Queued behind an earlier call that was interrupted and still waits: the
                     # stand-in runs this one later, expired (its round fails for its peers too).
@@ -1545,6 +1556,7 @@ class Client:
                         "call of the main thread, interrupted, is still waiting for its round"
                     )
                 done.acquire()  # under way, and bounded by its own cut-offs (_call)
+            del _stand_in_latest[self]  # (done: kept only while one is not, what it holds with it)
             _, payloads, error = outcome
             if error is not None:
                 try:
@@ -1625,14 +1637,14 @@ class Client:
         error.__suppress_context__ = True  # (exc's message is in it)
         return error
 
-    def _stand_in_calls(self, call: tuple) -> tuple[LockType, list] | None:
+    def _stand_in_calls(self, call: tuple) -> tuple[LockType, list, bool] | None:
         """With the lock held (against close() and the bindings changing): hands a call of
         the main thread to the stand-in thread, started with the first call the main thread
         makes while other threads of the process are bound; returns a lock released once
         the outcome, (payloads, None) or (None, the exception), is in the list, after the
-        True the stand-in puts there when it starts the call. None: the
-        main thread makes the call itself (it has never had siblings, or the client is
-        closed).
+        True the stand-in puts there when it starts the call; and whether it is queued
+        behind an earlier call not done yet (one interrupted). None: the main thread makes
+        the call itself (it has never had siblings, or the client is closed).
 
         The main thread is the one a signal interrupts (Ctrl-C), at almost any point. In a
         round its siblings depend on whichever thread sends their batch, or waits out the
@@ -1656,8 +1668,10 @@ class Client:
                 raise
         done, outcome = _allocate_lock(), []
         done.acquire()
+        earlier = _stand_in_latest.get(self)
+        _stand_in_latest[self] = outcome
         calls.put((call, done, outcome))
-        return done, outcome
+        return done, outcome, earlier is not None and len(earlier) < 3  # (an earlier call not done)
 
     def _signal_gathered(self, arrived: _Batch) -> None:
         """With the lock held: an arrival may complete other batches too (its thread is no

@@ -154,7 +154,8 @@ def from_rpc_error(exc: grpc.RpcError, *, address: str, method: str, where: str 
         hint = connection_hint(details)
         details = (
             f"coordinator at {address} unavailable for {method}: {details}. Is "
-            f"`pjrt-rendezvous serve` running there, and is that its address (from init(address=), a Store's "
+            f"`pjrt-rendezvous serve` (or the process embedding a Coordinator, task 0's) running there, and is "
+            f"that its address (from init(address=), a Store's "
             f"URL, PJRT_RENDEZVOUS_ADDRESS, or worker 0 of TPU_WORKER_HOSTNAMES)?{where}{hint}"
         )
     elif code == grpc.StatusCode.UNIMPLEMENTED:  # another gRPC server, an HTTP one (404), or an older coordinator

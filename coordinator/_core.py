@@ -1745,6 +1745,13 @@ class Core:
             for rnd in overdue:
                 self._fail(job, rnd, self._timeout_error(job, rnd, now))
 
+    def fail_pending(self, why: str) -> None:
+        """Every pending round fails (ABORTED) saying ``why``: the coordinator stops for good
+        (an embedded one, without a state file), and nothing would answer their members."""
+        for job in self.jobs.values():
+            for rnd in list(job.pending.values()):
+                self._fail(job, rnd, CoreError(Code.ABORTED, f"{rnd.describe()} fails: {why}"))
+
     def hold_over(self, now: float, until: float) -> None:
         """The coordinator was held up (stopped, paused) as the deadlines of pending rounds
         passed: each round whose deadline passed is judged at ``until`` instead, once the

@@ -541,11 +541,17 @@ class RunningServer:
         self._hurried = asyncio.Event()
         self._hurry_task: asyncio.Task | None = None  # (kept: the loop holds tasks weakly)
 
-    async def stop(self, grace: float | None) -> None:
+    async def stop(self, grace: float | None, *, for_good: str | None = None) -> None:
         """Marks health NOT_SERVING, lets in-flight calls finish for ``grace`` seconds (or
-        until :meth:`hurry`), stops, and writes the state file a last time."""
+        until :meth:`hurry`), stops, and writes the state file a last time. With
+        ``for_good`` (why) and no state file, the pending rounds fail first, saying so (no
+        coordinator will take them up again: their members would look for one until their
+        ``connect_timeout``)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (grace or 0.0)  # (None: none, as for gRPC's stop)
+        if for_good is not None and self.writer is None:
+            self.core.fail_pending(for_good)
+            self._servicer._wake()
         for task in self._tasks:
             task.cancel()
         await self._health.enter_graceful_shutdown()
@@ -796,6 +802,7 @@ class Coordinator:
         self._running: RunningServer | None = None
         self._stopping: asyncio.Event | None = None
         self._grace: float | None = self._options.grace
+        self._why = ""  # why it stops (told to the rounds it fails: RunningServer.stop)
 
     @property
     def port(self) -> int | None:
@@ -840,7 +847,8 @@ class Coordinator:
             finally:
                 started.set()
             await self._stopping.wait()
-            await self._running.stop(self._grace)
+            here = f"the coordinator embedded in process {os.getpid()} on {socket.gethostname()}"
+            await self._running.stop(self._grace, for_good=f"{here} stopped ({self._why}); nothing answers there any more")
             await _let_calls_end()
 
         def run() -> None:
@@ -858,12 +866,15 @@ class Coordinator:
             raise failure[0]
         return self
 
-    def stop(self, grace: float | None | object = _MADE_WITH) -> None:
+    def stop(self, grace: float | None | object = _MADE_WITH, *, _why: str = "Coordinator.stop() was called") -> None:
         """Stops serving; calls still running get ``grace`` seconds (default: the ``grace``
-        it was made with; None: none), then are cancelled."""
+        it was made with; None: none), then are cancelled. Without a state file, the rounds
+        still pending fail at once, saying the coordinator stopped: none will take them up
+        again (every process's work should be done first, its own included)."""
         if self._running is None or self._loop is None or self._thread is None:
             return
         self._grace = self._options.grace if grace is _MADE_WITH else grace
+        self._why = _why
         self._loop.call_soon_threadsafe(self._stopping.set)
         self._thread.join()
         self._running = None
@@ -872,8 +883,9 @@ class Coordinator:
         # (``with Coordinator(...).start() as c:`` enters one already running)
         return self if self._running is not None else self.start()
 
-    def __exit__(self, *exc_info) -> None:
-        self.stop()
+    def __exit__(self, kind, exc, traceback) -> None:
+        left = "its process left the `with Coordinator(...)` block"
+        self.stop(_why=left if exc is None else f"{left} on {kind.__name__}: {exc}" if str(exc) else f"{left} on {kind.__name__}")
 
 
 _ROUNDS_NAMED_AT_STOP = 3

@@ -152,7 +152,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
         self._deadline_order = itertools.count()
         self._alarm: asyncio.TimerHandle | None = None  # at the heap's first live deadline
         self._alarm_at = 0.0
-        self._reading_first_until = 0.0  # (see _read_first)
+        self._held_at = self._reading_first_until = 0.0  # (see _read_first)
         self._world_tables: dict[str, tuple[int, bytes]] = {}  # job -> (core version, WaitWorldResponse)
         # Told to clients in Register and Heartbeat answers (0: none; see _server._SessionPort).
         self.session_port = 0
@@ -300,7 +300,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
         reads them: what was due is judged ``HELD_UP`` later instead, once they are read (a
         call sent in time completes its round, its member not counted missing). Once: what
         was due by the end of that time is judged then, however late the alarm rings."""
-        until = self._reading_first_until = now + HELD_UP
+        self._held_at, until = now, now + HELD_UP
+        self._reading_first_until = until
         self._core.hold_over(now, until)
         deadlines = self._deadlines
         for key, deadline in deadlines.items():
@@ -311,6 +312,11 @@ class Servicer(pb_grpc.CoordinatorServicer):
         heapq.heapify(heap)
         if heap:
             self._set_alarm(heap[0][0])
+
+    def _judged(self, deadline: float | None) -> float | None:
+        """When a wait of ``deadline`` ends: later if it passed while the loop was held up
+        (see _read_first; a round's own deadline is moved by Core.hold_over)."""
+        return deadline if deadline is None or deadline > self._held_at else self._reading_first_until
 
     # -- ranks ----------------------------------------------------------------------------
 
@@ -433,8 +439,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
         start = self._clock()
         deadline = None if timeout is None else start + timeout
         while not self._core.world_complete(request.job):
-            if not await self._wait(("world", request.job), deadline) and (
-                deadline is not None and self._clock() >= deadline
+            if not await self._wait(("world", request.job), self._judged(deadline)) and (
+                deadline is not None and self._clock() >= self._judged(deadline)
             ):
                 raise self._core.world_timeout(request.job, self._clock(), self._clock() - start)
         job = self._core.jobs[request.job]
@@ -706,8 +712,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
             missing = [k for k, v in zip(request.keys, values) if v is None]
             if not request.wait or not missing:
                 break
-            if not await self._wait(("kv", request.job, missing[0]), deadline) and (
-                deadline is not None and self._clock() >= deadline
+            if not await self._wait(("kv", request.job, missing[0]), self._judged(deadline)) and (
+                deadline is not None and self._clock() >= self._judged(deadline)
             ):
                 raise core.kv_timeout(request.job, request.keys, self._clock() - start)
             core.check_store(request.job, seen)  # (the job dropped meanwhile: its keys are gone)

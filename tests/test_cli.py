@@ -1641,14 +1641,16 @@ def test_a_state_file_that_cannot_be_written_stops_serve_instead_of_answering_fr
 
 def test_an_embedded_coordinator_stops_with_the_grace_it_was_made_with():
     """Coordinator(grace=...) is the grace its stop() (and a with block's end) gives calls in
-    flight, as --grace is serve's (it gave 1 s whatever it was made with)."""
+    flight, as --grace is serve's (it gave 1 s whatever it was made with). (A pending round
+    is not one of them: it fails at once, see test_reliability.)"""
     from pjrt_rendezvous.coordinator import Coordinator
 
     coordinator = Coordinator(port=0, grace=3.0).start()
     client = simulated_process(coordinator.address, 0, processes=2, threads=1)
     try:
-        thread, errors = bound_thread(client, 0, lambda binding: client.rendezvous(binding, "never", b"", timeout=None))
-        wait_until(lambda: client.status().jobs[0].pending_rounds, what="the pending round")
+        thread, errors = bound_thread(client, 0, lambda binding: client.get("never", timeout=None))
+        waiters = coordinator._running._servicer._waiters
+        wait_until(lambda: any(key[0] == "kv" for key in list(waiters)), what="the get waiting")
         started = time.monotonic()
         coordinator.stop()
         assert 2.5 < time.monotonic() - started < 15

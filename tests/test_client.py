@@ -1981,6 +1981,35 @@ def test_a_call_queued_behind_an_interrupted_one_still_keeps_its_timeout(coordin
         client.close()
 
 
+def test_a_main_thread_call_its_stand_in_starts_late_keeps_its_round(coordinator, monkeypatch):
+    """The stand-in thread slow to start a main-thread call (the GIL busy elsewhere) past the
+    call's short timeout, with no earlier call in the way: the main thread waits for it (it
+    said "timed out before it started ... interrupted" though nothing was, while the
+    stand-in completed the round for its peers)."""
+    from pjrt_rendezvous.client import _client as module
+
+    client = make_client(coordinator.address, devices=2, timeout=30)
+    run = module._stand_in_round
+
+    def slow(*args):
+        time.sleep(0.5)
+        return run(*args)
+
+    monkeypatch.setattr(module, "_stand_in_round", slow)
+    sibling = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        sibling.submit(client.bind_thread, 1).result(10)
+        arrived = sibling.submit(lambda: client.rendezvous(pr.current_binding(), "r", b"1", timeout=10))
+        binding = client.bind_thread(0)
+        assert client.rendezvous(binding, "r", b"0", timeout=0.2) == [b"0", b"1"]
+        assert arrived.result(10) == [b"0", b"1"]
+    finally:
+        client.unbind_thread()
+        sibling.submit(client.unbind_thread).result(10)
+        sibling.shutdown()
+        client.close()
+
+
 def test_keys_timeouts_tags_and_closed_clients_are_refused_before_anything_is_sent(coordinator):
     """A key given alone where a list belongs (its letters would be keys), a tag that is not
     UTF-8 (refused before its round counts: its peers do not wait for it), a timeout longer

@@ -267,21 +267,50 @@ def test_a_coordinator_stopped_and_continued_past_the_heartbeat_timeout_declares
         with bound(clients) as pools, concurrent.futures.ThreadPoolExecutor(2) as kv:
             time.sleep(1.0)  # heartbeats every 2/3 s
             first = pools[0].submit(lambda: clients[0].rendezvous(pr.current_binding(), "during", b"x", timeout=2.5))
-            read = kv.submit(clients[0].get, "during", timeout=2.5)
+            read = kv.submit(clients[0].multi_get, ["during", "during-too"], timeout=2.5)
             time.sleep(0.3)  # (waiting in the round and for the key)
             server.proc.send_signal(signal.SIGSTOP)
             second = pools[1].submit(lambda: clients[1].rendezvous(pr.current_binding(), "during", b"x"))
-            setting = kv.submit(clients[1].set, "during", b"v")
+            setting = kv.submit(lambda: [clients[1].set(key, b"v") for key in ("during", "during-too")])  # (one by one)
             time.sleep(3.5)
             server.proc.send_signal(signal.SIGCONT)
             assert first.result(10) == second.result(10) == [b"x", b"x"]
-            assert read.result(10) == b"v" and setting.result(10) is None
+            assert read.result(10) == [b"v", b"v"] and setting.result(10) == [None, None]
             time.sleep(2.0)
             status = clients[0].status()
             assert all(p.alive for p in status.jobs[0].participants), status
             assert "died" not in server.stderr() and "round late" not in server.stderr(), server.stderr()
             assert meet(pools, clients, "after") == [[b"x", b"x"]] * 2
         server.stop()
+
+
+@pytest.mark.parametrize("how", ["stop", "with"])
+def test_an_embedded_coordinator_that_stops_fails_its_pending_rounds_at_once_saying_why(how):
+    """An embedded coordinator stopped (``stop()``, or its ``with`` block left on an
+    exception: a Ctrl-C in task 0) while rounds wait: their members are told at once that it
+    stopped, and why. (Their calls were cancelled, and each looked for a coordinator until
+    its connect_timeout, 60 s, then asked whether `pjrt-rendezvous serve` was running.)"""
+    coordinator = Coordinator(port=0).start()
+    client = pair_client(coordinator.address, 1)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        binding = pool.submit(client.bind_thread, 0).result(10)
+        waiting = pool.submit(client.rendezvous, binding, "r", b"x")  # task 0 never comes
+        while not client.status().jobs[0].pending_rounds:
+            time.sleep(0.01)
+        started = time.monotonic()
+        if how == "stop":
+            coordinator.stop()
+        else:
+            with pytest.raises(KeyboardInterrupt), coordinator:
+                raise KeyboardInterrupt
+        with pytest.raises(pr.ParticipantFailedError) as failed:
+            waiting.result(10)
+        assert time.monotonic() - started < 5
+        why = "Coordinator.stop() was called" if how == "stop" else "left the `with Coordinator(...)` block on KeyboardInterrupt"
+        assert f"rendezvous 'r' on all ordinals (round 0) fails: the coordinator embedded in process {os.getpid()}" in str(failed.value)
+        assert why in str(failed.value), str(failed.value)
+        pool.submit(client.unbind_thread).result(10)
+    client.close(leave=False)
 
 
 def _timed(call) -> tuple[str, float, str]:
@@ -359,7 +388,7 @@ def test_a_frozen_coordinator_fails_rounds_through_a_host_relay_within_the_budge
             try:  # (task 0 never comes to this round)
                 name, took, message = pools[1].submit(_timed, lambda: clients[1].rendezvous(pr.current_binding(), "r", b"x")).result(timeout=120)
                 assert name == "CoordinatorUnavailableError" and took < 75, (name, took)
-                assert message.count("Is `pjrt-rendezvous serve` running") == 1, message  # (said once)
+                assert message.count("Is `pjrt-rendezvous serve` (or the process embedding") == 1, message  # (said once)
             finally:
                 server.proc.send_signal(signal.SIGCONT)
         server.stop()
@@ -424,7 +453,7 @@ def test_a_round_through_a_host_relay_to_a_frozen_coordinator_ends_as_unavailabl
             try:  # (task 0 never comes to this round)
                 name, took, message = pools[1].submit(_timed, lambda: clients[1].rendezvous(pr.current_binding(), "r", b"x")).result(timeout=120)
                 assert name == "CoordinatorUnavailableError" and took < 20, (name, took, message)
-                assert "Rendezvous" in message and message.count("Is `pjrt-rendezvous serve` running") == 1, message
+                assert "Rendezvous" in message and message.count("Is `pjrt-rendezvous serve` (or the process embedding") == 1, message
             finally:
                 server.proc.send_signal(signal.SIGCONT)
         server.stop()
