@@ -33,8 +33,8 @@ from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
 from ._config import _VARIABLES, DEFAULT, FAN_IN_AUTO_HOSTS, TOPOLOGY_VARIABLES, Settings, check_timeout
 from ._errors import (
-    CoordinatorUnavailableError, InvalidArgumentError, MismatchError, ParticipantFailedError, RendezvousError, RendezvousTimeout,
-    UnknownJobError, UsageError, connection_hint, from_rpc_error, wrong_protocol,
+    EMBEDDED_STOPPED, CoordinatorUnavailableError, InvalidArgumentError, MismatchError, ParticipantFailedError, RendezvousError,
+    RendezvousTimeout, UnknownJobError, UsageError, connection_hint, from_rpc_error, wrong_protocol,
 )
 from ._relay import Relay, relay_path
 from ._session import PING_EVERY, PING_TIMEOUT, Session, SocketSession, StatusError
@@ -1057,10 +1057,12 @@ class Client:
             return
         self._stopped.set()
         # Closed before the Leave (a call its Leave fails, this process's round, is told the
-        # client was closed, not that this process died), and without a lock: a signal
-        # handler runs this (xla's SIGTERM), perhaps while its thread holds one. The
-        # sessions are closed under the session lock below, once no new one is opened.
+        # client was closed, not that this process died), and the Leave sent before any lock
+        # is taken: a signal handler runs this (xla's SIGTERM), perhaps while its thread
+        # holds one. The sessions are closed under the session lock below, once no new one
+        # is opened.
         self._closed = True
+        _stand_in_latest.pop(self, None)  # (what it holds, an interrupted call's, goes too)
         if leave:
             self._leave()
         with self._session_lock:
@@ -1105,8 +1107,8 @@ class Client:
         if _registering.get(self):
             with _closing:
                 _closing.notify_all()  # (one waiting to try again ends now: UsageError)
-        # The count is read before whether any registration was answered: one answered in
-        # between counts as registered (bind_thread changes both in one hold of the lock).
+        # The count is read before whether any registration was answered, which bind_thread
+        # sets before it lowers the count: one answered in between counts as registered.
         while (registering := _registering.get(self, 0)) and time.monotonic() < give_up:
             time.sleep(0.005)
         if registering or not self._background_started:
@@ -1380,8 +1382,8 @@ class Client:
                 _registering[self] -= 1
             raise
         with self._lock:  # registered: close() leaves from now on (and waited for this answer)
-            _registering[self] -= 1
             first, self._background_started = not self._background_started, True
+            _registering[self] -= 1  # (after: close() reads the count first, without the lock)
             if self._closed:
                 del self._bindings[thread_index]
                 raise UsageError(_CLOSED)
@@ -1556,7 +1558,7 @@ class Client:
                         "call of the main thread, interrupted, is still waiting for its round"
                     )
                 done.acquire()  # under way, and bounded by its own cut-offs (_call)
-            del _stand_in_latest[self]  # (done: kept only while one is not, what it holds with it)
+            _stand_in_latest.pop(self, None)  # (done: kept only while one is not, what it holds with it)
             _, payloads, error = outcome
             if error is not None:
                 try:
@@ -1580,7 +1582,7 @@ class Client:
                 if isinstance(exc, RendezvousTimeout):
                     exc = self._local_timeout(exc, held, batch)
                 batch.error = exc
-                if isinstance(exc, ParticipantFailedError):
+                if isinstance(exc, ParticipantFailedError) and EMBEDDED_STOPPED not in str(exc):  # (no one to ask)
                     self._refresh_generation()
                 elif isinstance(exc, CoordinatorUnavailableError):
                     self._give_up(replicas, round_number, batch)

@@ -33,6 +33,11 @@ import grpc
 from ._version import build
 
 
+# How the rounds an embedded coordinator fails as it stops begin (coordinator/_server.py):
+# a client does not ask it for the job's generation after one (it is gone).
+EMBEDDED_STOPPED = "the coordinator embedded in process "
+
+
 class RendezvousError(Exception):
     """Root of every error this library raises (apart from TypeError for arguments of the wrong type)."""
 

@@ -31,7 +31,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pjrt_rendezvous.client._config import DEFAULT_JOB
-from pjrt_rendezvous.client._session import MAX_MESSAGE, FramedSession
+from pjrt_rendezvous.client._errors import EMBEDDED_STOPPED
+from pjrt_rendezvous.client._session import MAX_MESSAGE, FramedSession, clip
 from pjrt_rendezvous.client._topology import host_port
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
@@ -549,9 +550,15 @@ class RunningServer:
         ``connect_timeout``)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (grace or 0.0)  # (None: none, as for gRPC's stop)
-        if for_good is not None and self.writer is None:
-            self.core.fail_pending(for_good)
-            self._servicer._wake()
+        failing = for_good is not None and self.writer is None
+
+        def fail() -> None:  # (the rounds pending now, and any a call in the grace makes)
+            if failing:
+                self.core.fail_pending(for_good)
+                self._servicer._wake()
+
+        fail()
+        await asyncio.sleep(0)  # (their answers go out, even without a grace)
         for task in self._tasks:
             task.cancel()
         await self._health.enter_graceful_shutdown()
@@ -564,6 +571,7 @@ class RunningServer:
             if self._hurried.is_set() or loop.time() >= deadline:
                 break
             await asyncio.sleep(0.02)
+            fail()
         await self.server.stop(max(0.0, deadline - loop.time()))
         if sessions is not None:
             sessions.close()
@@ -847,8 +855,8 @@ class Coordinator:
             finally:
                 started.set()
             await self._stopping.wait()
-            here = f"the coordinator embedded in process {os.getpid()} on {socket.gethostname()}"
-            await self._running.stop(self._grace, for_good=f"{here} stopped ({self._why}); nothing answers there any more")
+            why = f"{EMBEDDED_STOPPED}{os.getpid()} on {socket.gethostname()} stopped ({self._why})"
+            await self._running.stop(self._grace, for_good=why)
             await _let_calls_end()
 
         def run() -> None:
@@ -885,7 +893,8 @@ class Coordinator:
 
     def __exit__(self, kind, exc, traceback) -> None:
         left = "its process left the `with Coordinator(...)` block"
-        self.stop(_why=left if exc is None else f"{left} on {kind.__name__}: {exc}" if str(exc) else f"{left} on {kind.__name__}")
+        said = clip(str(exc).partition("\n")[0]) if exc is not None else ""  # (its first line)
+        self.stop(_why=left if exc is None else f"{left} on {kind.__name__}: {said}" if said else f"{left} on {kind.__name__}")
 
 
 _ROUNDS_NAMED_AT_STOP = 3

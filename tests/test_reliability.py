@@ -284,12 +284,13 @@ def test_a_coordinator_stopped_and_continued_past_the_heartbeat_timeout_declares
         server.stop()
 
 
-@pytest.mark.parametrize("how", ["stop", "with"])
+@pytest.mark.parametrize("how", ["stop", "stop without grace", "with"])
 def test_an_embedded_coordinator_that_stops_fails_its_pending_rounds_at_once_saying_why(how):
-    """An embedded coordinator stopped (``stop()``, or its ``with`` block left on an
-    exception: a Ctrl-C in task 0) while rounds wait: their members are told at once that it
-    stopped, and why. (Their calls were cancelled, and each looked for a coordinator until
-    its connect_timeout, 60 s, then asked whether `pjrt-rendezvous serve` was running.)"""
+    """An embedded coordinator stopped (``stop()``, with no grace too, or its ``with`` block
+    left on an exception: a Ctrl-C in task 0) while rounds wait: their members are told at
+    once that it stopped, and why. (Their calls were cancelled, and each looked for a
+    coordinator until its connect_timeout, 60 s, then asked whether `pjrt-rendezvous serve`
+    was running.)"""
     coordinator = Coordinator(port=0).start()
     client = pair_client(coordinator.address, 1)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -298,15 +299,15 @@ def test_an_embedded_coordinator_that_stops_fails_its_pending_rounds_at_once_say
         while not client.status().jobs[0].pending_rounds:
             time.sleep(0.01)
         started = time.monotonic()
-        if how == "stop":
-            coordinator.stop()
+        if how.startswith("stop"):
+            coordinator.stop(**({"grace": None} if how == "stop without grace" else {}))
         else:
             with pytest.raises(KeyboardInterrupt), coordinator:
                 raise KeyboardInterrupt
         with pytest.raises(pr.ParticipantFailedError) as failed:
             waiting.result(10)
         assert time.monotonic() - started < 5
-        why = "Coordinator.stop() was called" if how == "stop" else "left the `with Coordinator(...)` block on KeyboardInterrupt"
+        why = "Coordinator.stop() was called" if how.startswith("stop") else "left the `with Coordinator(...)` block on KeyboardInterrupt"
         assert f"rendezvous 'r' on all ordinals (round 0) fails: the coordinator embedded in process {os.getpid()}" in str(failed.value)
         assert why in str(failed.value), str(failed.value)
         pool.submit(client.unbind_thread).result(10)
