@@ -418,6 +418,8 @@ def _holder(fd: int) -> str:
 
 def _in_use(given: os.PathLike | str, real: pathlib.Path, holder: str) -> str:
     by = f" ({holder})" if holder else ""
+    if holder == f"pid {os.getpid()} on {socket.gethostname()}":
+        by = f" ({holder}: this process, another Coordinator in it)"
     return (
         f"the state file {_named(given, real)} (--state-file) is in use by another coordinator{by}: it holds "
         f"{lock_path(real)}; two coordinators on one state file would lose each other's writes. Stop it first, "
