@@ -174,7 +174,8 @@ _clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
 _store_ids: "weakref.WeakKeyDictionary[Client, str]" = weakref.WeakKeyDictionary()
 # The job each client registered in (RegisterResponse.job_id), kept here for the same reason.
 _job_ids: "weakref.WeakKeyDictionary[Client, str]" = weakref.WeakKeyDictionary()
-# How many of each client's registrations are under way (under its lock; close() waits for them).
+# How many of each client's registrations are under way (changed under its lock; close() reads it
+# without, and waits for them: Client._leave).
 _registering: "weakref.WeakKeyDictionary[Client, int]" = weakref.WeakKeyDictionary()
 # Bindings whose thread ended bound, said so (Client._wait_for_sender): once each.
 _said_ended: "weakref.WeakSet[Binding]" = weakref.WeakSet()
