@@ -1923,7 +1923,7 @@ class Client:
         what = f"key {keys[0]!r}" if len(keys) == 1 else f"{len(keys)} keys"
 
         def progress(_: float) -> None:
-            from pjrt_rendezvous.coordinator._core import _duration
+            from pjrt_rendezvous.coordinator._core import _duration, keys_shown
 
             now = time.monotonic()
             if deadline is not None and now >= deadline:
@@ -1937,8 +1937,7 @@ class Client:
                 if len(keys) == 1:
                     said = "not set yet" if missing else "set (its answer is on the way)"
                 else:
-                    shown = ", ".join(repr(k) for k in missing[:20]) + (" ..." if len(missing) > 20 else "")
-                    said = f"{len(missing)} not set yet: {shown}" if missing else "all set (the answer is on the way)"
+                    said = f"{len(missing)} not set yet: {keys_shown(missing)}" if missing else "all set (the answer is on the way)"
             except RendezvousError as exc:
                 said = f"(which are set is unavailable: {exc})"
             log.warning("still waiting after %s s for %s of job %r: %s", _duration(time.monotonic() - started), what, job, said)

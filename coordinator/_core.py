@@ -209,6 +209,11 @@ def _one_line(reason: str) -> str:
     return reason if len(reason) <= _REST_CHARACTERS else reason[: _REST_CHARACTERS - 3] + "..."
 
 
+def keys_shown(keys: Sequence[str]) -> str:
+    """The first 20 of ``keys``, quoted: ``'a', 'b' ...``."""
+    return ", ".join(repr(k) for k in keys[:20]) + (" ..." if len(keys) > 20 else "")
+
+
 def _plural(count: int, word: str) -> str:
     """``_plural(2, "process")`` -> ``"2 processes"``."""
     return f"{count} {word}" if count == 1 else f"{count} {word}{'es' if word.endswith('s') else 's'}"
@@ -2298,11 +2303,10 @@ class Core:
     def kv_timeout(self, job_name: str, keys: Sequence[str], waited: float) -> CoreError:
         job = self._job_if_any(job_name)
         missing = [k for k in keys if job is None or k not in job.kv]
-        shown = ", ".join(repr(k) for k in missing[:20]) + (" ..." if len(missing) > 20 else "")
         return CoreError(
             Code.DEADLINE_EXCEEDED,
             f"{_plural(len(missing), 'key')} of job {job_name!r} still not set after "
-            f"{_duration(waited)} s: {shown}",
+            f"{_duration(waited)} s: {keys_shown(missing)}",
         )
 
     # -- status ---------------------------------------------------------------------------

@@ -545,17 +545,15 @@ class RunningServer:
     async def stop(self, grace: float | None, *, for_good: str | None = None) -> None:
         """Marks health NOT_SERVING, lets in-flight calls finish for ``grace`` seconds (or
         until :meth:`hurry`), stops, and writes the state file a last time. With
-        ``for_good`` (why) and no state file, the pending rounds fail first, saying so (no
-        coordinator will take them up again: their members would look for one until their
-        ``connect_timeout``)."""
+        ``for_good`` (why) and no state file, the pending rounds and the waits for keys or a
+        world fail first, saying so (Servicer.stop_for_good)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (grace or 0.0)  # (None: none, as for gRPC's stop)
         failing = for_good is not None and self.writer is None
 
         def fail() -> None:  # (the rounds pending now, and any a call in the grace makes)
             if failing:
-                self.core.fail_pending(for_good)
-                self._servicer._wake()
+                self._servicer.stop_for_good(for_good)
 
         fail()
         await asyncio.sleep(0)  # (their answers go out, even without a grace)

@@ -25,7 +25,7 @@ from pjrt_rendezvous.client._wire import RendezvousCall, decode_rendezvous, enco
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
-from ._core import ALL, Code, Core, CoreError, Registered, Registration, ThreadRequest, format_ranges
+from ._core import ALL, Code, Core, CoreError, Registered, Registration, ThreadRequest, _plural, format_ranges, keys_shown
 
 log = logging.getLogger("pjrt_rendezvous.coordinator")
 
@@ -157,6 +157,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
         # Told to clients in Register and Heartbeat answers (0: none; see _server._SessionPort).
         self.session_port = 0
         self._stopping = False  # streams end (see end_streams)
+        self._gone: str | None = None  # why the coordinator stopped for good (see stop_for_good)
         self._streams: dict[asyncio.Task, Callable[[], bool]] = {}  # Session streams -> idle?
         self._ended: set[asyncio.Task] = set()  # Session streams end_streams cancelled
         # (job, incarnation) -> its Watch streams open (one, but a stream opened again may
@@ -164,6 +165,21 @@ class Servicer(pb_grpc.CoordinatorServicer):
         self._watching: collections.Counter[tuple[str, str]] = collections.Counter()
         self._versions_told: set[tuple[str, str]] = set()  # (job, client version) logged as not ours
         self._warned: set[tuple] = set()  # what refusals serve's log told of (CoreError.warn), each once
+
+    def stop_for_good(self, why: str) -> None:
+        """The coordinator stops and none takes its calls up again (an embedded one without a
+        state file): pending rounds fail saying ``why``, and so do the waits for keys or for a
+        world, those waiting now and any that starts in the grace (their clients would look
+        for a coordinator until their ``connect_timeout``)."""
+        self._gone = why
+        self._core.fail_pending(why)
+        self._wake()
+        for key in [k for k in self._waiters if k[0] in ("kv", "world")]:
+            self._release(key)
+
+    def _not_gone(self, what: str) -> None:
+        if self._gone is not None:
+            raise CoreError(Code.ABORTED, f"{what} fails: {self._gone}")
 
     def end_streams(self) -> bool:
         """On stop, called until it returns False: every Watch stream ends (UNAVAILABLE; its
@@ -439,6 +455,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
         start = self._clock()
         deadline = None if timeout is None else start + timeout
         while not self._core.world_complete(request.job):
+            self._not_gone(f"the wait for the world of job {request.job!r}")
             if not await self._wait(("world", request.job), self._judged(deadline)) and (
                 deadline is not None and self._clock() >= self._judged(deadline)
             ):
@@ -712,6 +729,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
             missing = [k for k, v in zip(request.keys, values) if v is None]
             if not request.wait or not missing:
                 break
+            self._not_gone(f"the wait for {_plural(len(missing), 'key')} of job {request.job!r} ({keys_shown(missing)})")
             if not await self._wait(("kv", request.job, missing[0]), self._judged(deadline)) and (
                 deadline is not None and self._clock() >= self._judged(deadline)
             ):

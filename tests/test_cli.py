@@ -1639,13 +1639,13 @@ def test_a_state_file_that_cannot_be_written_stops_serve_instead_of_answering_fr
         assert "cannot write the state file" in stderr and f"the state file {state} could not be written" in stderr, stderr
 
 
-def test_an_embedded_coordinator_stops_with_the_grace_it_was_made_with():
+def test_an_embedded_coordinator_stops_with_the_grace_it_was_made_with(tmp_path):
     """Coordinator(grace=...) is the grace its stop() (and a with block's end) gives calls in
-    flight, as --grace is serve's (it gave 1 s whatever it was made with). (A pending round
-    is not one of them: it fails at once, see test_reliability.)"""
+    flight, as --grace is serve's (it gave 1 s whatever it was made with). (With a state
+    file: without one, a waiting get, as a pending round, fails at once, see test_reliability.)"""
     from pjrt_rendezvous.coordinator import Coordinator
 
-    coordinator = Coordinator(port=0, grace=3.0).start()
+    coordinator = Coordinator(port=0, grace=3.0, state_file=tmp_path / "state").start()
     client = simulated_process(coordinator.address, 0, processes=2, threads=1)
     try:
         thread, errors = bound_thread(client, 0, lambda binding: client.get("never", timeout=None))

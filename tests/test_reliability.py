@@ -287,17 +287,24 @@ def test_a_coordinator_stopped_and_continued_past_the_heartbeat_timeout_declares
 @pytest.mark.parametrize("how", ["stop", "stop without grace", "with"])
 def test_an_embedded_coordinator_that_stops_fails_its_pending_rounds_at_once_saying_why(how):
     """An embedded coordinator stopped (``stop()``, with no grace too, or its ``with`` block
-    left on an exception: a Ctrl-C in task 0) while rounds wait: their members are told at
-    once that it stopped, and why. (Their calls were cancelled, and each looked for a
-    coordinator until its connect_timeout, 60 s, then asked whether `pjrt-rendezvous serve`
-    was running.)"""
+    left on an exception: a Ctrl-C in task 0) while a round, a get of keys and a wait for
+    the world wait: each caller is told at once that it stopped, and why. (Their calls were
+    cancelled, and each looked for a coordinator until its connect_timeout, 60 s, then asked
+    whether `pjrt-rendezvous serve` was running.)"""
+    from test_cli import wait_until
+
     coordinator = Coordinator(port=0).start()
     client = pair_client(coordinator.address, 1)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
         binding = pool.submit(client.bind_thread, 0).result(10)
         waiting = pool.submit(client.rendezvous, binding, "r", b"x")  # task 0 never comes
-        while not client.status().jobs[0].pending_rounds:
-            time.sleep(0.01)
+        getting = pool.submit(client.get, "never set")
+        world = pool.submit(client.wait_world)
+        waits = coordinator._running._servicer._waiters
+        wait_until(
+            lambda: client.status().jobs[0].pending_rounds and ("kv", "default", "never set") in waits and ("world", "default") in waits,
+            what="the three waits",
+        )
         started = time.monotonic()
         if how.startswith("stop"):
             coordinator.stop(**({"grace": None} if how == "stop without grace" else {}))
@@ -310,6 +317,12 @@ def test_an_embedded_coordinator_that_stops_fails_its_pending_rounds_at_once_say
         why = "Coordinator.stop() was called" if how.startswith("stop") else "left the `with Coordinator(...)` block on KeyboardInterrupt"
         assert f"rendezvous 'r' on all ordinals (round 0) fails: the coordinator embedded in process {os.getpid()}" in str(failed.value)
         assert why in str(failed.value), str(failed.value)
+        for future, what in ((getting, "1 key of job 'default' ('never set')"), (world, "the world of job 'default'")):
+            with pytest.raises(pr.ParticipantFailedError) as failed:
+                future.result(10)
+            assert f"the wait for {what} fails: the coordinator embedded in process {os.getpid()}" in str(failed.value)
+            assert why in str(failed.value), str(failed.value)
+        assert time.monotonic() - started < 5
         pool.submit(client.unbind_thread).result(10)
     client.close(leave=False)
 
@@ -876,8 +889,11 @@ def test_a_get_waiting_through_a_restart_that_lost_the_keys_is_refused_at_once()
     was waiting beside: its resend is refused at once, naming why (it waited out its
     timeout, then said only that the key was still not set, as if nothing had happened),
     also when it is its client's first call (a rank's first blocking get under torch); the
-    client's next calls use the new, empty store."""
-    first = Coordinator(port=0).start()
+    client's next calls use the new, empty store. (`serve` killed and started again: an
+    embedded coordinator's stop fails the wait instead, see above.)"""
+    from test_cli import Serve
+
+    first = Serve("--session-port", "0")
     port = first.port
     writer, client = observer(first.address), observer(first.address)
     writer.set("before", b"1")
@@ -888,9 +904,9 @@ def test_a_get_waiting_through_a_restart_that_lost_the_keys_is_refused_at_once()
         while client not in _store_ids:  # its first call learnt the store: the wait names it, sent before or after the restart
             assert time.monotonic() < deadline and not got.done()
             time.sleep(0.01)
-        first.stop(grace=0)
-        second = Coordinator(port=port).start()
-        try:
+        first.proc.kill()
+        first.proc.wait(10)
+        with Serve("--port", str(port), "--session-port", "0", port_flag=False):
             started = time.monotonic()
             with pytest.raises(pr.MismatchError, match="the keys of job 'default' are not the ones this client saw: the coordinator restarted without its state file"):
                 got.result(timeout=30)
@@ -898,8 +914,6 @@ def test_a_get_waiting_through_a_restart_that_lost_the_keys_is_refused_at_once()
             assert client.get("before", wait=False) is None  # the new store, at the next call
             client.set("after", b"2")
             assert client.get("after") == b"2"
-        finally:
-            second.stop(grace=0)
     finally:
         waiting.shutdown()
         writer.close()
