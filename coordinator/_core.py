@@ -886,13 +886,20 @@ class Core:
         # failed rounds and gone members.)
         # But a connection closed is not yet a process gone: a network cut may have closed
         # every one at once. A new task of an unformed run joins it unless the process
-        # started after the last of those closes (a relaunch after a kill).
+        # started after the last of those closes (a relaunch after a kill). A process
+        # restored from the state file and not heard from since counts as one whose
+        # connection closed as the coordinator came back: a job killed while it restarted
+        # (a slice's maintenance restarts both) is relaunched afresh, not task by task into
+        # the old run (each taking its task over and voiding the rounds of those before).
         mine = job.processes.get(r.incarnation)  # (a live one binding more threads is its run's)
-        closed = [p.disconnected for p in job.processes.values() if p.alive and p.disconnected is not None]
+        closed = [
+            p.last_seen if p.disconnected is None else p.disconnected
+            for p in job.processes.values() if p.alive and (p.disconnected is not None or p.restored)
+        ]
         afresh = (
             bool(job.processes)
             and (mine is None or not mine.alive)
-            and not any(p.alive and p.disconnected is None for p in job.processes.values())
+            and not any(p.alive and p.disconnected is None and not p.restored for p in job.processes.values())
             and (job.formed or r.task_id in job.tasks or not closed or not self._started_before(r, max(closed), now))
         )
         # (a new run may have another world size, unless declared, and another layout)
@@ -1979,7 +1986,8 @@ class Core:
         job.last_run = {
             p.task_id: f"{p.label()}, which " + (
                 "left" if p.left else "died" if not p.alive
-                else "lost its connection" if p.disconnected is not None else f"was dropped ({why})"
+                else "lost its connection" if p.disconnected is not None
+                else "was not heard from since the coordinator restarted" if p.restored else f"was dropped ({why})"
             )
             for p in job.processes.values()
         }
@@ -2035,7 +2043,9 @@ class Core:
         job.dead -= ordinals
         del job.processes[old.incarnation]
         self._new_generation(job)
-        if old.alive:
+        if old.alive and old.restored:
+            was = f"was not heard from since the coordinator restarted from its state file {max(0.0, now - old.last_seen):.1f} s before"
+        elif old.alive:
             was = f"was last heard from {max(0.0, now - old.last_seen):.1f} s before" + (
                 "" if old.disconnected is None else
                 f", its connection closed {max(0.0, now - old.disconnected):.1f} s before without a Leave"

@@ -260,7 +260,7 @@ def test_a_coordinator_stopped_and_continued_past_the_heartbeat_timeout_declares
     a round that the calls waiting there complete is not logged late, and a round or a key
     wait whose deadline passed during the stop is completed by them (the overdue alarm
     failed both, naming as missing a member whose call was on time)."""
-    from test_cli import Serve
+    from test_cli import Serve, wait_until
 
     with Serve("--heartbeat-timeout", "2", "--late-after", "2") as server:
         clients = [pair_client(server.address, task) for task in range(2)]
@@ -268,11 +268,12 @@ def test_a_coordinator_stopped_and_continued_past_the_heartbeat_timeout_declares
             time.sleep(1.0)  # heartbeats every 2/3 s
             first = pools[0].submit(lambda: clients[0].rendezvous(pr.current_binding(), "during", b"x", timeout=2.5))
             read = kv.submit(clients[0].multi_get, ["during", "during-too"], timeout=2.5)
-            time.sleep(0.3)  # (waiting in the round and for the key)
+            wait_until(lambda: clients[0].status().jobs[0].pending_rounds, what="the round")
+            time.sleep(0.2)  # (waiting in the round and for the key)
             server.proc.send_signal(signal.SIGSTOP)
             second = pools[1].submit(lambda: clients[1].rendezvous(pr.current_binding(), "during", b"x"))
             setting = kv.submit(lambda: [clients[1].set(key, b"v") for key in ("during", "during-too")])  # (one by one)
-            time.sleep(3.5)
+            time.sleep(4.5)  # (the deadlines pass some 2 s before the end: held up, by HELD_UP's measure)
             server.proc.send_signal(signal.SIGCONT)
             assert first.result(10) == second.result(10) == [b"x", b"x"]
             assert read.result(10) == [b"v", b"v"] and setting.result(10) == [None, None]
@@ -492,6 +493,39 @@ def test_a_coordinator_restarted_with_a_shorter_heartbeat_timeout_keeps_its_proc
             assert not clients[0].events and not clients[1].events
         finally:
             second.stop(grace=0)
+
+
+def test_a_job_killed_while_the_coordinator_restarted_is_relaunched_afresh(tmp_path):
+    """A slice's maintenance: the coordinator (with its state file) and every process of a
+    formed job go down together, and the job is launched again at once. Its processes,
+    restored alive but never heard from again, must not take the new ones into the old run
+    (each new process took its task over in turn, a new generation each, voiding the rounds
+    of those before it: the first relaunch failed until the old ones were declared dead, a
+    heartbeat timeout later, 60 s here)."""
+    state = tmp_path / "state.json"
+    first = Coordinator(port=0, state_file=state).start()
+    port = first.port
+    old = [start(first.address, "hang", task, processes=2) for task in range(2)]
+    watcher = observer(first.address)
+    try:
+        assert watcher.get("ready/0", timeout=60) == b"" and watcher.get("ready/1", timeout=60) == b""
+    finally:
+        watcher.close()
+    first.stop(grace=0)
+    for process in old:
+        process.kill()
+        process.wait(10)
+    second = Coordinator(port=port, state_file=state).start()  # (heartbeat timeout 60 s)
+    try:
+        started = time.monotonic()
+        new = [start(second.address, "full_and_subsets", task, processes=2) for task in range(2)]
+        records = [json.loads(p.communicate(timeout=60)[0]) for p in new]
+        assert time.monotonic() - started < 30
+        assert [r.get("error") for r in records] == [None, None], records
+        assert [r["everyone"] for r in records] == [["p0", "p1"]] * 2
+        assert second.core.jobs["default"].generation == 2  # (one step: afresh; each takeover was one)
+    finally:
+        second.stop(grace=0)
 
 
 def test_an_event_while_a_watch_stream_is_down_is_not_missed():

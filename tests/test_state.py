@@ -101,6 +101,46 @@ def test_a_host_s_restored_processes_heard_and_unheard_since_are_told_apart():
     )
 
 
+def _relaunched(restored: Core, task: int, now: float):
+    return restored.register(now, Registration(
+        job="j", incarnation=f"new{task}", host=f"h{task}", pid=200 + task, task_id=task, num_tasks=2,
+        devices_per_task=1, local_rank=0, threads=(ThreadRequest(thread_index=0),),
+    ))
+
+
+def test_a_job_relaunched_after_a_restore_that_heard_none_of_it_starts_afresh():
+    """Restored alive, never heard from again (killed as the coordinator restarted): the
+    relaunch's first process starts the job afresh, saying what became of the last run (it
+    took its task over, a new generation, and so did each next one, voiding what the ones
+    before it had started)."""
+    core, _ = populated_core()
+    restored = _state.restore(_state.snapshot(core), now=100.0)
+    generation = restored.jobs["j"].generation
+    _relaunched(restored, 0, 102.0)
+    job = restored.jobs["j"]
+    assert job.generation == generation + 1 and set(job.processes) == {"new0"}
+    assert job.last_run == {1: "h1 pid 101, which was not heard from since the coordinator restarted"}  # (not yet relaunched)
+    _relaunched(restored, 1, 102.5)  # joins the new run
+    assert job.generation == generation + 1 and set(job.processes) == {"new0", "new1"} and job.formed
+
+
+def test_a_task_restarted_after_a_restore_that_heard_its_peers_takes_its_task_over():
+    """One process heard from since the restore: the run lives, and a new process of the
+    other task takes that task over, saying its old one was not heard from since the
+    restart (it said "last heard from 0.0 s before", counted from the restore)."""
+    core, _ = populated_core()
+    restored = _state.restore(_state.snapshot(core), now=100.0)
+    generation = restored.jobs["j"].generation
+    restored.touch("j", "inc1", 101.0)
+    _relaunched(restored, 0, 103.0)
+    job = restored.jobs["j"]
+    assert job.generation == generation + 1 and set(job.processes) == {"inc1", "new0"}
+    assert job.replaced["inc0"] == (
+        "task 0 (ordinal 0) restarted: h0 pid 200 replaces h0 pid 100, which was not heard from since the "
+        "coordinator restarted from its state file 3.0 s before"
+    )
+
+
 def test_an_ended_replica_stays_ended_across_a_restart():
     core = Core()
     for task in range(2):
