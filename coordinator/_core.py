@@ -785,6 +785,21 @@ class Core:
         job.world_fixed_by = _DECLARED
         self._changed()
 
+    def undeclare_jobs(self, keep: str | None) -> list[str]:
+        """Lifts the world size that ``serve --world-size`` declared before a restart from
+        every job but ``keep`` (the one declared now, if any): it holds for the run under
+        way, as a first registration's does, and a new run may have another. Returns the
+        names of those jobs."""
+        lifted = [job for job in self.jobs.values() if job.world_fixed_by == _DECLARED and job.name != keep]
+        for job in lifted:
+            if job.processes:
+                job.world_fixed_by = f"{_DECLARED} before the coordinator restarted"
+            else:
+                job.world_size, job.world_fixed_by = None, ""
+        if lifted:
+            self._changed()
+        return [job.name for job in lifted]
+
     def register(self, now: float, request: Registration) -> Registered:
         """Registers threads of one process and assigns their ordinals (see _register). A
         refused registration is remembered for its task, so that a wait for its ordinals

@@ -649,6 +649,15 @@ def _core_to_serve(options: ServerOptions, files: "_state.Files | None") -> Core
                 ),
                 extra={"event": "restored", "jobs": len(core.jobs)},
             )
+    if core is not None:
+        lifted = core.undeclare_jobs(options.job if options.world_size is not None else None)
+        if lifted:
+            log.warning(
+                "%s had a world size fixed by --world-size, which this coordinator does not give %s: "
+                "a new run may have another size",
+                "job " + lifted[0] if len(lifted) == 1 else "jobs " + ", ".join(lifted),
+                "it" if len(lifted) == 1 else "them", extra={"event": "world_size_lifted", "jobs": lifted},
+            )
     core = core or Core(options.limits, heartbeat_timeout=options.heartbeat_timeout)
     if options.world_size is not None:
         restored = core.jobs.get(options.job)

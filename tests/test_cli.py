@@ -1520,6 +1520,25 @@ def test_a_new_world_size_restarts_the_job_from_the_state_file_instead_of_refusi
         server.stop()
 
 
+def test_a_world_size_declared_before_a_restart_without_the_flag_is_lifted(tmp_path):
+    """`serve --world-size 4 --state-file F`, then `serve --state-file F` alone: a job of 3
+    was refused as "fixed by the coordinator's --world-size", a flag it no longer had (and
+    the job could never be dropped at --max-jobs); only deleting the state file, and every
+    job's keys, let it run."""
+    state = tmp_path / "coordinator.state"
+    with Serve("--state-file", str(state), "--world-size", "4") as server:
+        server.stop()
+    with Serve("--state-file", str(state)) as server:
+        server.wait_for_line("job default had a world size fixed by --world-size, which this coordinator does not give it")
+        client = simulated_process(server.address, 0, processes=3, threads=1)
+        try:
+            client.bind_thread(0)
+            assert client.status().jobs[0].world_size == 3
+        finally:
+            client.close()
+        server.stop()
+
+
 def test_bad_demo_serve_and_health_arguments_get_a_message_not_a_traceback(tmp_path):
     demo = run_cli("demo", "--accelerator", "v9-8", "--processes", "1")
     assert demo.returncode == 2 and "--threads" in demo.stderr and "Traceback" not in demo.stderr, demo

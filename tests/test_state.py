@@ -141,6 +141,29 @@ def test_a_task_restarted_after_a_restore_that_heard_its_peers_takes_its_task_ov
     )
 
 
+def test_a_lifted_world_size_holds_for_the_run_under_way_only():
+    """A job declared by --world-size, restored without it: a process of its live run that
+    declares another size is refused, naming where the size came from; once that run is gone,
+    a new one may have another size; a declared job that never ran is free at once."""
+    core = Core()
+    core.declare_job("j", 2)
+    core.declare_job("idle", 8)
+    core.register(0.0, Registration(job="j", incarnation="i0", host="h0", pid=1, task_id=0, num_tasks=2,
+                                    devices_per_task=1, local_rank=0, threads=(ThreadRequest(thread_index=0),)))
+    restored = _state.restore(_state.snapshot(core), now=10.0)
+    assert sorted(restored.undeclare_jobs(None)) == ["idle", "j"]
+    assert restored.jobs["idle"].world_size is None
+    restored.touch("j", "i0", 11.0)  # (its run lives)
+    with pytest.raises(CoreError, match=r"has world size 2 \(fixed by the coordinator's --world-size before the coordinator restarted\)"):
+        restored.register(12.0, Registration(job="j", incarnation="i1", host="h1", pid=2, task_id=1, num_tasks=3,
+                                             devices_per_task=1, local_rank=0, threads=(ThreadRequest(thread_index=0),)))
+    restored.leave("j", "i0")
+    restored.register(14.0, Registration(job="j", incarnation="i2", host="h1", pid=3, task_id=0, num_tasks=3,
+                                         devices_per_task=1, local_rank=0, threads=(ThreadRequest(thread_index=0),)))
+    assert restored.jobs["j"].world_size == 3
+    assert restored.undeclare_jobs(None) == []
+
+
 def test_an_ended_replica_stays_ended_across_a_restart():
     core = Core()
     for task in range(2):
