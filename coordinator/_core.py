@@ -209,6 +209,11 @@ def _one_line(reason: str) -> str:
     return reason if len(reason) <= _REST_CHARACTERS else reason[: _REST_CHARACTERS - 3] + "..."
 
 
+def _names(names: Sequence[str]) -> str:
+    """The first 5 of ``names``, quoted: ``'a', 'b' and 4 more``."""
+    return ", ".join(map(repr, names[:5])) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
 def keys_shown(keys: Sequence[str]) -> str:
     """The first 20 of ``keys``, quoted: ``'a', 'b' ...``."""
     return ", ".join(repr(k) for k in keys[:20]) + (" ..." if len(keys) > 20 else "")
@@ -672,7 +677,9 @@ class Core:
         if len(self.jobs) >= self.limits.max_jobs and self._droppable() is None:
             # (which ones stay for their keys: a torch URL's ?job= a run fills max_jobs so)
             stores = sorted(j.name for j in self.jobs.values() if not j.processes and j.kv)
-            shown = ", ".join(map(repr, stores[:5])) + (f" and {len(stores) - 5} more" if len(stores) > 5 else "")
+            live = sorted(j.name for j in self.jobs.values() if any(p.alive for p in j.processes.values()))
+            # (killed: declared dead within DISCONNECTED_GRACE, and their jobs make room)
+            closing = [n for n in live if all(p.disconnected is not None for p in self.jobs[n].processes.values() if p.alive)]
             raise CoreError(
                 Code.RESOURCE_EXHAUSTED,
                 f"this coordinator already serves {len(self.jobs)} jobs, the limit "
@@ -680,7 +687,11 @@ class Core:
                 "once every process of it is gone, or while it holds nothing (no process, key or "
                 "pending round); one holding keys without ever having a process, or declared "
                 f"with --world-size, stays; job {name!r} cannot be created"
-                + (f" ({_plural(len(stores), 'job')} of keys alone: {shown}; deleting a job's keys "
+                + (f" ({_plural(len(live), 'job')} with live processes: {_names(live)}"
+                   + (f"; of which {_names(closing)} only with processes whose connections closed, "
+                      "declared dead within seconds unless they call again" if closing else "")
+                   + ")" if live else "")
+                + (f" ({_plural(len(stores), 'job')} of keys alone: {_names(stores)}; deleting a job's keys "
                    "lets it be dropped)" if stores else ""),
             )
         job = Job(name=name)

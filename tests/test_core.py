@@ -417,8 +417,11 @@ def test_at_max_jobs_the_finished_job_used_longest_ago_makes_room(caplog):
     monitor.woke(core.take_wakeups())
     assert sorted(core.jobs) == ["run-3", "run-4", "store-only"]
     assert "run-1" not in metrics.render(core, 0.0)
-    with raises(Code.RESOURCE_EXHAUSTED, "max_jobs=3", "none can make room", "'run-5'"):
+    with raises(Code.RESOURCE_EXHAUSTED, "max_jobs=3", "none can make room", "'run-5'", "(1 job with live processes: 'run-3')"):
         core.register(0.0, registration(0, 1, 1, job="run-5"))  # run-3 lives, run-4 and store-only never had a process
+    core.disconnect("run-3", incarnation_of(0), 1.0)  # (killed: declared dead soon, and then run-3 makes room)
+    with raises(Code.RESOURCE_EXHAUSTED, "with live processes: 'run-3'; of which 'run-3' only with processes whose connections closed"):
+        core.register(1.0, registration(0, 1, 1, job="run-5"))
 
 
 def test_the_declared_job_is_never_dropped_at_max_jobs():
