@@ -993,6 +993,9 @@ def status_json(response, address: str) -> dict:
     return {"address": address, "coordinatorVersion": response.coordinator_version, "jobs": jobs}
 
 
+_FINISHED_SHOWN = 3  # finished jobs shown in full by status; more are named on one line
+
+
 def render_status(response, address: str) -> str:
     """The ``status`` table of every job in ``response``."""
     from ._core import format_ranges
@@ -1002,7 +1005,12 @@ def render_status(response, address: str) -> str:
     if not response.jobs:
         return f"{coordinator}: no jobs\n"
     lines = [f"{coordinator}: {_plural(len(response.jobs), 'job')}"]
+    # A long-lived coordinator keeps up to --max-jobs finished runs: past a few, one line.
+    finished = [j.job for j in response.jobs if j.participants and not j.pending_rounds and not any(p.alive for p in j.participants)]
+    folded = set(finished) if len(finished) > _FINISHED_SHOWN else set()
     for job in response.jobs:
+        if job.job in folded:
+            continue
         summary = summarize_job(job)
         refused = {o for t in job.refused for o in t.ordinals}
         world = str(job.world_size) if job.world_size else "?"
@@ -1060,6 +1068,14 @@ def render_status(response, address: str) -> str:
         if job.refused:  # (why a job does not form: the serve log has a line for each too)
             rows = [[str(t.task_id), format_ranges(t.ordinals) or "?", t.reason] for t in job.refused]
             lines += [""] + _table(["REFUSED TASK", "ORDINALS", "WHY (its latest registration)"], rows)
+    if folded:
+        names = sorted(folded, key=_natural)
+        more = f" and {len(names) - 20} more" if len(names) > 20 else ""
+        lines += [
+            "",
+            f"{len(names)} finished jobs (every process left or dead; `status --job NAME` shows one, "
+            f"--json all): {', '.join(map(repr, names[:20]))}{more}",
+        ]
     return "\n".join(lines) + "\n"
 
 

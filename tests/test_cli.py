@@ -559,6 +559,27 @@ def test_render_status_marks_dead_processes_and_groups_hosts_naturally():
     assert _cli.render_status(pb.StatusResponse(), "x:1") == "coordinator x:1: no jobs\n"
 
 
+def test_render_status_names_many_finished_jobs_on_one_line():
+    """A coordinator serving a job name per run keeps up to --max-jobs finished ones: past
+    three, they are named on one line after the live jobs (each took some five lines, sorted
+    by name among the live ones: 1,024 jobs, 5,000 lines); three or fewer stay in full."""
+    def job(name, *, alive, pending=False):
+        participant = pb.Participant(ordinal=0, task_id=0, host="h", pid=1, incarnation=name, alive=alive, left=not alive)
+        rounds = [pb.PendingRound(round=0, arrived=[0], missing=[1])] if pending else []
+        return pb.JobStatus(job=name, world_size=1, registered=1, generation=1, participants=[participant], pending_rounds=rounds)
+
+    runs = [job(f"run-{i}", alive=False) for i in range(1, 26)]
+    jobs = [*runs, job("live", alive=True), job("failing", alive=False, pending=True), pb.JobStatus(job="store", kv_keys=2)]
+    text = _cli.render_status(pb.StatusResponse(jobs=jobs), "x:1")
+    named = ", ".join(f"'run-{i}'" for i in range(1, 21))
+    assert text.endswith(
+        f"\n\n25 finished jobs (every process left or dead; `status --job NAME` shows one, --json all): {named} and 5 more\n"
+    ), text
+    assert [line.split()[1] for line in text.splitlines() if line.startswith("job ")] == ["'live':", "'failing':", "'store':"]
+    few = _cli.render_status(pb.StatusResponse(jobs=[*runs[:3], jobs[-3]]), "x:1")
+    assert "finished jobs" not in few and few.count("\njob 'run-") == 3, few
+
+
 def test_render_status_says_a_process_not_heard_from_since_a_restart():
     """Restored from the state file and silent since, a process's "last seen 4.1 s ago" was
     counted from the restart (it may have been gone long before), where the coordinator's own
