@@ -678,8 +678,10 @@ class Core:
             # (which ones stay for their keys: a torch URL's ?job= a run fills max_jobs so)
             stores = sorted(j.name for j in self.jobs.values() if not j.processes and j.kv)
             live = sorted(j.name for j in self.jobs.values() if any(p.alive for p in j.processes.values()))
-            # (killed: declared dead within DISCONNECTED_GRACE, and their jobs make room)
-            closing = [n for n in live if all(p.disconnected is not None for p in self.jobs[n].processes.values() if p.alive)]
+            # (killed: declared dead after DISCONNECTED_GRACE, and their jobs make room)
+            closing = [
+                n for n in live if all(p.disconnected is not None for p in self.jobs[n].processes.values() if p.alive)
+            ] if self.heartbeat_timeout else []
             raise CoreError(
                 Code.RESOURCE_EXHAUSTED,
                 f"this coordinator already serves {len(self.jobs)} jobs, the limit "
@@ -689,7 +691,8 @@ class Core:
                 f"with --world-size, stays; job {name!r} cannot be created"
                 + (f" ({_plural(len(live), 'job')} with live processes: {_names(live)}"
                    + (f"; of which {_names(closing)} only with processes whose connections closed, "
-                      "declared dead within seconds unless they call again" if closing else "")
+                      f"declared dead unless they call again within {DISCONNECTED_GRACE:g} s (or twice their "
+                      "heartbeat interval)" if closing else "")
                    + ")" if live else "")
                 + (f" ({_plural(len(stores), 'job')} of keys alone: {_names(stores)}; deleting a job's keys "
                    "lets it be dropped)" if stores else ""),
@@ -746,12 +749,15 @@ class Core:
         process = job.processes.get(incarnation)
         if process is None:
             if incarnation in job.replaced:
+                said = job.replaced[incarnation]
+                dropped = said.startswith(f"job {job.name!r} started afresh")  # (Core._start_afresh)
                 raise CoreError(
                     Code.FAILED_PRECONDITION,
-                    f"process incarnation {incarnation!r} of job {job.name!r} was replaced: "
-                    f"{job.replaced[incarnation]}; it takes no part any more (if this process "
-                    "did not restart, two processes on one host share one task id and local "
-                    "rank: check PJRT_RENDEZVOUS_TASK_ID, CLOUD_TPU_TASK_ID, TPU_WORKER_ID and PJRT_LOCAL_PROCESS_RANK)",
+                    f"process incarnation {incarnation!r} of job {job.name!r} was "
+                    f"{'dropped' if dropped else 'replaced'}: {said}; it takes no part any more"
+                    + ("" if dropped else " (if this process did not restart, two processes on one host share "
+                       "one task id and local rank: check PJRT_RENDEZVOUS_TASK_ID, CLOUD_TPU_TASK_ID, "
+                       "TPU_WORKER_ID and PJRT_LOCAL_PROCESS_RANK)"),
                 )
             raise CoreError(
                 Code.FAILED_PRECONDITION,
@@ -914,18 +920,21 @@ class Core:
         # every one at once. A new task of an unformed run joins it unless the process
         # started after the last of those closes (a relaunch after a kill). A process
         # restored from the state file and not heard from since counts as one whose
-        # connection closed as the coordinator came back: a job killed while it restarted
-        # (a slice's maintenance restarts both) is relaunched afresh, not task by task into
-        # the old run (each taking its task over and voiding the rounds of those before).
+        # connection closed as the coordinator came back, for a formed run or a task
+        # registered again: a job killed while it restarted (a slice's maintenance restarts
+        # both) is relaunched afresh, not task by task into the old run (each taking its
+        # task over and voiding the rounds of those before). A new task of an unformed run
+        # joins it: its live processes may not have called again yet.
         mine = job.processes.get(r.incarnation)  # (a live one binding more threads is its run's)
+        unheard = job.formed or r.task_id in job.tasks
         closed = [
             p.last_seen if p.disconnected is None else p.disconnected
-            for p in job.processes.values() if p.alive and (p.disconnected is not None or p.restored)
+            for p in job.processes.values() if p.alive and (p.disconnected is not None or (unheard and p.restored))
         ]
         afresh = (
             bool(job.processes)
             and (mine is None or not mine.alive)
-            and not any(p.alive and p.disconnected is None and not p.restored for p in job.processes.values())
+            and not any(p.alive and p.disconnected is None and not (unheard and p.restored) for p in job.processes.values())
             and (job.formed or r.task_id in job.tasks or not closed or not self._started_before(r, max(closed), now))
         )
         # (a new run may have another world size, unless declared, and another layout)
@@ -2009,14 +2018,21 @@ class Core:
         error = CoreError(Code.ABORTED, f"job {job.name!r} starts afresh: {why}")
         for rnd in list(job.pending.values()):
             self._fail(job, rnd, error)
-        job.last_run = {
-            p.task_id: f"{p.label()}, which " + (
+        def fate(p: Process) -> str | None:
+            return (
                 "left" if p.left else "died" if not p.alive
                 else "lost its connection" if p.disconnected is not None
-                else "was not heard from since the coordinator restarted" if p.restored else f"was dropped ({why})"
+                else "was not heard from since the coordinator restarted" if p.restored else None
             )
-            for p in job.processes.values()
-        }
+
+        job.last_run = {p.task_id: f"{p.label()}, which {fate(p) or f'was dropped ({why})'}" for p in job.processes.values()}
+        for p in job.processes.values():
+            if p.alive:  # (should it call again, it is told why it takes no part)
+                job.replaced[p.incarnation] = f"job {job.name!r} started afresh ({why})" + (
+                    f" as this process {fate(p)}" if fate(p) else ""
+                )
+        while len(job.replaced) > _REPLACED_KEPT:
+            job.replaced.popitem(last=False)
         job.processes.clear()
         job.tasks.clear()
         job.members.clear()

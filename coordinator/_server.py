@@ -49,6 +49,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 DEFAULT_HEARTBEAT_TIMEOUT = 60.0
 DEFAULT_SESSION_PORT = 7482  # of `pjrt-rendezvous serve`; next to the gRPC port, 7481
 FINAL_WRITE_TIMEOUT = 10.0  # seconds the state file's last write on stop may take
+_ANSWERS_OUT = 0.1  # seconds a stop for good gives the calls it failed to send their answers
 
 # Our own limits (Limits) give precise messages; gRPC's 4 MiB default would refuse large
 # rendezvous results with a generic error first. What it receives is capped at the largest
@@ -556,7 +557,9 @@ class RunningServer:
                 self._servicer.stop_for_good(for_good)
 
         fail()
-        await asyncio.sleep(0)  # (their answers go out, even without a grace)
+        # Their answers go out, even without a grace: a session call's at once, a gRPC
+        # handler's some turns of the loop later (cancelled before, its caller got none).
+        await asyncio.sleep(_ANSWERS_OUT if failing else 0)
         for task in self._tasks:
             task.cancel()
         await self._health.enter_graceful_shutdown()
@@ -650,13 +653,10 @@ def _core_to_serve(options: ServerOptions, files: "_state.Files | None") -> Core
                 extra={"event": "restored", "jobs": len(core.jobs)},
             )
     if core is not None:
-        lifted = core.undeclare_jobs(options.job if options.world_size is not None else None)
-        if lifted:
+        for name in core.undeclare_jobs(options.job if options.world_size is not None else None):
             log.warning(
-                "%s had a world size fixed by --world-size, which this coordinator does not give %s: "
-                "a new run may have another size",
-                "job " + lifted[0] if len(lifted) == 1 else "jobs " + ", ".join(lifted),
-                "it" if len(lifted) == 1 else "them", extra={"event": "world_size_lifted", "jobs": lifted},
+                "job %s had a world size fixed by --world-size, which this coordinator does not give it: "
+                "a new run may have another size", name, extra={"event": "world_size_lifted", "job": name},
             )
     core = core or Core(options.limits, heartbeat_timeout=options.heartbeat_timeout)
     if options.world_size is not None:
@@ -883,9 +883,10 @@ class Coordinator:
 
     def stop(self, grace: float | None | object = _MADE_WITH, *, _why: str = "Coordinator.stop() was called") -> None:
         """Stops serving; calls still running get ``grace`` seconds (default: the ``grace``
-        it was made with; None: none), then are cancelled. Without a state file, the rounds
-        still pending fail at once, saying the coordinator stopped: none will take them up
-        again (every process's work should be done first, its own included)."""
+        it was made with; None: none), then are cancelled. Without a state file, the rounds,
+        gets of keys and waits for the world still pending fail at once, saying the
+        coordinator stopped: none will take them up again (every process's work should be
+        done first, its own included)."""
         if self._running is None or self._loop is None or self._thread is None:
             return
         self._grace = self._options.grace if grace is _MADE_WITH else grace

@@ -170,7 +170,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
         """The coordinator stops and none takes its calls up again (an embedded one without a
         state file): pending rounds fail saying ``why``, and so do the waits for keys or for a
         world, those waiting now and any that starts in the grace (their clients would look
-        for a coordinator until their ``connect_timeout``)."""
+        for a coordinator until their ``connect_timeout``). A round made in the grace fails
+        when RunningServer.stop calls this again (while calls are in flight)."""
         self._gone = why
         self._core.fail_pending(why)
         self._wake()

@@ -270,7 +270,9 @@ def test_declaring_another_world_size_starts_the_job_afresh_keeping_its_keys():
     job = pod.core.jobs[JOB]
     assert (job.world_size, job.generation, job.members, job.devices_per_task) == (6, 2, {}, None)
     assert pod.core.kv_get(JOB, ["k"]) == [b"v"]
-    pod.core.register(0.0, registration(0, 3, 2))  # 3 tasks x 2 devices now
+    with raises(Code.FAILED_PRECONDITION, "'inc-0' of job 'job' was dropped: job 'job' started afresh (its world size changed from 4 to 6); it takes"):
+        pod.core.register(0.0, registration(0, 3, 2))  # a process of the last run
+    pod.core.register(0.0, registration(0, 3, 2, incarnation="new-0"))  # 3 tasks x 2 devices now
 
 
 @pytest.mark.parametrize(
@@ -398,7 +400,7 @@ def test_at_max_jobs_the_finished_job_used_longest_ago_makes_room(caplog):
     from pjrt_rendezvous.coordinator._metrics import Metrics
     from pjrt_rendezvous.coordinator._monitor import Monitor
 
-    core = Core(Limits(max_jobs=3))
+    core = Core(Limits(max_jobs=3), heartbeat_timeout=60.0)
     metrics = Metrics()
     monitor = Monitor(core, metrics, clock=lambda: 0.0)
     core.kv_set("store-only", [("k", b"v")])
@@ -420,7 +422,7 @@ def test_at_max_jobs_the_finished_job_used_longest_ago_makes_room(caplog):
     with raises(Code.RESOURCE_EXHAUSTED, "max_jobs=3", "none can make room", "'run-5'", "(1 job with live processes: 'run-3')"):
         core.register(0.0, registration(0, 1, 1, job="run-5"))  # run-3 lives, run-4 and store-only never had a process
     core.disconnect("run-3", incarnation_of(0), 1.0)  # (killed: declared dead soon, and then run-3 makes room)
-    with raises(Code.RESOURCE_EXHAUSTED, "with live processes: 'run-3'; of which 'run-3' only with processes whose connections closed"):
+    with raises(Code.RESOURCE_EXHAUSTED, "with live processes: 'run-3'; of which 'run-3' only with processes whose connections closed, declared dead unless they call again within 10 s"):
         core.register(1.0, registration(0, 1, 1, job="run-5"))
 
 

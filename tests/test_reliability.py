@@ -100,6 +100,8 @@ def kill_and_replace(heartbeat_timeout: float, *, after_death: bool):
     declared the victim dead (``after_death``) or at once. Returns the survivor's and the
     replacement's records, and the seconds from the kill to the death being seen (None
     when not waited for)."""
+    from test_cli import wait_until
+
     with Coordinator(port=0, heartbeat_timeout=heartbeat_timeout) as coordinator:
         watcher = observer(coordinator.address)
         survivor = start(coordinator.address, "survivor", 0, processes=2)
@@ -107,9 +109,7 @@ def kill_and_replace(heartbeat_timeout: float, *, after_death: bool):
         detected = None
         try:
             watcher.wait(["ready/0", "ready/1"], timeout=30)
-            deadline = time.monotonic() + 10
-            while not watcher.status().jobs[0].pending_rounds and time.monotonic() < deadline:
-                time.sleep(0.02)  # the survivor is now waiting in 'before-death'
+            wait_until(lambda: watcher.status().jobs[0].pending_rounds, what="the survivor's round")  # ('before-death')
             until_watching(coordinator, coordinator.core.jobs["default"].members[1].incarnation)  # (the victim's)
             killed_at = time.monotonic()
             victim.send_signal(signal.SIGKILL)
@@ -285,7 +285,7 @@ def test_a_coordinator_stopped_and_continued_past_the_heartbeat_timeout_declares
         server.stop()
 
 
-@pytest.mark.parametrize("how", ["stop", "stop without grace", "with"])
+@pytest.mark.parametrize("how", ["stop", "stop without grace", "stop without grace, gRPC alone", "with"])
 def test_an_embedded_coordinator_that_stops_fails_its_pending_rounds_at_once_saying_why(how):
     """An embedded coordinator stopped (``stop()``, with no grace too, or its ``with`` block
     left on an exception: a Ctrl-C in task 0) while a round, a get of keys and a wait for
@@ -294,7 +294,7 @@ def test_an_embedded_coordinator_that_stops_fails_its_pending_rounds_at_once_say
     whether `pjrt-rendezvous serve` was running.)"""
     from test_cli import wait_until
 
-    coordinator = Coordinator(port=0).start()
+    coordinator = Coordinator(port=0, **({"session_port": None} if how.endswith("gRPC alone") else {})).start()
     client = pair_client(coordinator.address, 1)
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         binding = pool.submit(client.bind_thread, 0).result(10)
@@ -308,7 +308,7 @@ def test_an_embedded_coordinator_that_stops_fails_its_pending_rounds_at_once_say
         )
         started = time.monotonic()
         if how.startswith("stop"):
-            coordinator.stop(**({"grace": None} if how == "stop without grace" else {}))
+            coordinator.stop(**({"grace": None} if how.startswith("stop without grace") else {}))
         else:
             with pytest.raises(KeyboardInterrupt), coordinator:
                 raise KeyboardInterrupt
@@ -560,7 +560,7 @@ def test_a_live_process_whose_watch_connection_breaks_for_longer_than_the_grace_
     with Coordinator(port=0, heartbeat_timeout=60, session_port=0) as coordinator, Proxy(coordinator.address) as proxy:
         idle, peer = pair_client(proxy.address, 0), pair_client(coordinator.address, 1)
         with bound((idle, peer)):
-            time.sleep(1.0)  # the idle process's Watch stream is open
+            until_watching(coordinator, idle.incarnation)  # (else the cut would not cut it)
             process = coordinator.core.jobs["default"].processes[idle.incarnation]
             assert process.heartbeat_interval == idle.settings.heartbeat_interval == 5.0  # (told as it registered)
             assert proxy.drop(refuse_for=DISCONNECTED_GRACE + 3) > 0
@@ -673,7 +673,10 @@ def test_a_call_that_outlives_its_coordinator_names_what_failed_first(tmp_path, 
     attempt's refused connection, and blamed the network; it names the first failure too."""
     from pjrt_rendezvous.coordinator import _state
 
+    hit = threading.Event()
+
     def full(fd):
+        hit.set()
         raise OSError(28, "No space left on device")
 
     with Coordinator(port=0, state_file=tmp_path / "state.json") as coordinator:
@@ -683,7 +686,8 @@ def test_a_call_that_outlives_its_coordinator_names_what_failed_first(tmp_path, 
         monkeypatch.setattr(_state.os, "fsync", full)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             failing = pool.submit(client.set, "b", b"2")
-            time.sleep(1.0)
+            assert hit.wait(10)
+            time.sleep(0.5)  # (its refusal on the way back)
             coordinator.stop()
             with pytest.raises(pr.CoordinatorUnavailableError) as failed:
                 failing.result(30)

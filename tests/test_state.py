@@ -122,6 +122,27 @@ def test_a_job_relaunched_after_a_restore_that_heard_none_of_it_starts_afresh():
     assert job.last_run == {1: "h1 pid 101, which was not heard from since the coordinator restarted"}  # (not yet relaunched)
     _relaunched(restored, 1, 102.5)  # joins the new run
     assert job.generation == generation + 1 and set(job.processes) == {"new0", "new1"} and job.formed
+    # Were one of the old ones alive after all, its calls are told why they are refused.
+    with pytest.raises(CoreError, match=re.escape(
+        "process incarnation 'inc1' of job 'j' was dropped: job 'j' started afresh (every process of the last run is "
+        "gone) as this process was not heard from since the coordinator restarted; it takes no part any more"
+    ) + "$"):
+        restored.touch("j", "inc1", 103.0)
+
+
+def test_a_new_task_of_an_unformed_run_joins_it_after_a_restore_that_heard_none_of_it():
+    """An unformed run restored with one live task not heard from yet (it calls again within
+    seconds): a task registering for the first time joins that run (it dropped the live
+    task, and the run then waited for its ordinals until its timeout)."""
+    core = Core()
+    core.register(0.0, Registration(job="j", incarnation="live0", host="h0", pid=1, task_id=0, num_tasks=3,
+                                    devices_per_task=1, local_rank=0, threads=(ThreadRequest(thread_index=0),)))
+    restored = _state.restore(_state.snapshot(core), now=100.0)
+    restored.register(101.0, Registration(job="j", incarnation="new1", host="h1", pid=2, task_id=1, num_tasks=3,
+                                          devices_per_task=1, local_rank=0, threads=(ThreadRequest(thread_index=0),),
+                                          process_age=0.5))  # (started after the restart)
+    assert set(restored.jobs["j"].processes) == {"live0", "new1"}
+    restored.touch("j", "live0", 102.0)
 
 
 def test_a_task_restarted_after_a_restore_that_heard_its_peers_takes_its_task_over():
