@@ -15,7 +15,7 @@ import threading
 import urllib.error
 from typing import Any, Mapping, Sequence
 
-from ._client import Binding, Client, _check_call, _payload_bytes, current_binding, xm_binding
+from ._client import Binding, Client, _check_call, _payload_bytes, current_binding, inherited, xm_binding
 from ._config import DEFAULT, Settings, check_timeout
 from ._errors import InvalidArgumentError, ParticipantFailedError, UsageError
 from ._topology import Topology, detect_topology, metadata_fetcher, normalize_address
@@ -345,6 +345,8 @@ def _rendezvous(what: str, tag: str, payload: bytes, replicas: Sequence[int], ti
         return [payload]
     if _ended:  # (after the caller's own mistakes: its sibling's end is not the culprit of a str payload)
         replicas = _check_ended(what, tag, replicas, payload)
+    if inherited(binding.client):  # (refused by the client too, as "rendezvous")
+        binding.client._refuse_if_inherited(what, tag)
     return binding.client.rendezvous(binding, tag, payload, replicas, timeout=timeout)
 
 

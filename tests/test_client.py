@@ -1781,16 +1781,17 @@ def _in_forked_child(results, client) -> None:
     try:
         binding = pr.current_binding()
         outcome.append(binding.ordinal)  # what the thread knows of itself still answers here
-        for call in (
-            lambda: client.rendezvous(binding, "in-child", b"c", timeout=30),
-            lambda: client.get("k", wait=False),
+        for call, what in (
+            (lambda: client.rendezvous(binding, "in-child", b"c", timeout=30), "rendezvous('in-child')"),
+            (lambda: pr.barrier("in-child"), "barrier('in-child')"),  # (it said "rendezvous")
+            (lambda: client.get("k", wait=False), "KvGet"),
         ):
             started = time.monotonic()
             try:
                 call()
                 outcome.append("answered")
             except pr.UsageError as exc:
-                outcome.append((round(time.monotonic() - started), "forked process" in str(exc)))
+                outcome.append((round(time.monotonic() - started), str(exc).startswith(f"{what}: ") and "forked process" in str(exc)))
         # A client of its own binds the thread (it was refused: bound already), and its
         # unbind_thread forgets the parent's binding (it did nothing).
         own = make_client(client.settings.address, job="fork-child")
@@ -1850,7 +1851,7 @@ def test_a_forked_child_refuses_its_parent_s_client():
             # failed ... g_active_poller"; seen under load): fork again.
             if not (outcome is None and child.exitcode == -signal.SIGABRT):
                 break
-        assert outcome == [0, (0, True), (0, True), None, 0, None, "closed"], outcome
+        assert outcome == [0, (0, True), (0, True), (0, True), None, 0, None, "closed"], outcome
         for tag in ("after", "again"):  # the parent's rounds go on, on its own connection
             later = sibling.submit(client.rendezvous, bound_sibling, tag, b"1", timeout=30)
             assert client.rendezvous(binding, tag, b"0", timeout=30) == [b"0", b"1"] == later.result()
