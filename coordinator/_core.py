@@ -2018,6 +2018,7 @@ class Core:
         error = CoreError(Code.ABORTED, f"job {job.name!r} starts afresh: {why}")
         for rnd in list(job.pending.values()):
             self._fail(job, rnd, error)
+
         def fate(p: Process) -> str | None:
             return (
                 "left" if p.left else "died" if not p.alive

@@ -178,9 +178,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
         for key in [k for k in self._waiters if k[0] in ("kv", "world")]:
             self._release(key)
 
-    def _not_gone(self, what: str) -> None:
-        if self._gone is not None:
-            raise CoreError(Code.ABORTED, f"{what} fails: {self._gone}")
+    def _gone_error(self, what: str) -> CoreError:
+        return CoreError(Code.ABORTED, f"{what} fails: {self._gone}")
 
     def end_streams(self) -> bool:
         """On stop, called until it returns False: every Watch stream ends (UNAVAILABLE; its
@@ -456,7 +455,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
         start = self._clock()
         deadline = None if timeout is None else start + timeout
         while not self._core.world_complete(request.job):
-            self._not_gone(f"the wait for the world of job {request.job!r}")
+            if self._gone is not None:
+                raise self._gone_error(f"the wait for the world of job {request.job!r}")
             if not await self._wait(("world", request.job), self._judged(deadline)) and (
                 deadline is not None and self._clock() >= self._judged(deadline)
             ):
@@ -730,7 +730,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
             missing = [k for k, v in zip(request.keys, values) if v is None]
             if not request.wait or not missing:
                 break
-            self._not_gone(f"the wait for {_plural(len(missing), 'key')} of job {request.job!r} ({keys_shown(missing)})")
+            if self._gone is not None:
+                raise self._gone_error(f"the wait for {_plural(len(missing), 'key')} of job {request.job!r} ({keys_shown(missing)})")
             if not await self._wait(("kv", request.job, missing[0]), self._judged(deadline)) and (
                 deadline is not None and self._clock() >= self._judged(deadline)
             ):
