@@ -350,9 +350,13 @@ def _what_to_do(exc: OSError, folder: pathlib.Path) -> str:
     return ""
 
 
-# The descriptors of the locks this process holds. A forked child closes its copies: an
-# flock belongs to the open file, and a child outliving its parent would keep it locked.
-_held: set[int] = set()
+# The descriptors of the locks this process holds -> their state files. A forked child
+# closes its copies: an flock belongs to the open file, and a child outliving its parent
+# would keep it locked.
+_held: dict[int, pathlib.Path] = {}
+# How long a lock this process took and let go of may stay held by a process it forked just
+# before (until the child runs its at-fork handler: on a loaded machine, some time later).
+_CHILD_LETS_GO = 2.0
 
 
 def _let_go_in_child() -> None:
@@ -387,7 +391,7 @@ def _lock(real: pathlib.Path, given: os.PathLike | str) -> int:
             f"{exc.strerror}{_what_to_do(exc, real.parent)}"
         ) from exc
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _flock(fd, real)
     except BlockingIOError:
         holder = _holder(fd)
         os.close(fd)
@@ -398,13 +402,29 @@ def _lock(real: pathlib.Path, given: os.PathLike | str) -> int:
             f"cannot lock {lock}, the lock of the state file {_named(given, real)} (--state-file): {exc.strerror}; "
             "keep the state file on a filesystem with file locks (a local disk, a block volume, NFS with locking)"
         ) from exc
-    _held.add(fd)
+    _held[fd] = real
     try:  # who holds it, for the message of a coordinator refused (the lock is what counts)
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
     except OSError:
         pass
     return fd
+
+
+def _flock(fd: int, real: pathlib.Path) -> None:
+    """Takes the lock on ``fd`` or raises BlockingIOError. Held in this process's name while
+    no coordinator of this process holds it: a child forked meanwhile holds a copy it is
+    about to close (see _let_go_in_child), so it is tried again for _CHILD_LETS_GO."""
+    deadline = time.monotonic() + _CHILD_LETS_GO
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            ours = _holder(fd) == f"pid {os.getpid()} on {socket.gethostname()}" and real not in _held.values()
+            if not ours or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.02)
 
 
 def _holder(fd: int) -> str:
@@ -419,7 +439,10 @@ def _holder(fd: int) -> str:
 def _in_use(given: os.PathLike | str, real: pathlib.Path, holder: str) -> str:
     by = f" ({holder})" if holder else ""
     if holder == f"pid {os.getpid()} on {socket.gethostname()}":
-        by = f" ({holder}: this process, another Coordinator in it)"
+        by = f" ({holder}: this process, " + (
+            "another Coordinator in it)" if real in _held.values() else
+            f"whose lock a process forked from it still held after {_CHILD_LETS_GO:g} s)"
+        )
     return (
         f"the state file {_named(given, real)} (--state-file) is in use by another coordinator{by}: it holds "
         f"{lock_path(real)}; two coordinators on one state file would lose each other's writes. Stop it first, "
@@ -547,7 +570,7 @@ class Files:
         finally:  # (the lock goes even when closing the journal fails)
             if self._lock is not None:
                 lock, self._lock = self._lock, None
-                _held.discard(lock)
+                _held.pop(lock, None)
                 os.close(lock)  # (lets go of the flock)
 
 

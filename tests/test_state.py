@@ -409,6 +409,35 @@ finally:
 """
 
 
+def test_a_lock_a_child_forked_just_before_still_holds_is_waited_for(tmp_path, monkeypatch):
+    """A child forked while a coordinator ran holds a copy of its lock until its at-fork
+    handler closes it, on a loaded machine some time after the fork: a coordinator started
+    again in the parent meanwhile was refused as "in use by ... this process, another
+    Coordinator in it" (once in CI). It waits for the copy to go, up to _CHILD_LETS_GO; past
+    that it names the fork. (The copy: a duplicate of the lock's descriptor, as fork makes.)"""
+    from pjrt_rendezvous.coordinator import Coordinator
+
+    state_file = tmp_path / "state.json"
+
+    def stopped_with_a_copy_held() -> int:
+        with Coordinator(port=0, state_file=state_file):
+            (fd,) = [fd for fd, path in _state._held.items() if path.name == "state.json"]
+            return os.dup(fd)
+
+    copy = stopped_with_a_copy_held()
+    threading.Timer(0.5, os.close, (copy,)).start()  # (the child's handler, late)
+    started = time.monotonic()
+    with Coordinator(port=0, state_file=state_file) as again:
+        assert again.core is not None and time.monotonic() - started >= 0.4
+    monkeypatch.setattr(_state, "_CHILD_LETS_GO", 0.3)
+    copy = stopped_with_a_copy_held()
+    try:
+        with pytest.raises(StateFileError, match=r": this process, whose lock a process forked from it still held after 0.3 s\)"):
+            Coordinator(port=0, state_file=state_file).start()
+    finally:
+        os.close(copy)
+
+
 def test_a_forked_child_does_not_keep_the_state_file_locked(tmp_path):
     """An flock belongs to the open file, which a forked child shares: a child outliving its
     parent's coordinator kept its state file locked (a restart was refused as "in use").
