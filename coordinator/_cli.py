@@ -1006,7 +1006,10 @@ def render_status(response, address: str) -> str:
         return f"{coordinator}: no jobs\n"
     lines = [f"{coordinator}: {_plural(len(response.jobs), 'job')}"]
     # A long-lived coordinator keeps up to --max-jobs finished runs: past a few, one line.
-    finished = [j.job for j in response.jobs if j.participants and not j.pending_rounds and not any(p.alive for p in j.participants)]
+    finished = [
+        j.job for j in response.jobs
+        if j.participants and not j.pending_rounds and not j.refused and not any(p.alive for p in j.participants)
+    ]
     folded = set(finished) if len(finished) > _FINISHED_SHOWN else set()
     for job in response.jobs:
         if job.job in folded:

@@ -350,22 +350,32 @@ def _what_to_do(exc: OSError, folder: pathlib.Path) -> str:
     return ""
 
 
-# The descriptors of the locks this process holds -> their state files. A forked child
-# closes its copies: an flock belongs to the open file, and a child outliving its parent
-# would keep it locked.
-_held: dict[int, pathlib.Path] = {}
-# How long a lock this process took and let go of may stay held by a process it forked just
-# before (until the child runs its at-fork handler: on a loaded machine, some time later).
+# The descriptors of the locks this process holds -> their lock files' identity (device,
+# inode: one file may have two paths, a bind mount's). A forked child closes its copies: an
+# flock belongs to the open file, and a child outliving its parent would keep it locked.
+_held: dict[int, tuple[int, int]] = {}
+# The lock files this process let go of -> when: a child forked just before holds a copy
+# until it runs its at-fork handler (on a loaded machine, some time later), and a
+# coordinator started again here meanwhile waits for it, for up to _CHILD_LETS_GO.
+_let_go: dict[tuple[int, int], float] = {}
 _CHILD_LETS_GO = 2.0
 
 
 def _let_go_in_child() -> None:
-    for fd in _held:
-        os.close(fd)
+    for fd in list(_held):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
     _held.clear()
 
 
 os.register_at_fork(after_in_child=_let_go_in_child)
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    info = os.fstat(fd)
+    return info.st_dev, info.st_ino
 
 
 def _lock(real: pathlib.Path, given: os.PathLike | str) -> int:
@@ -391,40 +401,47 @@ def _lock(real: pathlib.Path, given: os.PathLike | str) -> int:
             f"{exc.strerror}{_what_to_do(exc, real.parent)}"
         ) from exc
     try:
-        _flock(fd, real)
+        _flock(fd)
     except BlockingIOError:
-        holder = _holder(fd)
+        holder, identity = _holder(fd), _identity(fd)
         os.close(fd)
-        raise StateFileError(_in_use(given, real, holder)) from None
+        raise StateFileError(_in_use(given, real, holder, identity)) from None
     except OSError as exc:  # (ENOLCK: an NFS mount whose lock service does not answer)
         os.close(fd)
         raise StateFileError(
             f"cannot lock {lock}, the lock of the state file {_named(given, real)} (--state-file): {exc.strerror}; "
             "keep the state file on a filesystem with file locks (a local disk, a block volume, NFS with locking)"
         ) from exc
-    _held[fd] = real
+    _held[fd] = _identity(fd)
     try:  # who holds it, for the message of a coordinator refused (the lock is what counts)
         os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        os.write(fd, f"{_this_process()}\n".encode())
     except OSError:
         pass
     return fd
 
 
-def _flock(fd: int, real: pathlib.Path) -> None:
-    """Takes the lock on ``fd`` or raises BlockingIOError. Held in this process's name while
-    no coordinator of this process holds it: a child forked meanwhile holds a copy it is
-    about to close (see _let_go_in_child), so it is tried again for _CHILD_LETS_GO."""
-    deadline = time.monotonic() + _CHILD_LETS_GO
+def _flock(fd: int) -> None:
+    """Takes the lock on ``fd`` or raises BlockingIOError; tried again for up to
+    _CHILD_LETS_GO from when this process let go of it, while held in its name (a forked
+    child's copy: see _let_go). It sleeps meanwhile, in start_server too: only then."""
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return
         except BlockingIOError:
-            ours = _holder(fd) == f"pid {os.getpid()} on {socket.gethostname()}" and real not in _held.values()
-            if not ours or time.monotonic() >= deadline:
+            identity = _identity(fd)
+            let_go = _let_go.get(identity)
+            if (
+                let_go is None or time.monotonic() >= let_go + _CHILD_LETS_GO
+                or identity in _held.values() or _holder(fd) != _this_process()
+            ):
                 raise
             time.sleep(0.02)
+
+
+def _this_process() -> str:
+    return f"pid {os.getpid()} on {socket.gethostname()}"
 
 
 def _holder(fd: int) -> str:
@@ -436,13 +453,12 @@ def _holder(fd: int) -> str:
     return text if text.startswith("pid ") else ""
 
 
-def _in_use(given: os.PathLike | str, real: pathlib.Path, holder: str) -> str:
+def _in_use(given: os.PathLike | str, real: pathlib.Path, holder: str, identity: tuple[int, int]) -> str:
     by = f" ({holder})" if holder else ""
-    if holder == f"pid {os.getpid()} on {socket.gethostname()}":
-        by = f" ({holder}: this process, " + (
-            "another Coordinator in it)" if real in _held.values() else
-            f"whose lock a process forked from it still held after {_CHILD_LETS_GO:g} s)"
-        )
+    if identity in _held.values():
+        by = f" ({_this_process()}: this process, another Coordinator in it)"
+    elif holder == _this_process() and identity in _let_go:
+        by = f" ({holder}: this process, whose lock a process forked from it still held after {_CHILD_LETS_GO:g} s)"
     return (
         f"the state file {_named(given, real)} (--state-file) is in use by another coordinator{by}: it holds "
         f"{lock_path(real)}; two coordinators on one state file would lose each other's writes. Stop it first, "
@@ -570,8 +586,10 @@ class Files:
         finally:  # (the lock goes even when closing the journal fails)
             if self._lock is not None:
                 lock, self._lock = self._lock, None
-                _held.pop(lock, None)
+                identity = _held.pop(lock, None)
                 os.close(lock)  # (lets go of the flock)
+                if identity is not None:
+                    _let_go[identity] = time.monotonic()
 
 
 def replay_journal(core: Core, path: pathlib.Path) -> None:

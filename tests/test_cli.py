@@ -569,13 +569,15 @@ def test_render_status_names_many_finished_jobs_on_one_line():
         return pb.JobStatus(job=name, world_size=1, registered=1, generation=1, participants=[participant], pending_rounds=rounds)
 
     runs = [job(f"run-{i}", alive=False) for i in range(1, 26)]
-    jobs = [*runs, job("live", alive=True), job("failing", alive=False, pending=True), pb.JobStatus(job="store", kv_keys=2)]
+    refused = job("refused", alive=False)  # (its next run's task refused: what the operator looks for)
+    refused.refused.append(pb.RefusedTask(task_id=0, ordinals=[0], reason="h pid 2 was refused: ..."))
+    jobs = [*runs, job("live", alive=True), job("failing", alive=False, pending=True), refused, pb.JobStatus(job="store", kv_keys=2)]
     text = _cli.render_status(pb.StatusResponse(jobs=jobs), "x:1")
     named = ", ".join(f"'run-{i}'" for i in range(1, 21))
     assert text.endswith(
         f"\n\n25 finished jobs (every process left or dead; `status --job NAME` shows one, --json all): {named} and 5 more\n"
     ), text
-    assert [line.split()[1] for line in text.splitlines() if line.startswith("job ")] == ["'live':", "'failing':", "'store':"]
+    assert [line.split()[1] for line in text.splitlines() if line.startswith("job ")] == ["'live':", "'failing':", "'refused':", "'store':"]
     few = _cli.render_status(pb.StatusResponse(jobs=[*runs[:3], jobs[-3]]), "x:1")
     assert "finished jobs" not in few and few.count("\njob 'run-") == 3, few
 

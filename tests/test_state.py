@@ -421,7 +421,8 @@ def test_a_lock_a_child_forked_just_before_still_holds_is_waited_for(tmp_path, m
 
     def stopped_with_a_copy_held() -> int:
         with Coordinator(port=0, state_file=state_file):
-            (fd,) = [fd for fd, path in _state._held.items() if path.name == "state.json"]
+            lock = os.stat(_state.lock_path(state_file.resolve()))
+            (fd,) = [fd for fd, held in _state._held.items() if held == (lock.st_dev, lock.st_ino)]
             return os.dup(fd)
 
     copy = stopped_with_a_copy_held()
@@ -429,6 +430,16 @@ def test_a_lock_a_child_forked_just_before_still_holds_is_waited_for(tmp_path, m
     started = time.monotonic()
     with Coordinator(port=0, state_file=state_file) as again:
         assert again.core is not None and time.monotonic() - started >= 0.4
+    # A lock known by its file, not its path: one reached by another path (a bind mount;
+    # here a hard link) and held here is another Coordinator's, refused at once.
+    other = tmp_path / "other"
+    other.mkdir()
+    with Coordinator(port=0, state_file=state_file):
+        os.link(_state.lock_path(state_file), other / "state.json.lock")
+        started = time.monotonic()
+        with pytest.raises(StateFileError, match=r": this process, another Coordinator in it\)"):
+            Coordinator(port=0, state_file=other / "state.json").start()
+        assert time.monotonic() - started < 1
     monkeypatch.setattr(_state, "_CHILD_LETS_GO", 0.3)
     copy = stopped_with_a_copy_held()
     try:
