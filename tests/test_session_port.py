@@ -187,10 +187,11 @@ def test_an_unreachable_session_port_leaves_calls_on_grpc():
     stay on the same gRPC stream while the heartbeat thread tries the port again, 10 s after
     the refusal, then twice as long each time (each heartbeat naming the port once retired
     the stream that worked for a new one, every 10 s for as long as the job ran)."""
-    with socket.socket() as unused:
+    # Bound, not listening, for the whole test: a port let go of may be the next one the
+    # coordinator takes (its gRPC port was, once, which then closed each session connection).
+    with socket.socket() as unused, Coordinator(port=0, session_port=None) as coordinator:
         unused.bind(("127.0.0.1", 0))
         closed = unused.getsockname()[1]
-    with Coordinator(port=0, session_port=None) as coordinator:
         assert coordinator.session_port is None
         clients = make_clients(coordinator.address, fan_in="off", heartbeat_interval=3600)  # probes by hand
         pod = BoundOnce(clients)
