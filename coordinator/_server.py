@@ -630,7 +630,8 @@ async def start_server(options: ServerOptions = ServerOptions()) -> RunningServe
 
 
 def _core_to_serve(options: ServerOptions, files: "_state.Files | None") -> Core:
-    """The core the state file holds, else a new one; with ``--world-size``'s job declared."""
+    """The core the state file holds, else a new one; with ``--world-size``'s job declared
+    (and the declarations it restored that this coordinator does not make, lifted)."""
     core = None
     if files is not None:
         core = _state.load(
@@ -652,12 +653,11 @@ def _core_to_serve(options: ServerOptions, files: "_state.Files | None") -> Core
                 ),
                 extra={"event": "restored", "jobs": len(core.jobs)},
             )
-    if core is not None:
-        for name in core.undeclare_jobs(options.job if options.world_size is not None else None):
-            log.warning(
-                "job %s had a world size fixed by --world-size, which this coordinator does not give it: "
-                "a new run may have another size", name, extra={"event": "world_size_lifted", "job": name},
-            )
+            for name in core.undeclare_jobs(options.job if options.world_size is not None else None):
+                log.warning(
+                    "job %s had a world size fixed by --world-size, which this coordinator does not give it: "
+                    "a new run may have another size", name, extra={"event": "world_size_lifted", "job": name},
+                )
     core = core or Core(options.limits, heartbeat_timeout=options.heartbeat_timeout)
     if options.world_size is not None:
         restored = core.jobs.get(options.job)
