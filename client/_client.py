@@ -33,7 +33,7 @@ from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
 from ._config import _VARIABLES, DEFAULT, FAN_IN_AUTO_HOSTS, TOPOLOGY_VARIABLES, Settings, check_timeout
 from ._errors import (
-    EMBEDDED_STOPPED, CoordinatorUnavailableError, InvalidArgumentError, MismatchError, ParticipantFailedError, RendezvousError,
+    EMBEDDED_STOPPED, STOPPED_HERE, CoordinatorUnavailableError, InvalidArgumentError, MismatchError, ParticipantFailedError, RendezvousError,
     RendezvousTimeout, UnknownJobError, UsageError, connection_hint, from_rpc_error, wrong_protocol,
 )
 from ._relay import Relay, relay_path
@@ -144,6 +144,35 @@ def _retried(exc: BaseException) -> bool:
     return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE and not isinstance(exc, _NoAnswer)
 
 
+def _stopped_here(address: str, made: float) -> str | None:
+    """When the coordinator at ``address`` was embedded in this process and stopped for good
+    (``STOPPED_HERE``) after a client ``made`` then, why; None otherwise."""
+    host, _, port = address.rpartition(":")
+    entry = STOPPED_HERE.get(int(port))
+    if entry is None or entry[2] < made:
+        return None
+    served, why, _ = entry
+
+    def ips(host: str) -> set[str]:
+        try:
+            return {info[4][0] for info in socket.getaddrinfo(host.strip("[]"), None)}
+        except OSError:
+            return set()
+
+    def here(ip: str) -> bool:  # (an address of this host: one a socket can bind)
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.bind((ip, 0))
+        except OSError:
+            return False
+        return True
+
+    dialled = ips(host)
+    if not (dialled & ips(served) if served not in ("0.0.0.0", "::") else any(map(here, dialled))):
+        return None
+    return f"{why} without a state file to resume from: nothing will answer there again"
+
+
 _IMPORTED = time.monotonic()
 
 
@@ -174,6 +203,9 @@ _clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
 _store_ids: "weakref.WeakKeyDictionary[Client, str]" = weakref.WeakKeyDictionary()
 # The job each client registered in (RegisterResponse.job_id), kept here for the same reason.
 _job_ids: "weakref.WeakKeyDictionary[Client, str]" = weakref.WeakKeyDictionary()
+# When each client was made (monotonic): one made after a coordinator of this process
+# stopped for good dials another at its port, should the port be taken again (_stopped_here).
+_made: "weakref.WeakKeyDictionary[Client, float]" = weakref.WeakKeyDictionary()
 # How many of each client's registrations are under way (changed under its lock; close() reads it
 # without, and waits for them: Client._leave).
 _registering: "weakref.WeakKeyDictionary[Client, int]" = weakref.WeakKeyDictionary()
@@ -663,6 +695,7 @@ class Client:
         # Whether the coordinator reads a relay's processes named once (Register, Heartbeat).
         self.reads_process_indexes = False
         _clients.add(self)
+        _made[self] = time.monotonic()
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -776,6 +809,8 @@ class Client:
                 outage["since"] = now
             if self._closed or (deadline is not None and now >= deadline):
                 return True
+            if STOPPED_HERE and _stopped_here(self.settings.address, _made[self]):  # (not looked for: gone for good)
+                return True
             details = state.outcome.exception().details() or ""
             outage["wrong"] = (outage["wrong"] or now) if wrong_protocol(details) else None
             if outage["wrong"] is not None and now - outage["wrong"] >= _WRONG_PROTOCOL_PATIENCE:
@@ -808,7 +843,10 @@ class Client:
             if self._closed:
                 raise UsageError(_CLOSED) from exc
             error = from_rpc_error(exc, address=self.settings.address, method=method, where=self._where())
-            if isinstance(error, RendezvousTimeout):  # (its times count from the resend the coordinator saw)
+            gone = STOPPED_HERE and isinstance(error, CoordinatorUnavailableError) and _stopped_here(self.settings.address, _made[self])
+            if gone:
+                error = CoordinatorUnavailableError(f"coordinator at {self.settings.address} unavailable for {method}: {gone}")
+            elif isinstance(error, RendezvousTimeout):  # (its times count from the resend the coordinator saw)
                 error = RendezvousTimeout(
                     f"{error} (the call waited {time.monotonic() - began:.1f} s in all: it was sent again "
                     "after an attempt failed)"

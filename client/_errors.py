@@ -37,6 +37,13 @@ from ._version import build
 # a client does not ask it for the job's generation after one (it is gone).
 EMBEDDED_STOPPED = "the coordinator embedded in process "
 
+# The coordinators embedded in this process that stopped for good (no state file to resume
+# from): their gRPC port -> (the host they listened on, why they stopped, when: monotonic).
+# A client of this process that cannot reach one gives up at once, not after looking for it
+# for connect_timeout (Client._call): nothing will answer there again. A Coordinator
+# started again on the port takes its entry out.
+STOPPED_HERE: dict[int, tuple[str, str, float]] = {}
+
 
 class RendezvousError(Exception):
     """Root of every error this library raises (apart from TypeError for arguments of the wrong type)."""

@@ -31,7 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pjrt_rendezvous.client._config import DEFAULT_JOB
-from pjrt_rendezvous.client._errors import EMBEDDED_STOPPED
+from pjrt_rendezvous.client._errors import EMBEDDED_STOPPED, STOPPED_HERE
 from pjrt_rendezvous.client._session import MAX_MESSAGE, FramedSession, clip
 from pjrt_rendezvous.client._topology import host_port
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
@@ -862,8 +862,7 @@ class Coordinator:
             finally:
                 started.set()
             await self._stopping.wait()
-            why = f"{EMBEDDED_STOPPED}{os.getpid()} on {socket.gethostname()} stopped ({self._why})"
-            await self._running.stop(self._grace, for_good=why)
+            await self._running.stop(self._grace, for_good=self._stopped())
             await _let_calls_end()
 
         def run() -> None:
@@ -879,6 +878,7 @@ class Coordinator:
         if failure:
             self._thread.join()
             raise failure[0]
+        STOPPED_HERE.pop(self._running.port, None)
         return self
 
     def stop(self, grace: float | None | object = _MADE_WITH, *, _why: str = "Coordinator.stop() was called") -> None:
@@ -893,7 +893,13 @@ class Coordinator:
         self._why = _why
         self._loop.call_soon_threadsafe(self._stopping.set)
         self._thread.join()
+        if self._running.writer is None:  # (for good: this process's clients give up on it at once)
+            STOPPED_HERE[self._running.port] = (self._options.host, self._stopped(), time.monotonic())
         self._running = None
+
+    def _stopped(self) -> str:
+        """Why it stopped, as told to the calls it fails (and, after, to this process's)."""
+        return f"{EMBEDDED_STOPPED}{os.getpid()} on {socket.gethostname()} stopped ({self._why})"
 
     def __enter__(self) -> "Coordinator":
         # (``with Coordinator(...).start() as c:`` enters one already running)

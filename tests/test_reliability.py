@@ -291,7 +291,8 @@ def test_an_embedded_coordinator_that_stops_fails_its_pending_rounds_at_once_say
     left on an exception: a Ctrl-C in task 0) while a round, a get of keys and a wait for
     the world wait: each caller is told at once that it stopped, and why. (Their calls were
     cancelled, and each looked for a coordinator until its connect_timeout, 60 s, then asked
-    whether `pjrt-rendezvous serve` was running.)"""
+    whether `pjrt-rendezvous serve` was running.) So is a call made after the stop (it looked
+    for it for connect_timeout too)."""
     from test_cli import wait_until
 
     coordinator = Coordinator(port=0, **({"session_port": None} if how.endswith("gRPC alone") else {})).start()
@@ -324,6 +325,11 @@ def test_an_embedded_coordinator_that_stops_fails_its_pending_rounds_at_once_say
             assert f"the wait for {what} fails: the coordinator embedded in process {os.getpid()}" in str(failed.value)
             assert why in str(failed.value), str(failed.value)
         assert time.monotonic() - started < 5
+        for call in (lambda: client.rendezvous(binding, "again", b"x"), lambda: client.get("k"), client.wait_world):
+            name, took, message = pool.submit(_timed, call).result(30)
+            assert name == "CoordinatorUnavailableError" and took < 5, (name, took, message)
+            assert f"the coordinator embedded in process {os.getpid()}" in message and why in message, message
+            assert "nothing will answer there again" in message, message
         pool.submit(client.unbind_thread).result(10)
     client.close(leave=False)
 
@@ -996,3 +1002,33 @@ def test_an_embedded_coordinator_watches_liveness_as_serve_does():
         assert coordinator.core.heartbeat_timeout == 60.0
     with Coordinator(port=0, heartbeat_timeout=None) as coordinator:
         assert coordinator.core.heartbeat_timeout is None
+
+
+def test_only_a_coordinator_of_this_process_stopped_for_good_is_given_up_on_at_once(tmp_path):
+    """A client gives up at once on the address of a coordinator embedded in this process
+    and stopped without a state file, and on no other: not on another port or host, nor
+    once a coordinator is started on that port again, nor on one with a state file (a
+    restart resumes it); nor does a client made after the stop (a server that took the port
+    again is another coordinator)."""
+    from pjrt_rendezvous.client._client import _stopped_here
+    from pjrt_rendezvous.client._errors import STOPPED_HERE
+
+    for host, dialled in (("0.0.0.0", "127.0.0.1"), ("0.0.0.0", "localhost"), ("127.0.0.1", "localhost")):
+        made = time.monotonic()
+        coordinator = Coordinator(host=host, port=0).start()
+        port = coordinator.port
+        assert _stopped_here(f"{dialled}:{port}", made) is None
+        coordinator.stop()
+        assert "Coordinator.stop() was called" in _stopped_here(f"{dialled}:{port}", made)
+        assert _stopped_here(f"{dialled}:{port}", time.monotonic()) is None
+        assert _stopped_here(f"192.0.2.1:{port}", made) is None  # (TEST-NET-1: not this host)
+        assert _stopped_here(f"{dialled}:{port % 65535 + 1}", made) is None
+        coordinator = Coordinator(host=host, port=port).start()
+        assert _stopped_here(f"{dialled}:{port}", made) is None
+        coordinator.stop(None)
+        assert port in STOPPED_HERE
+    made = time.monotonic()
+    coordinator = Coordinator(port=0, state_file=tmp_path / "state").start()
+    port = coordinator.port
+    coordinator.stop()
+    assert _stopped_here(f"127.0.0.1:{port}", made) is None
