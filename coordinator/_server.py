@@ -704,7 +704,7 @@ async def _serving(options: ServerOptions, core: Core, writer: "_StateWriter | N
     try:
         port = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     except RuntimeError:  # gRPC says only "Failed to bind to address ...; set GRPC_VERBOSITY=debug"
-        raise RuntimeError(await _why_not_bound(address, options)) from None
+        raise await _why_not_bound(address, options) from None
     await server.start()
     metrics_server = None
     sessions = session_port = None
@@ -754,9 +754,10 @@ async def _serving(options: ServerOptions, core: Core, writer: "_StateWriter | N
     )
 
 
-async def _why_not_bound(address: str, options: ServerOptions) -> str:
-    """Why gRPC could not listen on ``address``, which it does not say: the port, or (with
-    TLS) the certificate and key, or the client CA. Found by trying each part alone on a
+async def _why_not_bound(address: str, options: ServerOptions) -> Exception:
+    """Why gRPC could not listen on ``address``, which it does not say: the port (OSError,
+    as for the session and metrics ports, its ``errno`` the system's), or (with TLS) the
+    certificate and key, or the client CA (ValueError). Found by trying each part alone on a
     throwaway server: the address without TLS, then the certificate and key on any port."""
 
     async def takes(where: str, credentials=None) -> bool:
@@ -769,28 +770,33 @@ async def _why_not_bound(address: str, options: ServerOptions) -> str:
         finally:
             await probe.stop(None)
 
-    port_taken = f"cannot listen on {address} (--host, --port): {_bind_error(options.host, options.port)}"
+    def port_taken() -> OSError:
+        strerror, code = _bind_error(options.host, options.port)
+        error = OSError(f"cannot listen on {address} (--host, --port): {strerror}")
+        error.errno = code  # (its message stays the one above)
+        return error
+
     if options.tls_cert is None or not await takes(address):
-        return port_taken
+        return port_taken()
     if not await takes(host_port(options.host, 0), grpc.ssl_server_credentials([(options.tls_key, options.tls_cert)])):
-        return "the TLS certificate and key (--tls-cert, --tls-key) are not valid PEM, or the key is not the certificate's"
+        return ValueError("the TLS certificate and key (--tls-cert, --tls-key) are not valid PEM, or the key is not the certificate's")
     if options.tls_ca is not None:
-        return "the client CA (--tls-ca) holds no valid PEM certificate"
-    return port_taken  # (taken meanwhile, or free again)
+        return ValueError("the client CA (--tls-ca) holds no valid PEM certificate")
+    return port_taken()  # (taken meanwhile, or free again)
 
 
-def _bind_error(host: str, port: int) -> str:
+def _bind_error(host: str, port: int) -> tuple[str, int]:
     """What the system says to listening on ``host:port`` (a port in use, one below 1024
     without the privilege, a host that is not this machine's or that does not resolve),
-    which gRPC does not."""
+    which gRPC does not, and its errno."""
     try:
         for family, kind, proto, _, where in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
             with socket.socket(family, kind, proto) as sock:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as gRPC's port)
                 sock.bind(where)
     except OSError as exc:
-        return exc.strerror or str(exc)
-    return "the port is in use, or the host is not an address of this machine"  # (free again meanwhile)
+        return exc.strerror or str(exc), exc.errno or errno.EADDRINUSE
+    return "the port is in use, or the host is not an address of this machine", errno.EADDRINUSE  # (free again meanwhile)
 
 
 _MADE_WITH = object()  # Coordinator.stop's grace when not given: the one it was made with

@@ -1707,13 +1707,24 @@ def test_an_embedded_coordinator_serves_once_at_a_time_on_a_port_in_range():
     """start() on a running coordinator is refused (a second start opened a second server
     and lost the first's, which stop() then left running, or failed on its own port);
     ``with Coordinator(...).start()`` enters the running one; a stopped one starts again. A port out of range is
-    refused (-1 listened on 65535, 70000 on 4464)."""
+    refused (-1 listened on 65535, 70000 on 4464). A port in use is an OSError of EADDRINUSE for each of the
+    three ports (the gRPC port's was a RuntimeError)."""
+    import errno
+
     from pjrt_rendezvous.coordinator import Coordinator
 
     coordinator = Coordinator(port=0).start()
     address = coordinator.address
     with pytest.raises(RuntimeError, match=f"already running at {address}"):
         coordinator.start()
+    for taken, what in (
+        ({"port": coordinator.port}, f"127.0.0.1:{coordinator.port} (--host, --port)"),
+        ({"session_port": coordinator.session_port}, f"the session port 127.0.0.1:{coordinator.session_port}"),
+        ({"metrics_port": coordinator.session_port}, f"the metrics port 127.0.0.1:{coordinator.session_port}"),
+    ):
+        with pytest.raises(OSError, match=re.escape(f"cannot listen on {what}")) as refused:
+            Coordinator(**{"port": 0, **taken}).start()
+        assert refused.value.errno == errno.EADDRINUSE, refused.value
     with coordinator as entered:
         assert entered is coordinator and entered.address == address
     assert run_cli("health", "--address", address, "--timeout", "2").returncode == 1  # stopped: nothing left
