@@ -34,7 +34,7 @@ from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 from ._config import _VARIABLES, DEFAULT, FAN_IN_AUTO_HOSTS, TOPOLOGY_VARIABLES, Settings, check_timeout
 from ._errors import (
     EMBEDDED_STOPPED, STOPPED_HERE, CoordinatorUnavailableError, InvalidArgumentError, MismatchError, ParticipantFailedError, RendezvousError,
-    RendezvousTimeout, UnknownJobError, UsageError, connection_hint, from_rpc_error, wrong_protocol,
+    RendezvousTimeout, UnknownJobError, UsageError, connection_hint, from_rpc_error, unchanging,
 )
 from ._relay import Relay, relay_path
 from ._session import PING_EVERY, PING_TIMEOUT, Session, SocketSession, StatusError
@@ -67,7 +67,8 @@ ALL: tuple[int, ...] = ()
 _TRANSPORT_GRACE = 10.0
 _BACKOFF_CAP = 2.0  # seconds: the longest pause between two retries
 # Seconds a call keeps trying a server that answers in another protocol (HTTP/1, plain text to
-# TLS): a port taken over in a restart, not the whole connect_timeout of a misconfiguration.
+# TLS), or whose TLS certificate it refuses: a port taken over in a restart, or a certificate
+# being replaced, not the whole connect_timeout of a misconfiguration.
 _WRONG_PROTOCOL_PATIENCE = 5.0
 _CLOSED = "this client was closed; call init() again"
 _CHANNEL_OPTIONS = [
@@ -791,7 +792,7 @@ class Client:
         now = time.monotonic()
         outage = {"since": now, "attempt": now, "session": None, "heard": 0.0, "relayed": False}  # (since: the first failure)
         # Since when every attempt met a server speaking another protocol (None: not the last one).
-        outage["wrong"] = now if wrong_protocol(first or "") else None
+        outage["wrong"] = now if unchanging(first or "") else None
 
         def before(state) -> None:
             outage["attempt"], outage["session"] = time.monotonic(), None
@@ -812,7 +813,7 @@ class Client:
             if STOPPED_HERE and _stopped_here(self.settings.address, _made[self]):  # (not looked for: gone for good)
                 return True
             details = state.outcome.exception().details() or ""
-            outage["wrong"] = (outage["wrong"] or now) if wrong_protocol(details) else None
+            outage["wrong"] = (outage["wrong"] or now) if unchanging(details) else None
             if outage["wrong"] is not None and now - outage["wrong"] >= _WRONG_PROTOCOL_PATIENCE:
                 return True  # (not a coordinator starting: it would not answer at all)
             return now - outage["since"] >= self.settings.connect_timeout
@@ -857,8 +858,8 @@ class Client:
                 and time.monotonic() - outage["wrong"] >= _WRONG_PROTOCOL_PATIENCE
             ):
                 error = CoordinatorUnavailableError(
-                    f"{error} (given up after {time.monotonic() - outage['wrong']:.1f} s, not its connect_timeout: the "
-                    "server there speaks another protocol, which waiting does not change)"
+                    f"{error} (given up after {time.monotonic() - outage['wrong']:.1f} s, not its connect_timeout: "
+                    f"{unchanging(exc.details() or '')}, which waiting does not change)"
                 )
             elif (
                 isinstance(error, CoordinatorUnavailableError)

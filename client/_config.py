@@ -12,6 +12,7 @@ import math
 import os
 import re
 import stat
+import time
 from typing import Any, Mapping
 
 from ._errors import UsageError
@@ -80,6 +81,15 @@ def tls_pair_problem(cert: str, key: str) -> str | None:
     0: gRPC's BoringSSL takes keys the system's level refuses (a 1,024-bit RSA key)."""
     import ssl
 
+    try:
+        with open(cert, "rb") as c, open(key, "rb") as k:
+            cert_text, key_text = c.read(), k.read()
+    except OSError:
+        return None
+    if b"ENCRYPTED" in key_text:  # ("BEGIN ENCRYPTED PRIVATE KEY", or "Proc-Type: 4,ENCRYPTED")
+        return f"the key is encrypted, which gRPC cannot use: decrypt it (openssl pkey -in {key} -out NEW.key)"
+    if _PEM_CERTIFICATE not in cert_text and b"PRIVATE KEY-----" in cert_text:
+        return "the certificate's file holds a private key (the two files swapped?)"
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.set_ciphers("ALL:@SECLEVEL=0")
     try:
@@ -88,6 +98,25 @@ def tls_pair_problem(cert: str, key: str) -> str | None:
         return exc.reason or "not PEM"
     except OSError:
         return None
+    return None
+
+
+def certificate_out_of_date(cert: str, now: float | None = None) -> str | None:
+    """When the (first) certificate in the PEM file ``cert`` has expired, or is not valid
+    yet: which, and when; None when it is valid now, or cannot be read (as Python's own
+    test decoder, where a build lacks it)."""
+    import ssl
+
+    try:
+        decoded = ssl._ssl._test_decode_cert(cert)  # (the one reader of a certificate's dates in the standard library)
+        after, before = ssl.cert_time_to_seconds(decoded["notAfter"]), ssl.cert_time_to_seconds(decoded["notBefore"])
+    except (AttributeError, KeyError, ValueError, OSError, ssl.SSLError):
+        return None
+    now = time.time() if now is None else now
+    if now > after:
+        return f"it expired on {decoded['notAfter']}"
+    if now < before:
+        return f"it is not valid before {decoded['notBefore']} (is this host's clock right?)"
     return None
 
 
@@ -362,6 +391,12 @@ class Settings:
             raise UsageError(
                 f"the TLS key {self.tls_key} (tls_key, {_VARIABLES['tls_key']}) is not an unencrypted private key of "
                 f"the certificate {self.tls_cert} (tls_cert, {_VARIABLES['tls_cert']}): {problem}"
+            )
+        problem = None if self.tls_cert is None else certificate_out_of_date(self.tls_cert)
+        if problem is not None:  # (a coordinator with mutual TLS closes each connection: "Socket closed")
+            raise UsageError(
+                f"the TLS certificate {self.tls_cert} (tls_cert, {_VARIABLES['tls_cert']}) is refused by any "
+                f"coordinator: {problem}; reissue it"
             )
         return credentials
     @classmethod

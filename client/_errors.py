@@ -122,13 +122,35 @@ _BY_CODE: dict[grpc.StatusCode, type[RemoteError]] = {
 # TLS client's hello answered in plain text.
 _NOT_HTTP2 = ("failed parsing http/2", "http1.x")
 _NOT_TLS = "wrong_version_number"
+# ... and this client refusing the server's TLS certificate: each with what to do.
+_CERTIFICATE_REFUSED = (
+    (
+        "certificate has expired",
+        "The coordinator's TLS certificate has expired (or this host's clock is wrong): reissue serve's --tls-cert.",
+    ),
+    (
+        "hostname verification check failed",
+        "The coordinator's TLS certificate does not name the host this client dials: dial a name or address the "
+        "certificate names (its subjectAltName; status and health also take --tls-server-name), or reissue it "
+        "naming this one.",
+    ),
+    (
+        "certificate_verify_failed",
+        "The coordinator's TLS certificate is not signed by the CA this client trusts (PJRT_RENDEZVOUS_TLS_CA): "
+        "give it the CA that signed serve's --tls-cert.",
+    ),
+)
+
+
+_REFUSED = "this client refuses the server's TLS certificate"
 
 
 def connection_hint(details: str) -> str:
     """For an UNAVAILABLE error's details: a TLS mismatch looks like a connection cut (a
     plaintext client against a TLS coordinator, or mutual TLS without a client certificate
-    from its CA), and a server that does not speak HTTP/2 like one that cannot parse it; ""
-    when the details do not look like either."""
+    from its CA), a server that does not speak HTTP/2 like one that cannot parse it, and a
+    certificate this client refuses says only why; "" when the details do not look like
+    any."""
     lowered = details.lower()
     if any(marker in lowered for marker in _NOT_HTTP2):
         return (
@@ -140,19 +162,29 @@ def connection_hint(details: str) -> str:
             " The server there does not speak TLS: if it is the coordinator, it serves without TLS, and this "
             "client must not set PJRT_RENDEZVOUS_TLS_CA (nor _TLS_CERT, _TLS_KEY)."
         )
+    for marker, hint in _CERTIFICATE_REFUSED:
+        if marker in lowered:
+            return f" {hint}"
     if not any(word in lowered for word in ("handshake", "socket closed", "ssl", "tls")):
         return ""
     return (
         " If it serves TLS, this client needs PJRT_RENDEZVOUS_TLS_CA (and, for mutual TLS, "
-        "PJRT_RENDEZVOUS_TLS_CERT and _TLS_KEY from the CA it trusts); if not, none of them."
+        "PJRT_RENDEZVOUS_TLS_CERT and _TLS_KEY from the CA it trusts, not expired); if not, none of them."
     )
 
 
-def wrong_protocol(details: str) -> bool:
-    """Whether an UNAVAILABLE error's details say the server there speaks another protocol
-    (HTTP/1, or plain text to a TLS client), which waiting does not change."""
+def unchanging(details: str) -> str:
+    """What an UNAVAILABLE error's details say that waiting does not change: the server
+    there speaks another protocol (HTTP/1, or plain text to a TLS client), or this client
+    refuses its TLS certificate; "" for anything else. (Not a connection closed as it
+    opens, which a TLS server does to a plaintext client or to a client certificate it
+    refuses: so does a proxy in front of a coordinator that is restarting.)"""
     lowered = details.lower()
-    return any(marker in lowered for marker in (*_NOT_HTTP2, _NOT_TLS))
+    if any(marker in lowered for marker in (*_NOT_HTTP2, _NOT_TLS)):
+        return "the server there speaks another protocol"
+    if any(marker in lowered for marker, _ in _CERTIFICATE_REFUSED):
+        return _REFUSED
+    return ""
 
 
 def from_rpc_error(exc: grpc.RpcError, *, address: str, method: str, where: str = "") -> RemoteError:
@@ -164,12 +196,14 @@ def from_rpc_error(exc: grpc.RpcError, *, address: str, method: str, where: str 
     cls = _BY_CODE.get(code, RemoteError)
     if cls is CoordinatorUnavailableError:
         hint = connection_hint(details)
-        details = (
-            f"coordinator at {address} unavailable for {method}: {details}. Is "
-            f"`pjrt-rendezvous serve` (or the process embedding a Coordinator, task 0's) running there, and is "
-            f"that its address (from init(address=), a Store's "
-            f"URL, PJRT_RENDEZVOUS_ADDRESS, or worker 0 of TPU_WORKER_HOSTNAMES)?{where}{hint}"
-        )
+        details = f"coordinator at {address} unavailable for {method}: {details.rstrip('.')}."
+        if unchanging(details) != _REFUSED:  # (a TLS server answered: not one to look for)
+            details += (
+                " Is `pjrt-rendezvous serve` (or the process embedding a Coordinator, task 0's) running there, and "
+                "is that its address (from init(address=), a Store's URL, PJRT_RENDEZVOUS_ADDRESS, or worker 0 of "
+                f"TPU_WORKER_HOSTNAMES)?{where}"
+            )
+        details += hint
     elif code == grpc.StatusCode.UNIMPLEMENTED:  # another gRPC server, an HTTP one (404), or an older coordinator
         details = (
             f"{address} does not serve {method}: {details}. Is that the gRPC port of `pjrt-rendezvous serve` "

@@ -532,12 +532,12 @@ def _read(args, dest: str) -> bytes | None:
 
 
 def _check_tls_files(args) -> None:
-    """A certificate and key that are not a PEM pair, or a CA file without a certificate:
-    refused as malformed settings (exit 2), before gRPC fails to listen with them (exit 1,
+    """A certificate and key that are not a PEM pair, a certificate out of date, or a CA file
+    without a certificate: refused as malformed settings (exit 2), before gRPC fails to listen with them (exit 1,
     restarted by the unit to fail again). A file that cannot be read is _read's to report."""
     import ssl
 
-    from pjrt_rendezvous.client._config import tls_pair_problem
+    from pjrt_rendezvous.client._config import certificate_out_of_date, tls_pair_problem
 
     problem = None if args.tls_cert is None or args.tls_key is None else tls_pair_problem(str(args.tls_cert), str(args.tls_key))
     if problem is not None:
@@ -545,6 +545,9 @@ def _check_tls_files(args) -> None:
             f"the TLS certificate {args.tls_cert} (--tls-cert) and key {args.tls_key} (--tls-key) are not a PEM "
             f"certificate and its unencrypted private key: {problem}"
         )
+    problem = None if args.tls_cert is None else certificate_out_of_date(str(args.tls_cert))
+    if problem is not None:  # (every client would refuse it, each after retrying)
+        raise ValueError(f"the TLS certificate {args.tls_cert} (--tls-cert) is refused by every client: {problem}; reissue it")
     if args.tls_ca is not None:
         try:
             ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_verify_locations(cafile=str(args.tls_ca))
@@ -1099,7 +1102,7 @@ def client_address(env: Mapping[str, str]) -> str:
 def _status(args, env: Mapping[str, str]) -> int:
     import grpc
 
-    from pjrt_rendezvous.client._errors import RendezvousError
+    from pjrt_rendezvous.client._errors import RendezvousError, unchanging
     from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
     from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -1127,7 +1130,9 @@ def _status(args, env: Mapping[str, str]) -> int:
         response = _ask(
             lambda timeout: stub.Status(pb.StatusRequest(job=args.job), timeout=timeout, metadata=metadata),
             args.timeout,
-            lambda reply: isinstance(reply, grpc.RpcError) and reply.code() == grpc.StatusCode.UNAVAILABLE,
+            # (not a server of another protocol, nor a certificate refused: waiting changes neither)
+            lambda reply: isinstance(reply, grpc.RpcError) and reply.code() == grpc.StatusCode.UNAVAILABLE
+            and not unchanging(reply.details() or ""),
         )
     if isinstance(response, grpc.RpcError):
         print(f"pjrt-rendezvous status: {address}: {_rpc_failure(response, args.timeout)}", file=sys.stderr)

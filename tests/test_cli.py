@@ -674,6 +674,16 @@ def tls_files(tmp_path_factory):
         cwd=d, check=True, capture_output=True, timeout=60,
     )
     (d / "junk.pem").write_text("not a certificate\n")
+    for command in (  # (-days 0: valid until the second it was made)
+        ["req", "-new", "-key", "server.key", "-subj", "/CN=coordinator.test", "-out", "expired.csr"],
+        ["x509", "-req", "-in", "expired.csr", "-signkey", "server.key", "-days", "0", "-out", "expired.pem"],
+    ):
+        subprocess.run(["openssl", *command], cwd=d, check=True, capture_output=True, timeout=60)
+    time.sleep(1.1)  # (expired now)
+    subprocess.run(
+        ["openssl", "pkey", "-in", "server.key", "-aes256", "-passout", "pass:x", "-out", "encrypted.key"],
+        cwd=d, check=True, capture_output=True, timeout=60,
+    )
     return d
 
 
@@ -692,8 +702,11 @@ def test_health_with_tls_uses_the_client_variables(tls_files):
         for command in ("status", "health --wait"):  # they wait out --timeout, then say why
             waited = run_cli(*command.split(), "--address", server.address, "--timeout", "2")
             assert waited.returncode == 1 and ": UNAVAILABLE: " in waited.stderr, (command, waited.stderr)
-        wrong_name = run_cli("health", "--address", server.address, "--timeout", "3", env=ca)
-        assert wrong_name.returncode == 1  # the certificate does not name 127.0.0.1
+        for command in ("health", "status"):  # the certificate does not name 127.0.0.1: said at once
+            started = time.monotonic()
+            wrong_name = run_cli(command, "--address", server.address, "--timeout", "20", env=ca)
+            assert wrong_name.returncode == 1 and time.monotonic() - started < 15, (command, wrong_name.stderr)
+            assert "TLS certificate does not name the host this client dials" in wrong_name.stderr, wrong_name.stderr
         named = run_cli(
             "health", "--address", server.address, env={**ca, "PJRT_RENDEZVOUS_TLS_SERVER_NAME": "coordinator.test"}
         )
@@ -961,7 +974,8 @@ def test_a_wildcard_host_listens_on_both_families_on_every_port():
 def test_serve_startup_errors_name_their_option(tmp_path, tls_files):
     """Each startup error names the option (or the variable) it is about: a metrics port in
     use, a TLS or token file that cannot be read, a key of another certificate, a client CA
-    that is no PEM (not blamed on the port); a stray space in PJRT_RENDEZVOUS_HOST is none."""
+    that is no PEM (not blamed on the port), an encrypted key, a key and certificate swapped, an
+    expired certificate; a stray space in PJRT_RENDEZVOUS_HOST is none."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -987,6 +1001,11 @@ def test_serve_startup_errors_name_their_option(tmp_path, tls_files):
          f"the TLS certificate {cert} (--tls-cert) and key {other} (--tls-key) are not a PEM certificate and its unencrypted private key: "),
         (("--tls-key", key, "--tls-ca", str(tls_files / "junk.pem")), {"PJRT_RENDEZVOUS_SERVER_TLS_CERT": cert},
          f"the client CA {tls_files / 'junk.pem'} (--tls-ca) holds no PEM certificate"),
+        (("--tls-cert", cert, "--tls-key", str(tls_files / "encrypted.key")), {},
+         f"the key is encrypted, which gRPC cannot use: decrypt it (openssl pkey -in {tls_files / 'encrypted.key'} -out NEW.key)"),
+        (("--tls-cert", key, "--tls-key", cert), {}, "the certificate's file holds a private key (the two files swapped?)"),
+        (("--tls-cert", str(tls_files / "expired.pem"), "--tls-key", key), {},
+         f"the TLS certificate {tls_files / 'expired.pem'} (--tls-cert) is refused by every client: it expired on "),
     ]:
         out = run_cli("serve", "--port", "0", *args, env=env, timeout=30)
         assert out.returncode == 2 and named in out.stderr, (args, out.stderr)

@@ -6,9 +6,11 @@ import logging
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import pytest
@@ -30,14 +32,15 @@ def openssl(*args, cwd):
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
 
 
-def issue(cwd, name, ca, *, san=None):
-    """A key and a certificate for ``name`` signed by ``ca`` (files NAME.key / NAME.pem)."""
+def issue(cwd, name, ca, *, san=None, days=1):
+    """A key and a certificate for ``name`` signed by ``ca`` (files NAME.key / NAME.pem),
+    valid for ``days`` (0: it expires at once)."""
     openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-subj", f"/CN={name}",
             "-out", f"{name}.csr", cwd=cwd)
     ext = cwd / f"{name}.ext"
     ext.write_text(f"subjectAltName={san}\n" if san else "extendedKeyUsage=clientAuth\n")
     openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
-            "-CAcreateserial", "-days", "1", "-extfile", str(ext), "-out", f"{name}.pem", cwd=cwd)
+            "-CAcreateserial", "-days", str(days), "-extfile", str(ext), "-out", f"{name}.pem", cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -227,6 +230,20 @@ def test_tls_files_without_pem_are_refused_when_the_client_is_made(pki, tmp_path
 
     assert tls_pair_problem(str(tmp_path / "small.pem"), str(tmp_path / "small.key")) is None
     assert tls_pair_problem(str(tmp_path / "small.pem"), str(pki / "client.key")) == "KEY_VALUES_MISMATCH"
+    # An expired certificate: every coordinator with mutual TLS closed each connection as it
+    # opened ("Socket closed"), which the client retried for its connect timeout.
+    shutil.copy(pki / "ca.pem", tmp_path)
+    shutil.copy(pki / "ca.key", tmp_path)
+    issue(tmp_path, "expired", "ca", days=0)
+    time.sleep(1.1)
+    with pytest.raises(pr.UsageError, match=rf"the TLS certificate {tmp_path / 'expired.pem'} \(tls_cert, PJRT_RENDEZVOUS_TLS_CERT\) "
+                       r"is refused by any coordinator: it expired on .* GMT; reissue it"):
+        client_for("127.0.0.1:1", tls_ca=str(pki / "ca.pem"), tls_cert=str(tmp_path / "expired.pem"), tls_key=str(tmp_path / "expired.key"))
+    from pjrt_rendezvous.client._config import certificate_out_of_date
+
+    assert certificate_out_of_date(str(pki / "client.pem")) is None
+    assert certificate_out_of_date(str(pki / "client.pem"), now=0).startswith("it is not valid before ")
+    assert certificate_out_of_date(str(tmp_path / "junk.pem")) is None  # (the PEM check's to say)
 
 
 def test_tls_server_refuses_plaintext_and_accepts_its_ca(pki):
@@ -260,6 +277,36 @@ def test_a_tls_client_of_a_plaintext_coordinator_is_told_so_soon_and_quietly(pki
     assert int(seconds) < 30, child.stdout
     assert "The server there does not speak TLS: if it is the coordinator, it serves without TLS, and this client must not set PJRT_RENDEZVOUS_TLS_CA" in message
     assert "ssl_transport_security" not in child.stderr, child.stderr
+
+
+@pytest.mark.parametrize("refused", ["another CA", "another name", "expired"])
+def test_a_server_certificate_the_client_refuses_is_told_soon_with_what_to_do(pki, tmp_path, refused):
+    """A TLS client that refuses the coordinator's certificate (signed by a CA it does not
+    trust, naming another host, expired) gives up within seconds, not its connect_timeout
+    (60 s: the torch Store's, init_process_group's timeout, 30 minutes), saying what to fix,
+    and does not ask whether the coordinator runs (it answered)."""
+    ca = "rogue-ca" if refused == "another CA" else "ca"
+    shutil.copy(pki / f"{ca}.pem", tmp_path)
+    shutil.copy(pki / f"{ca}.key", tmp_path)
+    issue(tmp_path, "server", ca, san="DNS:elsewhere.example" if refused == "another name" else "IP:127.0.0.1", days=0 if refused == "expired" else 1)
+    time.sleep(1.1 if refused == "expired" else 0)  # (-days 0: valid until the second it was made)
+    hint = {
+        "another CA": "is not signed by the CA this client trusts (PJRT_RENDEZVOUS_TLS_CA)",
+        "another name": "does not name the host this client dials",
+        "expired": "has expired",
+    }[refused]
+    cert, key = (tmp_path / "server.pem").read_bytes(), (tmp_path / "server.key").read_bytes()
+    with Coordinator(port=0, tls_cert=cert, tls_key=key) as c:
+        client = pr.Client(pr.Settings(address=c.address, tls_ca=str(pki / "ca.pem")), pr.detect_topology({}, address=c.address))
+        started = time.monotonic()
+        with pytest.raises(pr.CoordinatorUnavailableError) as failed:
+            client.set("k", b"v")
+        assert time.monotonic() - started < 30
+        client.close()
+    message = str(failed.value)
+    assert f"The coordinator's TLS certificate {hint}" in message, message
+    assert "this client refuses the server's TLS certificate, which waiting does not change" in message, message
+    assert "Is `pjrt-rendezvous serve`" not in message, message
 
 
 def test_mutual_tls_needs_a_client_certificate_from_the_ca(pki):
