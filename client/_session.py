@@ -50,6 +50,7 @@ from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from ._topology import host_port
 
 log = logging.getLogger("pjrt_rendezvous.client")
+served_log = logging.getLogger("pjrt_rendezvous.coordinator")  # (what only the coordinator serves says)
 
 _native = None  # the native path (_native.c): built when a C compiler was at hand
 NATIVE_INTERFACE = 2  # _native.c's INTERFACE this code calls
@@ -852,18 +853,20 @@ async def serve_session(
     serves, ``streams`` maps its task to a test whether it is idle (no call running, every
     answer written). A peer that does not read its answers ends its stream once those
     waiting behind a write hold more than ``FramedSession.MAX_UNSENT`` bytes before another
-    is added, as on the session port (an answer of any size may go)."""
+    is added and no write ended for ``FramedSession.STALLED`` s, as on the session port (an
+    answer of any size may go, and any number to a peer that reads)."""
     calls: dict[int, asyncio.Task] = {}  # running, cancellable by the client
     ready: list[tuple[bytes, bytes]] = []  # answers waiting for the stream
     writer: asyncio.Task | None = None
     queued = 0  # bytes of the answers in ``ready`` (not yet taken by the writer)
+    written_at = time.monotonic()  # when the last write ended (or the stream began)
     overflowed = False
     this = asyncio.current_task()
     if streams is not None:
         streams[this] = lambda: not calls and not ready and (writer is None or writer.done())
 
     async def write() -> None:
-        nonlocal queued
+        nonlocal queued, written_at
         try:
             while ready:
                 taken, size = 0, 0
@@ -875,8 +878,9 @@ async def serve_session(
                 del ready[:taken]
                 queued -= size
                 await context.write(message)
+                written_at = time.monotonic()
         except Exception as exc:  # the stream is gone; the client resends on a new one
-            log.debug("session answers not sent: %s", exc)
+            served_log.debug("session answers not sent: %s", exc)
 
     async def answer(call: Call) -> None:
         nonlocal writer, queued, overflowed
@@ -889,9 +893,14 @@ async def serve_session(
         ready.append(reply)
         if writer is None or writer.done():
             writer = asyncio.create_task(write())
-        elif waiting > FramedSession.MAX_UNSENT and not overflowed:  # the running writer takes it along
+        elif (  # (else the running writer takes it along)
+            waiting > FramedSession.MAX_UNSENT and time.monotonic() - written_at >= FramedSession.STALLED and not overflowed
+        ):
             overflowed = True
-            log.warning("a Session stream's peer does not read its answers; ending the stream", extra={"event": "session_ended"})
+            served_log.warning(
+                "a Session stream's peer has read none of its answers for %g s, %d bytes of them waiting; ending the stream",
+                FramedSession.STALLED, waiting, extra={"event": "session_ended"},
+            )
             this.cancel()  # (the stream's task waits for its next request)
 
     try:
@@ -916,7 +925,8 @@ async def serve_session(
             raise
         await context.abort(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"more than {FramedSession.MAX_UNSENT} bytes of answers wait behind one not read: the stream ends",
+            f"more than {FramedSession.MAX_UNSENT} bytes of answers wait behind one not read for "
+            f"{FramedSession.STALLED:g} s: the stream ends",
         )
     finally:
         if streams is not None:
@@ -1027,8 +1037,12 @@ class FramedSession(asyncio.Protocol):
     """
 
     # A peer that stops reading its answers must not grow our memory without bound: past
-    # this many bytes of answers waiting behind one not read, its connection is closed.
+    # this many bytes of answers not yet taken by a peer that has taken none for STALLED s,
+    # its connection is closed. (A peer reading keeps any: two answers of a round of 300 MiB,
+    # to two threads that sent apart, or one and a ping's, were cut as one not read.)
     MAX_UNSENT = 256 << 20
+    STALLED = 60.0
+    _log = log  # (the coordinator's connections log as the coordinator)
 
     def __init__(
         self,
@@ -1048,9 +1062,12 @@ class FramedSession(asyncio.Protocol):
         self._buffer = bytearray()
         self._calls: dict[int, _Call] = {}
         self.transport: asyncio.Transport | None = None
+        self._written = 0  # bytes of answers handed to the transport
+        self._taken = (0, 0.0)  # bytes of them the peer had taken when last looked, and since when
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        self._taken = (0, time.monotonic())
 
     def busy(self) -> bool:
         """Whether a call is running."""
@@ -1104,7 +1121,7 @@ class FramedSession(asyncio.Protocol):
                     now = time.monotonic()
                     if now - _http2_said >= 60:  # (anyone can connect: once a minute at most)
                         _http2_said = now
-                        logging.getLogger("pjrt_rendezvous.coordinator").warning(  # (the serving side's)
+                        served_log.warning(
                             "a gRPC (HTTP/2) client connected to the session port from %s: gRPC clients, "
                             "`status` and `health` dial the gRPC port (7481 by default)",
                             self.transport.get_extra_info("peername"),
@@ -1131,7 +1148,7 @@ class FramedSession(asyncio.Protocol):
             loud = now - _refused_said >= 60  # (a peer sending nothing but these must not flood the log)
             if loud:
                 _refused_said = now
-            log.log(logging.WARNING if loud else logging.DEBUG, "refused a call on a session: %s", refusal, extra={"event": "call_refused"})
+            self._log.log(logging.WARNING if loud else logging.DEBUG, "refused a call on a session: %s", refusal, extra={"event": "call_refused"})
             self._send(session_answer(call_id, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal))
             taken = min(size, len(received))
             self._skip = size - taken
@@ -1173,14 +1190,29 @@ class FramedSession(asyncio.Protocol):
     def _send(self, answer: tuple[bytes, bytes]) -> None:
         if self.transport.is_closing():
             return  # the peer resends on a new connection
-        waiting = self.transport.get_write_buffer_size()  # (an answer of any size may go)
-        self.transport.write(encode_answers([answer], True))
-        if waiting > self.MAX_UNSENT:
-            log.warning("a session peer does not read its answers; closing its connection", extra={"event": "session_ended"})
+        unsent = self.transport.get_write_buffer_size()
+        if unsent > self.MAX_UNSENT and self._not_reading(unsent):
+            self._log.warning(
+                "a session peer has read none of its answers for %g s, %d bytes of them waiting; closing its connection",
+                self.STALLED, unsent, extra={"event": "session_ended"},
+            )
             self.transport.abort()
+            return
+        message = encode_answers([answer], True)
+        self.transport.write(message)
+        self._written += len(message)
+
+    def _not_reading(self, unsent: int) -> bool:
+        """Whether the peer, ``unsent`` bytes of its answers still to take, has taken none of
+        them for STALLED s (as far as the looks at each answer sent over MAX_UNSENT tell)."""
+        now = time.monotonic()
+        taken = self._written - unsent
+        if taken != self._taken[0]:
+            self._taken = (taken, now)
+        return now - self._taken[1] >= self.STALLED
 
     def _refuse(self, code: grpc.StatusCode, message: str) -> bool:
-        log.debug("refused a session: %s: %s", code.name, message)
+        self._log.debug("refused a session: %s: %s", code.name, message)
         self._send(session_answer(0, code, message))
         self.transport.close()
         return False

@@ -364,6 +364,7 @@ class _Connection(FramedSession):
     sends its hello within HELLO_TIMEOUT."""
 
     _hello_timer: asyncio.TimerHandle | None = None
+    _log = log
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
