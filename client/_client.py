@@ -31,7 +31,7 @@ import tenacity
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
-from ._config import _VARIABLES, DEFAULT, FAN_IN_AUTO_HOSTS, TOPOLOGY_VARIABLES, Settings, check_timeout
+from ._config import _VARIABLES, DEFAULT, FAN_IN_AUTO_HOSTS, TOKEN_FROM, TOPOLOGY_VARIABLES, Settings, check_timeout
 from ._errors import (
     EMBEDDED_STOPPED, STOPPED_HERE, CoordinatorUnavailableError, InvalidArgumentError, MismatchError, ParticipantFailedError, RendezvousError,
     RendezvousTimeout, UnknownJobError, UsageError, connection_hint, from_rpc_error, unchanging,
@@ -776,7 +776,7 @@ class Client:
                 raise UsageError(_CLOSED) from exc
             if not _retried(exc) or (deadline is not None and time.monotonic() >= deadline):
                 # (from None: the gRPC error's details are in the message; its chain printed them twice)
-                raise _with_rpc(from_rpc_error(exc, address=self.settings.address, method=method, where=self._where()), exc) from None
+                raise _with_rpc(self._error(exc, method), exc) from None
             log.debug("%s to %s failed (%s); retrying", method, self.settings.address, exc)
             first = exc.details() if hasattr(exc, "details") else None  # (for the final error)
         # The retry budget counts from the start of the current outage, not of the call: a
@@ -843,7 +843,7 @@ class Client:
         except grpc.RpcError as exc:
             if self._closed:
                 raise UsageError(_CLOSED) from exc
-            error = from_rpc_error(exc, address=self.settings.address, method=method, where=self._where())
+            error = self._error(exc, method)
             gone = STOPPED_HERE and isinstance(error, CoordinatorUnavailableError) and _stopped_here(self.settings.address, _made[self])
             if gone:
                 error = CoordinatorUnavailableError(f"coordinator at {self.settings.address} unavailable for {method}: {gone}")
@@ -870,6 +870,12 @@ class Client:
                 # its state file, or was stopping): the last attempt only found nobody there.
                 error = CoordinatorUnavailableError(f"{error} (its first failed attempt: {first})")
             raise _with_rpc(error, exc) from None
+
+    def _error(self, exc: grpc.RpcError, method: str) -> RendezvousError:
+        return from_rpc_error(
+            exc, address=self.settings.address, method=method, where=self._where(),
+            token_from=TOKEN_FROM.get(self.settings.token or "", ""),
+        )
 
     def _where(self) -> str:
         """For an unreachable coordinator at the address a client takes when nothing names

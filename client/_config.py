@@ -146,21 +146,33 @@ def check_token(token: str, source: str) -> str:
     return token
 
 
-def read_token_file(path: str, source: str) -> str:
-    """The token in the file ``path`` (``source`` names where the path came from), stripped.
-    A regular file that other users may read or write is taken, with a warning (as ssh and
-    libpq warn of, or refuse, such secrets)."""
+# Where each token Settings.resolve took came from (a variable, an argument, a file), for a
+# refusal of it: "a wrong token" says which to fix.
+TOKEN_FROM: dict[str, str] = {}
+
+
+def read_secret(path: str, what: str, source: str, logger: str = "pjrt_rendezvous.client") -> bytes:
+    """The bytes of the secret file ``path`` (``what`` it is, ``source`` where the path came
+    from). A regular file that other users may read or write is taken, with a warning on
+    ``logger`` (as ssh and libpq warn of, or refuse, such secrets). OSError when unreadable."""
+    with open(path, "rb") as f:
+        mode = os.fstat(f.fileno()).st_mode
+        data = f.read()
+    if stat.S_ISREG(mode) and mode & 0o077:
+        logging.getLogger(logger).warning(
+            "the %s %s (%s) is open to other users (mode %03o): `chmod 600 %s`",
+            what, path, source, stat.S_IMODE(mode), path,
+        )
+    return data
+
+
+def read_token_file(path: str, source: str, logger: str = "pjrt_rendezvous.client") -> str:
+    """The token in the file ``path`` (``source`` names where the path came from), stripped
+    (see :func:`read_secret`)."""
     try:
-        with open(path, "rb") as f:
-            mode = os.fstat(f.fileno()).st_mode
-            data = f.read()
+        data = read_secret(path, "token file", source, logger)
     except OSError as exc:
         raise UsageError(f"cannot read the token file {path} ({source}): {exc.strerror}") from exc
-    if stat.S_ISREG(mode) and mode & 0o077:
-        logging.getLogger("pjrt_rendezvous.client").warning(
-            "the token file %s (%s) is open to other users (mode %03o): `chmod 600 %s`",
-            path, source, stat.S_IMODE(mode), path,
-        )
     try:
         return data.decode("ascii").strip()
     except UnicodeDecodeError as exc:
@@ -372,8 +384,11 @@ class Settings:
                 return None
             variable = _VARIABLES[name]
             try:
-                with open(path, "rb") as f:
-                    data = f.read()
+                if name == "tls_key":
+                    data = read_secret(path, "TLS key", f"{name}, {variable}")
+                else:
+                    with open(path, "rb") as f:
+                        data = f.read()
             except OSError as exc:
                 raise UsageError(f"cannot read the TLS file {path} ({name}, {variable}): {exc.strerror}") from exc
             if b"-----BEGIN " not in data or marker not in data:
@@ -434,4 +449,7 @@ class Settings:
                 names = ("init(token=)", "init(token_file=)") if file_given else (_VARIABLES["token"], _VARIABLES["token_file"])
                 raise UsageError(token_conflict(*names))
             values["token"] = from_file
+            TOKEN_FROM[from_file] = f"the file {token_file} ({source})"
+        elif "token" in values:
+            TOKEN_FROM[values["token"]] = "init(token=)" if token_given else _VARIABLES["token"]
         return cls(address=address, **values)

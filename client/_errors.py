@@ -187,10 +187,11 @@ def unchanging(details: str) -> str:
     return ""
 
 
-def from_rpc_error(exc: grpc.RpcError, *, address: str, method: str, where: str = "") -> RemoteError:
+def from_rpc_error(exc: grpc.RpcError, *, address: str, method: str, where: str = "", token_from: str = "") -> RemoteError:
     """The one place a gRPC error becomes ours (``Client._call`` raises it ``from None``,
     keeping the gRPC error's details as ``_rpc_details``). ``where``: more on how the client came to
-    ``address``, for an unreachable coordinator's error."""
+    ``address``, for an unreachable coordinator's error; ``token_from``: where the client's
+    token came from, for a wrong token's."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
     cls = _BY_CODE.get(code, RemoteError)
@@ -204,6 +205,8 @@ def from_rpc_error(exc: grpc.RpcError, *, address: str, method: str, where: str 
                 f"TPU_WORKER_HOSTNAMES)?{where}"
             )
         details += hint
+    elif cls is AuthenticationError and token_from and "wrong token" in details:
+        details = f"{details} (this client's token came from {token_from})"
     elif code == grpc.StatusCode.UNIMPLEMENTED:  # another gRPC server, an HTTP one (404), or an older coordinator
         details = (
             f"{address} does not serve {method}: {details}. Is that the gRPC port of `pjrt-rendezvous serve` "

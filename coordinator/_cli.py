@@ -21,7 +21,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from pjrt_rendezvous.client._config import (
-    NO_LIMIT_WORDS, check_token, comment_hint, job_problem, parse_seconds, quote_hint, read_token_file, token_conflict,
+    NO_LIMIT_WORDS, check_token, comment_hint, job_problem, parse_seconds, quote_hint, read_secret, read_token_file, token_conflict,
     versions_differ,
 )
 from pjrt_rendezvous.client._demo import MAX_PROCESSES
@@ -513,7 +513,9 @@ def _token(args, env: Mapping[str, str]) -> str | None:
     token = check_token(env[TOKEN_VARIABLE].strip(), TOKEN_VARIABLE) if env.get(TOKEN_VARIABLE) else None
     if args.token_file is not None:
         where = _source(args, "token_file")
-        from_file = check_token(read_token_file(str(args.token_file), where), f"the file {args.token_file} ({where})")
+        from_file = check_token(
+            read_token_file(str(args.token_file), where, "pjrt_rendezvous.coordinator"), f"the file {args.token_file} ({where})"
+        )
         if token is not None and token != from_file:
             raise ValueError(token_conflict(TOKEN_VARIABLE, f"the token file ({where})"))
         token = from_file
@@ -526,6 +528,8 @@ def _read(args, dest: str) -> bytes | None:
     if path is None:
         return None
     try:
+        if dest == "tls_key":
+            return read_secret(str(path), "TLS key", _source(args, dest), "pjrt_rendezvous.coordinator")
         return path.read_bytes()
     except OSError as exc:
         raise ValueError(f"cannot read {path} ({_source(args, dest)}): {exc.strerror or exc}") from exc

@@ -107,13 +107,25 @@ def test_refusals_are_logged_at_most_once_a_minute_each(caplog, monkeypatch):
     assert re.search(r"\(\d+ more such refusals since the last line, not logged\)", again), again
 
 
-def test_token_error_message_says_how_to_fix():
-    """The refusal names the variables that carry the token."""
+def test_token_error_message_says_how_to_fix(tmp_path):
+    """The refusal names the variables that carry the token, and a wrong token's where this
+    client's came from (a file, a variable, an argument)."""
+    wrong = tmp_path / "token"
+    wrong.write_text("not-the-token\n")
     with Coordinator(port=0, token=SECRET) as c:
         client = client_for(c.address)
         with pytest.raises(pr.AuthenticationError, match="PJRT_RENDEZVOUS_TOKEN"):
             client.count()
         client.close()
+        for env, given, source in (
+            ({"PJRT_RENDEZVOUS_TOKEN_FILE": str(wrong)}, {}, f"the file {wrong} (PJRT_RENDEZVOUS_TOKEN_FILE)"),
+            ({"PJRT_RENDEZVOUS_TOKEN": "other"}, {}, "PJRT_RENDEZVOUS_TOKEN"),
+            ({}, {"token": "another"}, "init(token=)"),
+        ):
+            client = pr.Client(pr.Settings.resolve(env, address=c.address, connect_timeout=1.0, **given), pr.detect_topology({}, address=c.address))
+            with pytest.raises(pr.AuthenticationError, match=re.escape(f"a wrong token; set PJRT_RENDEZVOUS_TOKEN or PJRT_RENDEZVOUS_TOKEN_FILE (this client's token came from {source})")):
+                client.count()
+            client.close()
 
 
 def test_token_from_file_and_environment(tmp_path):
@@ -126,9 +138,10 @@ def test_token_from_file_and_environment(tmp_path):
         assert outcome(pr.Client(settings, pr.detect_topology({}, address=c.address))) == "ok"
 
 
-def test_a_token_file_open_to_other_users_is_taken_with_a_warning(tmp_path, caplog):
+def test_a_secret_file_open_to_other_users_is_taken_with_a_warning(tmp_path, caplog, pki):
     """As ssh and libpq warn of such secrets: mode 0644 is named with the chmod to run; 0600
-    says nothing. serve logs the same warning."""
+    says nothing. serve logs the same warning, as the coordinator. So for a TLS key (it was
+    taken without a word, by clients and serve)."""
     token_file = tmp_path / "token"
     token_file.write_text(SECRET + "\n")
     token_file.chmod(0o644)
@@ -138,9 +151,21 @@ def test_a_token_file_open_to_other_users_is_taken_with_a_warning(tmp_path, capl
     assert "is open to other users (mode 644)" in warning and f"chmod 600 {token_file}" in warning
     from test_cli import Serve
 
-    with Serve("--token-file", str(token_file)) as server:
-        server.wait_for_line(r"the token file \S+ \(--token-file\) is open to other users \(mode 644\)")
+    key = tmp_path / "server.key"
+    key.write_bytes((pki / "server.key").read_bytes())
+    key.chmod(0o644)
+    with Serve("--token-file", str(token_file), "--tls-cert", str(pki / "server.pem"), "--tls-key", str(key), "--log-format", "json") as server:
+        for what, option in (("token file", "--token-file"), ("TLS key", "--tls-key")):
+            line = server.wait_for_line(rf"the {what} \S+ \({option}\) is open to other users \(mode 644\)")
+            assert '"logger": "pjrt_rendezvous.coordinator"' in line, line
         assert server.stop() == 0
+    caplog.clear()
+    pr.Client(
+        pr.Settings.resolve({}, address="127.0.0.1:1", tls_ca=str(pki / "ca.pem"), tls_cert=str(pki / "server.pem"), tls_key=str(key)),
+        pr.detect_topology({}),
+    ).close()
+    (warning,) = [r.getMessage() for r in caplog.records if "TLS key" in r.getMessage()]
+    assert f"the TLS key {key} (tls_key, PJRT_RENDEZVOUS_TLS_KEY) is open to other users (mode 644): `chmod 600 {key}`" == warning
     token_file.chmod(0o600)
     caplog.clear()
     assert pr.Settings.resolve({"PJRT_RENDEZVOUS_TOKEN_FILE": str(token_file)}, address="127.0.0.1:1").token == SECRET
