@@ -925,8 +925,14 @@ class Client:
                 and time.monotonic() - started >= transport - 0.05  # (gRPC's clock started later)
             ):
                 within = f"{_TRANSPORT_GRACE:.3g} s past its deadline" if deadline is not None else f"within {transport:.3g} s"
+                late = getattr(exc, "late", 0.0)
                 raise _NoAnswer(
-                    f"no answer to {method} {within}: the coordinator, or the network to it, is frozen or overloaded"
+                    f"no answer to {method} {within}"
+                    + (
+                        f"; this process did not run for {late:.1f} s past that (it was stopped, or starved of CPU), "
+                        "so the coordinator may not be at fault"
+                        if late else ": the coordinator, or the network to it, is frozen or overloaded"
+                    )
                 ) from exc
             raise
         return answer if raw else _RESPONSES[method](answer)

@@ -118,7 +118,11 @@ def parser(message_class):
 
 class StatusError(grpc.RpcError):
     """A call's failure as a status, shaped like the error a unary call raises; ``answered``:
-    the peer's answer to the call (else the connection's end, or a cut-off here)."""
+    the peer's answer to the call (else the connection's end, or a cut-off here); ``late``:
+    for a cut-off, how long after it this process ran again when that was over _LATE s
+    (stopped, or starved of CPU), else 0."""
+
+    late = 0.0
 
     def __init__(self, code: grpc.StatusCode, details: str, *, answered: bool = False) -> None:
         super().__init__(details)
@@ -303,7 +307,14 @@ class Session:
                     break
                 now = time.monotonic()
                 if end is not None and now >= end:
-                    raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer to {method} within {timeout:.3g} s")
+                    # Woken long after it asked to be, this process did not run meanwhile (it was
+                    # stopped, or starved of CPU): its answer may have come then, not read yet.
+                    late = now - wake if now - wake > _LATE else 0.0
+                    if self._wait(pending, _LAST_LOOK if late else 0.0):
+                        break
+                    error = StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer to {method} within {timeout:.3g} s")
+                    error.late = late
+                    raise error
                 if progress is not None and now >= started + interval * (reports + 1):
                     reports += 1
                     progress(now - started)
@@ -325,6 +336,10 @@ class Session:
 
 
 FRAME = struct.Struct(">I")  # the length of the serialized message that follows
+# A call woken this many seconds after it asked to be (its process stopped, or starved of
+# CPU) looks for its answer for _LAST_LOOK s more before it gives up: it may have come meanwhile.
+_LATE = 1.0
+_LAST_LOOK = 0.25
 PING_EVERY = 10.0  # seconds without an answer before a SocketSession pings
 PING_TIMEOUT = 5.0
 # The host's relay is on this host, its answers in microseconds: a frozen relay process (a

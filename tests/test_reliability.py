@@ -1032,3 +1032,48 @@ def test_only_a_coordinator_of_this_process_stopped_for_good_is_given_up_on_at_o
     port = coordinator.port
     coordinator.stop()
     assert _stopped_here(f"127.0.0.1:{port}", made) is None
+
+
+_PAUSED_CHILD = """
+import sys, threading, time
+import pjrt_rendezvous.client as pr
+from pjrt_rendezvous.client import _client
+_client._TRANSPORT_GRACE = 1.0  # (the cut-off: 1 s past the round's deadline, not 10)
+address = sys.argv[1]
+client = pr.Client(pr.Settings(address=address, timeout=30), pr.detect_topology(
+    {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": "1"}, address=address))
+binding = client.bind_thread(0)
+threading.Thread(target=lambda: client.get("never set", timeout=60), daemon=True).start()  # reads the session first
+time.sleep(0.5)
+print("calling", flush=True)
+try:
+    print("answered", client.rendezvous(binding, "r", b"1", timeout=2), flush=True)
+except pr.RendezvousError as exc:
+    print(type(exc).__name__, exc, flush=True)
+"""
+
+
+def test_a_process_stopped_while_its_answer_came_takes_it_when_it_runs_again():
+    """A process stopped (SIGSTOP) while its round completed, continued past the call's
+    cut-off, takes the answer that came meanwhile (it was told that the coordinator was
+    frozen: a caller parked behind another's read gave up before the reader ran again)."""
+    with Coordinator(port=0) as coordinator:
+        child = subprocess.Popen([sys.executable, "-c", _PAUSED_CHILD, coordinator.address], stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline().strip() == "calling"
+            client = pair_client(coordinator.address, 0)
+            with bound([client]) as pools:
+                from test_cli import wait_until
+
+                wait_until(lambda: client.status().jobs[0].pending_rounds, what="the child's round")
+                child.send_signal(signal.SIGSTOP)
+                try:
+                    assert pools[0].submit(lambda: client.rendezvous(pr.current_binding(), "r", b"0", timeout=10)).result(15) == [b"0", b"1"]
+                    time.sleep(4.0)  # past the child's cut-off (2 s and 1 s)
+                finally:
+                    child.send_signal(signal.SIGCONT)
+                out, _ = child.communicate(timeout=60)
+        finally:
+            child.kill()
+            child.wait()
+    assert out.strip() == "answered [b'0', b'1']", out
