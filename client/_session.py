@@ -29,6 +29,7 @@ response)``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import itertools
 import logging
@@ -336,6 +337,9 @@ class Session:
 
 
 FRAME = struct.Struct(">I")  # the length of the serialized message that follows
+# Bytes of a response from which an answer goes to a session port's peer in pieces of this
+# size, as the peer takes them (FramedSession._feed).
+_PIECE = 1 << 20
 # A call woken this many seconds after it asked to be (its process stopped, or starved of
 # CPU) looks for its answer for _LAST_LOOK s more before it gives up: it may have come meanwhile.
 _LATE = 1.0
@@ -777,6 +781,16 @@ def encode_answers_in_python(answers: list[tuple[bytes, bytes]], framed: bool) -
 
 encode_answers = _native.encode_answers if _native is not None else encode_answers_in_python
 
+
+def answer_prefix(head: bytes, length: int) -> bytes:
+    """What :func:`encode_answers` puts before a single answer's response of ``length`` (> 0)
+    bytes, framed: ``answer_prefix(head, len(body)) + body`` is ``encode_answers([(head,
+    body)], True)``, without copying ``body``."""
+    length_prefix = _varint(length)
+    prefix = b"".join((_ANSWERS_TAG, _varint(len(head) + 1 + len(length_prefix) + length), head, _RESPONSE_TAG, length_prefix))
+    return FRAME.pack(len(prefix) + length) + prefix
+
+
 # A SessionCall as the serving end takes it: (id, method, request, cancel).
 Call = tuple[int, str, bytes, bool]
 # A SessionAnswer as a caller takes it: (id, code, message, response).
@@ -1077,8 +1091,11 @@ class FramedSession(asyncio.Protocol):
         self._buffer = bytearray()
         self._calls: dict[int, _Call] = {}
         self.transport: asyncio.Transport | None = None
-        self._written = 0  # bytes of answers handed to the transport
+        self._written = 0  # bytes of answers sent or waiting to be (in the transport, or in _later)
         self._taken = (0, 0.0)  # bytes of them the peer had taken when last looked, and since when
+        self._later: collections.deque[memoryview] = collections.deque()  # not yet handed to the transport (_feed)
+        self._later_bytes = 0
+        self._paused = False  # the transport has more to send than its high-water mark
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -1205,7 +1222,7 @@ class FramedSession(asyncio.Protocol):
     def _send(self, answer: tuple[bytes, bytes]) -> None:
         if self.transport.is_closing():
             return  # the peer resends on a new connection
-        unsent = self.transport.get_write_buffer_size()
+        unsent = self.transport.get_write_buffer_size() + self._later_bytes
         if unsent > self.MAX_UNSENT and self._not_reading(unsent):
             self._log.warning(
                 "a session peer has read none of its answers for %g s, %d bytes of them waiting; closing its connection",
@@ -1213,9 +1230,44 @@ class FramedSession(asyncio.Protocol):
             )
             self.transport.abort()
             return
-        message = encode_answers([answer], True)
-        self.transport.write(message)
-        self._written += len(message)
+        head, body = answer
+        if len(body) < _PIECE and not self._later:  # nearly every answer: written at once
+            message = encode_answers([answer], True)
+            self.transport.write(message)
+            self._written += len(message)
+            return
+        # A big answer goes in pieces as the peer takes them, its response not copied: the
+        # transport copies what the socket does not take at once, and each member's answer to
+        # a round of 512 MiB was two copies of it (joined, then buffered): 5.4 GB at 4 members.
+        if len(body) < _PIECE:
+            parts = [memoryview(encode_answers([answer], True))]
+        else:
+            parts = [memoryview(answer_prefix(head, len(body))), memoryview(body)]
+        for part in parts:
+            self._later.append(part)
+            self._later_bytes += len(part)
+            self._written += len(part)
+        self._feed()
+
+    def _feed(self) -> None:
+        """Hands the transport what waits in ``_later``, a _PIECE at a time, until it has
+        more than its high-water mark to send (``pause_writing``)."""
+        later = self._later
+        while later and not self._paused and not self.transport.is_closing():
+            part = later[0]
+            if len(part) > _PIECE:
+                later[0], part = part[_PIECE:], part[:_PIECE]
+            else:
+                later.popleft()
+            self._later_bytes -= len(part)
+            self.transport.write(part)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._feed()
 
     def _not_reading(self, unsent: int) -> bool:
         """Whether the peer, ``unsent`` bytes of its answers still to take, has taken none of
@@ -1236,6 +1288,7 @@ class FramedSession(asyncio.Protocol):
         for running in list(self._calls.values()):
             running.cancel()
         self._calls.clear()
+        self._later.clear()
         if self._on_close is not None:
             self._on_close(self)
 

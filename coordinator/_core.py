@@ -615,6 +615,8 @@ class Core:
         key = (rnd.generation, rnd.group)
         # Re-inserted: groups stay in the order they last finished a round.
         state = groups[key] = groups.pop(key, None) or _Group()
+        for older in state.finished.values():  # its members came to this one: it is answered (else rebuilt)
+            older.response = None  # (a round of 512 MiB kept a copy of each of its last two)
         state.finished[rnd.number] = rnd
         while state.next_round in state.finished:  # (before any is let go: one may finish out of order)
             state.next_round += 1

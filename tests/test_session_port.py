@@ -284,12 +284,24 @@ def test_answers_larger_than_the_unread_cap_reach_a_peer_that_reads(monkeypatch,
         client._learn_session_port(coordinator.session_port)  # (as a Register answer would name it)
         client.set("big", big)
         assert client.get("big") == big
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            assert list(pool.map(lambda _: client.get("big") == big, range(8))) == [True] * 8
+        client.set("small", b"s")
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:  # (small answers among them, in order)
+            got = list(pool.map(lambda i: client.get("big" if i % 2 else "small"), range(16)))
+        assert got == [b"s", big] * 8
         assert type(client._current_session) is (SocketSession if transport == "auto" else Session)
         client.close()
     ended = [r.getMessage() for r in caplog.records if getattr(r, "event", "") == "session_ended"]
     assert not ended, ended  # (nor did it close and resend)
+
+
+@pytest.mark.parametrize("head, length", [(b"", 1 << 20), (b"\x08\x05", 300), (b"\x08\x85\x01\x10\x03", 5 << 20)])
+def test_an_answer_sent_in_pieces_is_the_answer_encoded_whole(head, length):
+    """A big answer goes to a session port's peer as its prefix, then its response in
+    pieces, never joined (FramedSession._send): the same bytes as the answer encoded whole."""
+    from pjrt_rendezvous.client._session import answer_prefix, encode_answers, encode_answers_in_python
+
+    body = bytes(range(256)) * (length // 256) + b"x" * (length % 256)
+    assert answer_prefix(head, len(body)) + body == encode_answers([(head, body)], True) == encode_answers_in_python([(head, body)], True)
 
 
 def test_a_session_port_peer_that_does_not_read_its_answers_loses_its_connection(monkeypatch):
