@@ -37,6 +37,12 @@ from ._version import build
 # a client does not ask it for the job's generation after one (it is gone).
 EMBEDDED_STOPPED = "the coordinator embedded in process "
 
+# The largest message the coordinator takes (coordinator/_server.py, max_message_bytes).
+MAX_MESSAGE_RULE = (
+    "16 x the larger of max_payload_bytes and max_value_bytes (with their tag or key), "
+    "plus 16 MiB, at most 2 GiB"
+)
+
 # The coordinators embedded in this process that stopped for good (no state file to resume
 # from): their gRPC port -> (the host they listened on, why they stopped, when: monotonic).
 # A client of this process that cannot reach one gives up at once, not after looking for it
@@ -205,6 +211,11 @@ def from_rpc_error(exc: grpc.RpcError, *, address: str, method: str, where: str 
                 f"TPU_WORKER_HOSTNAMES)?{where}"
             )
         details += hint
+    elif cls is LimitExceededError and "received message larger than max" in details.lower():  # (gRPC's own words)
+        details = (
+            f"{details}: the coordinator takes messages of at most {MAX_MESSAGE_RULE} (its --max-payload-bytes and "
+            "--max-value-bytes); send less in one call (fewer keys in one multi_set), or raise those limits"
+        )
     elif cls is AuthenticationError and token_from and "wrong token" in details:
         details = f"{details} (this client's token came from {token_from})"
     elif code == grpc.StatusCode.UNIMPLEMENTED:  # another gRPC server, an HTTP one (404), or an older coordinator

@@ -1383,7 +1383,8 @@ class Core:
             # naming it as missing: the round fails for every member, as for bad replicas.
             error = CoreError(
                 Code.RESOURCE_EXHAUSTED,
-                f"{over}; round {round_number} of {describe_group(group)} fails for every member",
+                f"{over}; rendezvous {_one_line(_shown_tag(tags[0]))!r} on {describe_group(group)} (round "
+                f"{round_number}) fails for every member",
             )
             if not rnd.finished:
                 if not rnd.arrivals:  # (a later caller is told the round's tag: it was '?')

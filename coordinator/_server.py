@@ -31,7 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pjrt_rendezvous.client._config import DEFAULT_JOB
-from pjrt_rendezvous.client._errors import EMBEDDED_STOPPED, STOPPED_HERE
+from pjrt_rendezvous.client._errors import EMBEDDED_STOPPED, MAX_MESSAGE_RULE, STOPPED_HERE
 from pjrt_rendezvous.client._session import MAX_MESSAGE, FramedSession, clip
 from pjrt_rendezvous.client._topology import host_port
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
@@ -76,12 +76,6 @@ _OPTIONS = [
 _ITEMS_PER_MESSAGE = 16
 # Room in a message beyond its payloads or values: names, keys, replicas, protobuf's framing.
 _MESSAGE_SLACK = 16 << 20
-MAX_MESSAGE_RULE = (
-    "16 x the larger of max_payload_bytes and max_value_bytes (with their tag or key), "
-    "plus 16 MiB, at most 2 GiB"
-)
-
-
 def listen_host(text: str) -> str:
     """``text`` as the listening sockets take a host: without spaces at its ends (a stray one
     in a variable) and an IPv6 literal without the brackets of an address (``[::1]``: gRPC's

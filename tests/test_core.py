@@ -1365,7 +1365,7 @@ def test_payload_over_the_limit_is_resource_exhausted_and_fails_the_round_for_ev
     ordinal as missing); at the limit it passes."""
     pod = make_pod(2, limits=Limits(max_payload_bytes=8))
     key = pod.arrive(0)
-    fragments = ("ordinal 1", "9 bytes", "limit of 8 bytes", "max_payload_bytes", "round 0 of all ordinals fails for every member")
+    fragments = ("ordinal 1", "9 bytes", "limit of 8 bytes", "max_payload_bytes", "rendezvous 't' on all ordinals (round 0) fails for every member")
     with raises(Code.RESOURCE_EXHAUSTED, *fragments) as caught:
         pod.arrive(1, payloads={1: b"x" * 9})
     assert pod.error(key) is caught.error

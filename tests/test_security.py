@@ -485,6 +485,9 @@ def test_a_request_over_the_largest_message_the_limits_allow_is_resource_exhaust
                 if transport == "auto":  # the rule is named; the connection lives on
                     assert "max message size" in str(refused.value)
                     assert type(session) is SocketSession and client._current_session is session
+                else:  # named too, after gRPC's own words (they named neither the rule nor the limits)
+                    assert "the coordinator takes messages of at most 16 x the larger of max_payload_bytes" in str(refused.value)
+                    assert "fewer keys in one multi_set" in str(refused.value)
             finally:
                 client.close()
 
