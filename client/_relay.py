@@ -234,11 +234,15 @@ class Relay:
         self._senders.shutdown(wait=False, cancel_futures=True)
         try:  # ours only: a restarted process's new relay may have taken the path since
             with _path_lock(self.path) as held:
-                info = os.stat(self.path)
-                if (info.st_dev, info.st_ino) == self._socket_id:
+                try:
+                    info = os.stat(self.path)
+                except FileNotFoundError:  # (the new relay closed first, and removed both)
+                    info = None
+                ours = info is not None and (info.st_dev, info.st_ino) == self._socket_id
+                if ours:
                     os.unlink(self.path)
-                    if held:  # (else another holds it)
-                        os.unlink(f"{self.path}.lock")
+                if held and (ours or info is None):  # (else it is the new socket's; or another holds it)
+                    os.unlink(f"{self.path}.lock")  # (made again by this lock, it was left behind)
         except OSError:
             pass
 

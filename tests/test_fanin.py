@@ -674,6 +674,21 @@ def test_a_relay_that_closes_leaves_a_new_relay_s_socket_made_while_it_looked(co
         c.close()
 
 
+def test_a_relay_that_closes_after_the_one_that_replaced_it_leaves_no_lock_file(coordinator):
+    """Two relays at one path (a process's replacement's, or two simulated hosts of one
+    name): the newer one closes first and removes its socket and the path's lock; the older
+    one, closing after, leaves neither (its lock made the lock file again, left behind)."""
+    clients = make_clients(coordinator.address)
+    run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
+    old = clients[0]._relay
+    new = Relay(clients[0], old.path)
+    new.close()
+    old.close()
+    assert not os.path.exists(old.path) and not os.path.exists(f"{old.path}.lock")
+    for c in clients:
+        c.close()
+
+
 def test_a_relay_goes_on_without_a_path_lock_held_too_long(coordinator, monkeypatch, caplog):
     """The path's lock held by a process frozen in the middle of its change: a relay waits
     for it only a while, then starts without it, saying so."""
