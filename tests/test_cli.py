@@ -730,7 +730,8 @@ def test_status_and_health_wait_say_why_they_cannot_connect():
         out = run_cli(*command.split(), "--address", address, "--timeout", "2")
         assert out.returncode == 1 and "Connection refused" in out.stderr, (command, out.stderr)
         assert "DEADLINE_EXCEEDED" not in out.stderr, (command, out.stderr)
-        assert command == "health" or time.monotonic() - started > 2  # it did wait
+        # It did wait (until less than RETRY_EVERY, 0.2 s, was left: a CI run took 1.96 s in all)
+        assert command == "health" or time.monotonic() - started > 1.5
     unknown = run_cli("status", "--address", "nowhere.invalid", "--timeout", "2")
     assert unknown.returncode == 1 and "DEADLINE_EXCEEDED" not in unknown.stderr, unknown.stderr
     assert "nowhere.invalid:7481: UNAVAILABLE: " in unknown.stderr, unknown.stderr
