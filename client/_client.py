@@ -67,8 +67,9 @@ ALL: tuple[int, ...] = ()
 _TRANSPORT_GRACE = 10.0
 _BACKOFF_CAP = 2.0  # seconds: the longest pause between two retries
 # Seconds a call keeps trying a server that answers in another protocol (HTTP/1, plain text to
-# TLS), or whose TLS certificate it refuses: a port taken over in a restart, or a certificate
-# being replaced, not the whole connect_timeout of a misconfiguration.
+# TLS), or whose TLS certificate it refuses, or a coordinator of this process stopped for good:
+# a port taken over in a restart, a certificate being replaced, a coordinator started again
+# in this process, not the whole connect_timeout of a misconfiguration or a coordinator gone.
 _WRONG_PROTOCOL_PATIENCE = 5.0
 _CLOSED = "this client was closed; call init() again"
 _CHANNEL_OPTIONS = [
@@ -149,7 +150,7 @@ def _stopped_here(address: str, made: float) -> str | None:
     """When the coordinator at ``address`` was embedded in this process and stopped for good
     (``STOPPED_HERE``) after a client ``made`` then, why; None otherwise."""
     host, _, port = address.rpartition(":")
-    entry = STOPPED_HERE.get(int(port))
+    entry = STOPPED_HERE.get(int(port)) if port.isdigit() else None
     if entry is None or entry[2] < made:
         return None
     served, why, _ = entry
@@ -171,7 +172,7 @@ def _stopped_here(address: str, made: float) -> str | None:
     dialled = ips(host)
     if not (dialled & ips(served) if served not in ("0.0.0.0", "::") else any(map(here, dialled))):
         return None
-    return f"{why} without a state file to resume from: nothing will answer there again"
+    return f"{why} without a state file to resume from, and nothing was started there again"
 
 
 _IMPORTED = time.monotonic()
@@ -810,7 +811,9 @@ class Client:
                 outage["since"] = now
             if self._closed or (deadline is not None and now >= deadline):
                 return True
-            if STOPPED_HERE and _stopped_here(self.settings.address, _made[self]):  # (not looked for: gone for good)
+            if (  # (looked for as briefly as a server of another protocol: one started there again is found)
+                STOPPED_HERE and now - outage["since"] >= _WRONG_PROTOCOL_PATIENCE and _stopped_here(self.settings.address, _made[self])
+            ):
                 return True
             details = state.outcome.exception().details() or ""
             outage["wrong"] = (outage["wrong"] or now) if unchanging(details) else None
@@ -846,7 +849,10 @@ class Client:
             error = self._error(exc, method)
             gone = STOPPED_HERE and isinstance(error, CoordinatorUnavailableError) and _stopped_here(self.settings.address, _made[self])
             if gone:
-                error = CoordinatorUnavailableError(f"coordinator at {self.settings.address} unavailable for {method}: {gone}")
+                error = CoordinatorUnavailableError(
+                    f"coordinator at {self.settings.address} unavailable for {method}: {gone} (given up after "
+                    f"{time.monotonic() - outage['since']:.1f} s, not its connect_timeout)"
+                )
             elif isinstance(error, RendezvousTimeout):  # (its times count from the resend the coordinator saw)
                 error = RendezvousTimeout(
                     f"{error} (the call waited {time.monotonic() - began:.1f} s in all: it was sent again "
@@ -874,7 +880,7 @@ class Client:
     def _error(self, exc: grpc.RpcError, method: str) -> RendezvousError:
         return from_rpc_error(
             exc, address=self.settings.address, method=method, where=self._where(),
-            token_from=TOKEN_FROM.get(self.settings.token or "", ""),
+            token_from=TOKEN_FROM.get(self.settings, ""),
         )
 
     def _where(self) -> str:

@@ -13,6 +13,7 @@ import os
 import re
 import stat
 import time
+import weakref
 from typing import Any, Mapping
 
 from ._errors import UsageError
@@ -115,9 +116,12 @@ def certificate_out_of_date(cert: str, now: float | None = None) -> str | None:
     now = time.time() if now is None else now
     if now > after:
         return f"it expired on {decoded['notAfter']}"
-    if now < before:
+    if now < before - _CLOCK_SLACK:  # (a certificate just issued by a host whose clock is ahead)
         return f"it is not valid before {decoded['notBefore']} (is this host's clock right?)"
     return None
+
+
+_CLOCK_SLACK = 300.0  # seconds
 
 
 MAX_TOKEN_LENGTH = 4096  # characters; gRPC's headers take 8 KiB in all by default
@@ -146,9 +150,9 @@ def check_token(token: str, source: str) -> str:
     return token
 
 
-# Where each token Settings.resolve took came from (a variable, an argument, a file), for a
-# refusal of it: "a wrong token" says which to fix.
-TOKEN_FROM: dict[str, str] = {}
+# Where the token of each Settings that resolve made came from (a variable, an argument, a
+# file), for a refusal of it: "a wrong token" says which to fix.
+TOKEN_FROM: "weakref.WeakKeyDictionary[Settings, str]" = weakref.WeakKeyDictionary()
 
 
 def read_secret(path: str, what: str, source: str, logger: str = "pjrt_rendezvous.client") -> bytes:
@@ -408,10 +412,11 @@ class Settings:
                 f"the certificate {self.tls_cert} (tls_cert, {_VARIABLES['tls_cert']}): {problem}"
             )
         problem = None if self.tls_cert is None else certificate_out_of_date(self.tls_cert)
-        if problem is not None:  # (a coordinator with mutual TLS closes each connection: "Socket closed")
-            raise UsageError(
-                f"the TLS certificate {self.tls_cert} (tls_cert, {_VARIABLES['tls_cert']}) is refused by any "
-                f"coordinator: {problem}; reissue it"
+        if problem is not None:  # (a coordinator without mutual TLS never asks for it: not refused)
+            logging.getLogger("pjrt_rendezvous.client").warning(
+                "the TLS certificate %s (tls_cert, %s) cannot be used: %s; a coordinator with mutual TLS closes each "
+                "connection this client opens (\"Socket closed\", retried for connect_timeout): reissue it",
+                self.tls_cert, _VARIABLES["tls_cert"], problem,
             )
         return credentials
     @classmethod
@@ -449,7 +454,10 @@ class Settings:
                 names = ("init(token=)", "init(token_file=)") if file_given else (_VARIABLES["token"], _VARIABLES["token_file"])
                 raise UsageError(token_conflict(*names))
             values["token"] = from_file
-            TOKEN_FROM[from_file] = f"the file {token_file} ({source})"
-        elif "token" in values:
-            TOKEN_FROM[values["token"]] = "init(token=)" if token_given else _VARIABLES["token"]
-        return cls(address=address, **values)
+            where = f"the file {token_file} ({source})"
+        else:
+            where = "init(token=)" if token_given else _VARIABLES["token"]
+        settings = cls(address=address, **values)
+        if settings.token is not None:
+            TOKEN_FROM[settings] = where
+        return settings

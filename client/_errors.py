@@ -45,9 +45,9 @@ MAX_MESSAGE_RULE = (
 
 # The coordinators embedded in this process that stopped for good (no state file to resume
 # from): their gRPC port -> (the host they listened on, why they stopped, when: monotonic).
-# A client of this process that cannot reach one gives up at once, not after looking for it
-# for connect_timeout (Client._call): nothing will answer there again. A Coordinator
-# started again on the port takes its entry out.
+# A client of this process that cannot reach one gives up after 5 s, not after looking for
+# it for connect_timeout (Client._call). A Coordinator started again on the port takes its
+# entry out.
 STOPPED_HERE: dict[int, tuple[str, str, float]] = {}
 
 

@@ -310,7 +310,7 @@ class Session:
                 if end is not None and now >= end:
                     # Woken long after it asked to be, this process did not run meanwhile (it was
                     # stopped, or starved of CPU): its answer may have come then, not read yet.
-                    late = now - wake if now - wake > _LATE else 0.0
+                    late = now - end if now - end > _LATE else 0.0
                     if self._wait(pending, _LAST_LOOK if late else 0.0):
                         break
                     error = StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer to {method} within {timeout:.3g} s")
@@ -882,20 +882,21 @@ async def serve_session(
     serves, ``streams`` maps its task to a test whether it is idle (no call running, every
     answer written). A peer that does not read its answers ends its stream once those
     waiting behind a write hold more than ``FramedSession.MAX_UNSENT`` bytes before another
-    is added and no write ended for ``FramedSession.STALLED`` s, as on the session port (an
-    answer of any size may go, and any number to a peer that reads)."""
+    is added and the write has not ended for ``FramedSession.STALLED`` s, or hold more than
+    ``FramedSession.MAX_HELD``, as on the session port (an answer of any size may go, and a
+    few to a peer that reads)."""
     calls: dict[int, asyncio.Task] = {}  # running, cancellable by the client
     ready: list[tuple[bytes, bytes]] = []  # answers waiting for the stream
     writer: asyncio.Task | None = None
     queued = 0  # bytes of the answers in ``ready`` (not yet taken by the writer)
-    written_at = time.monotonic()  # when the last write ended (or the stream began)
+    writing = (False, 0.0)  # whether a write is under way, and since when
     overflowed = False
     this = asyncio.current_task()
     if streams is not None:
         streams[this] = lambda: not calls and not ready and (writer is None or writer.done())
 
     async def write() -> None:
-        nonlocal queued, written_at
+        nonlocal queued, writing
         try:
             while ready:
                 taken, size = 0, 0
@@ -906,8 +907,9 @@ async def serve_session(
                 message = encode_answers(ready[:taken], False)
                 del ready[:taken]
                 queued -= size
+                writing = (True, time.monotonic())
                 await context.write(message)
-                written_at = time.monotonic()
+                writing = (False, 0.0)
         except Exception as exc:  # the stream is gone; the client resends on a new one
             served_log.debug("session answers not sent: %s", exc)
 
@@ -922,13 +924,14 @@ async def serve_session(
         ready.append(reply)
         if writer is None or writer.done():
             writer = asyncio.create_task(write())
-        elif (  # (else the running writer takes it along)
-            waiting > FramedSession.MAX_UNSENT and time.monotonic() - written_at >= FramedSession.STALLED and not overflowed
+        elif not overflowed and (  # (else the running writer takes it along)
+            waiting > FramedSession.MAX_HELD
+            or (waiting > FramedSession.MAX_UNSENT and writing[0] and time.monotonic() - writing[1] >= FramedSession.STALLED)
         ):
             overflowed = True
             served_log.warning(
-                "a Session stream's peer has read none of its answers for %g s, %d bytes of them waiting; ending the stream",
-                FramedSession.STALLED, waiting, extra={"event": "session_ended"},
+                "a Session stream's peer does not read its answers (%d bytes of them wait behind one it has not taken "
+                "for %g s); ending the stream", waiting, FramedSession.STALLED, extra={"event": "session_ended"},
             )
             this.cancel()  # (the stream's task waits for its next request)
 
@@ -954,8 +957,8 @@ async def serve_session(
             raise
         await context.abort(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"more than {FramedSession.MAX_UNSENT} bytes of answers wait behind one not read for "
-            f"{FramedSession.STALLED:g} s: the stream ends",
+            f"more than {FramedSession.MAX_UNSENT} bytes of answers wait behind one not taken for "
+            f"{FramedSession.STALLED:g} s (or more than {FramedSession.MAX_HELD} in all): the stream ends",
         )
     finally:
         if streams is not None:
@@ -1066,11 +1069,13 @@ class FramedSession(asyncio.Protocol):
     """
 
     # A peer that stops reading its answers must not grow our memory without bound: past
-    # this many bytes of answers not yet taken by a peer that has taken none for STALLED s,
-    # its connection is closed. (A peer reading keeps any: two answers of a round of 300 MiB,
-    # to two threads that sent apart, or one and a ping's, were cut as one not read.)
+    # MAX_UNSENT bytes of answers not yet taken by a peer that has taken none for STALLED s,
+    # or past MAX_HELD whatever it takes, its connection is closed. (A peer that reads was cut
+    # for two answers of a round of 300 MiB, to two threads that sent apart, or one and a
+    # ping's; MAX_HELD holds two of the largest the limits allow.)
     MAX_UNSENT = 256 << 20
     STALLED = 60.0
+    MAX_HELD = 4 << 30
     _log = log  # (the coordinator's connections log as the coordinator)
 
     def __init__(
@@ -1096,6 +1101,7 @@ class FramedSession(asyncio.Protocol):
         self._later: collections.deque[memoryview] = collections.deque()  # not yet handed to the transport (_feed)
         self._later_bytes = 0
         self._paused = False  # the transport has more to send than its high-water mark
+        self._close_when_fed = False  # refused: closed once what waits in _later is handed over
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -1223,10 +1229,10 @@ class FramedSession(asyncio.Protocol):
         if self.transport.is_closing():
             return  # the peer resends on a new connection
         unsent = self.transport.get_write_buffer_size() + self._later_bytes
-        if unsent > self.MAX_UNSENT and self._not_reading(unsent):
+        if unsent > self.MAX_UNSENT and (unsent > self.MAX_HELD or self._not_reading(unsent)):
             self._log.warning(
-                "a session peer has read none of its answers for %g s, %d bytes of them waiting; closing its connection",
-                self.STALLED, unsent, extra={"event": "session_ended"},
+                "a session peer does not read its answers (%d bytes of them wait; it has taken none for %g s, or they "
+                "are over %d); closing its connection", unsent, self.STALLED, self.MAX_HELD, extra={"event": "session_ended"},
             )
             self.transport.abort()
             return
@@ -1261,6 +1267,8 @@ class FramedSession(asyncio.Protocol):
                 later.popleft()
             self._later_bytes -= len(part)
             self.transport.write(part)
+        if self._close_when_fed and not later:
+            self.transport.close()
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -1281,7 +1289,10 @@ class FramedSession(asyncio.Protocol):
     def _refuse(self, code: grpc.StatusCode, message: str) -> bool:
         self._log.debug("refused a session: %s: %s", code.name, message)
         self._send(session_answer(0, code, message))
-        self.transport.close()
+        if not self.transport.is_closing():
+            self.transport.pause_reading()  # (nothing more is taken from it)
+            self._close_when_fed = True  # (after what waits in _later: the transport sends what it has, then closes)
+            self._feed()
         return False
 
     def connection_lost(self, exc) -> None:

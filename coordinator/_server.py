@@ -76,6 +76,8 @@ _OPTIONS = [
 _ITEMS_PER_MESSAGE = 16
 # Room in a message beyond its payloads or values: names, keys, replicas, protobuf's framing.
 _MESSAGE_SLACK = 16 << 20
+
+
 def listen_host(text: str) -> str:
     """``text`` as the listening sockets take a host: without spaces at its ends (a stray one
     in a variable) and an IPv6 literal without the brackets of an address (``[::1]``: gRPC's

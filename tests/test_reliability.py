@@ -291,8 +291,8 @@ def test_an_embedded_coordinator_that_stops_fails_its_pending_rounds_at_once_say
     left on an exception: a Ctrl-C in task 0) while a round, a get of keys and a wait for
     the world wait: each caller is told at once that it stopped, and why. (Their calls were
     cancelled, and each looked for a coordinator until its connect_timeout, 60 s, then asked
-    whether `pjrt-rendezvous serve` was running.) So is a call made after the stop (it looked
-    for it for connect_timeout too)."""
+    whether `pjrt-rendezvous serve` was running.) A call made after the stop looks for it
+    for 5 s, not connect_timeout, then is told the same."""
     from test_cli import wait_until
 
     coordinator = Coordinator(port=0, **({"session_port": None} if how.endswith("gRPC alone") else {})).start()
@@ -325,11 +325,12 @@ def test_an_embedded_coordinator_that_stops_fails_its_pending_rounds_at_once_say
             assert f"the wait for {what} fails: the coordinator embedded in process {os.getpid()}" in str(failed.value)
             assert why in str(failed.value), str(failed.value)
         assert time.monotonic() - started < 5
-        for call in (lambda: client.rendezvous(binding, "again", b"x"), lambda: client.get("k"), client.wait_world):
-            name, took, message = pool.submit(_timed, call).result(30)
-            assert name == "CoordinatorUnavailableError" and took < 5, (name, took, message)
-            assert f"the coordinator embedded in process {os.getpid()}" in message and why in message, message
-            assert "nothing will answer there again" in message, message
+        if how in ("stop", "stop without grace, gRPC alone"):  # (the session port, and gRPC)
+            calls = (lambda: client.rendezvous(binding, "again", b"x"), lambda: client.get("k"), client.wait_world)
+            for name, took, message in [f.result(30) for f in [pool.submit(_timed, call) for call in calls]]:
+                assert name == "CoordinatorUnavailableError" and 4.5 < took < 15, (name, took, message)
+                assert f"the coordinator embedded in process {os.getpid()}" in message and why in message, message
+                assert "nothing was started there again (given up after " in message, message
         pool.submit(client.unbind_thread).result(10)
     client.close(leave=False)
 
@@ -1005,7 +1006,7 @@ def test_an_embedded_coordinator_watches_liveness_as_serve_does():
 
 
 def test_only_a_coordinator_of_this_process_stopped_for_good_is_given_up_on_at_once(tmp_path):
-    """A client gives up at once on the address of a coordinator embedded in this process
+    """A client gives up soon on the address of a coordinator embedded in this process
     and stopped without a state file, and on no other: not on another port or host, nor
     once a coordinator is started on that port again, nor on one with a state file (a
     restart resumes it); nor does a client made after the stop (a server that took the port
@@ -1047,7 +1048,7 @@ threading.Thread(target=lambda: client.get("never set", timeout=60), daemon=True
 time.sleep(0.5)
 print("calling", flush=True)
 try:
-    print("answered", client.rendezvous(binding, "r", b"1", timeout=2), flush=True)
+    print("answered", client.rendezvous(binding, "r", b"1", timeout=5), flush=True)
 except pr.RendezvousError as exc:
     print(type(exc).__name__, exc, flush=True)
 """
@@ -1061,6 +1062,7 @@ def test_a_process_stopped_while_its_answer_came_takes_it_when_it_runs_again():
         child = subprocess.Popen([sys.executable, "-c", _PAUSED_CHILD, coordinator.address], stdout=subprocess.PIPE, text=True)
         try:
             assert child.stdout.readline().strip() == "calling"
+            cut_off = time.monotonic() + 5 + 1  # (the child's: its timeout, then the transport's grace)
             client = pair_client(coordinator.address, 0)
             with bound([client]) as pools:
                 from test_cli import wait_until
@@ -1069,7 +1071,7 @@ def test_a_process_stopped_while_its_answer_came_takes_it_when_it_runs_again():
                 child.send_signal(signal.SIGSTOP)
                 try:
                     assert pools[0].submit(lambda: client.rendezvous(pr.current_binding(), "r", b"0", timeout=10)).result(15) == [b"0", b"1"]
-                    time.sleep(4.0)  # past the child's cut-off (2 s and 1 s)
+                    time.sleep(max(0.0, cut_off + 3 - time.monotonic()))  # well past the child's cut-off
                 finally:
                     child.send_signal(signal.SIGCONT)
                 out, _ = child.communicate(timeout=60)

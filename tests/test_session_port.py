@@ -247,7 +247,7 @@ def test_a_grpc_session_peer_that_does_not_read_its_answers_loses_its_stream(mon
         finally:
             done.set()
         assert ended.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and answered < 200, (ended.value, answered)
-        assert "bytes of answers wait behind one not read" in ended.value.details()
+        assert "bytes of answers wait behind one not taken for 0.5 s" in ended.value.details()
         assert stub.Status(pb.StatusRequest(), timeout=10).jobs  # the coordinator serves on
 
 
@@ -285,13 +285,93 @@ def test_answers_larger_than_the_unread_cap_reach_a_peer_that_reads(monkeypatch,
         client.set("big", big)
         assert client.get("big") == big
         client.set("small", b"s")
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:  # (small answers among them, in order)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:  # (small answers among them)
             got = list(pool.map(lambda i: client.get("big" if i % 2 else "small"), range(16)))
         assert got == [b"s", big] * 8
         assert type(client._current_session) is (SocketSession if transport == "auto" else Session)
         client.close()
     ended = [r.getMessage() for r in caplog.records if getattr(r, "event", "") == "session_ended"]
     assert not ended, ended  # (nor did it close and resend)
+
+
+def test_a_grpc_session_peer_that_reads_is_not_cut_after_a_quiet_spell(monkeypatch):
+    """A stream quiet for longer than STALLED, then answers over MAX_UNSENT at once (two
+    members of a round, two gets of a big key): every one reaches the peer, which reads
+    them. (The stall counted from the last write's end, so a quiet spell looked like one.)"""
+    monkeypatch.setattr(FramedSession, "MAX_UNSENT", 1 << 20)
+    monkeypatch.setattr(FramedSession, "STALLED", 1.0)
+    unlimited = [("grpc.max_receive_message_length", -1)]  # (answers go together, up to 64 MiB a message)
+    with Coordinator(port=0) as coordinator, grpc.insecure_channel(coordinator.address, options=unlimited) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        stub.KvSet(pb.KvSetRequest(job="j", entries=[pb.KvEntry(key="big", value=b"x" * (2 << 20))]))
+        get = pb.KvGetRequest(job="j", keys=["big"]).SerializeToString()
+        first, done = threading.Event(), threading.Event()
+
+        def requests():
+            yield pb.SessionRequest(calls=[pb.SessionCall(id=1, method="KvGet", request=get)])
+            first.wait(10)
+            time.sleep(1.5)  # quiet, everything read
+            yield pb.SessionRequest(calls=[pb.SessionCall(id=i, method="KvGet", request=get) for i in range(2, 8)])
+            done.wait(10)
+
+        answered = 0
+        try:
+            for response in stub.Session(requests(), timeout=30):
+                answered += len(response.answers)
+                first.set()
+                if answered == 7:
+                    break
+        finally:
+            done.set()
+        assert answered == 7
+
+
+def test_a_session_port_peer_that_reads_too_slowly_is_cut_past_the_ceiling(monkeypatch):
+    """A peer that takes a little of its answers now and then while it asks for more is
+    cut once they pass MAX_HELD, however recently it took some (else nothing bounded what
+    the coordinator held for it)."""
+    monkeypatch.setattr(FramedSession, "MAX_UNSENT", 1 << 20)
+    monkeypatch.setattr(FramedSession, "MAX_HELD", 8 << 20)
+    with Coordinator(port=0) as coordinator, grpc.insecure_channel(coordinator.address) as channel:
+        pb_grpc.CoordinatorStub(channel).KvSet(pb.KvSetRequest(job="j", entries=[pb.KvEntry(key="big", value=b"x" * (2 << 20))]))
+        get = pb.KvGetRequest(job="j", keys=["big"]).SerializeToString()
+        with socket.create_connection(("127.0.0.1", coordinator.session_port), timeout=30) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+            sock.sendall(frame(pb.SessionHello().SerializeToString()))
+            cut, calls = False, 0
+            while not cut and calls < 200:
+                try:
+                    for _ in range(4):
+                        calls += 1
+                        sock.sendall(session_request(calls, "KvGet", get, framed=True))
+                    time.sleep(0.05)
+                    cut = not sock.recv(65536)  # (a little, now and then)
+                except ConnectionError:
+                    cut = True
+        assert cut and calls < 100, calls
+
+
+def test_a_refusal_behind_an_answer_in_pieces_comes_after_it(monkeypatch):
+    """A session refused (a malformed message) while a big answer is still going out in
+    pieces gets the whole answer, then the refusal, then the end (the connection closed
+    under the pieces: the answer was cut short and the refusal lost)."""
+    from pjrt_rendezvous.client._session import decode_answers, take_frames
+
+    with Coordinator(port=0) as coordinator, grpc.insecure_channel(coordinator.address) as channel:
+        pb_grpc.CoordinatorStub(channel).KvSet(pb.KvSetRequest(job="j", entries=[pb.KvEntry(key="big", value=b"x" * (16 << 20))]))
+        get = pb.KvGetRequest(job="j", keys=["big"]).SerializeToString()
+        with socket.create_connection(("127.0.0.1", coordinator.session_port), timeout=30) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+            sock.sendall(frame(pb.SessionHello().SerializeToString()))
+            sock.sendall(session_request(1, "KvGet", get, framed=True))
+            time.sleep(0.5)  # (the answer waits, mostly in pieces not yet handed over)
+            sock.sendall(frame(b"\xff\xff\xff"))  # not a SessionRequest
+            received = bytearray()
+            while chunk := sock.recv(1 << 20):
+                received += chunk
+    answers = [answer for message in take_frames(received) for answer in decode_answers(bytes(message))]
+    assert [(a[0], a[1]) for a in answers] == [(1, 0), (0, grpc.StatusCode.INVALID_ARGUMENT.value[0])], [a[:3] for a in answers]
+    assert len(answers[0][3]) > 16 << 20
 
 
 @pytest.mark.parametrize("head, length", [(b"", 1 << 20), (b"\x08\x05", 300), (b"\x08\x85\x01\x10\x03", 5 << 20)])
@@ -1148,6 +1228,9 @@ class _Transport(asyncio.Transport):
 
     def get_write_buffer_size(self) -> int:
         return 0
+
+    def pause_reading(self) -> None:
+        pass
 
 
 @pytest.mark.parametrize("pieces", [1, 3, 7, 1000])
