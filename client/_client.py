@@ -72,6 +72,8 @@ _BACKOFF_CAP = 2.0  # seconds: the longest pause between two retries
 # in this process, not the whole connect_timeout of a misconfiguration or a coordinator gone.
 _WRONG_PROTOCOL_PATIENCE = 5.0
 _CLOSED = "this client was closed; call init() again"
+# Why each client closed, when its closer said (close(why=)): told to the calls it ends.
+_close_why: "weakref.WeakKeyDictionary[Client, str]" = weakref.WeakKeyDictionary()
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", -1),
     ("grpc.max_send_message_length", -1),
@@ -763,7 +765,7 @@ class Client:
         ``deadline`` (None without one) that returns the request serialized.
         """
         if self._closed:
-            raise UsageError(_CLOSED)
+            raise UsageError(self._closed_message())
         if _forked:
             self._refuse_if_inherited(method)
         if _given_up and method not in _NOT_AFTER_GIVE_UPS and self in _given_up:
@@ -774,7 +776,7 @@ class Client:
             return self._attempt(*attempt)  # the common case, without building a Retrying
         except grpc.RpcError as exc:
             if self._closed:  # cancelled by close(), not refused by the coordinator
-                raise UsageError(_CLOSED) from exc
+                raise UsageError(self._closed_message()) from exc
             if not _retried(exc) or (deadline is not None and time.monotonic() >= deadline):
                 # (from None: the gRPC error's details are in the message; its chain printed them twice)
                 raise _with_rpc(self._error(exc, method), exc) from None
@@ -845,7 +847,7 @@ class Client:
             return retrying(self._attempt, *attempt, outage)
         except grpc.RpcError as exc:
             if self._closed:
-                raise UsageError(_CLOSED) from exc
+                raise UsageError(self._closed_message()) from exc
             error = self._error(exc, method)
             gone = STOPPED_HERE and isinstance(error, CoordinatorUnavailableError) and _stopped_here(self.settings.address, _made[self])
             if gone:
@@ -954,7 +956,7 @@ class Client:
                 return session
         with self._session_lock:
             if self._closed:
-                raise UsageError(_CLOSED)
+                raise UsageError(self._closed_message())
             if self._current_session is None or self._current_session.broken is not None:
                 self._current_session = self._open_session()
             return self._current_session
@@ -965,7 +967,7 @@ class Client:
         lock: it waits for the relay's answer to a ping, which other calls must not."""
         with self._session_lock:
             if self._closed:
-                raise UsageError(_CLOSED)
+                raise UsageError(self._closed_message())
             if time.monotonic() < self._relay_retry[0]:
                 return None
             if self._relay_session is not None and self._relay_session.broken is None:
@@ -982,7 +984,7 @@ class Client:
             if self._closed or (current is not None and current.broken is None):
                 session.close()  # another thread's is in place (or we are closing)
                 if self._closed:
-                    raise UsageError(_CLOSED)
+                    raise UsageError(self._closed_message())
                 return current
             self._relay_session, self._relay_retry = session, (0.0, _RELAY_RETRY)
             return session
@@ -1095,7 +1097,7 @@ class Client:
         if relay is not None:  # close() ran while it started
             relay.close()
 
-    def close(self, *, leave: bool = True) -> None:
+    def close(self, *, leave: bool = True, why: str | None = None) -> None:
         """Stops heartbeats and the event watch and closes the channel. Calls other threads
         are making end with UsageError ("this client was closed"), and a thread binding
         meanwhile is refused so (its registration, once answered, is left too).
@@ -1105,9 +1107,13 @@ class Client:
                 (best effort). With ``leave=False`` the coordinator declares the process dead
                 when it does not call again within 10 s (or twice its heartbeat interval) of
                 its connection closing, as if it had crashed.
+            why: why it closes, told to the calls it ends and, with the Leave, to its peers
+                and the coordinator's log (default: "its client closed").
         """
         if self._closed:
             return
+        if why:
+            _close_why[self] = why
         if inherited(self):
             # The parent's: its Leave would end the parent's registration, and closing its
             # sessions would shut the connection the parent shares with this process.
@@ -1122,7 +1128,7 @@ class Client:
         self._closed = True
         _stand_in_latest.pop(self, None)  # (what it holds, an interrupted call's, goes too)
         if leave:
-            self._leave()
+            self._leave(why or "")
         with self._session_lock:
             for session in (self._current_session, self._relay_session):
                 if session is not None:
@@ -1155,7 +1161,11 @@ class Client:
                 else:
                     thread.join(max(0.0, left - time.monotonic()))
 
-    def _leave(self) -> None:
+    def _closed_message(self) -> str:
+        why = _close_why.get(self)
+        return _CLOSED if why is None else f"this client was closed: {why}"
+
+    def _leave(self, reason: str) -> None:
         """close()'s goodbye (best effort), within _LEAVE_TIMEOUT in all: first the
         registrations under way are waited for (a Leave that reached the coordinator before
         one would leave the process registered); none when nothing was registered, or when
@@ -1173,7 +1183,7 @@ class Client:
             return
         try:
             self._stub.Leave(
-                pb.LeaveRequest(job=self.settings.job, incarnation=self.incarnation),
+                pb.LeaveRequest(job=self.settings.job, incarnation=self.incarnation, reason=reason),
                 timeout=max(0.1, give_up - time.monotonic()),
                 metadata=self._metadata,
             )
@@ -1396,7 +1406,7 @@ class Client:
             )
         with self._lock:
             if self._closed:
-                raise UsageError(_CLOSED)
+                raise UsageError(self._closed_message())
             held = self._bindings.get(thread_index)
             if held is not None and held._thread is not None and not held._thread.is_alive():
                 # Its thread ended bound (no `with`, no unbind_thread): nothing can use it now.
@@ -1444,7 +1454,7 @@ class Client:
             _registering[self] -= 1  # (after: close() reads the count first, without the lock)
             if self._closed:
                 del self._bindings[thread_index]
-                raise UsageError(_CLOSED)
+                raise UsageError(self._closed_message())
         (assignment,) = response.assignments
         self._heartbeat_timeout = response.heartbeat_timeout
         self._learn_session_port(response.session_port)
@@ -1466,7 +1476,7 @@ class Client:
         with self._lock:
             if self._closed:  # (meanwhile, after its Leave: see close)
                 del self._bindings[thread_index]
-                raise UsageError(_CLOSED)
+                raise UsageError(self._closed_message())
             self._bindings[thread_index] = binding
             self._local = None
             self._told.setdefault(binding.ordinal, self._generation)  # (bound again: its sequence goes on)

@@ -1194,8 +1194,11 @@ def _leave_and_die(signum: int, frame) -> None:
     signal.signal(signum, signal.SIG_DFL)  # (a second one ends it at once)
     try:
         client = _api._client  # (not through init()'s lock: the main thread may hold it)
-        if client is not None:
-            client.close()  # its Leave waits 2 s at most
+        if client is not None:  # (its Leave waits 2 s at most)
+            client.close(why=(
+                f"its process got {signal.Signals(signum).name}: xla.spawn stops every process once one failed, at "
+                "its timeout, or on Ctrl-C"
+            ))
     finally:
         os.kill(os.getpid(), signum)
 

@@ -2003,11 +2003,12 @@ class Core:
         )
         return rnd
 
-    def leave(self, job_name: str, incarnation: str) -> None:
-        """A process is done: its ordinals are gone now, not after the heartbeat timeout."""
+    def leave(self, job_name: str, incarnation: str, reason: str = "") -> None:
+        """A process is done: its ordinals are gone now, not after the heartbeat timeout;
+        ``reason``, the client's, says why (else: its client closed)."""
         job = self._job(job_name)
         if incarnation in job.processes:
-            self.declare_dead(job_name, incarnation, "its client closed", left=True)
+            self.declare_dead(job_name, incarnation, _one_line(reason) if reason else "its client closed", left=True)
 
     @staticmethod
     def _started_before(r: Registration, when: float, now: float) -> bool:

@@ -552,7 +552,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
 
     @_translated
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveResponse:
-        self._core.leave(request.job, request.incarnation)
+        self._core.leave(request.job, request.incarnation, request.reason)
         self._wake()
         await self._persist()
         return pb.LeaveResponse()

@@ -1079,3 +1079,24 @@ def test_a_process_stopped_while_its_answer_came_takes_it_when_it_runs_again():
             child.kill()
             child.wait()
     assert out.strip() == "answered [b'0', b'1']", out
+
+
+def test_a_client_closed_with_a_reason_tells_its_own_calls_and_its_peers():
+    """close(why=) (xla.spawn's child stopped by SIGTERM says why) ends the calls its
+    threads make with that reason, not "call init() again", and its Leave carries it to the
+    peers' failed rounds and the coordinator's log (they said "its client closed", blaming a
+    healthy process that spawn stopped)."""
+    from test_cli import wait_until
+
+    with Coordinator(port=0) as coordinator:
+        clients = [pair_client(coordinator.address, task) for task in range(2)]
+        with bound(clients) as pools:
+            waiting = pools[0].submit(lambda: clients[0].rendezvous(pr.current_binding(), "r", timeout=30))
+            getting = concurrent.futures.ThreadPoolExecutor(1).submit(clients[1].get, "never set", timeout=30)
+            wait_until(lambda: clients[0].status().jobs[0].pending_rounds, what="the round")
+            time.sleep(0.3)  # (the get waits too)
+            clients[1].close(why="stopped by its test")
+            with pytest.raises(pr.UsageError, match=r"^this client was closed: stopped by its test$"):
+                getting.result(10)
+            with pytest.raises(pr.ParticipantFailedError, match=r"a member left \(ordinal 1 on \S+ pid \d+: stopped by its test\)"):
+                waiting.result(10)

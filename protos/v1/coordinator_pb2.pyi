@@ -222,12 +222,14 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., heartbeat_timeout: _Optional[float] = ..., session_port: _Optional[int] = ..., reads_process_indexes: _Optional[bool] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("job", "incarnation")
+    __slots__ = ("job", "incarnation", "reason")
     JOB_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     job: str
     incarnation: str
-    def __init__(self, job: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    reason: str
+    def __init__(self, job: _Optional[str] = ..., incarnation: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ()
