@@ -493,13 +493,20 @@ def _mesh_reduce(tag: str, data: Any, reduce_fn: Callable[[list], Any]) -> Any:
         try:
             copies.append(torch.load(io.BytesIO(payload)))
         except Exception as exc:  # (weights_only refused it: every member raises, and said not whose)
-            note = f"(xm.mesh_reduce({tag!r}): the copy of ordinal {ordinal}, which every member reads)"
-            if hasattr(exc, "add_note"):
+            if payload[:4] == _TORCH_SAVED:
+                whose = f"the copy of ordinal {ordinal}, which every member reads"
+            else:  # (an empty one raised EOFError with no message at all)
+                whose = f"ordinal {ordinal} sent {len(payload)} bytes that torch.save did not write (did it call xm.rendezvous({tag!r}) instead?)"
+            note = f"xm.mesh_reduce({tag!r}): {whose}"
+            if not exc.args or isinstance(exc.args[0], str):  # in its message (the summaries show it), first
+                exc.args = (f"{note}: {exc.args[0]}" if exc.args and exc.args[0] else note, *exc.args[1:])
+            elif hasattr(exc, "add_note"):
                 exc.add_note(note)
-            else:  # Python 3.10: in its message
-                exc.args = (f"{exc.args[0] if exc.args else ''} {note}", *exc.args[1:])
             raise
     return reduce_fn(copies) if copies else cpu_data
+
+
+_TORCH_SAVED = b"PK\x03\x04"  # how torch.save's files begin (a zip archive)
 
 
 # -- binding a thread to its device ------------------------------------------------------------

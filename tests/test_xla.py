@@ -574,20 +574,31 @@ class _NotWeights:
 @pytest.mark.xla
 def test_a_mesh_reduce_copy_torch_load_refuses_says_whose_it_is(xm, coordinator):
     """A copy that torch.load (weights_only) refuses raised its UnpicklingError in every
-    member, without a word of whose copy it was: a note names the ordinal."""
+    member, without a word of whose copy it was: its message names the ordinal, first (the
+    summaries show the message, not notes). A member that called xm.rendezvous with the tag
+    instead made the others raise EOFError with no message at all: they are told so."""
     xla.install()
     client = _client(coordinator.address)
 
     def replica(index):
         with pytest.raises(Exception) as refused:
             xm.mesh_reduce("odd", _NotWeights() if index == 1 else 1.0, len)
-        return refused.value
+        if index == 0:
+            xm.rendezvous("mixed")
+            return refused.value, None
+        with pytest.raises(EOFError) as empty:
+            xm.mesh_reduce("mixed", 1.0, len)
+        return refused.value, empty.value
 
     results, errors = _in_threads(client, replica)
     client.close()
     assert not errors, errors
-    for error in results.values():
-        assert "(xm.mesh_reduce('odd'): the copy of ordinal 1, which every member reads)" in getattr(error, "__notes__", []), error
+    for refused, _ in results.values():
+        assert str(refused).startswith("xm.mesh_reduce('odd'): the copy of ordinal 1, which every member reads: "), refused
+    assert str(results[1][1]) == (
+            "xm.mesh_reduce('mixed'): ordinal 0 sent 0 bytes that torch.save did not write (did it call "
+            "xm.rendezvous('mixed') instead?)"
+    ), results[1][1]
 
 
 @pytest.mark.xla
