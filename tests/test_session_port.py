@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import pathlib
@@ -326,29 +327,37 @@ def test_a_grpc_session_peer_that_reads_is_not_cut_after_a_quiet_spell(monkeypat
         assert answered == 7
 
 
+@contextlib.contextmanager
+def _slow_reader(size: int):
+    """A coordinator holding the key "big" of ``size`` bytes, the KvGet of it, and a session
+    port connection that takes little at a time (a small receive buffer), past its hello."""
+    with Coordinator(port=0) as coordinator, grpc.insecure_channel(coordinator.address) as channel:
+        pb_grpc.CoordinatorStub(channel).KvSet(pb.KvSetRequest(job="j", entries=[pb.KvEntry(key="big", value=b"x" * size)]))
+        get = pb.KvGetRequest(job="j", keys=["big"]).SerializeToString()
+        with socket.create_connection(("127.0.0.1", coordinator.session_port), timeout=30) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+            sock.sendall(frame(pb.SessionHello().SerializeToString()))
+            yield sock, get
+
+
 def test_a_session_port_peer_that_reads_too_slowly_is_cut_past_the_ceiling(monkeypatch):
     """A peer that takes a little of its answers now and then while it asks for more is
     cut once they pass MAX_HELD, however recently it took some (else nothing bounded what
     the coordinator held for it)."""
     monkeypatch.setattr(FramedSession, "MAX_UNSENT", 1 << 20)
     monkeypatch.setattr(FramedSession, "MAX_HELD", 8 << 20)
-    with Coordinator(port=0) as coordinator, grpc.insecure_channel(coordinator.address) as channel:
-        pb_grpc.CoordinatorStub(channel).KvSet(pb.KvSetRequest(job="j", entries=[pb.KvEntry(key="big", value=b"x" * (2 << 20))]))
-        get = pb.KvGetRequest(job="j", keys=["big"]).SerializeToString()
-        with socket.create_connection(("127.0.0.1", coordinator.session_port), timeout=30) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
-            sock.sendall(frame(pb.SessionHello().SerializeToString()))
-            cut, calls = False, 0
-            while not cut and calls < 200:
-                try:
-                    for _ in range(4):
-                        calls += 1
-                        sock.sendall(session_request(calls, "KvGet", get, framed=True))
-                    time.sleep(0.05)
-                    cut = not sock.recv(65536)  # (a little, now and then)
-                except ConnectionError:
-                    cut = True
-        assert cut and calls < 100, calls
+    with _slow_reader(2 << 20) as (sock, get):
+        cut, calls = False, 0
+        while not cut and calls < 200:
+            try:
+                for _ in range(4):
+                    calls += 1
+                    sock.sendall(session_request(calls, "KvGet", get, framed=True))
+                time.sleep(0.05)
+                cut = not sock.recv(65536)  # (a little, now and then)
+            except ConnectionError:
+                cut = True
+    assert cut and calls < 100, calls
 
 
 def test_a_refusal_behind_an_answer_in_pieces_comes_after_it(monkeypatch):
@@ -357,18 +366,13 @@ def test_a_refusal_behind_an_answer_in_pieces_comes_after_it(monkeypatch):
     under the pieces: the answer was cut short and the refusal lost)."""
     from pjrt_rendezvous.client._session import decode_answers, take_frames
 
-    with Coordinator(port=0) as coordinator, grpc.insecure_channel(coordinator.address) as channel:
-        pb_grpc.CoordinatorStub(channel).KvSet(pb.KvSetRequest(job="j", entries=[pb.KvEntry(key="big", value=b"x" * (16 << 20))]))
-        get = pb.KvGetRequest(job="j", keys=["big"]).SerializeToString()
-        with socket.create_connection(("127.0.0.1", coordinator.session_port), timeout=30) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
-            sock.sendall(frame(pb.SessionHello().SerializeToString()))
-            sock.sendall(session_request(1, "KvGet", get, framed=True))
-            time.sleep(0.5)  # (the answer waits, mostly in pieces not yet handed over)
-            sock.sendall(frame(b"\xff\xff\xff"))  # not a SessionRequest
-            received = bytearray()
-            while chunk := sock.recv(1 << 20):
-                received += chunk
+    with _slow_reader(16 << 20) as (sock, get):
+        sock.sendall(session_request(1, "KvGet", get, framed=True))
+        time.sleep(0.5)  # (the answer waits, mostly in pieces not yet handed over)
+        sock.sendall(frame(b"\xff\xff\xff"))  # not a SessionRequest
+        received = bytearray()
+        while chunk := sock.recv(1 << 20):
+            received += chunk
     answers = [answer for message in take_frames(received) for answer in decode_answers(bytes(message))]
     assert [(a[0], a[1]) for a in answers] == [(1, 0), (0, grpc.StatusCode.INVALID_ARGUMENT.value[0])], [a[:3] for a in answers]
     assert len(answers[0][3]) > 16 << 20
@@ -388,21 +392,16 @@ def test_a_session_port_peer_that_does_not_read_its_answers_loses_its_connection
     """As on gRPC: past the cap of answers not read, none read for STALLED s, the connection closes."""
     monkeypatch.setattr(FramedSession, "MAX_UNSENT", 1 << 20)
     monkeypatch.setattr(FramedSession, "STALLED", 0.5)
-    with Coordinator(port=0) as coordinator, grpc.insecure_channel(coordinator.address) as channel:
-        pb_grpc.CoordinatorStub(channel).KvSet(pb.KvSetRequest(job="j", entries=[pb.KvEntry(key="big", value=b"x" * (100 << 10))]))
-        get = pb.KvGetRequest(job="j", keys=["big"]).SerializeToString()
-        with socket.create_connection(("127.0.0.1", coordinator.session_port), timeout=30) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
-            sock.sendall(frame(pb.SessionHello().SerializeToString()))
-            try:
-                for i in range(1, 201):
-                    sock.sendall(session_request(i, "KvGet", get, framed=True))
-                    time.sleep(0.01)  # (over STALLED)
-            except ConnectionError:  # (closed under the calls still being sent)
-                pass
-            time.sleep(1.0)  # the answers pile up, unread
-            received = read_until_closed(sock)
-        assert received < 200 * (100 << 10), received
+    with _slow_reader(100 << 10) as (sock, get):
+        try:
+            for i in range(1, 201):
+                sock.sendall(session_request(i, "KvGet", get, framed=True))
+                time.sleep(0.01)  # (over STALLED)
+        except ConnectionError:  # (closed under the calls still being sent)
+            pass
+        time.sleep(1.0)  # the answers pile up, unread
+        received = read_until_closed(sock)
+    assert received < 200 * (100 << 10), received
 
 
 def test_a_call_racing_the_retirement_of_its_grpc_stream_is_sent_before_its_end():
