@@ -486,7 +486,11 @@ def _mesh_reduce(tag: str, data: Any, reduce_fn: Callable[[list], Any]) -> Any:
     to_cpu = getattr(xm, "_maybe_convert_to_cpu", None)
     cpu_data = to_cpu(data) if to_cpu is not None else data
     buffer = io.BytesIO()
-    torch.save(cpu_data, buffer)
+    try:
+        torch.save(cpu_data, buffer)
+    except Exception as exc:  # (a lambda, a lock: Python's bare pickling error, naming no call)
+        _say_first(exc, f"xm.mesh_reduce({tag!r}): this replica's data cannot be saved with torch.save")
+        raise
     payloads = binding.client.rendezvous(binding, tag, buffer.getvalue())
     copies = []
     for ordinal, payload in enumerate(payloads):
@@ -497,16 +501,21 @@ def _mesh_reduce(tag: str, data: Any, reduce_fn: Callable[[list], Any]) -> Any:
                 whose = f"the copy of ordinal {ordinal}, which every member reads"
             else:  # (an empty one raised EOFError with no message at all)
                 whose = f"ordinal {ordinal} sent {len(payload)} bytes that torch.save did not write (did it call xm.rendezvous({tag!r}) instead?)"
-            note = f"xm.mesh_reduce({tag!r}): {whose}"
-            if not exc.args or isinstance(exc.args[0], str):  # in its message (the summaries show it), first
-                exc.args = (f"{note}: {exc.args[0]}" if exc.args and exc.args[0] else note, *exc.args[1:])
-            elif hasattr(exc, "add_note"):
-                exc.add_note(note)
+            _say_first(exc, f"xm.mesh_reduce({tag!r}): {whose}")
             raise
     return reduce_fn(copies) if copies else cpu_data
 
 
 _TORCH_SAVED = b"PK\x03\x04"  # how torch.save's files begin (a zip archive)
+
+
+def _say_first(exc: BaseException, note: str) -> None:
+    """Puts ``note`` at the start of ``exc``'s message, which spawn's summaries show (a note
+    added with ``add_note`` is shown only under a traceback), keeping its type."""
+    if not exc.args or isinstance(exc.args[0], str):
+        exc.args = (f"{note}: {exc.args[0]}" if exc.args and exc.args[0] else note, *exc.args[1:])
+    elif hasattr(exc, "add_note"):
+        exc.add_note(note)
 
 
 # -- binding a thread to its device ------------------------------------------------------------

@@ -576,7 +576,8 @@ def test_a_mesh_reduce_copy_torch_load_refuses_says_whose_it_is(xm, coordinator)
     """A copy that torch.load (weights_only) refuses raised its UnpicklingError in every
     member, without a word of whose copy it was: its message names the ordinal, first (the
     summaries show the message, not notes). A member that called xm.rendezvous with the tag
-    instead made the others raise EOFError with no message at all: they are told so."""
+    instead made the others raise EOFError with no message at all: they are told so. Data
+    torch.save cannot save raised Python's bare pickling error: it names the call."""
     xla.install()
     client = _client(coordinator.address)
 
@@ -585,6 +586,8 @@ def test_a_mesh_reduce_copy_torch_load_refuses_says_whose_it_is(xm, coordinator)
             xm.mesh_reduce("odd", _NotWeights() if index == 1 else 1.0, len)
         if index == 0:
             xm.rendezvous("mixed")
+            with pytest.raises(Exception, match=r"^xm.mesh_reduce\('lambda'\): this replica's data cannot be saved with torch.save: "):
+                xm.mesh_reduce("lambda", lambda: None, len)  # (its peer is told it ended: below)
             return refused.value, None
         with pytest.raises(EOFError) as empty:
             xm.mesh_reduce("mixed", 1.0, len)
@@ -596,8 +599,8 @@ def test_a_mesh_reduce_copy_torch_load_refuses_says_whose_it_is(xm, coordinator)
     for refused, _ in results.values():
         assert str(refused).startswith("xm.mesh_reduce('odd'): the copy of ordinal 1, which every member reads: "), refused
     assert str(results[1][1]) == (
-            "xm.mesh_reduce('mixed'): ordinal 0 sent 0 bytes that torch.save did not write (did it call "
-            "xm.rendezvous('mixed') instead?)"
+        "xm.mesh_reduce('mixed'): ordinal 0 sent 0 bytes that torch.save did not write (did it call "
+        "xm.rendezvous('mixed') instead?)"
     ), results[1][1]
 
 
