@@ -31,7 +31,7 @@ import tenacity
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
-from ._config import _VARIABLES, DEFAULT, FAN_IN_AUTO_HOSTS, TOKEN_FROM, TOPOLOGY_VARIABLES, Settings, check_timeout
+from ._config import _VARIABLES, DEFAULT, FAN_IN_AUTO_HOSTS, TOPOLOGY_VARIABLES, Settings, check_timeout
 from ._errors import (
     EMBEDDED_STOPPED, STOPPED_HERE, CoordinatorUnavailableError, InvalidArgumentError, MismatchError, ParticipantFailedError, RendezvousError,
     RendezvousTimeout, UnknownJobError, UsageError, connection_hint, from_rpc_error, unchanging,
@@ -465,6 +465,9 @@ def xm_binding(what: str) -> Binding | None:
     if binding is None:
         closed = getattr(_bound, "closed", None)
         if closed is not None:
+            why = _close_why.get(closed.client)
+            if why is not None:  # (closed for its process's end: no advice to bind again)
+                raise UsageError(f"{what}: this thread was bound as ordinal {closed.ordinal} through a client that was closed: {why}")
             raise UsageError(
                 f"{what}: this thread was bound as ordinal {closed.ordinal} through a client that "
                 "was closed since (pjrt_rendezvous.client.shutdown() or Client.close()); bind it "
@@ -851,9 +854,10 @@ class Client:
             error = self._error(exc, method)
             gone = STOPPED_HERE and isinstance(error, CoordinatorUnavailableError) and _stopped_here(self.settings.address, _made[self])
             if gone:
+                waited = time.monotonic() - outage["since"]
                 error = CoordinatorUnavailableError(
-                    f"coordinator at {self.settings.address} unavailable for {method}: {gone} (given up after "
-                    f"{time.monotonic() - outage['since']:.1f} s, not its connect_timeout)"
+                    f"coordinator at {self.settings.address} unavailable for {method}: {gone}"
+                    + (f" (given up after {waited:.1f} s, not its connect_timeout)" if waited >= _WRONG_PROTOCOL_PATIENCE else "")
                 )
             elif isinstance(error, RendezvousTimeout):  # (its times count from the resend the coordinator saw)
                 error = RendezvousTimeout(
@@ -882,7 +886,7 @@ class Client:
     def _error(self, exc: grpc.RpcError, method: str) -> RendezvousError:
         return from_rpc_error(
             exc, address=self.settings.address, method=method, where=self._where(),
-            token_from=TOKEN_FROM.get(self.settings, ""),
+            token_from=self.settings.token_from,
         )
 
     def _where(self) -> str:

@@ -13,7 +13,6 @@ import os
 import re
 import stat
 import time
-import weakref
 from typing import Any, Mapping
 
 from ._errors import UsageError
@@ -148,11 +147,6 @@ def check_token(token: str, source: str) -> str:
                 "token must be printable ASCII on one line (gRPC metadata), e.g. from `openssl rand -hex 32`"
             )
     return token
-
-
-# Where the token of each Settings that resolve made came from (a variable, an argument, a
-# file), for a refusal of it: "a wrong token" says which to fix.
-TOKEN_FROM: "weakref.WeakKeyDictionary[Settings, str]" = weakref.WeakKeyDictionary()
 
 
 def read_secret(path: str, what: str, source: str, logger: str = "pjrt_rendezvous.client") -> bytes:
@@ -325,6 +319,8 @@ class Settings:
             how many ordinals registered and which are missing, and in a blocking get or
             wait one naming the keys not set yet; None never logs.
         token: the coordinator's shared secret, sent with every call (never shown in repr).
+        token_from: where ``token`` came from, for a refusal of it ("a wrong token" says which
+            to fix); :meth:`resolve` sets it.
         tls_ca: PEM file of the CA that signed the coordinator's certificate; enables TLS.
         tls_cert, tls_key: PEM client certificate and key, for mutual TLS.
     """
@@ -342,6 +338,7 @@ class Settings:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    token_from: str = dataclasses.field(default="", repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("address", "job", "fan_in", "transport"):  # (a wrong type is a TypeError, as elsewhere)
@@ -454,10 +451,7 @@ class Settings:
                 names = ("init(token=)", "init(token_file=)") if file_given else (_VARIABLES["token"], _VARIABLES["token_file"])
                 raise UsageError(token_conflict(*names))
             values["token"] = from_file
-            where = f"the file {token_file} ({source})"
-        else:
-            where = "init(token=)" if token_given else _VARIABLES["token"]
-        settings = cls(address=address, **values)
-        if settings.token is not None:
-            TOKEN_FROM[settings] = where
-        return settings
+            values["token_from"] = f"the file {token_file} ({source})"
+        elif values.get("token") is not None:
+            values["token_from"] = "init(token=)" if token_given else _VARIABLES["token"]
+        return cls(address=address, **values)

@@ -213,8 +213,9 @@ def from_rpc_error(exc: grpc.RpcError, *, address: str, method: str, where: str 
         details += hint
     elif cls is LimitExceededError and "received message larger than max" in details.lower():  # (gRPC's own words)
         details = (
-            f"{details}: the coordinator takes messages of at most {MAX_MESSAGE_RULE} (its --max-payload-bytes and "
-            "--max-value-bytes); send less in one call (fewer keys in one multi_set), or raise those limits"
+            f"{details}: the coordinator takes messages of at most {MAX_MESSAGE_RULE} (serve's --max-payload-bytes "
+            "and --max-value-bytes, an embedded Coordinator's limits); send less in one call (fewer keys in one "
+            "multi_set), or raise those limits"
         )
     elif cls is AuthenticationError and token_from and "wrong token" in details:
         details = f"{details} (this client's token came from {token_from})"

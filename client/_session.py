@@ -782,6 +782,12 @@ def encode_answers_in_python(answers: list[tuple[bytes, bytes]], framed: bool) -
 encode_answers = _native.encode_answers if _native is not None else encode_answers_in_python
 
 
+def _held_apart(bodies) -> int:
+    """Bytes of the distinct objects among ``bodies``: the answers of one round to a
+    process's threads that sent apart share the round's one encoded response."""
+    return sum(len(body) for body in {id(body): body for body in bodies}.values())
+
+
 def answer_prefix(head: bytes, length: int) -> bytes:
     """What :func:`encode_answers` puts before a single answer's response of ``length`` (> 0)
     bytes, framed: ``answer_prefix(head, len(body)) + body`` is ``encode_answers([(head,
@@ -924,16 +930,17 @@ async def serve_session(
         ready.append(reply)
         if writer is None or writer.done():
             writer = asyncio.create_task(write())
-        elif not overflowed and (  # (else the running writer takes it along)
-            waiting > FramedSession.MAX_HELD
-            or (waiting > FramedSession.MAX_UNSENT and writing[0] and time.monotonic() - writing[1] >= FramedSession.STALLED)
-        ):
-            overflowed = True
-            served_log.warning(
-                "a Session stream's peer does not read its answers (%d bytes of them wait behind one it has not taken "
-                "for %g s); ending the stream", waiting, FramedSession.STALLED, extra={"event": "session_ended"},
-            )
-            this.cancel()  # (the stream's task waits for its next request)
+        elif not overflowed and waiting > FramedSession.MAX_UNSENT:  # (else the running writer takes it along)
+            held = _held_apart(body for _, body in ready) if waiting > FramedSession.MAX_HELD else 0
+            stalled = writing[0] and time.monotonic() - writing[1] >= FramedSession.STALLED
+            if held > FramedSession.MAX_HELD or stalled:
+                overflowed = True
+                served_log.warning(
+                    "a Session stream's peer does not read its answers (%d bytes of them wait: %s); ending the stream",
+                    waiting, f"over {FramedSession.MAX_HELD}" if not stalled else
+                    f"behind one it has not taken for {FramedSession.STALLED:g} s", extra={"event": "session_ended"},
+                )
+                this.cancel()  # (the stream's task waits for its next request)
 
     try:
         async for message in requests:
@@ -1072,7 +1079,8 @@ class FramedSession(asyncio.Protocol):
     # MAX_UNSENT bytes of answers not yet taken by a peer that has taken none for STALLED s,
     # or past MAX_HELD whatever it takes, its connection is closed. (A peer that reads was cut
     # for two answers of a round of 300 MiB, to two threads that sent apart, or one and a
-    # ping's; MAX_HELD holds two of the largest the limits allow.)
+    # ping's. MAX_HELD counts the answers that share one round's encoded response once, and
+    # holds two of the largest the limits allow.)
     MAX_UNSENT = 256 << 20
     STALLED = 60.0
     MAX_HELD = 4 << 30
@@ -1229,13 +1237,17 @@ class FramedSession(asyncio.Protocol):
         if self.transport.is_closing():
             return  # the peer resends on a new connection
         unsent = self.transport.get_write_buffer_size() + self._later_bytes
-        if unsent > self.MAX_UNSENT and (unsent > self.MAX_HELD or self._not_reading(unsent)):
-            self._log.warning(
-                "a session peer does not read its answers (%d bytes of them wait; it has taken none for %g s, or they "
-                "are over %d); closing its connection", unsent, self.STALLED, self.MAX_HELD, extra={"event": "session_ended"},
-            )
-            self.transport.abort()
-            return
+        if unsent > self.MAX_UNSENT:
+            held = self.transport.get_write_buffer_size() + _held_apart(p.obj for p in self._later) if unsent > self.MAX_HELD else 0
+            stalled = self._not_reading(unsent)
+            if held > self.MAX_HELD or stalled:
+                self._log.warning(
+                    "a session peer does not read its answers (%d bytes of them wait: %s); closing its connection",
+                    unsent, f"over {self.MAX_HELD}" if not stalled else f"it has taken none for {self.STALLED:g} s",
+                    extra={"event": "session_ended"},
+                )
+                self.transport.abort()
+                return
         head, body = answer
         if len(body) < _PIECE and not self._later:  # nearly every answer: written at once
             message = encode_answers([answer], True)

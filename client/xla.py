@@ -512,9 +512,13 @@ _TORCH_SAVED = b"PK\x03\x04"  # how torch.save's files begin (a zip archive)
 def _say_first(exc: BaseException, note: str) -> None:
     """Puts ``note`` at the start of ``exc``'s message, which spawn's summaries show (a note
     added with ``add_note`` is shown only under a traceback), keeping its type."""
-    if not exc.args or isinstance(exc.args[0], str):
-        exc.args = (f"{note}: {exc.args[0]}" if exc.args and exc.args[0] else note, *exc.args[1:])
-    elif hasattr(exc, "add_note"):
+    original = exc.args
+    if not original or isinstance(original[0], str):
+        exc.args = (f"{note}: {original[0]}" if original and original[0] else note, *original[1:])
+        if note in str(exc):
+            return
+        exc.args = original  # (its message is not its args': ImportError's, SyntaxError's, UnicodeError's)
+    if hasattr(exc, "add_note"):
         exc.add_note(note)
 
 
@@ -1212,8 +1216,8 @@ def _leave_and_die(signum: int, frame) -> None:
         client = _api._client  # (not through init()'s lock: the main thread may hold it)
         if client is not None:  # (its Leave waits 2 s at most)
             client.close(why=(
-                f"its process got {signal.Signals(signum).name}: xla.spawn stops every process once one failed, at "
-                "its timeout, or on Ctrl-C"
+                f"its process got {signal.Signals(signum).name} (xla.spawn stops every process once one failed, at "
+                "its timeout, or on Ctrl-C; or from outside)"
             ))
     finally:
         os.kill(os.getpid(), signum)

@@ -1092,11 +1092,16 @@ def test_a_client_closed_with_a_reason_tells_its_own_calls_and_its_peers():
         clients = [pair_client(coordinator.address, task) for task in range(2)]
         with bound(clients) as pools:
             waiting = pools[0].submit(lambda: clients[0].rendezvous(pr.current_binding(), "r", timeout=30))
-            getting = concurrent.futures.ThreadPoolExecutor(1).submit(clients[1].get, "never set", timeout=30)
+            getter = concurrent.futures.ThreadPoolExecutor(1)
+            getting = getter.submit(clients[1].get, "never set", timeout=30)
             wait_until(lambda: clients[0].status().jobs[0].pending_rounds, what="the round")
             time.sleep(0.3)  # (the get waits too)
             clients[1].close(why="stopped by its test")
             with pytest.raises(pr.UsageError, match=r"^this client was closed: stopped by its test$"):
                 getting.result(10)
+            getter.shutdown()
+            # A later call of a thread it bound is told the same, not to bind again.
+            with pytest.raises(pr.UsageError, match=r"through a client that was closed: stopped by its test$"):
+                pools[1].submit(lambda: pr.rendezvous("next")).result(10)
             with pytest.raises(pr.ParticipantFailedError, match=r"a member left \(ordinal 1 on \S+ pid \d+: stopped by its test\)"):
                 waiting.result(10)

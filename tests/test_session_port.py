@@ -360,6 +360,35 @@ def test_a_session_port_peer_that_reads_too_slowly_is_cut_past_the_ceiling(monke
     assert cut and calls < 100, calls
 
 
+def test_answers_of_one_round_to_threads_that_sent_apart_count_once_against_the_ceiling(monkeypatch, caplog):
+    """A process's threads that sent a round apart each get an answer holding the round's
+    payloads, all sharing one encoded response: they count once against MAX_HELD (four
+    threads and a round near 1.4 GiB were cut as 4 x 1.4 GiB waiting, from a peer that reads)."""
+    from pjrt_rendezvous.client._demo import simulated_env
+
+    monkeypatch.setattr(FramedSession, "MAX_UNSENT", 1 << 20)
+    monkeypatch.setattr(FramedSession, "MAX_HELD", 12 << 20)  # (one answer is 8 MiB: four, 32)
+    with Coordinator(port=0) as coordinator:
+        env = simulated_env(address=coordinator.address, accelerator="v3-8", task=0, processes=1, hosts=1, threads=4)
+        client = pr.Client(pr.Settings(address=coordinator.address, fan_in="off", batch_window=0, timeout=60), pr.detect_topology(env, address=coordinator.address))
+        ordinals = 4 * client.topology.local_world_size
+
+        def thread(index: int) -> list[bytes]:
+            binding = client.bind_thread(index)
+            try:
+                time.sleep(0.3 * index)  # (each sends apart)
+                return client.rendezvous(binding, "big", bytes([index]) * ((8 << 20) // ordinals))
+            finally:
+                client.unbind_thread()
+
+        with concurrent.futures.ThreadPoolExecutor(ordinals) as pool:
+            rounds = list(pool.map(thread, range(ordinals)))
+        client.close()
+    assert all(len(payloads) == ordinals for payloads in rounds)
+    ended = [r.getMessage() for r in caplog.records if getattr(r, "event", "") == "session_ended"]
+    assert not ended, ended  # (nor did a thread's call go again after its connection closed)
+
+
 def test_a_refusal_behind_an_answer_in_pieces_comes_after_it(monkeypatch):
     """A session refused (a malformed message) while a big answer is still going out in
     pieces gets the whole answer, then the refusal, then the end (the connection closed

@@ -1322,3 +1322,20 @@ def test_rendezvous_and_mesh_reduce_imported_before_install_go_through_the_coord
     for ordinal, (gathered, reduced, mismatch) in results.items():
         assert gathered == [b"0", b"1"] and reduced == 3, results
         assert "tag mismatch in round" in mismatch and "'mine'" in mismatch and "'theirs'" in mismatch, mismatch
+
+
+def test_a_note_goes_first_in_an_error_s_message_or_else_with_it():
+    """mesh_reduce's note on an error (whose copy, which call) starts its message, which
+    spawn's summaries show; where the message is not its args' (ImportError, UnicodeError,
+    an OSError's errno), it is added as a note, the message left whole."""
+    from pjrt_rendezvous.client.xla import _say_first
+
+    errors = (EOFError(), RuntimeError("bad"), ImportError("no module", name="m"), OSError(2, "gone"),
+              UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"))
+    for error in errors:
+        shown = str(error)
+        _say_first(error, "NOTE")
+        if str(error).startswith("NOTE"):
+            assert str(error) in ("NOTE", f"NOTE: {shown}"), error
+        else:
+            assert str(error) == shown and getattr(error, "__notes__", None) == ["NOTE"], error
