@@ -45,7 +45,8 @@ RoundKey = tuple[int, GroupKey, int]  # (generation, group, number)
 
 # A finished round is kept so a retried call can fetch its result. A member can be at
 # most one round behind the others of its group (they cannot finish round k+1 without
-# it), so two finished rounds per group are enough.
+# it), so two finished rounds per group are enough, and once round k+1 completed (every
+# member came to it, so had round k's answer), one.
 _FINISHED_ROUNDS_KEPT = 2
 # Groups (replica subsets) a job keeps, with their finished rounds: past that, those that
 # finished a round longest ago and have none pending are forgotten (Core.record_finished).
@@ -620,7 +621,10 @@ class Core:
         state.finished[rnd.number] = rnd
         while state.next_round in state.finished:  # (before any is let go: one may finish out of order)
             state.next_round += 1
-        while len(state.finished) > _FINISHED_ROUNDS_KEPT:
+        # Completed, it had every member: none will ask for an earlier one again (a round of
+        # 512 MiB kept the payloads of the one before as well).
+        kept = 1 if rnd.result is not None and rnd.number == state.next_round - 1 else _FINISHED_ROUNDS_KEPT
+        while len(state.finished) > kept:
             state.finished.popitem(last=False)
         if len(groups) - len(job.pending) > _GROUPS_KEPT:  # (more than that many have none pending)
             Core._forget_groups(job)

@@ -2907,3 +2907,19 @@ def test_a_job_not_created_yet_is_waited_for_and_its_world_timeout_names_the_kno
         pod.core.world_timeout("later", now=5.0, waited=5.0), Code.DEADLINE_EXCEEDED,
         "after 5.0 s, job 'later' is not known to this coordinator (known jobs: 'job')",
     )
+
+
+def test_a_completed_round_lets_the_group_s_round_before_go_and_a_failed_one_keeps_it():
+    """Round k+1 completed had every member, each with round k's answer: k is let go (a
+    round of 512 MiB kept its payloads as well), and a call of k is told it finished long
+    ago. Round k+1 failed keeps k: a member whose answer to k was lost asks for it again."""
+    pod = make_pod(2, limits=Limits(max_payload_bytes=8))
+    for number in (0, 1):
+        keys = [pod.arrive(o, round_number=number) for o in (0, 1)]
+    assert pod.result(keys[0]) == [payload_of(0), payload_of(1)]
+    with raises(Code.FAILED_PRECONDITION, "round 0 of all ordinals finished long ago and its result is gone"):
+        pod.arrive(0, round_number=0)
+    pod.arrive(0, round_number=2)
+    with raises(Code.RESOURCE_EXHAUSTED):
+        pod.arrive(1, round_number=2, payloads={1: b"x" * 9})
+    assert pod.result(pod.arrive(1, round_number=1)) == [payload_of(0), payload_of(1)]  # (a resend: kept)
