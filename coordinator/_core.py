@@ -572,7 +572,7 @@ class Core:
         # (no state file).
         self.journal: list[tuple] | None = None
         # Rounds finished since an observer (the monitor) last took them (take_finished), as
-        # (job name, Round): the core keeps only a group's last two, and one batch of changes
+        # (job name, Round): the core keeps only a group's last one or two, and one batch of changes
         # (a death, a restart) may fail more. None: none kept (nobody observes).
         self.finished: list[tuple[str, Round]] | None = None
         # Restored from a state file: (when, for how long after that nobody is judged silent,
@@ -1634,7 +1634,7 @@ class Core:
                 f"round {number} of {describe_group(group)} finished long ago and its result "
                 f"is gone (the group is at round {state.next_round}); this caller's round "
                 "counter fell behind its peers (or its answer was lost while its peers' next "
-                "rounds failed without it: only the last two finished rounds are kept)",
+                "rounds failed without it: a group keeps its last finished round, two when that failed)",
             )
         rnd = job.pending.get((job.generation, group, number))
         if rnd is not None and rnd.deadline is not None and rnd.deadline <= now:

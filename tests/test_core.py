@@ -820,7 +820,7 @@ def test_a_round_long_finished_cannot_be_resent():
     pod = make_pod(2)
     for number in range(4):
         pod.result(pod.arrive(0, replicas=[0], round_number=number))
-    with raises(Code.FAILED_PRECONDITION, "round 0", "fell behind", "at round 4", "only the last two finished rounds are kept"):
+    with raises(Code.FAILED_PRECONDITION, "round 0", "fell behind", "at round 4", "a group keeps its last finished round, two when that failed"):
         pod.arrive(0, replicas=[0], round_number=0)
     assert pod.result(pod.arrive(0, replicas=[0], round_number=3)) == [b"p0"]
 
