@@ -33,8 +33,8 @@ from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
 from ._config import _VARIABLES, DEFAULT, FAN_IN_AUTO_HOSTS, TOPOLOGY_VARIABLES, Settings, check_timeout
 from ._errors import (
-    EMBEDDED_STOPPED, STOPPED_HERE, CoordinatorUnavailableError, InvalidArgumentError, MismatchError, ParticipantFailedError, RendezvousError,
-    RendezvousTimeout, UnknownJobError, UsageError, connection_hint, from_rpc_error, unchanging,
+    EMBEDDED_STOPPED, STOPPED_HERE, CoordinatorUnavailableError, InvalidArgumentError, MismatchError, ParticipantFailedError,
+    RendezvousError, RendezvousTimeout, UnknownJobError, UsageError, connection_hint, from_rpc_error, unchanging,
 )
 from ._relay import Relay, relay_path
 from ._session import PING_EVERY, PING_TIMEOUT, Session, SocketSession, StatusError
@@ -1166,6 +1166,7 @@ class Client:
                     thread.join(max(0.0, left - time.monotonic()))
 
     def _closed_message(self) -> str:
+        """What a call this client's close() ended is told: why, when close() said."""
         why = _close_why.get(self)
         return _CLOSED if why is None else f"this client was closed: {why}"
 
