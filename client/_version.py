@@ -16,7 +16,7 @@ VERSION = "0.1.0"
 def build() -> str:
     """VERSION with a digest of the protocol's messages, as ``0.1.0+proto.1a2b3c4d``: builds
     of one release whose messages differ (checkouts between releases) are told apart. What a
-    client tells the coordinator, and what ``status``, ``serve --version`` and the metrics show."""
+    client tells the coordinator, and what ``status``, ``pjrt-rendezvous --version`` and the metrics show."""
     from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
     return f"{VERSION}+proto.{hashlib.blake2b(pb.DESCRIPTOR.serialized_pb, digest_size=4).hexdigest()}"

@@ -1070,9 +1070,10 @@ def serve_forever(options: ServerOptions, *, on_ready=None) -> None:
             stopping.set()
 
         loop = asyncio.get_running_loop()
-        for sig in _STOP_SIGNALS:
-            if signal.getsignal(sig) is not signal.SIG_IGN:
-                loop.add_signal_handler(sig, stop_on, sig)
+        # (not one the process started ignoring: SIGHUP under nohup, SIGINT in a job run with &)
+        handled = [sig for sig in _STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN]
+        for sig in handled:
+            loop.add_signal_handler(sig, stop_on, sig)
         if on_ready is not None:  # after the handlers: a stop signal from here on drains
             on_ready(running)
         where = host_port(options.host, running.port)
@@ -1114,7 +1115,7 @@ def serve_forever(options: ServerOptions, *, on_ready=None) -> None:
             log.info("%s during the drain: in-flight calls are cancelled now", sig.name, extra={"event": "hurried", "signal": sig.name})
             running.hurry()
 
-        for sig in _STOP_SIGNALS:  # a second one ends the drain
+        for sig in handled:  # a second one ends the drain (under nohup, an ssh session's end did)
             loop.add_signal_handler(sig, hurry, sig)
         why = received[0] if received else "the state file could not be written"
         _notify.notify(f"STOPPING=1\nSTATUS=stopping ({why}): in-flight calls get {options.grace:g} s")

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 
+import grpc
 import pytest
 
 import pjrt_rendezvous.client as pr
@@ -24,6 +25,7 @@ from pjrt_rendezvous.client._demo import simulated_env
 from pjrt_rendezvous.client._version import VERSION, build
 from pjrt_rendezvous.coordinator import _cli
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
+from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
 CLI = [sys.executable, "-m", "pjrt_rendezvous.coordinator"]
 
@@ -443,7 +445,6 @@ def test_a_client_of_another_version_is_logged_once_and_named_by_status(capsys, 
     import grpc
 
     from pjrt_rendezvous.coordinator import Coordinator
-    from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
     ours = build()  # (the release and its protocol's digest)
     with Coordinator(port=0, heartbeat_timeout=None) as coordinator:
@@ -1419,7 +1420,8 @@ def test_ctrl_c_ends_a_command_with_a_line_not_a_traceback():
 def test_sighup_stops_serve_as_sigterm_does():
     """The terminal of a `serve` in the foreground closes (an ssh session ends): it drains and
     exits 0, as for SIGTERM (it died at once, exit 129, no drain nor last state write).
-    Started with SIGHUP ignored (`nohup`), it serves on (it stopped)."""
+    Started with SIGHUP ignored (`nohup`), it serves on (it stopped), nor does one end the
+    drain a SIGTERM began (it did)."""
     with Serve(ignoring=()) as server:
         server.proc.send_signal(signal.SIGHUP)
         assert server.proc.wait(15) == 0, server.stderr()
@@ -1429,7 +1431,18 @@ def test_sighup_stops_serve_as_sigterm_does():
         time.sleep(1)
         health = run_cli("health", "--address", server.address)
         assert server.proc.poll() is None and health.returncode == 0, (health.stdout, server.stderr())
-        assert server.stop() == 0
+        with grpc.insecure_channel(server.address) as channel:  # a call in flight: the drain waits for it
+            stub = pb_grpc.CoordinatorStub(channel)
+            stub.KvSet(pb.KvSetRequest(job="j", entries=[pb.KvEntry(key="set", value=b"1")]), timeout=10)
+            waiting = stub.KvGet.future(pb.KvGetRequest(job="j", keys=["never"], wait=True, timeout=30), timeout=30)
+            time.sleep(0.5)
+            assert not waiting.done()
+            server.proc.send_signal(signal.SIGTERM)
+            server.wait_for_line("stopping")
+            server.proc.send_signal(signal.SIGHUP)
+            assert server.proc.wait(15) == 0, server.stderr()
+            waiting.cancel()
+        assert "during the drain" not in server.stderr(), server.stderr()
 
 
 def test_serve_refuses_a_busy_session_port_and_an_endless_grace_with_a_message():
