@@ -537,8 +537,9 @@ def _read(args, dest: str) -> bytes | None:
 
 def _check_tls_files(args) -> None:
     """A certificate and key that are not a PEM pair, a certificate out of date, or a CA file
-    without a certificate: refused as malformed settings (exit 2), before gRPC fails to listen with them (exit 1,
-    restarted by the unit to fail again). A file that cannot be read is _read's to report."""
+    without a certificate: refused as malformed settings (exit 2), before gRPC fails to
+    listen with them (exit 1, restarted by the unit to fail again). A file that cannot be
+    read is _read's to report."""
     import ssl
 
     from pjrt_rendezvous.client._config import certificate_out_of_date, tls_pair_problem

@@ -572,8 +572,8 @@ class Core:
         # (no state file).
         self.journal: list[tuple] | None = None
         # Rounds finished since an observer (the monitor) last took them (take_finished), as
-        # (job name, Round): the core keeps only a group's last one or two, and one batch of changes
-        # (a death, a restart) may fail more. None: none kept (nobody observes).
+        # (job name, Round): the core keeps only a group's last one or two, and one batch of
+        # changes (a death, a restart) may fail more. None: none kept (nobody observes).
         self.finished: list[tuple[str, Round]] | None = None
         # Restored from a state file: (when, for how long after that nobody is judged silent,
         # the longest timeout the processes may still heartbeat by: they may not have been
@@ -2015,6 +2015,14 @@ class Core:
             self.declare_dead(job_name, incarnation, _one_line(reason) if reason else "its client closed", left=True)
 
     @staticmethod
+    def _remember_replaced(job: Job, incarnation: str, why: str) -> None:
+        """Keeps why ``incarnation`` takes no part in ``job`` any more, for its late calls
+        (the last _REPLACED_KEPT of them)."""
+        job.replaced[incarnation] = why
+        while len(job.replaced) > _REPLACED_KEPT:
+            job.replaced.popitem(last=False)
+
+    @staticmethod
     def _started_before(r: Registration, when: float, now: float) -> bool:
         """Whether the registering process started before ``when`` (False when the
         registration gives no process age: it is then taken for a relaunch)."""
@@ -2037,11 +2045,9 @@ class Core:
         job.last_run = {p.task_id: f"{p.label()}, which {fate(p) or f'was dropped ({why})'}" for p in job.processes.values()}
         for p in job.processes.values():
             if p.alive:  # (should it call again, it is told why it takes no part)
-                job.replaced[p.incarnation] = f"job {job.name!r} started afresh ({why})" + (
+                self._remember_replaced(job, p.incarnation, f"job {job.name!r} started afresh ({why})" + (
                     f" as this process {fate(p)}" if fate(p) else ""
-                )
-        while len(job.replaced) > _REPLACED_KEPT:
-            job.replaced.popitem(last=False)
+                ))
         job.processes.clear()
         job.tasks.clear()
         job.members.clear()
@@ -2107,9 +2113,7 @@ class Core:
             f"task {old.task_id} ({_ordinals_word(sorted(ordinals))}) restarted: {newcomer} "
             f"replaces {old.label()}, which {was}"
         )
-        job.replaced[old.incarnation] = message
-        while len(job.replaced) > _REPLACED_KEPT:
-            job.replaced.popitem(last=False)
+        self._remember_replaced(job, old.incarnation, message)
         for rnd in list(job.pending.values()):
             self._fail(
                 job, rnd,
