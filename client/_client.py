@@ -37,7 +37,7 @@ from ._errors import (
     RendezvousError, RendezvousTimeout, UnknownJobError, UsageError, connection_hint, from_rpc_error, unchanging,
 )
 from ._relay import Relay, relay_path
-from ._session import PING_EVERY, PING_TIMEOUT, Session, SocketSession, StatusError
+from ._session import PING_EVERY, PING_TIMEOUT, Session, SocketSession, StatusError, trim_if_due
 from ._topology import Topology
 from ._version import build
 from ._wire import Row, decode_payloads, encode_rendezvous
@@ -1322,6 +1322,7 @@ class Client:
             self._learn_session_port(response.session_port)
             self._probe_session_port()
             self.reads_process_indexes = response.reads_process_indexes
+            trim_if_due()
 
     def _watch_loop(self) -> None:
         request = pb.WatchRequest(job=self.settings.job, incarnation=self.incarnation)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
 import functools
 import itertools
 import logging
@@ -92,6 +93,37 @@ _CODES = {status.value[0]: status for status in grpc.StatusCode}
 # RESOURCE_EXHAUSTED. Non-ASCII text can take 3 bytes a character once escaped.
 _MESSAGE_CHARACTERS = 2000
 _BATCH_BYTES = 8 << 20  # a gRPC Session message's requests or answers, at most (one bigger alone)
+# An answer this large on a gRPC stream makes the freed memory worth giving back (trim_due).
+_TRIM_AFTER = 16 << 20
+
+
+def give_freed_memory_back() -> None:
+    """Has glibc give the free memory in the middle of its heaps back to the system
+    (``malloc_trim``; elsewhere, nothing). Big blocks come from a heap once glibc's own
+    threshold for mapping them apart has risen (as big ones are freed), and one freed below
+    a block still in use stays: after a job of 16 MiB payloads had left, serve held 660 MB,
+    48 MB once trimmed; a client that had taken three rounds of 192 MiB on gRPC held 350-470
+    MB, 45-50 once trimmed at its next heartbeat. (Mapping every block of 1 MiB or more apart instead, ``mallopt``,
+    made allocating one 35-45 times slower.)"""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # (not glibc)
+        pass
+
+
+def trim_if_due() -> None:
+    """Gives freed memory back (:func:`give_freed_memory_back`) if a gRPC stream of this
+    process took an answer of _TRIM_AFTER bytes or more since the last time. Called by the
+    client's heartbeat: its call on the stream is what lets gRPC drop the last big message,
+    which gRPC's threads hold until the next. (A SocketSession's big answers are blocks
+    mapped apart, given back when freed.)"""
+    global trim_due
+    if trim_due:
+        trim_due = False
+        give_freed_memory_back()
+
+
+trim_due = False  # see trim_if_due
 
 
 def clip(message: str) -> str:
@@ -242,6 +274,7 @@ class Session:
     # -- calls ---------------------------------------------------------------------------------
 
     def _read(self) -> None:
+        global trim_due
         try:
             for response in self._responses:
                 self.heard = time.monotonic()
@@ -251,6 +284,8 @@ class Session:
                     if pending is not None:  # else the caller gave up on it
                         pending.response = answer
                         pending.done.release()
+                    if len(answer[3]) >= _TRIM_AFTER:
+                        trim_due = True
             error: grpc.RpcError = StatusError(grpc.StatusCode.UNAVAILABLE, "the coordinator ended the session")
         except grpc.RpcError as exc:
             # The exception a gRPC stream raises is its call object, and its traceback's frames

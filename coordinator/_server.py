@@ -11,7 +11,6 @@ file), telling systemd when it is ready and when it stops (``_notify``).
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
 import errno
 import functools
@@ -33,7 +32,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pjrt_rendezvous.client._config import DEFAULT_JOB
 from pjrt_rendezvous.client._errors import EMBEDDED_STOPPED, MAX_MESSAGE_RULE, STOPPED_HERE
-from pjrt_rendezvous.client._session import MAX_MESSAGE, FramedSession, clip
+from pjrt_rendezvous.client._session import MAX_MESSAGE, FramedSession, clip, give_freed_memory_back
 from pjrt_rendezvous.client._topology import host_port
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
@@ -971,19 +970,6 @@ def tune_collector() -> None:
 # Seconds between two looks at whether the coordinator is idle, when it gives the heap's
 # free memory back to the system (give_freed_memory_back).
 TRIM_EVERY = 10.0
-
-
-def give_freed_memory_back() -> None:
-    """Has glibc give the free memory in the middle of its heap back to the system
-    (``malloc_trim``; elsewhere, nothing). Big blocks come from the heap once glibc's own
-    threshold for mapping them apart has risen (as big ones are freed), and one freed below
-    a block still in use stays: after a job of 16 MiB payloads had left, serve held 660 MB,
-    48 MB once trimmed. (Mapping every block of 1 MiB or more apart instead, ``mallopt``,
-    made allocating one 35-45 times slower.)"""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):  # (not glibc)
-        pass
 
 
 async def _trim_when_idle(core: Core) -> None:
