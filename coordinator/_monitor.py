@@ -271,12 +271,17 @@ class Monitor:
         for name, job in jobs.items():
             for key, rnd in job.pending.items():
                 waited = now - rnd.started
-                if waited < self._late.get((name, key), self.late_after):
+                late = self._late.get((name, key), self.late_after)
+                if waited < late:
                     continue
                 if not budget:
                     return
                 budget -= 1
-                self._late[(name, key)] = 2 * max(waited, self.late_after)
+                # (doubling the wait seen, up to a check's interval past the last, drifted:
+                # 60.3, 121.3, 243.3, 487.3 s)
+                while late <= waited:
+                    late *= 2
+                self._late[(name, key)] = late
                 missing = rnd.missing()
                 log.warning(
                     "round late in job %r: %s on %s (round %d) has waited %.1f s with %d of %d "

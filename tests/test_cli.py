@@ -1179,7 +1179,7 @@ def test_json_log_lines_for_each_significant_event():
     assert restarted["ordinals"] == "1" and "restarted" in restarted["message"]
     assert outcome and isinstance(outcome[0], pr.ParticipantFailedError)
     waits = [e["waited"] for e in events if e.get("event") == "round_late"]  # at 0.5 s, then as its wait doubles
-    assert waits and all(b >= 2 * a for a, b in zip(waits, waits[1:])), waits
+    assert waits and all(wait >= 0.5 * 2**number for number, wait in enumerate(waits)), waits
     for e in events:
         assert {"time", "level", "logger", "message"} <= set(e)
 
