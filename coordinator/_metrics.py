@@ -128,11 +128,14 @@ PROCESS_EVENTS = ("dead", "left", "restarted")
 FINISHED_SHOWN = 600.0
 
 
-def _shown(job, now: float) -> bool:
-    """Whether ``job`` is exported: not finished (see FINISHED_SHOWN) longer than that ago."""
+def _shown(job, now: float, counted: float) -> bool:
+    """Whether ``job`` is exported: not finished (see FINISHED_SHOWN) longer than that ago,
+    counted from its last process heard from or its last event counted (``counted``: a
+    process declared dead for silence was last heard heartbeat_timeout s before its death
+    was counted, and with a timeout of 600 s or more its death was never exported)."""
     if job.pending or not job.processes or any(p.alive for p in job.processes.values()):
         return True
-    return now - max(p.last_seen for p in job.processes.values()) < FINISHED_SHOWN
+    return now - max(counted, max(p.last_seen for p in job.processes.values())) < FINISHED_SHOWN
 
 
 class Metrics:
@@ -143,20 +146,24 @@ class Metrics:
         self.rounds_failed: dict[tuple[str, str], int] = {}  # (job, code) -> rounds
         self.process_events: dict[tuple[str, str], int] = {}  # (job, one of PROCESS_EVENTS) -> processes
         self.rpcs: dict[tuple[str, str, str], int] = {}  # (service, method, code) -> calls
+        self._counted: dict[str, float] = {}  # job -> when its last failed round or process event was counted
 
     def round_completed(self, job: str, waited: float) -> None:
         self.round_wait.observe(((JOB_LABEL, job),), max(0.0, waited))
 
-    def round_failed(self, job: str, code: str) -> None:
+    def round_failed(self, job: str, code: str, now: float) -> None:
         self.rounds_failed[(job, code)] = self.rounds_failed.get((job, code), 0) + 1
+        self._counted[job] = now
 
-    def process_event(self, job: str, event: str) -> None:
+    def process_event(self, job: str, event: str, now: float) -> None:
         self.process_events[(job, event)] = self.process_events.get((job, event), 0) + 1
+        self._counted[job] = now
 
     def forget(self, job: str) -> None:
         """A job the coordinator dropped: its series end."""
         self.rounds_failed = {key: n for key, n in self.rounds_failed.items() if key[0] != job}
         self.process_events = {key: n for key, n in self.process_events.items() if key[0] != job}
+        self._counted.pop(job, None)
         self.round_wait.forget(((JOB_LABEL, job),))
 
     def rpc_handled(self, service: str, method: str, code: str) -> None:
@@ -209,7 +216,7 @@ class Metrics:
         )
         rpcs = family("rpcs_total", "counter", "RPCs handled (calls on a Session stream under their own method), by service, method and gRPC status code.")
 
-        shown = {name for name, job in core.jobs.items() if _shown(job, now)}
+        shown = {name for name, job in core.jobs.items() if _shown(job, now, self._counted.get(name, -math.inf))}
         failures = dict.fromkeys(((name, code) for name in shown for code in FAILURE_CODES), 0)
         failures.update(self.rounds_failed)  # every job's usual codes from 0: rate() sees the first
         for name in sorted(shown):

@@ -108,7 +108,7 @@ class Monitor:
                 if key[0] == "world":
                     self._world(key[1])
                 elif key[0] == "events":
-                    self._events(key[1])
+                    self._events(key[1], now)
                 elif key[0] == "dropped":
                     self._dropped(key[1], key[2])
             except CoreError:  # the job was dropped since (max_jobs): nothing to report
@@ -123,7 +123,7 @@ class Monitor:
                 self._metrics.round_completed(job, now - rnd.started)
             return
         if self._metrics is not None:
-            self._metrics.round_failed(job, rnd.error.code.name)
+            self._metrics.round_failed(job, rnd.error.code.name, now)
         level = logging.WARNING
         cause = rnd.error.message.partition(" cannot complete: ")[2]  # a member died, left or ended
         if cause:
@@ -215,13 +215,13 @@ class Monitor:
             },
         )
 
-    def _events(self, job_name: str) -> None:
+    def _events(self, job_name: str, now: float) -> None:
         first, events = self._core.events(job_name, self._events_seen.get(job_name, 0))
         self._events_seen[job_name] = first + len(events)
         for event in events:
             name = event.kind.lower()  # process_dead, process_left, process_restarted
             if self._metrics is not None:
-                self._metrics.process_event(job_name, name.removeprefix("process_"))
+                self._metrics.process_event(job_name, name.removeprefix("process_"), now)
             log.log(
                 logging.INFO if event.kind == "PROCESS_LEFT" else logging.WARNING,
                 "%s in job %r: %s",

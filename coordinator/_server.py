@@ -25,6 +25,7 @@ import signal
 import socket
 import threading
 import time
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -321,8 +322,6 @@ class _SessionPort:
         message = self._token.refusal(greeting.authorization, "a session on the session port")
         if message is None:
             return None
-        if self._servicer._on_call is not None:  # counted as a refused Session stream is
-            self._servicer._on_call("Session", grpc.StatusCode.UNAUTHENTICATED.name)
         return grpc.StatusCode.UNAUTHENTICATED, message
 
     def _connection(self) -> FramedSession:
@@ -333,6 +332,8 @@ class _SessionPort:
             max_message=self._max_message,
             max_message_rule=f"the coordinator's max message size: {MAX_MESSAGE_RULE}",
         )
+        if self._servicer._on_call is not None:  # (counted as gRPC's Session streams are)
+            connection.on_end = functools.partial(self._servicer._on_call, "Session")
         self._connections.add(connection)
         return connection
 
@@ -357,10 +358,23 @@ HELLO_TIMEOUT = 10.0
 
 class _Connection(FramedSession):
     """A client's connection to the session port, with TCP keepalive, closed unless it
-    sends its hello within HELLO_TIMEOUT."""
+    sends its hello within HELLO_TIMEOUT. ``on_end(code)`` counts its session once, as a
+    gRPC Session stream is: refused with the refusal's code, else when it ends (OK, or
+    CANCELLED with calls running or the connection broken); one that ends before a
+    hello, as a port probe's, not at all."""
 
     _hello_timer: asyncio.TimerHandle | None = None
     _log = log
+    on_end: Callable[[str], None] | None = None
+
+    def _refuse(self, code: grpc.StatusCode, message: str) -> bool:
+        self._ended(code.name)
+        return super()._refuse(code, message)
+
+    def _ended(self, code: str) -> None:
+        if self.on_end is not None:
+            self.on_end(code)
+            self.on_end = None  # (once)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -386,6 +400,8 @@ class _Connection(FramedSession):
     def connection_lost(self, exc) -> None:
         if self._hello_timer is not None:
             self._hello_timer.cancel()
+        if self._hello is None:  # its hello was taken: a session, now ended
+            self._ended("CANCELLED" if exc is not None or self.busy() else "OK")
         super().connection_lost(exc)
 
 

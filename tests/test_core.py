@@ -407,7 +407,7 @@ def test_at_max_jobs_the_finished_job_used_longest_ago_makes_room(caplog):
     for name in ("run-1", "run-2"):
         core.register(0.0, registration(0, 1, 1, job=name))
         core.leave(name, incarnation_of(0))
-    metrics.round_failed("run-1", "ABORTED")
+    metrics.round_failed("run-1", "ABORTED", 0.0)
     core.status(0.0, "run-1")  # a use: run-2 is now the one used longest ago
     core.register(0.0, registration(0, 1, 1, job="run-3"))
     assert sorted(core.jobs) == ["run-1", "run-3", "store-only"]

@@ -320,7 +320,9 @@ def test_dead_processes_and_generation_are_counted():
 def test_rpcs_are_counted_by_code_including_refusals():
     """Calls the token check refuses count as UNAUTHENTICATED (a client's Session stream is
     refused as a whole), unknown methods as (unknown), key-value calls carried on a Session
-    with their own method names; the endpoint listens on the serve host."""
+    with their own method names, a session on the session port once as a Session when it
+    ends (it was not: only a wrong token's was) or is refused, a connection closed before
+    its hello not at all; the endpoint listens on the serve host."""
     with Coordinator(host="127.0.0.1", port=0, metrics_port=0, token="t0ken-xyz") as coordinator:
         anonymous = pr.Client(pr.Settings(address=coordinator.address, connect_timeout=1), pr.detect_topology({}))
         with pytest.raises(pr.AuthenticationError):
@@ -337,10 +339,25 @@ def test_rpcs_are_counted_by_code_including_refusals():
         with socket.create_connection(("127.0.0.1", coordinator.session_port), timeout=10) as sock:
             sock.sendall(frame(pb.SessionHello(authorization="Bearer wrong").SerializeToString()))
             assert sock.recv(65536)  # the refusal, then the end
-        samples = scrape(coordinator.metrics_port)
+        with socket.create_connection(("127.0.0.1", coordinator.session_port), timeout=10) as sock:
+            sock.sendall(b"garbage\0\0")  # (a length over the hello's limit)
+            assert sock.recv(65536)
+        socket.create_connection(("127.0.0.1", coordinator.session_port), timeout=10).close()  # a port probe
+        with socket.create_connection(("127.0.0.1", coordinator.session_port), timeout=10) as sock:
+            sock.sendall(frame(pb.SessionHello(authorization="Bearer t0ken-xyz").SerializeToString()))
+            sock.sendall(frame(pb.SessionRequest(calls=[pb.SessionCall(id=1)]).SerializeToString()))  # a ping
+            assert sock.recv(65536)  # its answer: the session was taken
         service = "pjrt_rendezvous.v1.Coordinator"
+        # The member's gRPC stream, and the session on the session port.
+        wait_until(
+            lambda: value(scrape(coordinator.metrics_port), "pjrt_rendezvous_rpcs_total", service=service, method="Session", code="OK") == 2,
+            what="both sessions counted",
+        )
+        samples = scrape(coordinator.metrics_port)
         # One on gRPC's Session stream, one on the session port.
         assert value(samples, "pjrt_rendezvous_rpcs_total", service=service, method="Session", code="UNAUTHENTICATED") == 2
+        assert value(samples, "pjrt_rendezvous_rpcs_total", service=service, method="Session", code="RESOURCE_EXHAUSTED") == 1
+        assert sum(samples["pjrt_rendezvous_rpcs_total"][key] for key in samples["pjrt_rendezvous_rpcs_total"] if ("method", "Session") in key) == 5
         assert value(samples, "pjrt_rendezvous_rpcs_total", service=service, method="KvSet", code="UNAUTHENTICATED") == 0
         assert value(samples, "pjrt_rendezvous_rpcs_total", service=service, method="KvSet", code="OK") == 1
         assert value(samples, "pjrt_rendezvous_rpcs_total", service=service, method="KvGet", code="OK") == 1
@@ -615,6 +632,32 @@ def test_rounds_failed_again_for_a_cause_told_are_counted_not_each_logged(caplog
     assert (first.missing_hosts, first.missing_hosts_count) == (["h"], 1), first.__dict__
     capped = _missing_fields(Core(), "j", list(range(0, 20000, 2)))
     assert len(capped["missing"]) <= 1030 and capped["missing"].endswith(", ... (10000 ordinals)") and capped["missing_count"] == 10000
+
+
+def test_a_death_counted_long_after_its_process_was_heard_from_is_exported():
+    """A finished job's ten minutes count from its last event too: a process declared dead
+    for silence was last heard heartbeat_timeout s before, and with a timeout of 900 s its
+    job was no longer exported when the death was counted (an alert on the dead events
+    never fired)."""
+    from pjrt_rendezvous.coordinator import Core
+    from pjrt_rendezvous.coordinator._core import Registration, ThreadRequest
+    from pjrt_rendezvous.coordinator._metrics import FINISHED_SHOWN, Metrics
+    from pjrt_rendezvous.coordinator._monitor import Monitor
+
+    now = [0.0]
+    core, metrics = Core(heartbeat_timeout=900.0), Metrics()
+    monitor = Monitor(core, metrics, clock=lambda: now[0], late_after=None)
+    for task in range(2):
+        core.register(0.0, Registration(job="j", incarnation=f"i-{task}", host="h", pid=1 + task, task_id=task, num_tasks=2,
+                                        devices_per_task=1, local_rank=task, threads=(ThreadRequest(thread_index=0),)))
+    core.leave("j", "i-0")
+    dead = []
+    for now[0] in (899.0, 901.0, 901.0 + FINISHED_SHOWN - 1, 901.0 + FINISHED_SHOWN + 1):  # task 1 silent
+        core.check_liveness(now[0])
+        monitor.woke(core.take_wakeups())
+        dead.append(parse(metrics.render(core, now[0])).get("pjrt_rendezvous_process_events_total", {}).get(
+            (("event", "dead"), ("rendezvous_job", "j"))))
+    assert dead == [0, 1, 1, None], dead
 
 
 def test_a_finished_job_is_exported_for_ten_minutes_after_its_last_process_went():
