@@ -751,7 +751,10 @@ class Core:
         self._uses = job.used = self._uses + 1
         return job
 
-    def _process(self, job: Job, incarnation: str, now: float) -> Process:
+    def _process(self, job: Job, incarnation: str, now: float | None) -> Process:
+        """The live process ``incarnation`` of ``job``, heard from at ``now`` (None: a host
+        relay speaks for it, which proves nothing of the process itself: the relay may have
+        held its call past its death, which only the heartbeat timeout found then)."""
         process = job.processes.get(incarnation)
         if process is None:
             if incarnation in job.replaced:
@@ -772,20 +775,25 @@ class Core:
                 "processes must register again)",
             )
         if not process.alive:
+            # (a relay held up, a frozen one resumed, passes on calls of processes long gone)
+            relayed = now is None
             raise CoreError(
                 Code.ABORTED,
-                f"this process ({process.label()}, task {process.task_id}) was declared dead: "
-                f"{process.death}; its ordinals are lost to job {job.name!r}; start a new process",
+                f"{'the process a host relay named' if relayed else 'this process'} ({process.label()}, task "
+                f"{process.task_id}) was declared dead: {process.death}; its ordinals are lost to job {job.name!r}; "
+                "start a new process",
                 warn=(
                     ("dead", job.name, incarnation), "dead_process_called",
-                    f"refused calls from {process.label()} (task {process.task_id}) in job {job.name!r}, which "
+                    f"refused calls {'a host relay passed on for' if relayed else 'from'} {process.label()} "
+                    f"(task {process.task_id}) in job {job.name!r}, which "
                     + ("closed its client earlier" if process.left else f"was declared dead earlier ({process.death})")
                     + ": it takes no part any more"
                     + ("" if process.left or not process.death.startswith("no heartbeat") else
                        " (a process stopped longer than the heartbeat timeout comes back so: start it again)"),
                 ),
             )
-        process.last_seen, process.restored, process.disconnected = now, False, None
+        if now is not None:
+            process.last_seen, process.restored, process.disconnected = now, False, None
         return process
 
     # -- world ----------------------------------------------------------------------------
@@ -1476,7 +1484,7 @@ class Core:
         over = None
         for ordinal, tag, payload, named in contributions:
             if named and named not in relayed:
-                self._process(state, named, now)  # a relay speaks for live, registered processes only
+                self._process(state, named, None)  # a relay speaks for live, registered processes only
                 relayed.add(named)
             member = owners.get(ordinal)
             if member is None or member.incarnation != (named or incarnation):

@@ -2416,6 +2416,26 @@ def test_a_process_whose_connection_closed_is_declared_dead_after_the_grace_unle
     assert pod.core.jobs[JOB].processes[incarnation_of(1)].disconnected == 2.0
 
 
+def test_a_relay_passing_on_a_dead_siblings_held_call_does_not_make_it_heard_from():
+    """A host relay held a sibling's call (waiting for the host's others) past the sibling's
+    death: passing it on counted as the sibling heard from, clearing its closed connection,
+    and the next round waited out the heartbeat timeout (65 s against 11) with "last seen"
+    dated after the death. Its contribution still counts; its liveness is its own."""
+    pod = Pod(Core(heartbeat_timeout=60), 2, 1)
+    for task in range(2):
+        pod.register(task)
+    pod.core.disconnect(JOB, incarnation_of(1), now=2.0)  # killed while its relay held its call
+    key = relayed(pod, 0, [0, 1], now=5.0)
+    assert pod.result(key) == [payload_of(0), payload_of(1)]
+    process = pod.core.jobs[JOB].processes[incarnation_of(1)]
+    assert (process.disconnected, process.last_seen) == (2.0, 0.0)
+    pod.core.check_liveness(2.5 + DISCONNECTED_GRACE)
+    assert not process.alive and "its connection closed" in process.death
+    with raises(Code.ABORTED, "the process a host relay named (host-0 pid 1001, task 1) was declared dead") as info:
+        relayed(pod, 0, [0, 1], round_number=1, now=20.0)  # (a frozen relay resumed, the sibling long gone)
+    assert info.error.warn[2].startswith("refused calls a host relay passed on for host-0 pid 1001 (task 1)"), info.error.warn
+
+
 def test_a_process_that_heartbeats_seldom_has_twice_its_interval_after_its_connection_closes():
     """heartbeat_interval=15 against a 60 s timeout is valid: a live process whose watch
     connection broke calls again only at its next heartbeat, and 10 s declared it dead (its
