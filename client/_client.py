@@ -1070,8 +1070,17 @@ class Client:
         session, self._relay_session = self._relay_session, None
         if session is not None:
             session.close(f"the host relay failed ({exc.details()}); calls go to the coordinator directly for a while")
-        log.debug(
-            "host relay at %s unavailable (%s); calling the coordinator directly for %.0f s", self._relay_path, exc.details(), away
+        # Said once the relay has failed every try for a while (then once more after each
+        # time it answered): a relay not there yet at the start is usual, one never reached
+        # (another TMPDIR or user than its process's, its process gone) left no word.
+        loud = again and away < _RELAY_RETRY_MAX <= 2 * away
+        log.log(
+            logging.WARNING if loud else logging.DEBUG,
+            "host relay at %s unavailable (%s); calling the coordinator directly for %.0f s%s",
+            self._relay_path, exc.details(), away,
+            "; it has failed every try for a while: the host's first process (local rank 0) serves it, at a "
+            "path made from its TMPDIR and user, the coordinator's address, the job and the host: check that it "
+            "runs, as this process's user and with its TMPDIR" if loud else "",
         )
 
     def _leave_relay(self) -> None:

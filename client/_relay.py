@@ -70,14 +70,37 @@ def relay_path(address: str, job: str, host: str) -> str:
     return os.path.join(tempfile.gettempdir(), f"pjrt-rendezvous-{os.getuid()}", f"relay-{digest}.sock")
 
 
+# The longest path a Unix socket takes (sun_path's 108 bytes, its last a NUL, on Linux).
+_MAX_SOCKET_PATH = 107
+
+
 def _private_folder(path: str) -> None:
     """Creates the socket's folder (mode 0700), or checks that an existing one is ours and
-    closed to others: only this user's processes may speak through the relay."""
+    closed to others: only this user's processes may speak through the relay. Says what it
+    found otherwise, and what to change."""
     folder = os.path.dirname(path)
-    os.makedirs(folder, mode=0o700, exist_ok=True)
+    if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
+        raise OSError(
+            f"the relay's socket path {path} is {len(os.fsencode(path))} bytes, over the {_MAX_SOCKET_PATH} a "
+            "Unix socket's path takes: set TMPDIR to a shorter folder in every process of the host"
+        )
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+    except FileExistsError:  # (a file, or a link to one, in its place: said below)
+        pass
     info = os.lstat(folder)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise PermissionError(f"{folder} must be a folder of user {os.getuid()} closed to others (mode 0700)")
+    found = (
+        "a symbolic link" if stat.S_ISLNK(info.st_mode)
+        else "not a folder" if not stat.S_ISDIR(info.st_mode)
+        else f"owned by user {info.st_uid}" if info.st_uid != os.getuid()
+        else f"open to others (mode {stat.S_IMODE(info.st_mode):04o})" if info.st_mode & 0o077
+        else None
+    )
+    if found is not None:
+        raise PermissionError(
+            f"{folder} must be a folder of user {os.getuid()} closed to others (mode 0700), and it is {found}: "
+            "remove it, or set TMPDIR to another folder in every process of the host"
+        )
 
 
 _PATH_LOCK_WAIT = 5.0  # seconds a relay waits for another's change of the socket's path

@@ -396,6 +396,66 @@ def test_a_relay_refuses_a_socket_folder_others_can_enter(tmp_path, monkeypatch)
             c.close()
 
 
+def test_a_process_that_never_reaches_its_relay_says_so(coordinator, monkeypatch, caplog):
+    """A process whose relay is never there (another TMPDIR than its relay's process, that
+    process gone) called the coordinator directly with no word but a DEBUG line; once every
+    try failed for a while it warns, once, naming what to check."""
+    from pjrt_rendezvous.client import _client
+
+    monkeypatch.setattr(_client, "_RELAY_RETRY", 0.01)
+    monkeypatch.setattr(_client, "_RELAY_RETRY_MAX", 0.08)
+    clients = make_clients(coordinator.address, processes=2, hosts=1)
+    clients[1]._relay_path = "/nonexistent/relay.sock"
+    with caplog.at_level("DEBUG", logger="pjrt_rendezvous.client"):
+        for number in range(12):
+            results = run_threads(clients, lambda client, binding: client.rendezvous(binding, f"r{number}"))
+            assert all(isinstance(r, list) for r in results.values()), results
+            time.sleep(0.03)
+    said = [r for r in caplog.records if "host relay at /nonexistent/relay.sock unavailable" in r.getMessage()]
+    loud = [r for r in said if r.levelname == "WARNING"]
+    assert len(said) > 4 and len(loud) == 1, [(r.levelname, r.getMessage()) for r in said]
+    assert "as this process's user and with its TMPDIR" in loud[0].getMessage()
+    for c in clients:
+        c.close()
+
+
+@pytest.mark.parametrize("case", ["symlink", "file", "open", "long"])
+def test_an_unusable_relay_folder_is_said_as_found(case):
+    """The relay's folder refused says what was there and what to change (it said "must be
+    a folder ... (mode 0700)" of a folder of mode 0700 owned by another user, or of a link to
+    a good one; "File exists" of a file; "AF_UNIX path too long" without naming TMPDIR)."""
+    import pathlib
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir="/tmp") as short:  # (pytest's tmp_path is too long a path for a socket)
+        _refused_as(pathlib.Path(short), case)
+
+
+def _refused_as(tmp_path, case: str) -> None:
+    from pjrt_rendezvous.client._relay import _private_folder
+
+    folder = tmp_path / "pjrt-rendezvous-0"
+    if case == "symlink":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        folder.symlink_to(tmp_path / "elsewhere")
+    elif case == "file":
+        folder.write_text("")
+    elif case == "open":
+        folder.mkdir()
+        folder.chmod(0o755)
+    else:
+        folder = tmp_path / ("x" * 100) / "pjrt-rendezvous-0"
+    with pytest.raises(OSError) as info:
+        _private_folder(str(folder / "relay-0123456789abcdef.sock"))
+    expected = {
+        "symlink": "it is a symbolic link: remove it, or set TMPDIR",
+        "file": "it is not a folder: remove it, or set TMPDIR",
+        "open": "it is open to others (mode 0755)",
+        "long": "over the 107 a Unix socket's path takes: set TMPDIR to a shorter folder",
+    }[case]
+    assert expected in str(info.value), str(info.value)
+
+
 def test_frames_round_trip_and_a_cut_message_waits_for_its_rest():
     from pjrt_rendezvous.client._session import frame, take_frames
 
