@@ -1070,10 +1070,10 @@ class Client:
         session, self._relay_session = self._relay_session, None
         if session is not None:
             session.close(f"the host relay failed ({exc.details()}); calls go to the coordinator directly for a while")
-        # Said once the relay has failed every try for a while (then once more after each
-        # time it answered): a relay not there yet at the start is usual, one never reached
+        # Said once the relay has failed every try for a while (then again after each time
+        # it answered): a relay not there yet at the start is usual, one never reached
         # (another TMPDIR or user than its process's, its process gone) left no word.
-        loud = again and away < _RELAY_RETRY_MAX <= 2 * away
+        loud = again and away < 8 * _RELAY_RETRY <= 2 * away  # (its 4th failed try in a row: 35 s after the first)
         log.log(
             logging.WARNING if loud else logging.DEBUG,
             "host relay at %s unavailable (%s); calling the coordinator directly for %.0f s%s",

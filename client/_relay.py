@@ -78,10 +78,10 @@ def _private_folder(path: str) -> None:
     """Creates the socket's folder (mode 0700), or checks that an existing one is ours and
     closed to others: only this user's processes may speak through the relay. Says what it
     found otherwise, and what to change."""
-    folder = os.path.dirname(path)
-    if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
+    folder, size = os.path.dirname(path), len(os.fsencode(path))
+    if size > _MAX_SOCKET_PATH:
         raise OSError(
-            f"the relay's socket path {path} is {len(os.fsencode(path))} bytes, over the {_MAX_SOCKET_PATH} a "
+            f"the relay's socket path {path} is {size} bytes, over the {_MAX_SOCKET_PATH} a "
             "Unix socket's path takes: set TMPDIR to a shorter folder in every process of the host"
         )
     try:

@@ -751,10 +751,13 @@ class Core:
         self._uses = job.used = self._uses + 1
         return job
 
-    def _process(self, job: Job, incarnation: str, now: float | None) -> Process:
-        """The live process ``incarnation`` of ``job``, heard from at ``now`` (None: a host
-        relay speaks for it, which proves nothing of the process itself: the relay may have
-        held its call past its death, which only the heartbeat timeout found then)."""
+    def _process(self, job: Job, incarnation: str, now: float | None, *, closed_stays: bool = False) -> Process:
+        """The live process ``incarnation`` of ``job``, heard from at ``now``. None: a host
+        relay speaks for it, which proves nothing of the process itself (the relay may have
+        held its call past its death, which only the heartbeat timeout found then); and with
+        ``closed_stays``, a call of a process whose connection closed is not word from it
+        either (a Rendezvous call: its relay resends each process's own call, under its
+        incarnation, after a combined one failed): its heartbeat or watch says it is back."""
         process = job.processes.get(incarnation)
         if process is None:
             if incarnation in job.replaced:
@@ -792,7 +795,7 @@ class Core:
                        " (a process stopped longer than the heartbeat timeout comes back so: start it again)"),
                 ),
             )
-        if now is not None:
+        if now is not None and not (closed_stays and process.disconnected is not None):
             process.last_seen, process.restored, process.disconnected = now, False, None
         return process
 
@@ -1348,7 +1351,7 @@ class Core:
         every member and raise; a tag mismatch fails the round, which is returned.
         """
         state = self._job(job)
-        process = self._process(state, incarnation, now)
+        process = self._process(state, incarnation, now, closed_stays=True)
         if round_number < 0:
             raise CoreError(Code.INVALID_ARGUMENT, f"round number must be >= 0, got {round_number}")
         if not contributions:

@@ -86,6 +86,8 @@ class Monitor:
         self._core = core
         self._metrics = metrics
         self._clock = clock
+        if late_after is not None and not late_after > 0:  # (check_late doubles it)
+            raise ValueError(f"late_after must be > 0 seconds or None, got {late_after!r}")
         self.late_after = late_after
         # Events restored from a state file were logged by the previous coordinator.
         self._events_seen = {name: len(job.events) for name, job in core.jobs.items()}

@@ -322,6 +322,8 @@ class _SessionPort:
         message = self._token.refusal(greeting.authorization, "a session on the session port")
         if message is None:
             return None
+        if self._servicer._on_call is not None:  # counted as a refused Session stream is
+            self._servicer._on_call("Session", grpc.StatusCode.UNAUTHENTICATED.name)
         return grpc.StatusCode.UNAUTHENTICATED, message
 
     def _connection(self) -> FramedSession:
@@ -358,17 +360,19 @@ HELLO_TIMEOUT = 10.0
 
 class _Connection(FramedSession):
     """A client's connection to the session port, with TCP keepalive, closed unless it
-    sends its hello within HELLO_TIMEOUT. ``on_end(code)`` counts its session once, as a
-    gRPC Session stream is: refused with the refusal's code, else when it ends (OK, or
-    CANCELLED with calls running or the connection broken); one that ends before a
-    hello, as a port probe's, not at all."""
+    sends its hello within HELLO_TIMEOUT. Once its hello was taken, ``on_end(code)``
+    counts its session once, as a gRPC Session stream is: refused with the refusal's code,
+    else when it ends (OK, or CANCELLED with calls running or the connection broken). A
+    connection that sends no hello that parses (a port probe, a scanner) is not a session:
+    not counted; one whose token is refused is, by _SessionPort._hello."""
 
     _hello_timer: asyncio.TimerHandle | None = None
     _log = log
     on_end: Callable[[str], None] | None = None
 
     def _refuse(self, code: grpc.StatusCode, message: str) -> bool:
-        self._ended(code.name)
+        if self._hello is None:
+            self._ended(code.name)
         return super()._refuse(code, message)
 
     def _ended(self, code: str) -> None:

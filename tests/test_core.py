@@ -2420,7 +2420,8 @@ def test_a_relay_passing_on_a_dead_siblings_held_call_does_not_make_it_heard_fro
     """A host relay held a sibling's call (waiting for the host's others) past the sibling's
     death: passing it on counted as the sibling heard from, clearing its closed connection,
     and the next round waited out the heartbeat timeout (65 s against 11) with "last seen"
-    dated after the death. Its contribution still counts; its liveness is its own."""
+    dated after the death; so did its own call resent by the relay after a combined one
+    failed. Its contribution still counts; its liveness is its own (heartbeats, watch)."""
     pod = Pod(Core(heartbeat_timeout=60), 2, 1)
     for task in range(2):
         pod.register(task)
@@ -2428,6 +2429,8 @@ def test_a_relay_passing_on_a_dead_siblings_held_call_does_not_make_it_heard_fro
     key = relayed(pod, 0, [0, 1], now=5.0)
     assert pod.result(key) == [payload_of(0), payload_of(1)]
     process = pod.core.jobs[JOB].processes[incarnation_of(1)]
+    assert (process.disconnected, process.last_seen) == (2.0, 0.0)
+    assert pod.arrive(1, now=6.0) == key  # (its own call, as the relay resends each after a combined one failed)
     assert (process.disconnected, process.last_seen) == (2.0, 0.0)
     pod.core.check_liveness(2.5 + DISCONNECTED_GRACE)
     assert not process.alive and "its connection closed" in process.death

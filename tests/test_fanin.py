@@ -403,7 +403,7 @@ def test_a_process_that_never_reaches_its_relay_says_so(coordinator, monkeypatch
     from pjrt_rendezvous.client import _client
 
     monkeypatch.setattr(_client, "_RELAY_RETRY", 0.01)
-    monkeypatch.setattr(_client, "_RELAY_RETRY_MAX", 0.08)
+    monkeypatch.setattr(_client, "_RELAY_RETRY_MAX", 0.16)
     clients = make_clients(coordinator.address, processes=2, hosts=1)
     clients[1]._relay_path = "/nonexistent/relay.sock"
     with caplog.at_level("DEBUG", logger="pjrt_rendezvous.client"):

@@ -1436,7 +1436,9 @@ with pr.bind_thread(0):
     before = resident()
     for number in range(3):
         pr.rendezvous(f"big {number}", bytes(40 << 20))  # (answers of 80 MiB, dropped)
-    time.sleep(1.5)  # (heartbeats every 0.3 s)
+    end = time.monotonic() + 10  # (heartbeats every 0.3 s)
+    while resident() - before >= 60 and time.monotonic() < end:
+        time.sleep(0.1)
     print(resident() - before)  # MiB kept
 pr.shutdown()
 """
@@ -1464,7 +1466,7 @@ def test_a_grpc_client_gives_back_the_memory_of_big_answers():
         outputs = [worker.communicate(timeout=120) for worker in workers]
     assert all(worker.returncode == 0 for worker in workers), outputs
     kept = [int(out) for out, _ in outputs]
-    assert max(kept) < 60, kept  # (170-200 MiB kept without the trim, 0 with it)
+    assert max(kept) < 60, kept  # (by one of them 125-200 MiB kept without the trim, 0-5 with it)
 
 
 def test_serve_trims_when_idle_only(monkeypatch):
