@@ -16,7 +16,7 @@ import urllib.error
 from typing import Any, Mapping, Sequence
 
 from ._client import Binding, Client, _check_call, _payload_bytes, current_binding, inherited, xm_binding
-from ._config import DEFAULT, Settings, check_timeout
+from ._config import DEFAULT, Settings, check_setting_names, check_timeout
 from ._errors import InvalidArgumentError, ParticipantFailedError, UsageError
 from ._topology import Topology, detect_topology, metadata_fetcher, normalize_address
 
@@ -135,6 +135,7 @@ def init(
         if _client is not None and _client._closed:  # closed by hand: a new one, as after shutdown()
             _client = None
         if _client is not None:
+            check_setting_names(settings)  # (else said to differ from the first call's)
             differ = [k for k in explicit if args != _init_args and not _same(_client, k, args[k])]
             if differ:
                 raise UsageError(
@@ -169,6 +170,8 @@ def _same(client: Client, name: str, value) -> bool:
     if name == "env":
         used = None if _init_args is None else _init_args["env"]
         return dict(value) == dict(os.environ if used is None else used)
+    if name in ("fan_in", "transport") and isinstance(value, str):
+        value = value.lower()  # (as Settings takes it)
     return getattr(client.settings, name, _same) == value
 
 
@@ -314,7 +317,8 @@ def rendezvous(
             sequence of ints (a dict, str or bytes is not).
         UsageError: the calling thread is not bound (in a world of more than one).
         MismatchError: members brought different tags, or disagree on replicas.
-        InvalidArgumentError: the caller is not in ``replicas``, or replicas repeat.
+        InvalidArgumentError: the caller is not in ``replicas``, or replicas repeat or are
+            out of the world's range.
         LimitExceededError: a member's tag or payload is over the coordinator's limit
             (the round fails for every member).
         ParticipantFailedError: a member died or restarted, or the job moved to a new
@@ -322,6 +326,8 @@ def rendezvous(
             of the new generation).
         RendezvousTimeout: the deadline passed; the message names every missing
             ordinal with its host and when it was last seen.
+        CoordinatorUnavailableError: the coordinator could not be reached within
+            ``connect_timeout`` (one restarted within it is found again).
     """
     return _rendezvous("rendezvous", tag, payload, replicas, timeout)
 

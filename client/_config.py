@@ -13,7 +13,7 @@ import os
 import re
 import stat
 import time
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from ._errors import UsageError
 
@@ -124,6 +124,13 @@ _CLOCK_SLACK = 300.0  # seconds
 
 
 MAX_TOKEN_LENGTH = 4096  # characters; gRPC's headers take 8 KiB in all by default
+
+
+def check_setting_names(names: Iterable[str]) -> None:
+    """Refuses a setting :meth:`Settings.resolve` does not know (UsageError naming those it does)."""
+    unknown = set(names) - set(_VARIABLES)
+    if unknown:
+        raise UsageError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(_VARIABLES)}")
 
 
 def check_token(token: str, source: str) -> str:
@@ -357,6 +364,8 @@ class Settings:
             raise TypeError(f"batch_window must be a number of seconds, got {window!r}")
         if not 0 <= window < math.inf:
             raise UsageError(f"batch_window must be a finite number of seconds >= 0 (PJRT_RENDEZVOUS_BATCH_WINDOW), got {window!r}")
+        for name in ("fan_in", "transport"):  # (any case, as from their variables)
+            object.__setattr__(self, name, getattr(self, name).lower())
         if self.fan_in not in FAN_IN_MODES:
             raise UsageError(f"fan_in must be one of {', '.join(FAN_IN_MODES)} (PJRT_RENDEZVOUS_FAN_IN), got {self.fan_in!r}")
         if self.transport not in TRANSPORTS:
@@ -416,13 +425,12 @@ class Settings:
                 self.tls_cert, _VARIABLES["tls_cert"], problem,
             )
         return credentials
+
     @classmethod
     def resolve(cls, env: Mapping[str, str], *, address: str, **given: Any) -> "Settings":
         """Builds settings from keyword arguments (values other than DEFAULT win), then
         ``env``, then defaults."""
-        unknown = set(given) - set(_VARIABLES)
-        if unknown:
-            raise UsageError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(_VARIABLES)}")
+        check_setting_names(given)
         for name in ("token", *_PATHS):  # (before a token file is read, or a token compared with it)
             check_text_setting(name, given.get(name))
         values: dict[str, Any] = {}

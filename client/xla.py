@@ -543,7 +543,8 @@ def bind_device(thread_index: int, *, client: Client | None = None) -> Binding:
     Raises:
         MismatchError: the runtime numbers the device differently from the rank table; the
             message names both numbers (InvalidArgumentError: its number is out of the
-            job's range).
+            job's range); or its world is one device while this process drives several
+            (outside ``spawn``, replication not set: its collectives would be no-ops).
         UsageError: ``spawn`` bound this thread already; and see :meth:`Client.bind_thread`.
         DuplicateOrdinalError: see :meth:`Client.bind_thread`.
     """

@@ -132,7 +132,7 @@ class Limits:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"limit {field.name} must be a positive integer, got {value!r}")
         if self.max_round_bytes > MAX_ROUND_BYTES:
             raise ValueError(
@@ -196,7 +196,8 @@ def format_ranges(ordinals: Iterable[int], limit: int | None = None) -> str:
     text = ", ".join(parts)
     if limit is None or len(text) <= limit:
         return text
-    return f"{text[: text.rfind(', ', 0, limit)]}, ... ({_plural(len(values), 'ordinal')})"
+    cut = text.rfind(", ", 0, limit)  # (-1: not even the first fits; text[:-1] showed ordinals not there)
+    return f"{text[:cut]}, ... ({_plural(len(values), 'ordinal')})" if cut > 0 else f"... ({_plural(len(values), 'ordinal')})"
 
 
 def describe_group(group: GroupKey, limit: int | None = None) -> str:
@@ -1024,6 +1025,7 @@ class Core:
 
         assignments = []
         new_members = []
+        said = []  # members registered before without a runtime ordinal, now with one
         numbered: dict[int, int] = {}  # runtime ordinal -> ordinal, in this registration
         for thread in r.threads:
             ordinal = r.task_id * r.devices_per_task + thread.thread_index
@@ -1034,7 +1036,9 @@ class Core:
             existing = job.members.get(ordinal)
             if existing is not None and replaced is not None and existing.incarnation == replaced.incarnation:
                 existing = None  # the dead predecessor's entry is replaced below
-            if existing is not None and existing.runtime_ordinal != thread.runtime_ordinal:
+            # (None: not said. A thread bound by xla.bind_device says it, one bound by
+            # bind_thread does not: the same index bound either way is no disagreement.)
+            if existing is not None and None is not existing.runtime_ordinal != thread.runtime_ordinal is not None:
                 raise CoreError(
                     Code.FAILED_PRECONDITION,
                     f"ordinal {ordinal} was registered with runtime ordinal "
@@ -1051,6 +1055,8 @@ class Core:
                         runtime_ordinal=thread.runtime_ordinal,
                     )
                 )
+            elif existing.runtime_ordinal is None and thread.runtime_ordinal is not None:
+                said.append(dataclasses.replace(existing, runtime_ordinal=thread.runtime_ordinal))
             assignments.append(
                 Assignment(thread_index=thread.thread_index, ordinal=ordinal, local_ordinal=local_ordinal)
             )
@@ -1083,7 +1089,7 @@ class Core:
         for a in assignments:  # a thread bound again after its replica ended is back
             if process.ended.pop(a.ordinal, None) is not None:
                 job.dead.discard(a.ordinal)
-        for member in new_members:
+        for member in new_members + said:
             job.members[member.ordinal] = member
             process.ordinals.add(member.ordinal)
             if owners is not None and self._global_runtime_ordinal(member):

@@ -31,14 +31,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pjrt_rendezvous.client._config import DEFAULT_JOB
-from pjrt_rendezvous.client._errors import EMBEDDED_STOPPED, MAX_MESSAGE_RULE, STOPPED_HERE
+from pjrt_rendezvous.client._config import DEFAULT_JOB, check_token
+from pjrt_rendezvous.client._errors import EMBEDDED_STOPPED, MAX_MESSAGE_RULE, STOPPED_HERE, UsageError
 from pjrt_rendezvous.client._session import MAX_MESSAGE, FramedSession, clip, give_freed_memory_back
 from pjrt_rendezvous.client._topology import host_port
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
 from . import _notify, _state
-from ._core import Code, Core, CoreError, Limits, _plural
+from ._core import MIN_HEARTBEAT_TIMEOUT, Code, Core, CoreError, Limits, _plural
 from ._listener import Listener
 from ._metrics import HttpServer, Metrics, RpcInterceptor, start_http_server
 from ._monitor import DEFAULT_LATE_AFTER, Monitor
@@ -188,6 +188,13 @@ class ServerOptions:
             raise ValueError(f"metrics port must be in [0, 65535], got {self.metrics_port}")
         if self.late_after is not None and not self.late_after > 0:
             raise ValueError(f"late_after must be > 0 seconds or None, got {self.late_after!r}")
+        # (refused here, not at start(): the core's own checks came only then, one as a CoreError)
+        if self.heartbeat_timeout is not None and not self.heartbeat_timeout >= MIN_HEARTBEAT_TIMEOUT:
+            raise ValueError(f"heartbeat_timeout must be at least {MIN_HEARTBEAT_TIMEOUT:g} s or None, got {self.heartbeat_timeout!r}")
+        if not self.grace >= 0:
+            raise ValueError(f"grace must be >= 0 seconds, got {self.grace!r}")
+        if self.world_size is not None and not self.world_size >= 1:
+            raise ValueError(f"world_size must be >= 1 or None, got {self.world_size!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both a certificate and its key (--tls-cert and --tls-key)")
         if self.tls_ca is not None and self.tls_cert is None:
@@ -202,8 +209,11 @@ class ServerOptions:
                     raise ValueError(f"the metrics port and the {name} port are both {port}: give them two ports")
         if self.session_port and self.tls_cert is not None:
             raise ValueError("the session port is plain TCP: with TLS, leave it out (clients use gRPC's stream)")
-        if self.token is not None and not self.token.strip():
-            raise ValueError("the token is empty")
+        if self.token is not None:  # stripped and checked as serve and the clients do (else every client was refused)
+            try:
+                object.__setattr__(self, "token", check_token(self.token.strip(), "token="))
+            except UsageError as exc:
+                raise ValueError(str(exc)) from None
         if self.state_file is not None and not pathlib.Path(self.state_file).parent.is_dir():
             raise ValueError(  # (from an OSError: serve exits 1, to try again: a volume mounted late)
                 f"the folder of the state file {self.state_file} (--state-file) does not exist"
@@ -627,9 +637,10 @@ async def start_server(options: ServerOptions = ServerOptions()) -> RunningServe
 
     Raises:
         StateFileError: the state file exists but is torn, edited or foreign.
-        RuntimeError: the port could not be bound, or the TLS files are not valid (the
-            message says which).
-        OSError: the session port or the metrics port could not be bound.
+        OSError: a port (gRPC's, the session port, the metrics port) could not be bound;
+            its ``errno`` is the system's (EADDRINUSE: in use).
+        ValueError: the TLS certificate and key, or the client CA, are not valid PEM, or the
+            key is not the certificate's (the message says which).
     """
     # Locked first: no other coordinator writes the state file once it is read.
     files = _state.Files(options.state_file) if options.state_file is not None else None

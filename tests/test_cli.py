@@ -1766,6 +1766,17 @@ def test_an_embedded_coordinator_serves_once_at_a_time_on_a_port_in_range():
     for port in (-1, 65536, 70000):
         with pytest.raises(ValueError, match=rf"port must be in \[0, 65535\], got {port}"):
             Coordinator(port=port)
+    # Refused as it is made, as serve refuses them (they came at start(), world_size=0 as a
+    # CoreError; grace=-1 and a token no client could send were taken).
+    for options, said in (
+        ({"heartbeat_timeout": 0.5}, "heartbeat_timeout must be at least 1 s"),
+        ({"world_size": 0}, "world_size must be >= 1"),
+        ({"grace": -1}, "grace must be >= 0"),
+        ({"token": "a\nb"}, "the token from token= holds character 0xa"),
+        ({"token": "x" * 5000}, "the token from token= is 5000 characters"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            Coordinator(**options)
 
 
 def test_an_embedded_stop_without_grace_cancels_a_waiting_call_at_once():

@@ -675,6 +675,9 @@ def test_init_with_what_an_init_without_arguments_already_chose_returns_its_clie
         ]:
             with pytest.raises(pr.UsageError, match=re.escape(f"with other arguments (now {named})")):
                 pr.init(*args, **kwargs)
+        with pytest.raises(pr.UsageError, match=re.escape("unknown setting(s) ['bogus']")):  # (not "other arguments")
+            pr.init(bogus=1)
+        assert pr.init(fan_in="AUTO") is first  # (any case, as from its variable)
     finally:
         pr.shutdown()
 

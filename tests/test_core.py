@@ -543,6 +543,21 @@ def test_runtime_ordinal_different_from_the_ordinal_fails_naming_both():
     assert len(pod.core.jobs[JOB].members) == 2
 
 
+def test_a_thread_bound_again_with_or_without_its_runtime_ordinal_keeps_or_gains_it():
+    """A runtime ordinal not said (bind_thread) is no disagreement with one said before
+    (xla.bind_device), nor the other way round: both were refused as a mismatch of None and
+    0. One said now is recorded, and checked as any; two said that differ are refused."""
+    pod = make_pod(2, 2, register=False)
+    pod.register(0, runtime={0: 0, 1: 1}, runtime_world_size=4)
+    pod.register(0)  # the same threads bound again by bind_thread
+    pod.register(1)
+    pod.register(1, runtime={0: 2, 1: 3}, runtime_world_size=4)
+    assert [m.runtime_ordinal for _, m in sorted(pod.core.jobs[JOB].members.items())] == [0, 1, 2, 3]
+    with raises(Code.FAILED_PRECONDITION, "as global ordinal 3, which ordinal 3", "was registered with already"):
+        pod.register(0, threads=[1], runtime={1: 3})  # (the runtime's world not said)
+    assert [m.runtime_ordinal for _, m in sorted(pod.core.jobs[JOB].members.items())] == [0, 1, 2, 3]
+
+
 def test_local_only_runtime_must_match_the_thread_index():
     """When the runtime sees only its own process, its device index must be the thread index."""
     pod = make_pod(2, 2, register=False)
@@ -608,12 +623,21 @@ def test_a_restarted_process_may_take_its_predecessors_runtime_ordinals():
         pod.register(1, now=4.0, incarnation="again-1", pid=9, threads=[0], runtime={0: 1})
 
 
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "8"])
+def test_a_limit_must_be_a_positive_integer(value):
+    """Limits refuses what is not a positive int, naming the field (True, an int to Python,
+    was taken as a limit of 1)."""
+    with pytest.raises(ValueError, match=re.escape(f"limit max_payload_bytes must be a positive integer, got {value!r}")):
+        Limits(max_payload_bytes=value)
+
+
 def test_reregistering_with_another_runtime_ordinal_fails():
-    """Re-registering an ordinal with a different runtime ordinal is FAILED_PRECONDITION."""
+    """Re-registering an ordinal with a different runtime ordinal is FAILED_PRECONDITION
+    (without one is not: see test_a_thread_bound_again_with_or_without_its_runtime_ordinal_keeps_or_gains_it)."""
     pod = make_pod(1, 2, register=False)
-    pod.register(0, runtime={0: 0}, runtime_world_size=2)
-    with raises(Code.FAILED_PRECONDITION, "runtime ordinal 0", "with None"):
-        pod.register(0)
+    pod.register(0, threads=[0], runtime={0: 0})
+    with raises(Code.FAILED_PRECONDITION, "ordinal 0 was registered with runtime ordinal 0 and is registered again with 1"):
+        pod.register(0, threads=[0], runtime={0: 1})
 
 
 def test_rejected_first_registration_leaves_no_job_behind():
@@ -1908,6 +1932,22 @@ def iter_ranges(text):
 def test_format_ranges_examples(ordinals, text):
     """format_ranges sorts, drops duplicates and compresses runs into a-b ranges."""
     assert format_ranges(ordinals) == text
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3000), min_size=1, max_size=60), st.integers(1, 80))
+def test_format_ranges_cut_short_shows_only_whole_members(ordinals, limit):
+    """Past its limit, the text shows whole parts of the full one and the count: with a
+    limit shorter than the first part, it showed ordinals not in the set ("10, 20, 3, ..."
+    of 10, 20 and 30)."""
+    full = format_ranges(ordinals)
+    text = format_ranges(ordinals, limit)
+    if len(full) <= limit:
+        assert text == full
+    else:
+        shown, _, count = text.rpartition("... (")
+        assert count == f"{len(set(ordinals))} ordinal{'s' if len(set(ordinals)) > 1 else ''})", text
+        assert shown == "" or (full.startswith(shown) and shown.endswith(", ") and len(shown) - 2 <= limit), text
 
 
 @settings(max_examples=200, deadline=None)

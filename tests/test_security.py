@@ -521,3 +521,18 @@ def test_calls_each_within_the_largest_message_go_together_on_grpc_without_passi
             assert outcomes == {n: "ok" for n in range(8)}, outcomes
         finally:
             client.close()
+
+
+def test_an_embedded_coordinator_takes_its_token_as_serve_and_clients_do():
+    """Coordinator(token=) strips the secret as serve and the clients do: one read from a
+    file with its newline refused every client that brought the same secret ("a wrong
+    token")."""
+    from pjrt_rendezvous.coordinator import Coordinator
+
+    with Coordinator(port=0, token="s3cret\n") as coordinator:
+        client = pr.Client(pr.Settings(address=coordinator.address, token="s3cret\n"), pr.detect_topology({}))
+        try:
+            client.set("k", b"v")
+            assert client.get("k") == b"v"
+        finally:
+            client.close()
