@@ -1073,7 +1073,7 @@ class Client:
         # Said once the relay has failed every try for a while (then again after each time
         # it answered): a relay not there yet at the start is usual, one never reached
         # (another TMPDIR or user than its process's, its process gone) left no word.
-        loud = again and away < 8 * _RELAY_RETRY <= 2 * away  # (its 4th failed try in a row: 35 s after the first)
+        loud = again and away < 16 * _RELAY_RETRY <= 2 * away  # (its 4th failed try in a row: 35 s after the first)
         log.log(
             logging.WARNING if loud else logging.DEBUG,
             "host relay at %s unavailable (%s); calling the coordinator directly for %.0f s%s",
@@ -1118,7 +1118,7 @@ class Client:
         Args:
             leave: tell the coordinator this process is done, so its ordinals are gone at once
                 (best effort). With ``leave=False`` the coordinator declares the process dead
-                when it does not call again within 10 s (or twice its heartbeat interval) of
+                when it is not heard from again within 10 s (or twice its heartbeat interval) of
                 its connection closing, as if it had crashed.
             why: why it closes, told to the calls it ends and, with the Leave, to its peers
                 and the coordinator's log (default: "its client closed").

@@ -364,12 +364,11 @@ class Settings:
             raise TypeError(f"batch_window must be a number of seconds, got {window!r}")
         if not 0 <= window < math.inf:
             raise UsageError(f"batch_window must be a finite number of seconds >= 0 (PJRT_RENDEZVOUS_BATCH_WINDOW), got {window!r}")
-        for name in ("fan_in", "transport"):  # (any case, as from their variables)
-            object.__setattr__(self, name, getattr(self, name).lower())
-        if self.fan_in not in FAN_IN_MODES:
-            raise UsageError(f"fan_in must be one of {', '.join(FAN_IN_MODES)} (PJRT_RENDEZVOUS_FAN_IN), got {self.fan_in!r}")
-        if self.transport not in TRANSPORTS:
-            raise UsageError(f"transport must be one of {', '.join(TRANSPORTS)} (PJRT_RENDEZVOUS_TRANSPORT), got {self.transport!r}")
+        for name, allowed in (("fan_in", FAN_IN_MODES), ("transport", TRANSPORTS)):  # (any case, as from their variables)
+            value = getattr(self, name)
+            if value.lower() not in allowed:
+                raise UsageError(f"{name} must be one of {', '.join(allowed)} ({_VARIABLES[name]}), got {value!r}")
+            object.__setattr__(self, name, value.lower())
         object.__setattr__(self, "progress_interval", check_timeout(self.progress_interval, "progress_interval", "None: never"))
         for name in ("token", "tls_ca", "tls_cert", "tls_key"):
             check_text_setting(name, getattr(self, name))

@@ -885,7 +885,7 @@ def _processes_cell(host: dict) -> str:
 
 
 def _closed(participant) -> bool:
-    """Alive, but its connection closed without a Leave (declared dead soon unless it calls)."""
+    """Alive, but its connection closed without a Leave (declared dead soon unless heard from)."""
     return participant.HasField("disconnected_age")
 
 

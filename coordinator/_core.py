@@ -267,8 +267,9 @@ class Process:
     restored: bool = False  # restored from a state file and not heard from since
     # When its connection to the coordinator closed without a Leave (its Watch stream
     # ended: the process was killed or crashed, or its network broke), if not heard from
-    # since; declared dead DISCONNECTED_GRACE later unless it calls again (or twice its
-    # heartbeat interval, as it registered: a live one heartbeats within it).
+    # since; declared dead DISCONNECTED_GRACE later unless heard from again (or twice its
+    # heartbeat interval, as it registered: a live one heartbeats within it; a Rendezvous
+    # call does not count, its host relay may resend it past its death).
     disconnected: float | None = None
     heartbeat_interval: float = 0.0
 
@@ -698,7 +699,7 @@ class Core:
                 f"with --world-size, stays; job {name!r} cannot be created"
                 + (f" ({_plural(len(live), 'job')} with live processes: {_names(live)}"
                    + (f"; of which {_names(closing)} only with processes whose connections closed, "
-                      f"declared dead unless they call again within {DISCONNECTED_GRACE:g} s (or twice their "
+                      f"declared dead unless heard from again within {DISCONNECTED_GRACE:g} s (or twice their "
                       "heartbeat interval)" if closing else "")
                    + ")" if live else "")
                 + (f" ({_plural(len(stores), 'job')} of keys alone: {_names(stores)}; deleting a job's keys "
@@ -1038,7 +1039,12 @@ class Core:
                 existing = None  # the dead predecessor's entry is replaced below
             # (None: not said. A thread bound by xla.bind_device says it, one bound by
             # bind_thread does not: the same index bound either way is no disagreement.)
-            if existing is not None and None is not existing.runtime_ordinal != thread.runtime_ordinal is not None:
+            if (
+                existing is not None
+                and existing.runtime_ordinal is not None
+                and thread.runtime_ordinal is not None
+                and existing.runtime_ordinal != thread.runtime_ordinal
+            ):
                 raise CoreError(
                     Code.FAILED_PRECONDITION,
                     f"ordinal {ordinal} was registered with runtime ordinal "
@@ -1881,7 +1887,7 @@ class Core:
                 if process.alive and closed is not None and (closed > grace or silent > self.heartbeat_timeout):
                     self.declare_dead(
                         job.name, process.incarnation,
-                        f"its connection closed {closed:.1f} s ago without a Leave and it has not called since "
+                        f"its connection closed {closed:.1f} s ago without a Leave and it has not been heard from since "
                         f"(killed, crashed, or its host lost the network; last seen {silent:.1f} s ago)",
                     )
                 elif process.alive and silent > self.heartbeat_timeout:
@@ -1896,7 +1902,8 @@ class Core:
 
     def disconnect(self, job_name: str, incarnation: str, now: float) -> None:
         """A process's connection closed without a Leave (its event watch ended): unless
-        it calls again within DISCONNECTED_GRACE (or twice its heartbeat interval),
+        it is heard from again within DISCONNECTED_GRACE (or twice its heartbeat interval;
+        a heartbeat, its watch or a registration: not a Rendezvous call),
         ``check_liveness`` declares it dead (with a heartbeat timeout)."""
         job = self.jobs.get(job_name)
         process = job.processes.get(incarnation) if job is not None else None

@@ -1559,7 +1559,7 @@ def test_status_marks_a_killed_process_connection_closed_until_it_is_declared_de
         assert job["hosts"][0]["closedPids"] == [proc.pid]
         line = server.wait_for_line("died: its connection closed", timeout=30)
         assert 10 <= time.monotonic() - killed < 30, line
-        assert "without a Leave and it has not called since (killed, crashed" in line, line
+        assert "without a Leave and it has not been heard from since (killed, crashed" in line, line
         assert f"{proc.pid} (dead)" in status()
         assert json.loads(status("--json"))["jobs"][0]["participants"][0]["disconnectedAge"] is None
         server.stop()
@@ -1770,13 +1770,15 @@ def test_an_embedded_coordinator_serves_once_at_a_time_on_a_port_in_range():
     # CoreError; grace=-1 and a token no client could send were taken).
     for options, said in (
         ({"heartbeat_timeout": 0.5}, "heartbeat_timeout must be at least 1 s"),
-        ({"world_size": 0}, "world_size must be >= 1"),
+        ({"world_size": 0}, "world_size must be an int >= 1"),
+        ({"world_size": 2.5}, "world_size must be an int >= 1"),
         ({"grace": -1}, "grace must be >= 0"),
         ({"token": "a\nb"}, "the token from token= holds character 0xa"),
         ({"token": "x" * 5000}, "the token from token= is 5000 characters"),
     ):
         with pytest.raises(ValueError, match=re.escape(said)):
             Coordinator(**options)
+    Coordinator(grace=None)  # (none: stop() cancels at once)
 
 
 def test_an_embedded_stop_without_grace_cancels_a_waiting_call_at_once():

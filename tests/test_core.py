@@ -422,7 +422,7 @@ def test_at_max_jobs_the_finished_job_used_longest_ago_makes_room(caplog):
     with raises(Code.RESOURCE_EXHAUSTED, "max_jobs=3", "none can make room", "'run-5'", "(1 job with live processes: 'run-3')"):
         core.register(0.0, registration(0, 1, 1, job="run-5"))  # run-3 lives, run-4 and store-only never had a process
     core.disconnect("run-3", incarnation_of(0), 1.0)  # (killed: declared dead soon, and then run-3 makes room)
-    with raises(Code.RESOURCE_EXHAUSTED, "with live processes: 'run-3'; of which 'run-3' only with processes whose connections closed, declared dead unless they call again within 10 s"):
+    with raises(Code.RESOURCE_EXHAUSTED, "with live processes: 'run-3'; of which 'run-3' only with processes whose connections closed, declared dead unless heard from again within 10 s"):
         core.register(1.0, registration(0, 1, 1, job="run-5"))
 
 
@@ -2430,7 +2430,7 @@ def test_a_silent_process_is_declared_dead_and_every_round_needing_it_fails_nami
 def test_a_process_whose_connection_closed_is_declared_dead_after_the_grace_unless_it_calls():
     """Its event watch ended without a Leave (killed, crashed): the waiters hear of it after
     DISCONNECTED_GRACE, not after the whole heartbeat timeout; meanwhile who is missing says
-    the connection closed. A call within the grace (its client reconnected) clears it."""
+    the connection closed. A touch within the grace (its client reconnected) clears it."""
     pod = Pod(Core(heartbeat_timeout=60), 3, 1)
     for task in range(3):
         pod.register(task)
@@ -2446,7 +2446,7 @@ def test_a_process_whose_connection_closed_is_declared_dead_after_the_grace_unle
     pod.core.check_liveness(2.5 + DISCONNECTED_GRACE)
     assert_message(
         pod.error(key), Code.ABORTED, "ordinal 1 on host-0 pid 1001",
-        f"its connection closed {DISCONNECTED_GRACE + 0.5:.1f} s ago without a Leave and it has not called since "
+        f"its connection closed {DISCONNECTED_GRACE + 0.5:.1f} s ago without a Leave and it has not been heard from since "
         "(killed, crashed, or its host lost the network; last seen 12.5 s ago)",
     )
     assert [p.alive for p in pod.core.status(12.5, JOB)[0].participants] == [True, False, True]

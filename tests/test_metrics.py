@@ -438,6 +438,16 @@ def test_a_late_round_is_reported_again_each_time_its_wait_doubles(caplog):
     assert len(waits) == len(dues) and all(due <= wait < due + 1.3 for wait, due in zip(waits, dues)), waits
 
 
+def test_a_monitor_refuses_a_late_after_it_cannot_double():
+    """check_late doubles late_after for each report: 0 would loop for ever."""
+    from pjrt_rendezvous.coordinator import Core
+    from pjrt_rendezvous.coordinator._monitor import Monitor
+
+    for late_after in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="late_after must be > 0 seconds or None"):
+            Monitor(Core(), None, clock=lambda: 0.0, late_after=late_after)
+
+
 def test_log_lines_of_a_strided_group_stay_short(caplog):
     """A round of every other ordinal of 4,096, late and then failed: its lines stay within
     a few KiB (round_late's was 26,838 characters and round_failed's 25,173, every member of

@@ -583,7 +583,7 @@ def test_a_live_process_whose_watch_connection_breaks_for_longer_than_the_grace_
 def test_a_process_counts_as_disconnected_only_when_its_last_watch_stream_ends():
     """A Watch stream opened again may start before the broken one is seen to end: the end
     of one of two streams is no close. Closed without a Leave, the process is (alive, and
-    declared dead DISCONNECTED_GRACE later unless it calls)."""
+    declared dead DISCONNECTED_GRACE later unless heard from)."""
     from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
     def until(condition, what: str) -> None:

@@ -131,7 +131,7 @@ def test_a_job_relaunched_after_a_restore_that_heard_none_of_it_starts_afresh():
 
 
 def test_a_new_task_of_an_unformed_run_joins_it_after_a_restore_that_heard_none_of_it():
-    """An unformed run restored with one live task not heard from yet (it calls again within
+    """An unformed run restored with one live task not heard from yet (it is heard from again within
     seconds): a task registering for the first time joins that run (it dropped the live
     task, and the run then waited for its ordinals until its timeout)."""
     core = Core()
