@@ -93,7 +93,7 @@ _CODES = {status.value[0]: status for status in grpc.StatusCode}
 # RESOURCE_EXHAUSTED. Non-ASCII text can take 3 bytes a character once escaped.
 _MESSAGE_CHARACTERS = 2000
 _BATCH_BYTES = 8 << 20  # a gRPC Session message's requests or answers, at most (one bigger alone)
-# An answer this large on a gRPC stream makes the freed memory worth giving back (trim_due).
+# An answer this large on a gRPC stream makes the freed memory worth giving back (trim_if_due).
 _TRIM_AFTER = 16 << 20
 
 
@@ -103,8 +103,8 @@ def give_freed_memory_back() -> None:
     threshold for mapping them apart has risen (as big ones are freed), and one freed below
     a block still in use stays: after a job of 16 MiB payloads had left, serve held 660 MB,
     48 MB once trimmed; a client that had taken three rounds of 192 MiB on gRPC held 350-470
-    MB, 45-50 once trimmed at its next heartbeat. (Mapping every block of 1 MiB or more apart instead, ``mallopt``,
-    made allocating one 35-45 times slower.)"""
+    MB, 45-50 once trimmed at its next heartbeat. (Mapping every block of 1 MiB or more
+    apart instead, ``mallopt``, made allocating one 35-45 times slower.)"""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError, TypeError):  # (not glibc)

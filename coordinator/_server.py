@@ -193,8 +193,9 @@ class ServerOptions:
             raise ValueError(f"heartbeat_timeout must be at least {MIN_HEARTBEAT_TIMEOUT:g} s or None, got {self.heartbeat_timeout!r}")
         if self.grace is not None and not self.grace >= 0:  # (None: none, as for stop())
             raise ValueError(f"grace must be >= 0 seconds or None, got {self.grace!r}")
-        if self.world_size is not None and (isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1):
-            raise ValueError(f"world_size must be an int >= 1 or None, got {self.world_size!r}")
+        size = self.world_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"world_size must be an int >= 1 or None, got {size!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both a certificate and its key (--tls-cert and --tls-key)")
         if self.tls_ca is not None and self.tls_cert is None:
