@@ -29,7 +29,7 @@ from pjrt_rendezvous.client._errors import UsageError
 from pjrt_rendezvous.client._topology import host_port
 from pjrt_rendezvous.client._version import build
 
-from ._core import MAX_ROUND_BYTES, MIN_HEARTBEAT_TIMEOUT, MIN_NAME_LENGTH, Limits, _plural
+from ._core import MAX_ROUND_BYTES, MIN_HEARTBEAT_TIMEOUT, MIN_NAME_LENGTH, Limits, _plural, format_ranges
 from ._monitor import DEFAULT_LATE_AFTER
 from ._server import DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_JOB, DEFAULT_SESSION_PORT, listen_host
 
@@ -795,6 +795,11 @@ def _age(seconds: float) -> str:
     return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60)} min"
 
 
+def _ordinals(ordinals: list[int]) -> str:
+    """``ordinal 3`` or ``ordinals 1-2``."""
+    return f"ordinal{'s' if len(ordinals) > 1 else ''} {format_ranges(ordinals)}"
+
+
 def _pids(
     pids: list[int], dead: set[int] = frozenset(), left: set[int] = frozenset(), closed: set[int] = frozenset(),
     unheard: set[int] = frozenset(), limit: int = 4,
@@ -818,7 +823,6 @@ _RANGES_SHOWN = 40
 
 
 def _ranges_cut(ordinals: list[int]) -> str:
-    from ._core import format_ranges
 
     return format_ranges(ordinals, _RANGES_SHOWN)
 
@@ -892,7 +896,6 @@ def _closed(participant) -> bool:
 def summarize_job(job) -> dict:
     """What ``status`` shows of one ``JobStatus``: hosts, unregistered ordinals and, per
     pending round, the missing ordinals grouped by host."""
-    from ._core import format_ranges
 
     by_ordinal = {p.ordinal: p for p in job.participants}
     hosts: dict[str, dict] = {}
@@ -1006,7 +1009,6 @@ _FINISHED_SHOWN = 3  # finished jobs shown in full by status; more are named on 
 
 def render_status(response, address: str) -> str:
     """The ``status`` table of every job in ``response``."""
-    from ._core import format_ranges
 
     ours = response.coordinator_version
     coordinator = f"coordinator {address}" + (f" (pjrt-rendezvous {ours})" if ours else "")
@@ -1052,15 +1054,20 @@ def render_status(response, address: str) -> str:
             said = f" ({'; '.join(where)})" if where != [f"{_ranges_cut(ordinals)} never registered"] else ""
             lines.append(f"  not registered: ordinal{'s' if len(ordinals) > 1 else ''} {_ranges_cut(ordinals)}{said}")
         if summary["hosts"]:
+            # A host whose processes are all unheard since a restart is marked as a whole,
+            # else each unheard pid (the whole host was marked, its heard ones too); ended
+            # ordinals are named as such ("(2 ended)" read as a count).
             rows = [
                 [
                     h["host"],
                     _processes_cell(h),
-                    _pids(h["pids"], set(h["deadPids"]), set(h["leftPids"]), set(h["closedPids"])),
-                    h["ranges"] + (f" ({format_ranges(h['endedOrdinals'])} ended)" if h["endedOrdinals"] else ""),
-                    f"{_age(h['lastSeenAge'])} ago" + (" (not since the restart)" if h["unheardPids"] else ""),
+                    _pids(h["pids"], set(h["deadPids"]), set(h["leftPids"]), set(h["closedPids"]), set() if every else unheard),
+                    h["ranges"] + (f" ({_ordinals(h['endedOrdinals'])} ended)" if h["endedOrdinals"] else ""),
+                    f"{_age(h['lastSeenAge'])} ago" + (" (not since the restart)" if every else ""),
                 ]
                 for h in summary["hosts"]
+                for unheard in [set(h["unheardPids"])]
+                for every in [bool(unheard) and unheard >= set(h["pids"])]
             ]
             lines += [""] + _table(["HOST", "PROCESSES", "PIDS", "ORDINALS", "LAST SEEN"], rows)
         if summary["pendingRounds"]:

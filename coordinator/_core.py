@@ -782,6 +782,8 @@ class Core:
         if not process.alive:
             # (a relay held up, a frozen one resumed, passes on calls of processes long gone)
             relayed = now is None
+            if not relayed:  # still calling: status shows it heard from (a process to stop)
+                process.last_seen = now
             raise CoreError(
                 Code.ABORTED,
                 f"{'the process a host relay named' if relayed else 'this process'} ({process.label()}, task "

@@ -549,7 +549,7 @@ def test_render_status_marks_dead_processes_and_groups_hosts_naturally():
     assert re.search(r"host-2\s+1 \(1 dead\)\s+101 \(dead\)\s+1\s+1 min 15 s ago", text), text
     # The departed first; last seen of its live process alone (one that left long ago is no news).
     # ... and its ordinals whose replicas ended while their process goes on.
-    assert re.search(r"host-10\s+2 \(1 left\)\s+102 \(left\), 100\s+0, 2 \(0 ended\)\s+0.5 s ago", text), text
+    assert re.search(r"host-10\s+2 \(1 left\)\s+102 \(left\), 100\s+0, 2 \(ordinal 0 ended\)\s+0.5 s ago", text), text
     assert _cli._pids([1, 2, 3, 4, 5, 6], dead={6}, left={5}) == "6 (dead), 5 (left), 1, 2, +2 more"
     assert _cli._pids([1, 2, 3, 4], dead={4}, left={3}, closed={2}) == "4 (dead), 2 (connection closed), 3 (left), 1"
     assert _cli._processes_cell({"processes": 3, "dead": 1, "left": 1}) == "3 (1 dead, 1 left)"  # (was "3 (1 dead) (1 left)")
@@ -604,6 +604,14 @@ def test_render_status_says_a_process_not_heard_from_since_a_restart():
     assert re.search(r"h2\s+1\s+12\s+2\s+0.2 s ago\n", text), text
     assert "0 on h0 (pid 10, not heard from since the coordinator restarted 4.1 s ago)" in text, text
     assert "1 on h1 (pid 11 (connection closed), last seen 2.0 s ago)" in text, text
+    # A host of two processes, one unheard: its pid marked, not the host (its heard one was).
+    participants.append(pb.Participant(ordinal=3, task_id=3, host="h0", pid=13, incarnation="d", last_seen_age=0.5,
+                                       alive=True, ended="its thread raised"))
+    response.jobs[0].world_size = response.jobs[0].registered = 4
+    response.jobs[0].ClearField("participants")
+    response.jobs[0].participants.extend(participants)
+    text = _cli.render_status(response, "x:1")
+    assert re.search(r"h0\s+2\s+10 \(not since the restart\), 13\s+0, 3 \(ordinal 3 ended\)\s+4.1 s ago\n", text), text
     job = _cli.status_json(response, "x:1")["jobs"][0]
     assert [h["unheardPids"] for h in job["hosts"]] == [[10], [], []] and job["participants"][0]["unheardSinceRestart"]
 

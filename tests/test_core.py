@@ -2476,6 +2476,10 @@ def test_a_relay_passing_on_a_dead_siblings_held_call_does_not_make_it_heard_fro
     assert not process.alive and "its connection closed" in process.death
     with raises(Code.ABORTED, "the process a host relay named (host-0 pid 1001, task 1) was declared dead") as info:
         relayed(pod, 0, [0, 1], round_number=1, now=20.0)  # (a frozen relay resumed, the sibling long gone)
+    assert process.last_seen == 0.0
+    with raises(Code.ABORTED, "this process (host-0 pid 1001, task 1) was declared dead"):
+        pod.arrive(1, round_number=1, now=21.0)  # its own call: it runs still (status shows it heard from)
+    assert process.last_seen == 21.0 and not process.alive
     assert info.error.warn[2].startswith("refused calls a host relay passed on for host-0 pid 1001 (task 1)"), info.error.warn
 
 
