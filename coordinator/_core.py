@@ -1889,8 +1889,10 @@ class Core:
                 if process.alive and closed is not None and (closed > grace or silent > self.heartbeat_timeout):
                     self.declare_dead(
                         job.name, process.incarnation,
-                        f"its connection closed {closed:.1f} s ago without a Leave and it has not been heard from since "
-                        f"(killed, crashed, or its host lost the network; last seen {silent:.1f} s ago)",
+                        # (durations, not "N s ago": the reason is quoted again later, in the
+                        # rounds it fails and a restart's message)
+                        f"its connection closed without a Leave and it was not heard from in the {closed:.1f} s after "
+                        f"(killed, crashed, or its host lost the network; silent {silent:.1f} s in all)",
                     )
                 elif process.alive and silent > self.heartbeat_timeout:
                     # (one silent since a restore may have died while the coordinator was down)

@@ -952,7 +952,7 @@ _ROUNDS_NAMED_AT_STOP = 3
 def _pending_at_stop(core: Core, kept: bool) -> str:
     """For the stopping line: the rounds still waiting and for whom (their members' calls end
     unanswered: ``kept`` in a state file, they call again once a coordinator is back, and
-    the round goes on; else it is forgotten)."""
+    the round is made again from their resends; else it is forgotten)."""
     now = time.monotonic()
     pending = [(job, rnd) for job in core.jobs.values() for rnd in job.pending.values()]
     if not pending:
@@ -963,7 +963,9 @@ def _pending_at_stop(core: Core, kept: bool) -> str:
         for job, rnd in pending[:_ROUNDS_NAMED_AT_STOP]
     )
     more = f"; and {len(pending) - _ROUNDS_NAMED_AT_STOP} more" if len(pending) > _ROUNDS_NAMED_AT_STOP else ""
-    after = "kept in the state file, to go on once a coordinator is back" if kept else "not kept in a state file: lost"
+    # (the state file keeps finished rounds: a pending one is made again by its members'
+    # resends, its age counted from then; "kept in the state file" said otherwise)
+    after = "to be resent by its members to a coordinator restarted from the state file" if kept else "not kept in a state file: lost"
     return f"; {_plural(len(pending), 'round')} pending, {after}: {named}{more}"
 
 
