@@ -823,7 +823,6 @@ _RANGES_SHOWN = 40
 
 
 def _ranges_cut(ordinals: list[int]) -> str:
-
     return format_ranges(ordinals, _RANGES_SHOWN)
 
 
@@ -896,7 +895,6 @@ def _closed(participant) -> bool:
 def summarize_job(job) -> dict:
     """What ``status`` shows of one ``JobStatus``: hosts, unregistered ordinals and, per
     pending round, the missing ordinals grouped by host."""
-
     by_ordinal = {p.ordinal: p for p in job.participants}
     hosts: dict[str, dict] = {}
     for p in job.participants:
@@ -1009,7 +1007,6 @@ _FINISHED_SHOWN = 3  # finished jobs shown in full by status; more are named on 
 
 def render_status(response, address: str) -> str:
     """The ``status`` table of every job in ``response``."""
-
     ours = response.coordinator_version
     coordinator = f"coordinator {address}" + (f" (pjrt-rendezvous {ours})" if ours else "")
     if not response.jobs:
