@@ -815,6 +815,17 @@ def _pids(
     return ", ".join(shown)
 
 
+def _host_pids(host: dict) -> tuple[str, bool]:
+    """A host's pids as :func:`_pids` marks them, and whether every one is unheard since a
+    restart (their last seen counts from it: they may have been gone long before): then
+    the host is marked as a whole, else each unheard pid (the whole host was marked, its
+    heard processes too)."""
+    unheard = set(host["unheardPids"])
+    every = bool(unheard) and unheard >= set(host["pids"])
+    closed, dead, left = set(host["closedPids"]), set(host["deadPids"]), set(host["leftPids"])
+    return _pids(host["pids"], dead, left, closed, set() if every else unheard), every
+
+
 # A pending round's missing ordinals in `status`, one line per host: this many hosts at most
 # (a round of 512 hosts took 512 lines); and ordinals as ranges cut short past _RANGES_SHOWN
 # characters (a strided group, every 8th ordinal of 512, widened every line of its table).
@@ -844,9 +855,7 @@ def _where(missing_by_host: list[dict], refused: set[int]) -> list[str]:
         if len(lines) - nowhere >= _HOSTS_SHOWN:
             more.append(m)
             continue
-        unheard = set(m["unheardPids"])  # (their last seen counts from the restart: they may have been gone long before)
-        every = unheard == set(m["pids"])
-        pids = _pids(m["pids"], set(m["deadPids"]), set(m["leftPids"]), set(m["closedPids"]), set() if every else unheard)
+        pids, every = _host_pids(m)
         detail = [f"pid{'s' if len(m['pids']) != 1 else ''} {pids}"]
         if every:
             detail.append(f"not heard from since the coordinator restarted {_age(m['lastSeenAge'])} ago")
@@ -1051,20 +1060,17 @@ def render_status(response, address: str) -> str:
             said = f" ({'; '.join(where)})" if where != [f"{_ranges_cut(ordinals)} never registered"] else ""
             lines.append(f"  not registered: ordinal{'s' if len(ordinals) > 1 else ''} {_ranges_cut(ordinals)}{said}")
         if summary["hosts"]:
-            # A host whose processes are all unheard since a restart is marked as a whole,
-            # else each unheard pid (the whole host was marked, its heard ones too); ended
-            # ordinals are named as such ("(2 ended)" read as a count).
             rows = [
                 [
                     h["host"],
                     _processes_cell(h),
-                    _pids(h["pids"], set(h["deadPids"]), set(h["leftPids"]), set(h["closedPids"]), set() if every else unheard),
+                    pids,
+                    # (ended ordinals named as such: "(2 ended)" read as a count)
                     h["ranges"] + (f" ({_ordinals(h['endedOrdinals'])} ended)" if h["endedOrdinals"] else ""),
                     f"{_age(h['lastSeenAge'])} ago" + (" (not since the restart)" if every else ""),
                 ]
                 for h in summary["hosts"]
-                for unheard in [set(h["unheardPids"])]
-                for every in [bool(unheard) and unheard >= set(h["pids"])]
+                for pids, every in [_host_pids(h)]
             ]
             lines += [""] + _table(["HOST", "PROCESSES", "PIDS", "ORDINALS", "LAST SEEN"], rows)
         if summary["pendingRounds"]:
