@@ -992,8 +992,8 @@ def summarize_job(job) -> dict:
 
 
 def status_json(response, address: str) -> dict:
-    """``status --json``: every field of the StatusResponse (``coordinatorVersion``, ``jobs``;
-    proto3 JSON names, numbers as numbers) plus the ``address`` asked and, per job,
+    """``status --json``: every field of the StatusResponse (``coordinatorVersion``, ``jobs``,
+    ``unknownJobs``; proto3 JSON names, numbers as numbers) plus the ``address`` asked and, per job,
     ``hosts``, ``notRegistered``, ``notRegisteredByHost`` and per pending round ``group``,
     ``expected`` and ``missingByHost``."""
     jobs = []
@@ -1008,7 +1008,10 @@ def status_json(response, address: str) -> dict:
             plain["expected"] = derived["expected"]
             plain["missingByHost"] = derived["missingByHost"]
         jobs.append(data)
-    return {"address": address, "coordinatorVersion": response.coordinator_version, "jobs": jobs}
+    return {
+        "address": address, "coordinatorVersion": response.coordinator_version, "jobs": jobs,
+        "unknownJobs": [_plain(u) for u in response.unknown_jobs],
+    }
 
 
 _FINISHED_SHOWN = 3  # finished jobs shown in full by status; more are named on one line
@@ -1018,9 +1021,7 @@ def render_status(response, address: str) -> str:
     """The ``status`` table of every job in ``response``."""
     ours = response.coordinator_version
     coordinator = f"coordinator {address}" + (f" (pjrt-rendezvous {ours})" if ours else "")
-    if not response.jobs:
-        return f"{coordinator}: no jobs\n"
-    lines = [f"{coordinator}: {_plural(len(response.jobs), 'job')}"]
+    lines = [f"{coordinator}: {_plural(len(response.jobs), 'job') if response.jobs else 'no jobs'}"]
     # A long-lived coordinator keeps up to --max-jobs finished runs: past a few, one line.
     finished = [
         j.job for j in response.jobs
@@ -1096,6 +1097,13 @@ def render_status(response, address: str) -> str:
             "",
             f"{len(names)} finished jobs (every process left or dead; `status --job NAME` shows one, "
             f"--json all): {', '.join(map(repr, names[:20]))}{more}",
+        ]
+    unknown = response.unknown_jobs
+    if unknown:  # (their processes' calls refused: the serve log has a line for each job too)
+        lines += ["", f"jobs this coordinator does not know, whose processes still call it (refused: {unknown[0].reason}):"]
+        lines += [
+            f"  job {u.job!r}: {_plural(u.processes, 'process')}, the last heard from {_age(u.last_call_age)} ago"
+            for u in unknown
         ]
     return "\n".join(lines) + "\n"
 

@@ -73,6 +73,11 @@ DISCONNECTED_GRACE = 10.0
 _REFUSED_KEPT = 1024  # tasks whose registration was refused, remembered per job (Core.register)
 _OUTSIDER_CALLS_KEPT = 1024  # ordinals' calls from outside their replicas remembered per job (Core._replicas_group)
 _EVENTS_KEPT = 1000  # the latest events of a job (EventLog)
+# Jobs this coordinator does not know whose processes heartbeat it (Core.unknown_jobs): how
+# many names, how many processes each, and for how long after its last heartbeat.
+_UNKNOWN_JOBS_KEPT = 16
+_UNKNOWN_PROCESSES_KEPT = 4096
+UNKNOWN_KEPT_FOR = 600.0  # seconds
 _DECLARED = "the coordinator's --world-size"
 
 
@@ -421,6 +426,16 @@ class JobView:
     world_missing_summary: str = ""
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UnknownJobView:
+    """A job this coordinator does not know whose processes heartbeat it (status)."""
+
+    job: str
+    processes: int  # heard from in the last UNKNOWN_KEPT_FOR seconds (at most _UNKNOWN_PROCESSES_KEPT)
+    last_call_age: float
+    reason: str  # why the coordinator may not know it
+
+
 class Contribution(NamedTuple):
     """One ordinal's part of a round. :meth:`Core.arrive` takes any tuple of these fields in
     this order: the rows a request's lists make (``client/_wire.py``) are used as they are,
@@ -581,6 +596,10 @@ class Core:
         # the longest timeout the processes may still heartbeat by: they may not have been
         # told this one yet), see ``_state.restore``; None again once that time has passed.
         self.restored: tuple[float, float, float | None] | None = None
+        # Jobs not known here whose processes heartbeat (a coordinator restarted without its
+        # state file, say): name -> {incarnation: when last heard}, least recently heard
+        # first, for status (unknown_jobs).
+        self.unknown: dict[str, dict[str, float]] = {}
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -734,6 +753,7 @@ class Core:
             self._changed()
             self._wakeups.append(("dropped", dropped.name, job.name))
         self.jobs[job.name] = job
+        self.unknown.pop(job.name, None)
         self._journaled(("job", job.name, job.store_id))  # (a job of keys alone is in the journal only)
 
     def _job_or_create(self, name: str) -> Job:
@@ -2408,20 +2428,49 @@ class Core:
         """A heartbeat: the process is alive now. Returns the job's generation."""
         if job_name not in self.jobs:  # a process of a job this coordinator does not know: the operator hears of it
             error = self._unknown_job(job_name)
-            why = (
-                "it has no --state-file, so a restart forgot its jobs, whose processes must start again"
-                if self.journal is None else
-                "its job was dropped at --max-jobs, or the process was started for another coordinator"
-            )
             shown = job_name[: self.limits.max_name_length]
+            heard = self.unknown.pop(shown, None) or {}
+            self.unknown[shown] = heard  # (the most recently heard last)
+            heard.pop(incarnation, None)
+            heard[incarnation] = now
+            if len(heard) > _UNKNOWN_PROCESSES_KEPT:
+                del heard[next(iter(heard))]
+            if len(self.unknown) > _UNKNOWN_JOBS_KEPT:
+                del self.unknown[next(iter(self.unknown))]
             error.warn = (
                 ("unknown job", shown), "unknown_job",
-                f"refused calls from processes of job {shown!r}, which this coordinator does not know: {why}",
+                f"refused calls from processes of job {shown!r}, which this coordinator does not know: "
+                f"{self._why_unknown()}",
             )
             raise error
         job = self._job(job_name)
         self._process(job, incarnation, now)
         return job.generation
+
+    def _why_unknown(self) -> str:
+        return (
+            "it has no --state-file, so a restart forgot its jobs, whose processes must start again"
+            if self.journal is None else
+            "its job was dropped at --max-jobs, or the process was started for another coordinator"
+        )
+
+    def unknown_jobs(self, now: float) -> list[UnknownJobView]:
+        """Jobs not known here whose processes heartbeat it (their calls refused), heard from
+        in the last UNKNOWN_KEPT_FOR seconds, by name."""
+        for name, heard in list(self.unknown.items()):
+            for incarnation in [i for i, when in heard.items() if now - when > UNKNOWN_KEPT_FOR]:
+                del heard[incarnation]
+            if not heard:
+                del self.unknown[name]
+        return [
+            UnknownJobView(
+                job=name,
+                processes=len(heard),
+                last_call_age=max(0.0, now - max(heard.values())),
+                reason=self._why_unknown(),
+            )
+            for name, heard in sorted(self.unknown.items())
+        ]
 
     def _participants(self, job: Job, now: float | None) -> list[ParticipantView]:
         views = []
@@ -2452,6 +2501,13 @@ class Core:
         return views
 
     def status(self, now: float, job_name: str = "", *, participants: bool = True) -> list[JobView]:
+        if job_name and job_name not in self.jobs:
+            error = self._unknown_job(job_name)
+            heard = [v for v in self.unknown_jobs(now) if v.job == job_name]
+            raise CoreError(error.code, error.message + "".join(
+                f"; {_plural(v.processes, 'process')} of it heartbeat this coordinator, the last "
+                f"{_duration(v.last_call_age)} s ago" for v in heard
+            ))
         jobs = [self._job(job_name)] if job_name else [self.jobs[n] for n in sorted(self.jobs)]
         views = []
         for job in jobs:

@@ -822,6 +822,10 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 for v in views
             ],
             coordinator_version=build(),
+            unknown_jobs=[
+                pb.UnknownJob(job=u.job, processes=u.processes, last_call_age=u.last_call_age, reason=u.reason)
+                for u in ([] if request.job else self._core.unknown_jobs(self._clock()))
+            ],
         )
         await self._persist()  # (what it tells, as WaitWorld)
         return response

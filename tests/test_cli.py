@@ -338,6 +338,53 @@ def test_status_of_an_unknown_job_or_an_absent_coordinator_fails_with_a_message(
     assert gone.returncode == 1 and "pjrt-rendezvous status:" in gone.stderr
 
 
+def test_status_names_a_forgotten_job_whose_processes_still_call():
+    """A coordinator restarted without a state file forgets its job while the job's processes
+    go on calling it, each call refused: status said "no jobs" (one serve log line told of
+    them). It names the job, how many of its processes call and when the last did, in the
+    table, in --json and for `status --job`; a job registered under the name again is no
+    longer listed."""
+    ports = [str(free_port()), str(free_port())]
+    flags = ("--port", ports[0], "--session-port", ports[1], "--heartbeat-timeout", "3")
+    with Serve(*flags, port_flag=False) as first:
+        clients = [simulated_process(first.address, t, processes=2, threads=1) for t in range(2)]
+        threads = [bound_thread(c, 0)[0] for c in clients]
+        first.wait_for_line("world formed")
+        first.proc.kill()  # (no drain: as a crash)
+        first.proc.wait(10)
+    try:
+        with Serve(*flags, port_flag=False) as second:
+            heard = wait_until(
+                lambda: (r := run_cli("status", "--address", second.address)).returncode == 0
+                and "2 processes" in r.stdout and r.stdout,
+                timeout=30, what="both processes' refused heartbeats",
+            )
+            assert heard.startswith(f"coordinator {second.address} (pjrt-rendezvous "), heard
+            assert re.search(
+                r": no jobs\n\njobs this coordinator does not know, whose processes still call it \(refused: it has "
+                r"no --state-file, so a restart forgot its jobs, whose processes must start again\):\n"
+                r"  job 'default': 2 processes, the last heard from \d+\.\d s ago\n$", heard,
+            ), heard
+            as_json = json.loads(run_cli("status", "--address", second.address, "--json").stdout)
+            (unknown,) = as_json["unknownJobs"]
+            assert (unknown["job"], unknown["processes"]) == ("default", 2) and 0 <= unknown["lastCallAge"] < 10
+            one = run_cli("status", "--address", second.address, "--job", "default")
+            assert one.returncode == 1 and "job 'default' is not known" in one.stderr, one.stderr
+            assert re.search(r"; 2 processes of it heartbeat this coordinator, the last \d+\.\d+ s ago$", one.stderr.strip())
+
+            fresh = simulated_process(second.address, 0, processes=2, threads=1)
+            threads.append(bound_thread(fresh, 0)[0])  # (its registration makes the job again)
+            after = json.loads(run_cli("status", "--address", second.address, "--json").stdout)
+            assert [j["job"] for j in after["jobs"]] == ["default"] and after["unknownJobs"] == [], after
+            fresh.close()
+            second.stop()
+    finally:
+        for c in clients:
+            c.close()
+        for t in threads:
+            t.join(10)
+
+
 def test_status_finds_the_coordinator_where_serve_s_variables_put_it():
     """Next to a serve configuration (the image sets PJRT_RENDEZVOUS_HOST=0.0.0.0 and
     _PORT), `status` without --address dials that port on this machine, as `health` does."""

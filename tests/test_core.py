@@ -1451,6 +1451,37 @@ def test_unknown_job_is_not_found():
             call()
 
 
+def test_unknown_jobs_lists_the_jobs_not_known_whose_processes_heartbeat():
+    """Heartbeats of a job the core does not know (a coordinator restarted without its state
+    file) are refused and remembered for status: per job the processes heard from in the last
+    ten minutes and when the last was; `status` of that job says so; a job made under the
+    name ends it; names and processes are bounded."""
+    core = make_pod(1).core
+    for incarnation, now in (("a", 0.0), ("b", 1.0), ("a", 2.0)):
+        with raises(Code.NOT_FOUND, "'gone'"):
+            core.touch("gone", incarnation, now)
+    (view,) = core.unknown_jobs(5.0)
+    assert (view.job, view.processes, view.last_call_age) == ("gone", 2, 3.0)
+    assert view.reason.startswith("it has no --state-file, so a restart forgot its jobs")
+    with raises(Code.NOT_FOUND, "job 'gone' is not known", "; 2 processes of it heartbeat this coordinator, the last 3.0 s ago"):
+        core.status(5.0, "gone")
+    # b was last heard at 1.0, a at 2.0: each forgotten ten minutes after
+    assert [v.processes for v in core.unknown_jobs(601.5)] == [1]
+    assert core.unknown_jobs(602.5) == [] and core.unknown == {}
+
+    for n in range(20):  # at most 16 names, the least recently heard dropped first
+        with raises(Code.NOT_FOUND):
+            core.touch(f"gone-{n}", "a", 700.0 + n)
+    assert [v.job for v in core.unknown_jobs(720.0)] == sorted(f"gone-{n}" for n in range(4, 20))
+    for n in range(4100):  # at most 4,096 processes a job
+        with raises(Code.NOT_FOUND):
+            core.touch("gone-19", f"p{n}", 720.0)
+    assert {v.job: v.processes for v in core.unknown_jobs(720.0)}["gone-19"] == 4096
+
+    core.register(721.0, registration(0, 1, 1, job="gone-19"))
+    assert "gone-19" not in {v.job for v in core.unknown_jobs(721.0)}
+
+
 def test_an_unregistered_incarnation_cannot_arrive():
     """arrive() from an incarnation the job does not know is FAILED_PRECONDITION."""
     pod = make_pod(2)

@@ -595,10 +595,24 @@ class JobStatus(_message.Message):
     world_missing_summary: str
     def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., registered: _Optional[int] = ..., generation: _Optional[int] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., pending_rounds: _Optional[_Iterable[_Union[PendingRound, _Mapping]]] = ..., rounds_completed: _Optional[int] = ..., kv_keys: _Optional[int] = ..., refused: _Optional[_Iterable[_Union[RefusedTask, _Mapping]]] = ..., devices_per_task: _Optional[int] = ..., world_missing_summary: _Optional[str] = ...) -> None: ...
 
+class UnknownJob(_message.Message):
+    __slots__ = ("job", "processes", "last_call_age", "reason")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    LAST_CALL_AGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    processes: int
+    last_call_age: float
+    reason: str
+    def __init__(self, job: _Optional[str] = ..., processes: _Optional[int] = ..., last_call_age: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class StatusResponse(_message.Message):
-    __slots__ = ("jobs", "coordinator_version")
+    __slots__ = ("jobs", "coordinator_version", "unknown_jobs")
     JOBS_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_VERSION_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_JOBS_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
     coordinator_version: str
-    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., coordinator_version: _Optional[str] = ...) -> None: ...
+    unknown_jobs: _containers.RepeatedCompositeFieldContainer[UnknownJob]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., coordinator_version: _Optional[str] = ..., unknown_jobs: _Optional[_Iterable[_Union[UnknownJob, _Mapping]]] = ...) -> None: ...
