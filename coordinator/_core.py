@@ -77,7 +77,7 @@ _EVENTS_KEPT = 1000  # the latest events of a job (EventLog)
 # many names, how many processes each, and for how long after its last heartbeat.
 _UNKNOWN_JOBS_KEPT = 16
 _UNKNOWN_PROCESSES_KEPT = 4096
-UNKNOWN_KEPT_FOR = 600.0  # seconds
+_UNKNOWN_KEPT_FOR = 600.0  # seconds
 _DECLARED = "the coordinator's --world-size"
 
 
@@ -431,7 +431,7 @@ class UnknownJobView:
     """A job this coordinator does not know whose processes heartbeat it (status)."""
 
     job: str
-    processes: int  # heard from in the last UNKNOWN_KEPT_FOR seconds (at most _UNKNOWN_PROCESSES_KEPT)
+    processes: int  # heard from in the last _UNKNOWN_KEPT_FOR seconds (at most _UNKNOWN_PROCESSES_KEPT)
     last_call_age: float
     reason: str  # why the coordinator may not know it
 
@@ -2426,26 +2426,31 @@ class Core:
 
     def touch(self, job_name: str, incarnation: str, now: float) -> int:
         """A heartbeat: the process is alive now. Returns the job's generation."""
-        if job_name not in self.jobs:  # a process of a job this coordinator does not know: the operator hears of it
-            error = self._unknown_job(job_name)
-            shown = job_name[: self.limits.max_name_length]
-            heard = self.unknown.pop(shown, None) or {}
-            self.unknown[shown] = heard  # (the most recently heard last)
-            heard.pop(incarnation, None)
-            heard[incarnation] = now
-            if len(heard) > _UNKNOWN_PROCESSES_KEPT:
-                del heard[next(iter(heard))]
-            if len(self.unknown) > _UNKNOWN_JOBS_KEPT:
-                del self.unknown[next(iter(self.unknown))]
-            error.warn = (
-                ("unknown job", shown), "unknown_job",
-                f"refused calls from processes of job {shown!r}, which this coordinator does not know: "
-                f"{self._why_unknown()}",
-            )
-            raise error
+        if job_name not in self.jobs:
+            raise self._heard_unknown(job_name, incarnation, now)
         job = self._job(job_name)
         self._process(job, incarnation, now)
         return job.generation
+
+    def _heard_unknown(self, job_name: str, incarnation: str, now: float) -> CoreError:
+        """A process of a job this coordinator does not know heartbeats: its refusal, which
+        the operator hears of (in the log, and from status: ``unknown_jobs``)."""
+        error = self._unknown_job(job_name)
+        shown = job_name[: self.limits.max_name_length]
+        heard = self.unknown.pop(shown, None) or {}
+        self.unknown[shown] = heard  # (the most recently heard last)
+        incarnation = incarnation[: self.limits.max_name_length]  # (as its name: a bound on what is kept)
+        heard.pop(incarnation, None)
+        heard[incarnation] = now
+        if len(heard) > _UNKNOWN_PROCESSES_KEPT:
+            del heard[next(iter(heard))]
+        if len(self.unknown) > _UNKNOWN_JOBS_KEPT:
+            del self.unknown[next(iter(self.unknown))]
+        error.warn = (
+            ("unknown job", shown), "unknown_job",
+            f"refused calls from processes of job {shown!r}, which this coordinator does not know: {self._why_unknown()}",
+        )
+        return error
 
     def _why_unknown(self) -> str:
         return (
@@ -2456,9 +2461,9 @@ class Core:
 
     def unknown_jobs(self, now: float) -> list[UnknownJobView]:
         """Jobs not known here whose processes heartbeat it (their calls refused), heard from
-        in the last UNKNOWN_KEPT_FOR seconds, by name."""
+        in the last _UNKNOWN_KEPT_FOR seconds, by name."""
         for name, heard in list(self.unknown.items()):
-            for incarnation in [i for i, when in heard.items() if now - when > UNKNOWN_KEPT_FOR]:
+            for incarnation in [i for i, when in heard.items() if now - when > _UNKNOWN_KEPT_FOR]:
                 del heard[incarnation]
             if not heard:
                 del self.unknown[name]
