@@ -792,6 +792,11 @@ class Core:
                     + ("" if dropped else " (if this process did not restart, two processes on one host share "
                        "one task id and local rank: check PJRT_RENDEZVOUS_TASK_ID, CLOUD_TPU_TASK_ID, "
                        "TPU_WORKER_ID and PJRT_LOCAL_PROCESS_RANK)"),
+                    warn=(
+                        ("replaced", job.name, incarnation), "dead_process_called",
+                        f"refused calls from a process {'dropped' if dropped else 'replaced'} in job {job.name!r}, "
+                        f"which takes no part any more: {said}",
+                    ),
                 )
             raise CoreError(
                 Code.FAILED_PRECONDITION,
@@ -838,7 +843,7 @@ class Core:
         if job.world_size is not None and job.world_size != world_size:
             # Restored from a state file: the operator changed the size, so the job is a new
             # run of that size (a coordinator that refused to start would restart in a loop).
-            self._start_afresh(job, f"its world size changed from {job.world_size} to {world_size}")
+            self._start_afresh(job, f"the coordinator was given world size {world_size} for it, {job.world_size} before")
         job.world_size = world_size
         job.world_fixed_by = _DECLARED
         self._changed()
@@ -2076,9 +2081,12 @@ class Core:
         registration gives no process age: it is then taken for a relaunch)."""
         return 0 < r.process_age < math.inf and now - r.process_age < when
 
-    def _start_afresh(self, job: Job, why: str = "every process of the last run is gone") -> None:
+    def _start_afresh(self, job: Job, why: str | None = None) -> None:
         """A new run starts from an empty rank table (keys stay: a new run may have written
-        some before registering); the last run's pending rounds fail."""
+        some before registering); the last run's pending rounds fail. Without ``why``, a
+        relaunch: every process of the last run is gone, and those not yet declared dead
+        (their connections closed, or not heard from since a restart) are now."""
+        relaunch, why = why is None, why or "every process of the last run is gone"
         error = CoreError(Code.ABORTED, f"job {job.name!r} starts afresh: {why}")
         for rnd in list(job.pending.values()):
             self._fail(job, rnd, error)
@@ -2091,11 +2099,18 @@ class Core:
             )
 
         job.last_run = {p.task_id: f"{p.label()}, which {fate(p) or f'was dropped ({why})'}" for p in job.processes.values()}
-        for p in job.processes.values():
-            if p.alive:  # (should it call again, it is told why it takes no part)
-                self._remember_replaced(job, p.incarnation, f"job {job.name!r} started afresh ({why})" + (
-                    f" as this process {fate(p)}" if fate(p) else ""
-                ))
+        for p in list(job.processes.values()):
+            if not p.alive:
+                continue
+            # (should it call again, it is told why it takes no part)
+            self._remember_replaced(job, p.incarnation, f"job {job.name!r} started afresh ({why}) " + (
+                f"as this process ({p.label()}) {fate(p)}" if relaunch else f"while this process ({p.label()}) was of the run before"
+            ))
+            if relaunch:  # (a job killed and relaunched at once left no other word of its processes' end)
+                self.declare_dead(job.name, p.incarnation, (
+                    "its connection closed without a Leave" if p.disconnected is not None
+                    else "it was not heard from since the coordinator restarted"
+                ) + f", and a new run of job {job.name!r} registered before it was heard from again")
         job.processes.clear()
         job.tasks.clear()
         job.members.clear()

@@ -265,13 +265,26 @@ def test_declaring_another_world_size_starts_the_job_afresh_keeping_its_keys():
     pod.core.declare_job(JOB, 4)
     pod.core.kv_set(JOB, [("k", b"v")])
     key = pod.arrive([0, 1])
+    for process in pod.core.jobs[JOB].processes.values():
+        process.restored = True  # (as a restore from the state file leaves them)
     pod.core.declare_job(JOB, 6)
-    assert_message(pod.error(key), Code.ABORTED, "starts afresh", "world size changed from 4 to 6")
+    assert_message(pod.error(key), Code.ABORTED, "starts afresh: the coordinator was given world size 6 for it, 4 before")
     job = pod.core.jobs[JOB]
     assert (job.world_size, job.generation, job.members, job.devices_per_task) == (6, 2, {}, None)
     assert pod.core.kv_get(JOB, ["k"]) == [b"v"]
-    with raises(Code.FAILED_PRECONDITION, "'inc-0' of job 'job' was dropped: job 'job' started afresh (its world size changed from 4 to 6); it takes"):
+    assert not [e for e in job.events if e.kind == "PROCESS_DEAD"]  # (dropped by the operator, not dead)
+    # (Not "as this process was not heard from since the coordinator restarted": it could not have been.)
+    with raises(
+        Code.FAILED_PRECONDITION,
+        "'inc-0' of job 'job' was dropped: job 'job' started afresh (the coordinator was given world size 6 for it, "
+        "4 before) while this process (host-0 pid 1000) was of the run before; it takes no part any more",
+    ) as refused:
         pod.core.register(0.0, registration(0, 3, 2))  # a process of the last run
+    assert refused.error.warn == (  # (serve logs it once: such processes may call on for ever)
+        ("replaced", JOB, "inc-0"), "dead_process_called",
+        "refused calls from a process dropped in job 'job', which takes no part any more: job 'job' started afresh "
+        "(the coordinator was given world size 6 for it, 4 before) while this process (host-0 pid 1000) was of the run before",
+    )
     pod.core.register(0.0, registration(0, 3, 2, incarnation="new-0"))  # 3 tasks x 2 devices now
 
 
@@ -2310,11 +2323,18 @@ def test_a_new_task_joins_a_run_whose_connections_closed_unless_it_started_after
         pod.core.disconnect(JOB, incarnation_of(0), 10.0)
         registered = pod.register(1, now=12.0, process_age=age)  # (started at 7.0, or at 11.0)
         assert registered.generation == (1 if joins else 2), age
+        deaths = [e.message for e in pod.core.jobs[JOB].events if e.kind == "PROCESS_DEAD"]
         if joins:
             pod.arrive(1, now=12.0, deadline=30.0)
             assert pod.result(key) == [payload_of(0), payload_of(1)]
+            assert deaths == []
         else:
             assert "starts afresh" in pod.error(key).message
+            # (logged and counted: a job killed and relaunched at once left no word of its processes' end)
+            assert deaths == [
+                "ordinal 0 (host-0 pid 1000, task 0) died: its connection closed without a Leave, and a new run of job "
+                "'job' registered before it was heard from again"
+            ], deaths
 
 
 def test_a_relaunch_of_a_task_the_run_had_starts_afresh_however_old_its_process():

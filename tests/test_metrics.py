@@ -593,6 +593,39 @@ def test_every_round_a_death_fails_is_counted_and_logged(caplog):
     assert 'pjrt_rendezvous_rounds_failed_total{rendezvous_job="j",code="ABORTED"} 3' in metrics.render(core, 5.0)
 
 
+def test_a_job_killed_and_relaunched_at_once_counts_and_logs_its_processes_dead(caplog):
+    """Every process of a job killed (their connections closed) and the job relaunched before
+    any was declared dead: the new run starts afresh, and the last run's processes went
+    without a log line or a count (the documented alert on process_events_total{event="dead"}
+    never fired for a job a controller relaunches). Each is now declared dead as it ends."""
+    from pjrt_rendezvous.coordinator import Core
+    from pjrt_rendezvous.coordinator._core import Registration, ThreadRequest
+    from pjrt_rendezvous.coordinator._metrics import Metrics
+    from pjrt_rendezvous.coordinator._monitor import Monitor
+
+    def register(run: str, task: int, now: float) -> None:
+        core.register(now, Registration(job="j", incarnation=f"{run}{task}", host="h", pid=10 * len(run) + task,
+                                        task_id=task, num_tasks=2, devices_per_task=1, local_rank=task,
+                                        threads=(ThreadRequest(thread_index=0),)))
+
+    core, metrics = Core(heartbeat_timeout=60.0), Metrics()
+    monitor = Monitor(core, metrics, clock=lambda: 5.0)
+    for task in range(2):
+        register("a", task, 0.0)
+    for task in range(2):
+        core.disconnect("j", f"a{task}", 1.0)  # kill -9
+    register("bb", 0, 2.0)  # relaunched: a new run
+    with caplog.at_level("WARNING", logger="pjrt_rendezvous.coordinator"):
+        monitor.woke(core.take_wakeups())
+    dead = [(r.pid, r.getMessage()) for r in caplog.records if getattr(r, "event", "") == "process_dead"]
+    assert dead == [
+        (10 + task, f"process dead in job 'j': ordinal {task} (h pid {10 + task}, task {task}) died: its connection "
+         "closed without a Leave, and a new run of job 'j' registered before it was heard from again")
+        for task in range(2)
+    ], dead
+    assert 'pjrt_rendezvous_process_events_total{rendezvous_job="j",event="dead"} 2' in metrics.render(core, 5.0)
+
+
 def test_rounds_failed_again_for_a_cause_told_are_counted_not_each_logged(caplog):
     """A program that catches ParticipantFailedError and goes on calling fails every round at
     once after a death: each was a full WARNING (thousands of lines a second). The first
