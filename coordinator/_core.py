@@ -596,6 +596,9 @@ class Core:
         # the longest timeout the processes may still heartbeat by: they may not have been
         # told this one yet), see ``_state.restore``; None again once that time has passed.
         self.restored: tuple[float, float, float | None] | None = None
+        # When a restored core started serving: its processes' connections closed then, and
+        # one not heard from since is judged as a process whose connection closed.
+        self.restarted_at: float | None = None
         # Jobs not known here whose processes heartbeat (a coordinator restarted without its
         # state file, say): name -> {incarnation: when last heard}, least recently heard
         # first, for status (unknown_jobs).
@@ -1889,7 +1892,7 @@ class Core:
         if self.restored is None or now <= self.restored[0]:
             return
         read_at, window, before = self.restored
-        self.restored = (now, window, before)
+        self.restored, self.restarted_at = (now, window, before), now
         for job in self.jobs.values():
             for process in job.processes.values():
                 if process.last_seen <= read_at:
@@ -1897,9 +1900,9 @@ class Core:
 
     def check_liveness(self, now: float) -> None:
         """Declares dead every process not heard from within the heartbeat timeout, and
-        every one whose connection closed without a Leave longer than its grace ago
-        (DISCONNECTED_GRACE); nobody in the window after a restore, nor without a heartbeat
-        timeout."""
+        every one whose connection closed without a Leave (or, restored from the state file,
+        not heard from since the restart) longer than its grace ago (DISCONNECTED_GRACE);
+        nobody in the window after a restore, nor without a heartbeat timeout."""
         if self.heartbeat_timeout is None:
             return
         if self.restored is not None:
@@ -1908,10 +1911,23 @@ class Core:
             self.restored = None
         for job in self.jobs.values():
             for process in list(job.processes.values()):
+                if not process.alive:
+                    continue
                 silent = now - process.last_seen
                 closed = None if process.disconnected is None else now - process.disconnected
                 grace = min(max(DISCONNECTED_GRACE, 2 * process.heartbeat_interval), self.heartbeat_timeout)
-                if process.alive and closed is not None and (closed > grace or silent > self.heartbeat_timeout):
+                if process.restored and self.restarted_at is not None:
+                    # Not heard from since a restore: its connection closed as the coordinator
+                    # stopped, and a live process's comes back within seconds (its watch, its
+                    # next heartbeat). It may have ended while the coordinator was down.
+                    since = now - self.restarted_at
+                    if since > grace:
+                        self.declare_dead(
+                            job.name, process.incarnation,
+                            f"not heard from in the {since:.1f} s since the coordinator restarted from its state "
+                            "file (it may have ended while the coordinator was down)",
+                        )
+                elif closed is not None and (closed > grace or silent > self.heartbeat_timeout):
                     self.declare_dead(
                         job.name, process.incarnation,
                         # (durations, not "N s ago": the reason is quoted again later, in the
@@ -1919,14 +1935,10 @@ class Core:
                         f"its connection closed without a Leave and it was not heard from in the {closed:.1f} s after "
                         f"(killed, crashed, or its host lost the network; silent {silent:.1f} s in all)",
                     )
-                elif process.alive and silent > self.heartbeat_timeout:
-                    # (one silent since a restore may have died while the coordinator was down)
-                    silence = (
-                        f"not heard from since the coordinator restarted from its state file {silent:.1f} s ago"
-                        if process.restored else f"no heartbeat for {silent:.1f} s"
-                    )
+                elif silent > self.heartbeat_timeout:
                     self.declare_dead(
-                        job.name, process.incarnation, f"{silence} (heartbeat timeout {self.heartbeat_timeout:g} s)"
+                        job.name, process.incarnation,
+                        f"no heartbeat for {silent:.1f} s (heartbeat timeout {self.heartbeat_timeout:g} s)",
                     )
 
     def disconnect(self, job_name: str, incarnation: str, now: float) -> None:

@@ -259,7 +259,7 @@ def restore(
     core.version = body.get("version", 0)
     interval = max((p.heartbeat_interval for j in core.jobs.values() for p in j.processes.values() if p.alive), default=0.0)
     window = 3 * max(interval, _CLIENT_HEARTBEAT_INTERVAL)
-    core.restored = (now, min(math.inf if before is None else before, window), before)
+    core.restored, core.restarted_at = (now, min(math.inf if before is None else before, window), before), now
     return core
 
 

@@ -831,6 +831,33 @@ def test_a_restore_with_a_shorter_heartbeat_timeout_judges_nobody_until_the_old_
     assert _state.snapshot(second)["heartbeat_timeout"] == 3.0  # all told by now
 
 
+def test_a_process_not_heard_from_since_a_restore_is_judged_as_one_whose_connection_closed():
+    """A process that ended while the coordinator was down (a host rebooted with it): its
+    peers' rounds waited the whole heartbeat timeout after the restart (60 s) for it, where a
+    process killed while the coordinator runs is found within 10 s of its connection closing.
+    The restart closed every connection: one not heard from since is judged so, after the
+    restore's window (15 s: three default heartbeat intervals); one heard from is not."""
+    core = Core(heartbeat_timeout=60.0)
+    for task in range(3):
+        core.register(0.0, Registration(job="j", incarnation=f"i{task}", host="h", pid=task, task_id=task, num_tasks=3,
+                                        devices_per_task=1, local_rank=task, threads=(ThreadRequest(thread_index=0),),
+                                        heartbeat_interval=5.0))
+    restored = _state.restore(_state.decode(_state.encode(_state.snapshot(core))), now=100.0, heartbeat_timeout=60.0)
+    restored.serving_from(101.0)
+    restored.touch("j", "i0", 102.0)  # its watch reconnected at once
+    restored.check_liveness(115.5)  # (within the window)
+    assert all(p.alive for p in restored.jobs["j"].processes.values())
+    restored.touch("j", "i2", 115.9)  # its heartbeat, late in the window
+    restored.check_liveness(116.5)
+    assert [p.alive for p in restored.jobs["j"].processes.values()] == [True, False, True]
+    assert restored.jobs["j"].processes["i1"].death == (
+        "not heard from in the 15.5 s since the coordinator restarted from its state file (it may have ended while "
+        "the coordinator was down)"
+    )
+    restored.check_liveness(160.0)  # the others, heard from, are judged by their heartbeats alone
+    assert [p.alive for p in restored.jobs["j"].processes.values()] == [True, False, True]
+
+
 def test_a_restore_judges_nobody_until_its_longest_registered_heartbeat_interval_could_pass():
     """A process registered with heartbeat_interval=20 under a 60 s timeout heartbeats every
     20 s until an answer tells it a shorter timeout: restored with 10 s, it is not declared
@@ -869,7 +896,8 @@ def test_heartbeat_clocks_of_a_restore_start_when_serving_does(tmp_path, monkeyp
     # i1, silent since the restore, may have died while the coordinator was down: its
     # silence counts from the restart, and says so ("no heartbeat for 1.5 s" did not).
     assert restored.jobs["j"].processes["i1"].death == (
-        "not heard from since the coordinator restarted from its state file 1.5 s ago (heartbeat timeout 1 s)"
+        "not heard from in the 1.5 s since the coordinator restarted from its state file (it may have ended while "
+        "the coordinator was down)"
     )
     assert restored.jobs["j"].processes["i0"].death.startswith("no heartbeat for 31.0 s")  # (heard during the start)
 
