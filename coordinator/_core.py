@@ -747,11 +747,13 @@ class Core:
 
     def _insert_job(self, job: Job) -> None:
         """Adds a new job; at max_jobs the finished job used longest ago is dropped for it
-        (a long-lived coordinator serving a job name per run would otherwise fill up)."""
+        (a long-lived coordinator serving a job name per run would otherwise fill up), and
+        over it (a limit lowered at a restart) every finished job down to it, as they go."""
         self._uses = job.used = self._uses + 1
-        if len(self.jobs) >= self.limits.max_jobs:
+        while len(self.jobs) >= self.limits.max_jobs:
             dropped = self._droppable()
-            assert dropped is not None  # (_new_job refused already)
+            if dropped is None:  # (_new_job made sure of one)
+                break
             del self.jobs[dropped.name]
             self._changed()
             self._wakeups.append(("dropped", dropped.name, job.name))

@@ -682,6 +682,12 @@ def _core_to_serve(options: ServerOptions, files: "_state.Files | None") -> Core
                 ),
                 extra={"event": "restored", "jobs": len(core.jobs)},
             )
+            if len(core.jobs) > options.limits.max_jobs:
+                log.warning(
+                    "restored %d jobs, more than --max-jobs %d: each new job drops the finished ones down to it "
+                    "(a job is finished once every process of it is gone)", len(core.jobs), options.limits.max_jobs,
+                    extra={"event": "over_max_jobs", "jobs": len(core.jobs)},
+                )
             for name in core.undeclare_jobs(options.job if options.world_size is not None else None):
                 log.warning(
                     "job %s had a world size fixed by --world-size, which this coordinator does not give it: "

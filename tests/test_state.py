@@ -924,6 +924,40 @@ def test_heartbeat_clocks_of_a_restore_start_when_serving_does(tmp_path, monkeyp
     assert asyncio.run(main()) == [True, True]
 
 
+def test_a_max_jobs_lowered_at_a_restart_is_warned_of_and_each_new_job_drops_the_finished_down_to_it(tmp_path, caplog):
+    """Restarted with --max-jobs 2 over a state file of 5 jobs (an operator saving memory):
+    the restore said nothing, and each new job dropped one finished job, so the limit never
+    held again. The restore warns, and a new job drops every finished one down to it (a job
+    with a live process stays)."""
+    from pjrt_rendezvous.coordinator import Limits
+
+    core = Core(Limits(max_jobs=6))
+    for n in range(5):
+        core.register(0.0, Registration(job=f"run-{n}", incarnation=f"i{n}", host="h", pid=n, task_id=0, num_tasks=1,
+                                        devices_per_task=1, local_rank=0, threads=(ThreadRequest(thread_index=0),)))
+        if n != 2:  # (run-2 lives on)
+            core.leave(f"run-{n}", f"i{n}")
+    path = tmp_path / "state.json"
+    _state.write_atomic(path, _state.encode(_state.snapshot(core)))
+
+    async def main():
+        server = await start_server(ServerOptions(port=0, state_file=path, limits=Limits(max_jobs=2), session_port=None))
+        try:
+            server.core.register(1.0, Registration(job="new", incarnation="n", host="h", pid=9, task_id=0, num_tasks=1,
+                                                   devices_per_task=1, local_rank=0, threads=(ThreadRequest(thread_index=0),)))
+            return sorted(server.core.jobs)
+        finally:
+            await server.stop(None)
+
+    with caplog.at_level(logging.WARNING, logger="pjrt_rendezvous.coordinator"):
+        assert asyncio.run(main()) == ["new", "run-2"]
+    (warned,) = [r.getMessage() for r in caplog.records if getattr(r, "event", "") == "over_max_jobs"]
+    assert warned == (
+        "restored 5 jobs, more than --max-jobs 2: each new job drops the finished ones down to it (a job is "
+        "finished once every process of it is gone)"
+    )
+
+
 def test_a_write_out_of_open_files_is_tried_again_before_it_stops_serve(tmp_path, monkeypatch, caplog):
     """Out of open files (a peer opening connections and sending nothing can cause it), a
     rewrite's temporary file could not be made, and the write failed as a broken disk
