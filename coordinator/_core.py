@@ -680,14 +680,17 @@ class Core:
         raise self._unknown_job(name)
 
     def _unknown_job(self, name: str) -> CoreError:
-        known = ", ".join(repr(j) for j in sorted(self.jobs)[:10]) or "none"
+        known = (", ".join(repr(j) for j in sorted(self.jobs)[:10]) or "none") + (
+            f" and {len(self.jobs) - 10} more" if len(self.jobs) > 10 else ""
+        )
         shown = repr(name) if len(name) <= 80 else repr(name[:80]) + "..."
         return CoreError(
             Code.NOT_FOUND,
             f"job {shown} is not known to this coordinator (known jobs: {known}); "
-            "processes create a job by registering, or start the coordinator with --world-size "
-            "(a coordinator restarted without --state-file has forgotten its jobs: start the job "
-            "again, and give serve a --state-file)",
+            "processes create a job by registering, or start the coordinator with --world-size ("
+            + ("a coordinator restarted without --state-file has forgotten its jobs: start the job again, and give "
+               "serve a --state-file)" if self.journal is None else
+               "check the job's name (PJRT_RENDEZVOUS_JOB); a finished job is dropped at --max-jobs)"),
         )
 
     def _check_job_name(self, name: str) -> None:
@@ -996,7 +999,9 @@ class Core:
                 Code.FAILED_PRECONDITION,
                 f"job {job.name!r} has world size {job.world_size} (fixed by {job.world_fixed_by}), "
                 f"but task {r.task_id} on {r.host} pid {r.pid} declares {declared}; every process "
-                "of a job must agree on the number of tasks and devices per task",
+                "of a job must agree on the number of tasks and devices per task"
+                + ("" if job.world_fixed_by == _DECLARED else
+                   f" (if those are another job's processes, give each job a name of its own: PJRT_RENDEZVOUS_JOB)"),
             )
         if not afresh and job.devices_per_task is not None and job.devices_per_task != r.devices_per_task:
             raise CoreError(
@@ -1046,7 +1051,9 @@ class Core:
                     f"already registered by {holder.label()} (local rank {holder.local_rank}); "
                     f"{r.host} pid {r.pid} (local rank {r.local_rank}) claims the same task: two "
                     "processes share one task id; check PJRT_RENDEZVOUS_TASK_ID, CLOUD_TPU_TASK_ID, TPU_WORKER_ID and "
-                    f"PJRT_LOCAL_PROCESS_RANK{hint}",
+                    f"PJRT_LOCAL_PROCESS_RANK{hint}"
+                    + (f"; or two jobs share the job name {job.name!r} on this coordinator: give each its own "
+                       "(PJRT_RENDEZVOUS_JOB)" if holder.host != r.host else ""),
                 )
             replaced = holder
         if process is not None and process.task_id != r.task_id:
@@ -2569,10 +2576,11 @@ class Core:
                     pending_rounds=pending,
                     rounds_completed=job.rounds_completed,
                     kv_keys=len(job.kv),
-                    refused={  # (not a task another process holds: a duplicate refused beside it)
+                    refused={  # (not a task another process holds: a duplicate refused beside it; nor,
+                        # once the world formed, one outside it: another job's under the same name)
                         task: (self._ordinals_of_task(job, task), why)
                         for task, why in sorted(job.refused.items())
-                        if task not in job.tasks
+                        if task not in job.tasks and not (job.formed and not self._ordinals_of_task(job, task))
                     },
                     devices_per_task=job.devices_per_task or 0,
                     world_missing_summary=self._world_missing(job, now),

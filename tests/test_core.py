@@ -332,9 +332,36 @@ def test_another_incarnation_claiming_a_registered_task_already_exists():
     with raises(Code.ALREADY_EXISTS, "ordinals 2-3", "task 1", "host-0 pid 1001", "host-1 pid 2002") as caught:
         pod.register(1, incarnation="intruder", host="host-1", pid=2002)
     assert "CLOUD_TPU_TASK_ID" in caught.error.message
+    # (from another host: perhaps another team's job under the same name, the default's)
+    assert caught.error.message.endswith(
+        "; or two jobs share the job name 'job' on this coordinator: give each its own (PJRT_RENDEZVOUS_JOB)"
+    ), caught.error.message
     (view,) = pod.core.status(0.0, JOB)
     assert view.participants[0].pid == 1001
     assert view.refused == {}  # (a task its holder keeps is not shown as refused)
+    with raises(Code.ALREADY_EXISTS, "task 1") as same_host:
+        pod.core.register(0.0, dataclasses.replace(registration(1, 8, 2, incarnation="twin", pid=2003), local_rank=5))
+    assert "two jobs share" not in same_host.error.message
+
+
+def test_a_job_of_another_size_under_the_same_name_is_told_to_take_a_name_of_its_own():
+    """A second job under a name in use (two teams leaving PJRT_RENDEZVOUS_JOB unset) meets
+    the first's world size: the refusal suggests a job name, unless serve declared the size.
+    The first job's status shows a refused task outside its world only while it forms."""
+    pod = make_pod(2, 1, register=False)
+    pod.register(0)
+    with raises(Code.FAILED_PRECONDITION, "has world size 2 (fixed by the first registration") as caught:
+        pod.core.register(0.0, registration(2, 3, 1, incarnation="other", host="team-b", pid=5))
+    assert caught.error.message.endswith(
+        "(if those are another job's processes, give each job a name of its own: PJRT_RENDEZVOUS_JOB)"
+    )
+    assert list(pod.core.status(0.0, JOB)[0].refused) == [2]  # (a task out of range: why a world may not form)
+    pod.register(1)  # formed: the other job's task is none of its business
+    assert pod.core.status(0.0, JOB)[0].refused == {}
+    pod.core.declare_job("declared", 2)
+    with raises(Code.FAILED_PRECONDITION, "fixed by the coordinator's --world-size") as declared:
+        pod.core.register(0.0, registration(0, 3, 1, job="declared"))
+    assert "another job's" not in declared.error.message
 
 
 def test_an_incarnation_cannot_switch_tasks():
@@ -1460,8 +1487,16 @@ def test_unknown_job_is_not_found():
         lambda: pod.core.status(0.0, "nope"),
         lambda: pod.core.outcome("nope", (1, ALL, 0)),
     ):
-        with raises(Code.NOT_FOUND, "'nope'"):
+        with raises(Code.NOT_FOUND, "'nope'", "restarted without --state-file has forgotten its jobs"):
             call()
+    # With a state file the restart is no cause: a typo, or a job dropped; past 10, jobs are counted.
+    pod.core.journal = []
+    for n in range(11):
+        pod.core.kv_set(f"store-{n:02}", [("k", b"v")])
+    with raises(Code.NOT_FOUND, "(known jobs: 'job', 'store-00', ", "'store-08' and 2 more)",
+                "(check the job's name (PJRT_RENDEZVOUS_JOB); a finished job is dropped at --max-jobs)") as caught:
+        pod.core.world("nope")
+    assert "restarted" not in caught.error.message
 
 
 def test_unknown_jobs_lists_the_jobs_not_known_whose_processes_heartbeat():
