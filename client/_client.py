@@ -590,6 +590,9 @@ _STILL_TRYING_AFTER = 5.0  # seconds of an outage before a call says that it kee
 # Address -> when it was said last (once in _STILL_TRYING_AFTER per address: a client of a
 # coordinator gone for good, left open, does not silence another's).
 _still_trying_said: dict[str, float] = {}
+# Address -> (since when the calls to it fail, when one last failed): an outage as long as
+# failures follow each other (a call's own budget counts from its own first failure).
+_failing: dict[str, tuple[float, float]] = {}
 
 
 def _retrying(method: str, address: str, exc: BaseException, since: float, budget: float) -> None:
@@ -597,14 +600,20 @@ def _retrying(method: str, address: str, exc: BaseException, since: float, budge
     _STILL_TRYING_AFTER (then at most as often, per address), so that a coordinator that is
     not there is not waited for in silence for the whole connect_timeout."""
     now = time.monotonic()
-    if now - since < _STILL_TRYING_AFTER or now - _still_trying_said.get(address, -math.inf) < _STILL_TRYING_AFTER:
+    began, last = _failing.get(address, (since, -math.inf))
+    if now - last > 2 * _BACKOFF_CAP + 1:  # (none failed a while: answered since, or nothing called)
+        began = since
+    began = min(began, since)
+    _failing[address] = (began, now)
+    if now - began < _STILL_TRYING_AFTER or now - _still_trying_said.get(address, -math.inf) < _STILL_TRYING_AFTER:
         log.debug("%s to %s failed (%s); retrying", method, address, exc)
         return
     _still_trying_said[address] = now
     details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
     log.warning(
-        "the coordinator at %s has not answered for %.0f s (%s: %s); trying again for up to %.0f s from its first "
-        "failure (connect_timeout).%s", address, now - since, method, details, budget, connection_hint(details),
+        "the coordinator at %s has not answered for %.0f s (%s: %s); trying again for up to %.0f s from this "
+        "call's first failure (connect_timeout).%s", address, now - began, method, details, budget,
+        connection_hint(details),
     )
 
 

@@ -413,6 +413,7 @@ def test_unreachable_coordinator_is_retried_then_reported(monkeypatch, caplog):
     # before the 1.5 s budget may come before 0.5 s, and nothing is said (CI saw it once).
     monkeypatch.setattr(_client, "_BACKOFF_CAP", 0.2)
     monkeypatch.setattr(_client, "_still_trying_said", {})
+    monkeypatch.setattr(_client, "_failing", {})
     port = _unused_port()
     client = make_client(f"127.0.0.1:{port}", connect_timeout=1.5)
     started = time.monotonic()
@@ -424,6 +425,20 @@ def test_unreachable_coordinator_is_retried_then_reported(monkeypatch, caplog):
     assert warned and all("KvSet" in m and "up to 2 s" in m for m in warned), warned
     assert len(warned) <= 3, warned  # once in 0.5 s at most (retried every 0.2 s: about 5)
     client.close()
+
+    # A call made as the last gave up has its budget whole, and its warning counts the
+    # outage from the first failure, not its own ("for 2 s" after 4 s without an answer).
+    caplog.clear()
+    again = make_client(f"127.0.0.1:{port}", connect_timeout=2.5)
+    with pytest.raises(pr.CoordinatorUnavailableError):
+        again.set("k", b"v")
+    assert time.monotonic() - started >= 3.9
+    said = [
+        int(m.group(1)) for r in caplog.records
+        if (m := re.search(f"coordinator at 127.0.0.1:{port} has not answered for (\\d+) s", r.getMessage()))
+    ]
+    assert said and max(said) >= 3, said
+    again.close()
 
 
 def test_a_proxy_in_the_environment_is_not_used(coordinator, monkeypatch):
