@@ -993,7 +993,7 @@ def summarize_job(job) -> dict:
 
 def status_json(response, address: str) -> dict:
     """``status --json``: every field of the StatusResponse (``coordinatorVersion``, ``jobs``,
-    ``unknownJobs``; proto3 JSON names, numbers as numbers) plus the ``address`` asked and, per job,
+    ``unknownProcesses``; proto3 JSON names, numbers as numbers) plus the ``address`` asked and, per job,
     ``hosts``, ``notRegistered``, ``notRegisteredByHost`` and per pending round ``group``,
     ``expected`` and ``missingByHost``."""
     jobs = []
@@ -1010,7 +1010,7 @@ def status_json(response, address: str) -> dict:
         jobs.append(data)
     return {
         "address": address, "coordinatorVersion": response.coordinator_version, "jobs": jobs,
-        "unknownJobs": [_plain(u) for u in response.unknown_jobs],
+        "unknownProcesses": [_plain(u) for u in response.unknown_processes],
     }
 
 
@@ -1027,7 +1027,8 @@ def render_status(response, address: str) -> str:
         j.job for j in response.jobs
         if j.participants and not j.pending_rounds and not j.refused and not any(p.alive for p in j.participants)
     ]
-    folded = set(finished) if len(finished) > _FINISHED_SHOWN else set()
+    strangers = {u.job: u for u in response.unknown_processes}
+    folded = set(finished) - set(strangers) if len(finished) > _FINISHED_SHOWN else set()
     for job in response.jobs:
         if job.job in folded:
             continue
@@ -1087,6 +1088,9 @@ def render_status(response, address: str) -> str:
                 group = _ranges_cut(list(pending.replicas)) if pending.replicas else "all"
                 rows.append([r["round"], group, tag, f"{r['arrived']}/{r['expected']}", _age(r["ageSeconds"]), missing])
             lines += [""] + _table(["ROUND", "GROUP", "TAG", "ARRIVED", "AGE", "MISSING"], rows)
+        if job.job in strangers:  # (their calls refused: the serve log has a line for them too)
+            u = strangers[job.job]
+            lines += ["", f"  not registered in it, yet calling: {_strangers(u)} (refused: {u.reason})"]
         if job.refused:  # (why a job does not form: the serve log has a line for each too)
             rows = [[str(t.task_id), format_ranges(t.ordinals) or "?", t.reason] for t in job.refused]
             lines += [""] + _table(["REFUSED TASK", "ORDINALS", "WHY (its latest registration)"], rows)
@@ -1098,14 +1102,15 @@ def render_status(response, address: str) -> str:
             f"{len(names)} finished jobs (every process left or dead; `status --job NAME` shows one, "
             f"--json all): {', '.join(map(repr, names[:20]))}{more}",
         ]
-    unknown = response.unknown_jobs
+    unknown = [u for u in response.unknown_processes if not u.job_known]
     if unknown:  # (their processes' calls refused: the serve log has a line for each job too)
         lines += ["", f"jobs this coordinator does not know, whose processes still call it (refused: {unknown[0].reason}):"]
-        lines += [
-            f"  job {u.job!r}: {_plural(u.processes, 'process')}, the last heard from {_age(u.last_call_age)} ago"
-            for u in unknown
-        ]
+        lines += [f"  job {u.job!r}: {_strangers(u)}" for u in unknown]
     return "\n".join(lines) + "\n"
+
+
+def _strangers(u) -> str:
+    return f"{_plural(u.processes, 'process')}, the last heard from {_age(u.last_call_age)} ago"
 
 
 def client_address(env: Mapping[str, str]) -> str:

@@ -73,8 +73,8 @@ DISCONNECTED_GRACE = 10.0
 _REFUSED_KEPT = 1024  # tasks whose registration was refused, remembered per job (Core.register)
 _OUTSIDER_CALLS_KEPT = 1024  # ordinals' calls from outside their replicas remembered per job (Core._replicas_group)
 _EVENTS_KEPT = 1000  # the latest events of a job (EventLog)
-# Jobs this coordinator does not know whose processes heartbeat it (Core.unknown_jobs): how
-# many names, how many processes each, and for how long after its last heartbeat.
+# Processes this coordinator does not know that heartbeat it (Core.strangers): of how many
+# jobs, how many processes each, and for how long after their last heartbeat.
 _UNKNOWN_JOBS_KEPT = 16
 _UNKNOWN_PROCESSES_KEPT = 4096
 _UNKNOWN_KEPT_FOR = 600.0  # seconds
@@ -427,13 +427,15 @@ class JobView:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class UnknownJobView:
-    """A job this coordinator does not know whose processes heartbeat it (status)."""
+class StrangersView:
+    """Processes of a job that heartbeat this coordinator, which does not know them (nor,
+    unless ``job_known``, their job), for status."""
 
     job: str
+    job_known: bool
     processes: int  # heard from in the last _UNKNOWN_KEPT_FOR seconds (at most _UNKNOWN_PROCESSES_KEPT)
     last_call_age: float
-    reason: str  # why the coordinator may not know it
+    reason: str  # why the coordinator may not know them
 
 
 class Contribution(NamedTuple):
@@ -599,9 +601,9 @@ class Core:
         # When a restored core started serving: its processes' connections closed then, and
         # one not heard from since is judged as a process whose connection closed.
         self.restarted_at: float | None = None
-        # Jobs not known here whose processes heartbeat (a coordinator restarted without its
-        # state file, say): name -> {incarnation: when last heard}, least recently heard
-        # first, for status (unknown_jobs).
+        # Processes not known here that heartbeat (a coordinator restarted without its state
+        # file, say), by job: name -> {incarnation: when last heard}, least recently heard
+        # first, for status (strangers).
         self.unknown: dict[str, dict[str, float]] = {}
 
     # -- plumbing -------------------------------------------------------------------------
@@ -761,7 +763,6 @@ class Core:
             self._changed()
             self._wakeups.append(("dropped", dropped.name, job.name))
         self.jobs[job.name] = job
-        self.unknown.pop(job.name, None)
         self._journaled(("job", job.name, job.store_id))  # (a job of keys alone is in the journal only)
 
     def _job_or_create(self, name: str) -> Job:
@@ -806,12 +807,7 @@ class Core:
                         f"which takes no part any more: {said}",
                     ),
                 )
-            raise CoreError(
-                Code.FAILED_PRECONDITION,
-                f"process incarnation {incarnation!r} is not registered in job {job.name!r}; "
-                "register its threads first (after a coordinator restart without a state file, "
-                "processes must register again)",
-            )
+            raise self._not_registered(job, incarnation)
         if not process.alive:
             # (a relay held up, a frozen one resumed, passes on calls of processes long gone)
             relayed = now is None
@@ -835,6 +831,15 @@ class Core:
         if now is not None and not (closed_stays and process.disconnected is not None):
             process.last_seen, process.restored, process.disconnected = now, False, None
         return process
+
+    @staticmethod
+    def _not_registered(job: Job, incarnation: str) -> CoreError:
+        return CoreError(
+            Code.FAILED_PRECONDITION,
+            f"process incarnation {incarnation!r} is not registered in job {job.name!r}; "
+            "register its threads first (after a coordinator restart without a state file, "
+            "processes must register again)",
+        )
 
     # -- world ----------------------------------------------------------------------------
 
@@ -1126,6 +1131,9 @@ class Core:
                 client_version=r.client_version[: self.limits.max_name_length],  # (told only: a long one is cut, not refused)
             )
             job.tasks[r.task_id] = r.incarnation
+            strangers = self.unknown.get(job.name)
+            if strangers is not None and strangers.pop(r.incarnation, None) is not None and not strangers:
+                del self.unknown[job.name]  # (a process forgotten, registered again)
         process.last_seen, process.restored, process.disconnected = now, False, None
         if math.isfinite(r.heartbeat_interval) and r.heartbeat_interval > 0:
             process.heartbeat_interval = r.heartbeat_interval
@@ -2462,16 +2470,18 @@ class Core:
 
     def touch(self, job_name: str, incarnation: str, now: float) -> int:
         """A heartbeat: the process is alive now. Returns the job's generation."""
-        if job_name not in self.jobs:
-            raise self._heard_unknown(job_name, incarnation, now)
-        job = self._job(job_name)
+        job = self.jobs.get(job_name)
+        if job is None:
+            raise self._heard_stranger(job_name, incarnation, now, self._unknown_job(job_name))
+        if incarnation not in job.processes and incarnation not in job.replaced:
+            raise self._heard_stranger(job_name, incarnation, now, self._not_registered(job, incarnation))
+        self._uses = job.used = self._uses + 1
         self._process(job, incarnation, now)
         return job.generation
 
-    def _heard_unknown(self, job_name: str, incarnation: str, now: float) -> CoreError:
-        """A process of a job this coordinator does not know heartbeats: its refusal, which
-        the operator hears of (in the log, and from status: ``unknown_jobs``)."""
-        error = self._unknown_job(job_name)
+    def _heard_stranger(self, job_name: str, incarnation: str, now: float, error: CoreError) -> CoreError:
+        """A process this coordinator does not know heartbeats: the refusal ``error``, which
+        the operator hears of (in the log, once per job, and from status: ``strangers``)."""
         shown = job_name[: self.limits.max_name_length]
         heard = self.unknown.pop(shown, None) or {}
         self.unknown[shown] = heard  # (the most recently heard last)
@@ -2482,33 +2492,41 @@ class Core:
             del heard[next(iter(heard))]
         if len(self.unknown) > _UNKNOWN_JOBS_KEPT:
             del self.unknown[next(iter(self.unknown))]
+        known = shown in self.jobs
         error.warn = (
-            ("unknown job", shown), "unknown_job",
-            f"refused calls from processes of job {shown!r}, which this coordinator does not know: {self._why_unknown()}",
+            ("unknown process" if known else "unknown job", shown), "unknown_process" if known else "unknown_job",
+            f"refused calls from processes {'not registered in' if known else 'of'} job {shown!r}, "
+            f"which this coordinator does not know: {self._why_unknown(known)}",
         )
         return error
 
-    def _why_unknown(self) -> str:
+    def _why_unknown(self, job_known: bool) -> str:
+        if self.journal is None:
+            return (
+                "it has no --state-file, so a restart forgot them (their job made again since): they must register again"
+                if job_known else
+                "it has no --state-file, so a restart forgot its jobs, whose processes must start again"
+            )
         return (
-            "it has no --state-file, so a restart forgot its jobs, whose processes must start again"
-            if self.journal is None else
-            "its job was dropped at --max-jobs, or the process was started for another coordinator"
+            f"their job was dropped at --max-jobs{' and made again since' if job_known else ''}, or they were started "
+            "for another coordinator"
         )
 
-    def unknown_jobs(self, now: float) -> list[UnknownJobView]:
-        """Jobs not known here whose processes heartbeat it (their calls refused), heard from
-        in the last _UNKNOWN_KEPT_FOR seconds, by name."""
+    def strangers(self, now: float) -> list[StrangersView]:
+        """Processes not known here that heartbeat it (their calls refused), heard from in the
+        last _UNKNOWN_KEPT_FOR seconds, by job."""
         for name, heard in list(self.unknown.items()):
             for incarnation in [i for i, when in heard.items() if now - when > _UNKNOWN_KEPT_FOR]:
                 del heard[incarnation]
             if not heard:
                 del self.unknown[name]
         return [
-            UnknownJobView(
+            StrangersView(
                 job=name,
+                job_known=name in self.jobs,
                 processes=len(heard),
                 last_call_age=max(0.0, now - max(heard.values())),
-                reason=self._why_unknown(),
+                reason=self._why_unknown(name in self.jobs),
             )
             for name, heard in sorted(self.unknown.items())
         ]
@@ -2544,7 +2562,7 @@ class Core:
     def status(self, now: float, job_name: str = "", *, participants: bool = True) -> list[JobView]:
         if job_name and job_name not in self.jobs:
             error = self._unknown_job(job_name)
-            heard = [v for v in self.unknown_jobs(now) if v.job == job_name]
+            heard = [v for v in self.strangers(now) if v.job == job_name]
             raise CoreError(error.code, error.message + "".join(
                 f"; {_plural(v.processes, 'process')} of it heartbeat this coordinator, the last "
                 f"{_duration(v.last_call_age)} s ago" for v in heard

@@ -822,9 +822,11 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 for v in views
             ],
             coordinator_version=build(),
-            unknown_jobs=[
-                pb.UnknownJob(job=u.job, processes=u.processes, last_call_age=u.last_call_age, reason=u.reason)
-                for u in ([] if request.job else self._core.unknown_jobs(self._clock()))
+            unknown_processes=[
+                pb.UnknownProcesses(
+                    job=u.job, job_known=u.job_known, processes=u.processes, last_call_age=u.last_call_age, reason=u.reason
+                )
+                for u in self._core.strangers(self._clock()) if not request.job or u.job == request.job
             ],
         )
         await self._persist()  # (what it tells, as WaitWorld)

@@ -342,8 +342,8 @@ def test_status_names_a_forgotten_job_whose_processes_still_call():
     """A coordinator restarted without a state file forgets its job while the job's processes
     go on calling it, each call refused: status said "no jobs" (one serve log line told of
     them). It names the job, how many of its processes call and when the last did, in the
-    table, in --json and for `status --job`; a job registered under the name again is no
-    longer listed."""
+    table, in --json and for `status --job`; once a new process makes the job again, the old
+    ones are shown in its section as processes not registered in it that still call."""
     ports = [str(free_port()), str(free_port())]
     flags = ("--port", ports[0], "--session-port", ports[1], "--heartbeat-timeout", "3")
     with Serve(*flags, port_flag=False) as first:
@@ -366,8 +366,9 @@ def test_status_names_a_forgotten_job_whose_processes_still_call():
                 r"  job 'default': 2 processes, the last heard from \d+\.\d s ago\n$", heard,
             ), heard
             as_json = json.loads(run_cli("status", "--address", second.address, "--json").stdout)
-            (unknown,) = as_json["unknownJobs"]
-            assert (unknown["job"], unknown["processes"]) == ("default", 2) and 0 <= unknown["lastCallAge"] < 10
+            (unknown,) = as_json["unknownProcesses"]
+            assert (unknown["job"], unknown["jobKnown"], unknown["processes"]) == ("default", False, 2), unknown
+            assert 0 <= unknown["lastCallAge"] < 10
             one = run_cli("status", "--address", second.address, "--job", "default")
             assert one.returncode == 1 and "job 'default' is not known" in one.stderr, one.stderr
             assert re.search(r"; 2 processes of it heartbeat this coordinator, the last \d+\.\d+ s ago$", one.stderr.strip())
@@ -375,7 +376,17 @@ def test_status_names_a_forgotten_job_whose_processes_still_call():
             fresh = simulated_process(second.address, 0, processes=2, threads=1)
             threads.append(bound_thread(fresh, 0)[0])  # (its registration makes the job again)
             after = json.loads(run_cli("status", "--address", second.address, "--json").stdout)
-            assert [j["job"] for j in after["jobs"]] == ["default"] and after["unknownJobs"] == [], after
+            assert [j["job"] for j in after["jobs"]] == ["default"], after
+            # The old processes call on, strangers to the job made again: shown in its section.
+            (unknown,) = after["unknownProcesses"]
+            assert (unknown["job"], unknown["jobKnown"], unknown["processes"]) == ("default", True, 2), unknown
+            table = run_cli("status", "--address", second.address).stdout
+            assert re.search(
+                r"\n  not registered in it, yet calling: 2 processes, the last heard from \d+\.\d s ago \(refused: it has "
+                r"no --state-file, so a restart forgot them \(their job made again since\): they must register again\)\n",
+                table,
+            ), table
+            assert "jobs this coordinator does not know" not in table
             fresh.close()
             second.stop()
     finally:

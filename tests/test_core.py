@@ -1499,35 +1499,51 @@ def test_unknown_job_is_not_found():
     assert "restarted" not in caught.error.message
 
 
-def test_unknown_jobs_lists_the_jobs_not_known_whose_processes_heartbeat():
-    """Heartbeats of a job the core does not know (a coordinator restarted without its state
-    file) are refused and remembered for status: per job the processes heard from in the last
-    ten minutes and when the last was; `status` of that job says so; a job made under the
-    name ends it; names and processes are bounded."""
+def test_strangers_lists_the_processes_not_known_that_heartbeat_by_job():
+    """Heartbeats of processes the core does not know (a coordinator restarted without its
+    state file) are refused and remembered for status: per job the processes heard from in
+    the last ten minutes and when the last was, their job known or not; `status` of an unknown
+    job says so; a job made again under the name leaves its old processes strangers to it,
+    until one registers again; jobs and processes are bounded."""
     core = make_pod(1).core
     for incarnation, now in (("a", 0.0), ("b", 1.0), ("a", 2.0)):
         with raises(Code.NOT_FOUND, "'gone'"):
             core.touch("gone", incarnation, now)
-    (view,) = core.unknown_jobs(5.0)
-    assert (view.job, view.processes, view.last_call_age) == ("gone", 2, 3.0)
-    assert view.reason.startswith("it has no --state-file, so a restart forgot its jobs")
+    (view,) = core.strangers(5.0)
+    assert (view.job, view.job_known, view.processes, view.last_call_age) == ("gone", False, 2, 3.0)
+    assert view.reason == "it has no --state-file, so a restart forgot its jobs, whose processes must start again"
     with raises(Code.NOT_FOUND, "job 'gone' is not known", "; 2 processes of it heartbeat this coordinator, the last 3.0 s ago"):
         core.status(5.0, "gone")
     # b was last heard at 1.0, a at 2.0: each forgotten ten minutes after
-    assert [v.processes for v in core.unknown_jobs(601.5)] == [1]
-    assert core.unknown_jobs(602.5) == [] and core.unknown == {}
+    assert [v.processes for v in core.strangers(601.5)] == [1]
+    assert core.strangers(602.5) == [] and core.unknown == {}
 
-    for n in range(20):  # at most 16 names, the least recently heard dropped first
+    for n in range(20):  # at most 16 jobs, the least recently heard dropped first
         with raises(Code.NOT_FOUND):
             core.touch(f"gone-{n}", "a", 700.0 + n)
-    assert [v.job for v in core.unknown_jobs(720.0)] == sorted(f"gone-{n}" for n in range(4, 20))
+    assert [v.job for v in core.strangers(720.0)] == sorted(f"gone-{n}" for n in range(4, 20))
     for n in range(4100):  # at most 4,096 processes a job
         with raises(Code.NOT_FOUND):
             core.touch("gone-19", f"p{n}", 720.0)
-    assert {v.job: v.processes for v in core.unknown_jobs(720.0)}["gone-19"] == 4096
+    assert {v.job: v.processes for v in core.strangers(720.0)}["gone-19"] == 4096
 
-    core.register(721.0, registration(0, 1, 1, job="gone-19"))
-    assert "gone-19" not in {v.job for v in core.unknown_jobs(721.0)}
+    core.register(721.0, registration(0, 2, 1, job="gone-19"))  # made again by a new process
+    (view,) = [v for v in core.strangers(721.0) if v.job == "gone-19"]
+    assert (view.job_known, view.processes) == (True, 4096)
+    assert view.reason == (
+        "it has no --state-file, so a restart forgot them (their job made again since): they must register again"
+    )
+    with raises(Code.FAILED_PRECONDITION, "'p5000' is not registered in job 'gone-19'") as refused:
+        core.touch("gone-19", "p5000", 722.0)
+    assert refused.error.warn[:2] == (("unknown process", "gone-19"), "unknown_process")
+    assert refused.error.warn[2].startswith("refused calls from processes not registered in job 'gone-19', which")
+    core.register(723.0, registration(1, 2, 1, job="gone-19", incarnation="p5000"))  # registered again
+    (view,) = [v for v in core.strangers(723.0) if v.job == "gone-19"]
+    assert view.processes == 4095
+    core.journal = []  # (with a state file, the cause is another)
+    assert [v.reason for v in core.strangers(723.0) if v.job == "gone-19"] == [
+        "their job was dropped at --max-jobs and made again since, or they were started for another coordinator"
+    ]
 
 
 def test_an_unregistered_incarnation_cannot_arrive():

@@ -595,24 +595,26 @@ class JobStatus(_message.Message):
     world_missing_summary: str
     def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., registered: _Optional[int] = ..., generation: _Optional[int] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., pending_rounds: _Optional[_Iterable[_Union[PendingRound, _Mapping]]] = ..., rounds_completed: _Optional[int] = ..., kv_keys: _Optional[int] = ..., refused: _Optional[_Iterable[_Union[RefusedTask, _Mapping]]] = ..., devices_per_task: _Optional[int] = ..., world_missing_summary: _Optional[str] = ...) -> None: ...
 
-class UnknownJob(_message.Message):
-    __slots__ = ("job", "processes", "last_call_age", "reason")
+class UnknownProcesses(_message.Message):
+    __slots__ = ("job", "job_known", "processes", "last_call_age", "reason")
     JOB_FIELD_NUMBER: _ClassVar[int]
+    JOB_KNOWN_FIELD_NUMBER: _ClassVar[int]
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
     LAST_CALL_AGE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     job: str
+    job_known: bool
     processes: int
     last_call_age: float
     reason: str
-    def __init__(self, job: _Optional[str] = ..., processes: _Optional[int] = ..., last_call_age: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., job_known: _Optional[bool] = ..., processes: _Optional[int] = ..., last_call_age: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("jobs", "coordinator_version", "unknown_jobs")
+    __slots__ = ("jobs", "coordinator_version", "unknown_processes")
     JOBS_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_VERSION_FIELD_NUMBER: _ClassVar[int]
-    UNKNOWN_JOBS_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_PROCESSES_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
     coordinator_version: str
-    unknown_jobs: _containers.RepeatedCompositeFieldContainer[UnknownJob]
-    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., coordinator_version: _Optional[str] = ..., unknown_jobs: _Optional[_Iterable[_Union[UnknownJob, _Mapping]]] = ...) -> None: ...
+    unknown_processes: _containers.RepeatedCompositeFieldContainer[UnknownProcesses]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., coordinator_version: _Optional[str] = ..., unknown_processes: _Optional[_Iterable[_Union[UnknownProcesses, _Mapping]]] = ...) -> None: ...
