@@ -1017,11 +1017,12 @@ def status_json(response, address: str) -> dict:
 _FINISHED_SHOWN = 3  # finished jobs shown in full by status; more are named on one line
 
 
-def render_status(response, address: str) -> str:
-    """The ``status`` table of every job in ``response``."""
+def render_status(response, address: str, job: str = "") -> str:
+    """The ``status`` table of every job in ``response`` (``job``: the one asked for)."""
     ours = response.coordinator_version
     coordinator = f"coordinator {address}" + (f" (pjrt-rendezvous {ours})" if ours else "")
-    lines = [f"{coordinator}: {_plural(len(response.jobs), 'job') if response.jobs else 'no jobs'}"]
+    # (asked for one job, the count of the coordinator's is not known: "1 job" read as it)
+    lines = [coordinator if job else f"{coordinator}: {_plural(len(response.jobs), 'job') if response.jobs else 'no jobs'}"]
     # A long-lived coordinator keeps up to --max-jobs finished runs: past a few, one line.
     finished = [
         j.job for j in response.jobs
@@ -1168,7 +1169,7 @@ def _status(args, env: Mapping[str, str]) -> int:
     if args.json:
         print(json.dumps(status_json(response, address), indent=2))
     else:
-        sys.stdout.write(render_status(response, address))
+        sys.stdout.write(render_status(response, address, args.job))
     return 0
 
 

@@ -717,9 +717,9 @@ class Core:
             closing = [
                 n for n in live if all(p.disconnected is not None for p in self.jobs[n].processes.values() if p.alive)
             ] if self.heartbeat_timeout else []
-            raise CoreError(
+            error = CoreError(
                 Code.RESOURCE_EXHAUSTED,
-                f"this coordinator already serves {len(self.jobs)} jobs, the limit "
+                f"this coordinator already serves {_plural(len(self.jobs), 'job')}, the limit "
                 f"(max_jobs={self.limits.max_jobs}), and none can make room: a job is dropped "
                 "once every process of it is gone, or while it holds nothing (no process, key or "
                 "pending round); one holding keys without ever having a process, or declared "
@@ -732,6 +732,8 @@ class Core:
                 + (f" ({_plural(len(stores), 'job')} of keys alone: {_names(stores)}; deleting a job's keys "
                    "lets it be dropped)" if stores else ""),
             )
+            error.warn = (("max_jobs", name), "job_refused", f"refused to create a job: {error.message}")
+            raise error
         job = Job(name=name)
         if insert:
             self._insert_job(job)

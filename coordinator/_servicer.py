@@ -358,6 +358,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
                         "host": request.host[:100], "pid": request.pid, "code": exc.code.name, "reason": exc.message,
                     },
                 )
+                exc.warn = None  # (said: not again as the refusal's own line)
             if self._core.version != version:  # refused after it started the job afresh
                 self._wake()
                 await self._persist()

@@ -616,6 +616,8 @@ def test_render_status_marks_dead_processes_and_groups_hosts_naturally():
         r"7\s+0-1\s+'a'\s+1/2\s+1 h 2 min\s+1 on host-2 \(pid 101 \(dead\), last seen 1 min 15 s ago\)", text
     ), text
     assert _cli.render_status(pb.StatusResponse(), "x:1") == "coordinator x:1: no jobs\n"
+    # (status --job: the coordinator's jobs are not counted, "1 job" read as all it serves)
+    assert _cli.render_status(response, "x:1", "j").startswith("coordinator x:1\n\njob ")
 
 
 def test_render_status_names_many_finished_jobs_on_one_line():

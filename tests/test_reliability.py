@@ -674,6 +674,32 @@ def test_serve_logs_once_the_calls_of_a_dead_process_and_for_an_unknown_job(capl
     # (an operator's status of a job it mistyped is no process's call: not logged)
 
 
+def test_serve_logs_once_a_job_refused_at_max_jobs(caplog):
+    """A key-value job (a torch Store's) refused at --max-jobs was told only to its client: it
+    is logged once per job name; a registration refused so keeps its one line of its own."""
+    from pjrt_rendezvous.coordinator import Limits
+    from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
+
+    caplog.set_level(logging.WARNING, logger="pjrt_rendezvous.coordinator")
+    with Coordinator(port=0, limits=Limits(max_jobs=1)) as coordinator:
+        with grpc.insecure_channel(coordinator.address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            stub.KvSet(pb.KvSetRequest(job="first", entries=[pb.KvEntry(key="k", value=b"v")]), timeout=10)
+            for _ in range(2):
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.KvSet(pb.KvSetRequest(job="second", entries=[pb.KvEntry(key="k", value=b"v")]), timeout=10)
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        client = pair_client(coordinator.address, 0)  # (job "default": refused too)
+        with pytest.raises(pr.LimitExceededError, match="max_jobs=1"):
+            client.bind_thread(0)
+        client.close()
+    said = [(r.event, r.getMessage()) for r in caplog.records if getattr(r, "event", "") in ("job_refused", "registration_refused")]
+    assert [event for event, _ in said] == ["job_refused", "registration_refused"], said
+    assert said[0][1].startswith(
+        "refused to create a job: this coordinator already serves 1 job, the limit (max_jobs=1), and none can make room"
+    ) and "job 'second' cannot be created" in said[0][1], said
+
+
 def test_a_call_that_outlives_its_coordinator_names_what_failed_first(tmp_path, monkeypatch):
     """The coordinator's disk is full: it answers UNAVAILABLE ("cannot write its state
     file"), then goes away (serve stops). The client's final error named only the last
