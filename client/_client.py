@@ -591,7 +591,8 @@ _STILL_TRYING_AFTER = 5.0  # seconds of an outage before a call says that it kee
 # coordinator gone for good, left open, does not silence another's).
 _still_trying_said: dict[str, float] = {}
 # Address -> (since when the calls to it fail, when one last failed): an outage as long as
-# failures follow each other (a call's own budget counts from its own first failure).
+# failures follow each other and no call is answered (a call's own budget counts from its
+# own first failure).
 _failing: dict[str, tuple[float, float]] = {}
 
 
@@ -856,7 +857,9 @@ class Client:
             before_sleep=lambda state: _retrying(method, self.settings.address, state.outcome.exception(), outage["since"], self.settings.connect_timeout),
         )
         try:
-            return retrying(self._attempt, *attempt, outage)
+            answer = retrying(self._attempt, *attempt, outage)
+            _failing.pop(self.settings.address, None)  # (answered: an outage that follows is another)
+            return answer
         except grpc.RpcError as exc:
             if self._closed:
                 raise UsageError(self._closed_message()) from exc
@@ -1335,6 +1338,7 @@ class Client:
                     return  # declared dead: nothing left to keep alive
                 continue  # a replaced process, or one a restarted coordinator forgot, may bind again
             refused = None
+            _failing.pop(self.settings.address, None)  # (answered: see _retrying)
             self._heartbeat_timeout = response.heartbeat_timeout
             self._adopt_generation(response.generation)
             self._learn_session_port(response.session_port)

@@ -599,8 +599,10 @@ class Core:
         # told this one yet), see ``_state.restore``; None again once that time has passed.
         self.restored: tuple[float, float, float | None] | None = None
         # When a restored core started serving: its processes' connections closed then, and
-        # one not heard from since is judged as a process whose connection closed.
+        # one not heard from since is judged as a process whose connection closed, once the
+        # others are back (check_liveness): when the last of them came back.
         self.restarted_at: float | None = None
+        self.back: float | None = None
         # Processes not known here that heartbeat (a coordinator restarted without its state
         # file, say), by job: name -> {incarnation: when last heard}, least recently heard
         # first, for status (strangers).
@@ -803,10 +805,10 @@ class Core:
                     + ("" if dropped else " (if this process did not restart, two processes on one host share "
                        "one task id and local rank: check PJRT_RENDEZVOUS_TASK_ID, CLOUD_TPU_TASK_ID, "
                        "TPU_WORKER_ID and PJRT_LOCAL_PROCESS_RANK)"),
-                    warn=(
-                        ("replaced", job.name, incarnation), "dead_process_called",
+                    warn=(  # (once per job: a run of thousands dropped may call on)
+                        ("replaced", job.name), "dead_process_called",
                         f"refused calls from a process {'dropped' if dropped else 'replaced'} in job {job.name!r}, "
-                        f"which takes no part any more: {said}",
+                        f"which takes no part any more (told once per job): {said}",
                     ),
                 )
             raise self._not_registered(job, incarnation)
@@ -831,6 +833,8 @@ class Core:
                 ),
             )
         if now is not None and not (closed_stays and process.disconnected is not None):
+            if process.restored:
+                self.back = now
             process.last_seen, process.restored, process.disconnected = now, False, None
         return process
 
@@ -1136,6 +1140,8 @@ class Core:
             strangers = self.unknown.get(job.name)
             if strangers is not None and strangers.pop(r.incarnation, None) is not None and not strangers:
                 del self.unknown[job.name]  # (a process forgotten, registered again)
+        if process.restored:
+            self.back = now
         process.last_seen, process.restored, process.disconnected = now, False, None
         if math.isfinite(r.heartbeat_interval) and r.heartbeat_interval > 0:
             process.heartbeat_interval = r.heartbeat_interval
@@ -1937,14 +1943,22 @@ class Core:
                 grace = min(max(DISCONNECTED_GRACE, 2 * process.heartbeat_interval), self.heartbeat_timeout)
                 if process.restored and self.restarted_at is not None:
                     # Not heard from since a restore: its connection closed as the coordinator
-                    # stopped, and a live process's comes back within seconds (its watch, its
-                    # next heartbeat). It may have ended while the coordinator was down.
-                    since = now - self.restarted_at
-                    if since > grace:
+                    # stopped, and a live process's comes back within seconds of the others
+                    # (its watch, its next heartbeat), however long the coordinator took to
+                    # be reachable. It may have ended while the coordinator was down.
+                    since, quiet = now - self.restarted_at, None if self.back is None else now - self.back
+                    if quiet is not None and quiet > grace:
                         self.declare_dead(
                             job.name, process.incarnation,
-                            f"not heard from in the {since:.1f} s since the coordinator restarted from its state "
-                            "file (it may have ended while the coordinator was down)",
+                            f"not heard from in the {since:.1f} s since the coordinator restarted from its state file, "
+                            f"nor in the {quiet:.1f} s since the last of the other processes came back (it may have "
+                            "ended while the coordinator was down)",
+                        )
+                    elif since > self.heartbeat_timeout:
+                        self.declare_dead(
+                            job.name, process.incarnation,
+                            f"not heard from in the {since:.1f} s since the coordinator restarted from its state file "
+                            f"(heartbeat timeout {self.heartbeat_timeout:g} s)",
                         )
                 elif closed is not None and (closed > grace or silent > self.heartbeat_timeout):
                     self.declare_dead(
@@ -1970,9 +1984,11 @@ class Core:
         if process is not None and process.alive and process.disconnected is None:
             process.disconnected = now
 
-    def declare_dead(self, job_name: str, incarnation: str, reason: str, *, left: bool = False) -> None:
-        """Marks a process dead (or gone, ``left``) and fails every pending round that needs
-        its ordinals."""
+    def declare_dead(
+        self, job_name: str, incarnation: str, reason: str, *, left: bool = False, dropped: bool = False
+    ) -> None:
+        """Marks a process dead (or gone, ``left``; ``dropped``, from a run that ended without
+        word of it) and fails every pending round that needs its ordinals."""
         job = self._job(job_name)
         process = job.processes[incarnation]
         if not process.alive:
@@ -1984,7 +2000,7 @@ class Core:
         job.dead |= ordinals
         message = (
             f"{_ordinals_word(sorted(ordinals))} ({process.label()}, task "
-            f"{process.task_id}) {'left' if left else 'died'}: {reason}"
+            f"{process.task_id}) {'left' if left else 'was dropped' if dropped else 'died'}: {reason}"
         )
         self._event(job, "PROCESS_LEFT" if left else "PROCESS_DEAD", process, message, ordinals)
         self._fail_rounds_of_the_dead(job)
@@ -2101,9 +2117,10 @@ class Core:
     @staticmethod
     def _remember_replaced(job: Job, incarnation: str, why: str) -> None:
         """Keeps why ``incarnation`` takes no part in ``job`` any more, for its late calls
-        (the last _REPLACED_KEPT of them)."""
+        (the last _REPLACED_KEPT of them, or as many as the job has processes: a run of
+        thousands dropped at once is told so, not that it is not registered)."""
         job.replaced[incarnation] = why
-        while len(job.replaced) > _REPLACED_KEPT:
+        while len(job.replaced) > max(_REPLACED_KEPT, len(job.processes)):
             job.replaced.popitem(last=False)
 
     @staticmethod
@@ -2141,7 +2158,7 @@ class Core:
                 self.declare_dead(job.name, p.incarnation, (
                     "its connection closed without a Leave" if p.disconnected is not None
                     else "it was not heard from since the coordinator restarted"
-                ) + f", and a new run of job {job.name!r} registered before it was heard from again")
+                ) + f", and a new run of job {job.name!r} registered before it was heard from again", dropped=True)
         job.processes.clear()
         job.tasks.clear()
         job.members.clear()

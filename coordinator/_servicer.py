@@ -164,7 +164,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
         # start before the broken one is seen to end: only the last one's end is a close).
         self._watching: collections.Counter[tuple[str, str]] = collections.Counter()
         self._versions_told: set[tuple[str, str]] = set()  # (job, client version) logged as not ours
-        self._warned: set[tuple] = set()  # what refusals serve's log told of (CoreError.warn), each once
+        # What refusals serve's log told of (CoreError.warn), each once (the oldest forgotten first).
+        self._warned: collections.OrderedDict[tuple, None] = collections.OrderedDict()
 
     def stop_for_good(self, why: str) -> None:
         """The coordinator stops and none takes its calls up again (an embedded one without a
@@ -221,9 +222,9 @@ class Servicer(pb_grpc.CoordinatorServicer):
         death, a restart), which a crash would take back; the write's own error (UNAVAILABLE)
         when it cannot be written."""
         if exc.warn is not None and exc.warn[0] not in self._warned:
-            if len(self._warned) >= _VERSIONS_TOLD_KEPT:
-                self._warned.clear()
-            self._warned.add(exc.warn[0])
+            self._warned[exc.warn[0]] = None
+            if len(self._warned) > _VERSIONS_TOLD_KEPT:
+                self._warned.popitem(last=False)
             log.warning("%s", exc.warn[2], extra={"event": exc.warn[1]})
         try:
             await self._persist()

@@ -203,7 +203,7 @@ def restore(
     silent at its old interval, which its next answer shortens)."""
     core = Core(limits, heartbeat_timeout=heartbeat_timeout)
     core.state_id = body.get("state_id", core.state_id)  # (not in files before it was kept)
-    before = body.get("heartbeat_timeout", 0.0)  # not in files before it was kept
+    before = body.get("heartbeat_timeout")  # not in files before it was kept: told none, as far as known
     for d in body["jobs"]:
         job = Job(
             name=d["name"],

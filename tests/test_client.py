@@ -441,6 +441,23 @@ def test_unreachable_coordinator_is_retried_then_reported(monkeypatch, caplog):
     again.close()
 
 
+def test_an_answer_ends_the_outage_the_retry_warning_counts(coordinator, monkeypatch):
+    """Failures within seconds of each other are one outage for the warning (above); an
+    answer in between ends it: a coordinator that failed again seconds after it came back
+    was said not to have answered for the whole time since the first outage began."""
+    from pjrt_rendezvous.client import _client
+
+    monkeypatch.setattr(_client, "_failing", {coordinator.address: (time.monotonic() - 30, time.monotonic())})
+    client = make_client(coordinator.address, heartbeat_interval=0.2)
+    client.bind_thread(0)  # (its heartbeats start)
+    deadline = time.monotonic() + 10
+    while coordinator.address in _client._failing:  # (a heartbeat answered)
+        assert time.monotonic() < deadline, _client._failing
+        time.sleep(0.05)
+    client.unbind_thread()
+    client.close()
+
+
 def test_a_proxy_in_the_environment_is_not_used(coordinator, monkeypatch):
     """http_proxy, https_proxy and grpc_proxy (set for the internet) are not used to reach
     the coordinator: every gRPC call went through the proxy, loopback's too, and failed

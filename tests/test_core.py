@@ -280,9 +280,10 @@ def test_declaring_another_world_size_starts_the_job_afresh_keeping_its_keys():
         "4 before) while this process (host-0 pid 1000) was of the run before; it takes no part any more",
     ) as refused:
         pod.core.register(0.0, registration(0, 3, 2))  # a process of the last run
-    assert refused.error.warn == (  # (serve logs it once: such processes may call on for ever)
-        ("replaced", JOB, "inc-0"), "dead_process_called",
-        "refused calls from a process dropped in job 'job', which takes no part any more: job 'job' started afresh "
+    assert refused.error.warn == (  # (serve logs it once a job: such processes may call on for ever)
+        ("replaced", JOB), "dead_process_called",
+        "refused calls from a process dropped in job 'job', which takes no part any more (told once per job): job "
+        "'job' started afresh "
         "(the coordinator was given world size 6 for it, 4 before) while this process (host-0 pid 1000) was of the run before",
     )
     pod.core.register(0.0, registration(0, 3, 2, incarnation="new-0"))  # 3 tasks x 2 devices now
@@ -2383,9 +2384,25 @@ def test_a_new_task_joins_a_run_whose_connections_closed_unless_it_started_after
             assert "starts afresh" in pod.error(key).message
             # (logged and counted: a job killed and relaunched at once left no word of its processes' end)
             assert deaths == [
-                "ordinal 0 (host-0 pid 1000, task 0) died: its connection closed without a Leave, and a new run of job "
+                "ordinal 0 (host-0 pid 1000, task 0) was dropped: its connection closed without a Leave, and a new run of job "
                 "'job' registered before it was heard from again"
             ], deaths
+
+
+def test_every_process_of_a_large_run_dropped_by_a_relaunch_is_told_so():
+    """A run of more processes than the 1,024 replaced ones a job remembers, killed and
+    relaunched: the first of them calling again was told it was not registered (and to
+    register), counted as a stranger to the job; it is told it was dropped."""
+    core = Core(heartbeat_timeout=60.0)
+    tasks = 1100
+    for task in range(tasks):
+        core.register(0.0, registration(task, tasks, 1))
+    for task in range(tasks):
+        core.disconnect(JOB, incarnation_of(task), 1.0)
+    core.register(2.0, registration(0, tasks, 1, incarnation="relaunched-0"))
+    with raises(Code.FAILED_PRECONDITION, "'inc-0' of job 'job' was dropped: job 'job' started afresh"):
+        core.touch(JOB, incarnation_of(0), 3.0)
+    assert core.strangers(3.0) == []
 
 
 def test_a_relaunch_of_a_task_the_run_had_starts_afresh_however_old_its_process():

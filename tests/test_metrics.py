@@ -619,7 +619,7 @@ def test_a_job_killed_and_relaunched_at_once_counts_and_logs_its_processes_dead(
         monitor.woke(core.take_wakeups())
     dead = [(r.pid, r.getMessage()) for r in caplog.records if getattr(r, "event", "") == "process_dead"]
     assert dead == [
-        (10 + task, f"process dead in job 'j': ordinal {task} (h pid {10 + task}, task {task}) died: its connection "
+        (10 + task, f"process dead in job 'j': ordinal {task} (h pid {10 + task}, task {task}) was dropped: its connection "
          "closed without a Leave, and a new run of job 'j' registered before it was heard from again")
         for task in range(2)
     ], dead

@@ -123,7 +123,7 @@ def test_a_job_relaunched_after_a_restore_that_heard_none_of_it_starts_afresh():
     # The last run's processes are declared dead as it ends (logged and counted: nothing else told of them).
     deaths = [(e.pid, e.message) for e in job.events if e.kind == "PROCESS_DEAD" and e.generation == generation]
     assert deaths == [
-        (100 + task, f"ordinal {task} (h{task} pid {100 + task}, task {task}) died: it was not heard from since the "
+        (100 + task, f"ordinal {task} (h{task} pid {100 + task}, task {task}) was dropped: it was not heard from since the "
          "coordinator restarted, and a new run of job 'j' registered before it was heard from again")
         for task in (0, 1)
     ], deaths
@@ -835,27 +835,47 @@ def test_a_process_not_heard_from_since_a_restore_is_judged_as_one_whose_connect
     """A process that ended while the coordinator was down (a host rebooted with it): its
     peers' rounds waited the whole heartbeat timeout after the restart (60 s) for it, where a
     process killed while the coordinator runs is found within 10 s of its connection closing.
-    The restart closed every connection: one not heard from since is judged so, after the
-    restore's window (15 s: three default heartbeat intervals); one heard from is not."""
-    core = Core(heartbeat_timeout=60.0)
-    for task in range(3):
-        core.register(0.0, Registration(job="j", incarnation=f"i{task}", host="h", pid=task, task_id=task, num_tasks=3,
-                                        devices_per_task=1, local_rank=task, threads=(ThreadRequest(thread_index=0),),
-                                        heartbeat_interval=5.0))
-    restored = _state.restore(_state.decode(_state.encode(_state.snapshot(core))), now=100.0, heartbeat_timeout=60.0)
-    restored.serving_from(101.0)
-    restored.touch("j", "i0", 102.0)  # its watch reconnected at once
-    restored.check_liveness(115.5)  # (within the window)
-    assert all(p.alive for p in restored.jobs["j"].processes.values())
-    restored.touch("j", "i2", 115.9)  # its heartbeat, late in the window
-    restored.check_liveness(116.5)
-    assert [p.alive for p in restored.jobs["j"].processes.values()] == [True, False, True]
-    assert restored.jobs["j"].processes["i1"].death == (
-        "not heard from in the 15.5 s since the coordinator restarted from its state file (it may have ended while "
-        "the coordinator was down)"
+    The restart closed every connection: one not heard from since is judged so once the
+    others are back (none came back within its grace, 10 s, and the restore's window, 15 s,
+    passed), however long the coordinator took to be reachable (a Service routing to it only
+    once it is ready); with none back at all, at the heartbeat timeout."""
+
+    def restored_pod(heard: dict[str, float]) -> Core:
+        core = Core(heartbeat_timeout=60.0)
+        for task in range(3):
+            core.register(0.0, Registration(job="j", incarnation=f"i{task}", host="h", pid=task, task_id=task,
+                                            num_tasks=3, devices_per_task=1, local_rank=task,
+                                            threads=(ThreadRequest(thread_index=0),), heartbeat_interval=5.0))
+        restored = _state.restore(_state.decode(_state.encode(_state.snapshot(core))), now=100.0, heartbeat_timeout=60.0)
+        restored.serving_from(101.0)
+        for incarnation, when in heard.items():
+            restored.touch("j", incarnation, when)  # (its watch reconnected)
+        return restored
+
+    def alive(core: Core, now: float) -> list[bool]:
+        core.check_liveness(now)
+        return [p.alive for p in core.jobs["j"].processes.values()]
+
+    quick = restored_pod({"i0": 102.0, "i2": 110.0})
+    assert alive(quick, 115.5) == [True, True, True]  # (the window)
+    assert alive(quick, 119.5) == [True, True, True]  # (i2 came back 9.5 s ago)
+    assert alive(quick, 120.5) == [True, False, True]
+    assert quick.jobs["j"].processes["i1"].death == (
+        "not heard from in the 19.5 s since the coordinator restarted from its state file, nor in the 10.5 s since "
+        "the last of the other processes came back (it may have ended while the coordinator was down)"
     )
-    restored.check_liveness(160.0)  # the others, heard from, are judged by their heartbeats alone
-    assert [p.alive for p in restored.jobs["j"].processes.values()] == [True, False, True]
+    assert alive(quick, 160.0) == [True, False, True]  # (the others: by their heartbeats alone)
+
+    routed_late = restored_pod({"i0": 125.0, "i2": 126.0})  # reachable 24 s after it started serving
+    assert alive(routed_late, 135.5) == [True, True, True]
+    assert alive(routed_late, 136.5) == [True, False, True]
+
+    nobody = restored_pod({})
+    assert alive(nobody, 160.5) == [True, True, True]
+    assert alive(nobody, 161.5) == [False, False, False]
+    assert nobody.jobs["j"].processes["i1"].death == (
+        "not heard from in the 60.5 s since the coordinator restarted from its state file (heartbeat timeout 60 s)"
+    )
 
 
 def test_a_restore_judges_nobody_until_its_longest_registered_heartbeat_interval_could_pass():
@@ -896,8 +916,8 @@ def test_heartbeat_clocks_of_a_restore_start_when_serving_does(tmp_path, monkeyp
     # i1, silent since the restore, may have died while the coordinator was down: its
     # silence counts from the restart, and says so ("no heartbeat for 1.5 s" did not).
     assert restored.jobs["j"].processes["i1"].death == (
-        "not heard from in the 1.5 s since the coordinator restarted from its state file (it may have ended while "
-        "the coordinator was down)"
+        "not heard from in the 1.5 s since the coordinator restarted from its state file, nor in the 31.0 s since "
+        "the last of the other processes came back (it may have ended while the coordinator was down)"
     )
     assert restored.jobs["j"].processes["i0"].death.startswith("no heartbeat for 31.0 s")  # (heard during the start)
 
