@@ -598,11 +598,6 @@ class Core:
         # the longest timeout the processes may still heartbeat by: they may not have been
         # told this one yet), see ``_state.restore``; None again once that time has passed.
         self.restored: tuple[float, float, float | None] | None = None
-        # When a restored core started serving: its processes' connections closed then, and
-        # one not heard from since is judged as a process whose connection closed, once the
-        # others are back (check_liveness): when the last of them came back.
-        self.restarted_at: float | None = None
-        self.back: float | None = None
         # Processes not known here that heartbeat (a coordinator restarted without its state
         # file, say), by job: name -> {incarnation: when last heard}, least recently heard
         # first, for status (strangers).
@@ -833,8 +828,6 @@ class Core:
                 ),
             )
         if now is not None and not (closed_stays and process.disconnected is not None):
-            if process.restored:
-                self.back = now
             process.last_seen, process.restored, process.disconnected = now, False, None
         return process
 
@@ -1140,8 +1133,6 @@ class Core:
             strangers = self.unknown.get(job.name)
             if strangers is not None and strangers.pop(r.incarnation, None) is not None and not strangers:
                 del self.unknown[job.name]  # (a process forgotten, registered again)
-        if process.restored:
-            self.back = now
         process.last_seen, process.restored, process.disconnected = now, False, None
         if math.isfinite(r.heartbeat_interval) and r.heartbeat_interval > 0:
             process.heartbeat_interval = r.heartbeat_interval
@@ -1917,7 +1908,7 @@ class Core:
         if self.restored is None or now <= self.restored[0]:
             return
         read_at, window, before = self.restored
-        self.restored, self.restarted_at = (now, window, before), now
+        self.restored = (now, window, before)
         for job in self.jobs.values():
             for process in job.processes.values():
                 if process.last_seen <= read_at:
@@ -1925,9 +1916,9 @@ class Core:
 
     def check_liveness(self, now: float) -> None:
         """Declares dead every process not heard from within the heartbeat timeout, and
-        every one whose connection closed without a Leave (or, restored from the state file,
-        not heard from since the restart) longer than its grace ago (DISCONNECTED_GRACE);
-        nobody in the window after a restore, nor without a heartbeat timeout."""
+        every one whose connection closed without a Leave longer than its grace ago
+        (DISCONNECTED_GRACE); nobody in the window after a restore, nor without a heartbeat
+        timeout."""
         if self.heartbeat_timeout is None:
             return
         if self.restored is not None:
@@ -1941,26 +1932,7 @@ class Core:
                 silent = now - process.last_seen
                 closed = None if process.disconnected is None else now - process.disconnected
                 grace = min(max(DISCONNECTED_GRACE, 2 * process.heartbeat_interval), self.heartbeat_timeout)
-                if process.restored and self.restarted_at is not None:
-                    # Not heard from since a restore: its connection closed as the coordinator
-                    # stopped, and a live process's comes back within seconds of the others
-                    # (its watch, its next heartbeat), however long the coordinator took to
-                    # be reachable. It may have ended while the coordinator was down.
-                    since, quiet = now - self.restarted_at, None if self.back is None else now - self.back
-                    if quiet is not None and quiet > grace:
-                        self.declare_dead(
-                            job.name, process.incarnation,
-                            f"not heard from in the {since:.1f} s since the coordinator restarted from its state file, "
-                            f"nor in the {quiet:.1f} s since the last of the other processes came back (it may have "
-                            "ended while the coordinator was down)",
-                        )
-                    elif since > self.heartbeat_timeout:
-                        self.declare_dead(
-                            job.name, process.incarnation,
-                            f"not heard from in the {since:.1f} s since the coordinator restarted from its state file "
-                            f"(heartbeat timeout {self.heartbeat_timeout:g} s)",
-                        )
-                elif closed is not None and (closed > grace or silent > self.heartbeat_timeout):
+                if closed is not None and (closed > grace or silent > self.heartbeat_timeout):
                     self.declare_dead(
                         job.name, process.incarnation,
                         # (durations, not "N s ago": the reason is quoted again later, in the
@@ -1969,9 +1941,15 @@ class Core:
                         f"(killed, crashed, or its host lost the network; silent {silent:.1f} s in all)",
                     )
                 elif silent > self.heartbeat_timeout:
+                    # (one silent since a restore may have ended while the coordinator was
+                    # down, or be stalled: the restart closed its connection, which says
+                    # nothing of the process, and a stall is given the timeout)
+                    silence = (
+                        f"not heard from since the coordinator restarted from its state file {silent:.1f} s ago"
+                        if process.restored else f"no heartbeat for {silent:.1f} s"
+                    )
                     self.declare_dead(
-                        job.name, process.incarnation,
-                        f"no heartbeat for {silent:.1f} s (heartbeat timeout {self.heartbeat_timeout:g} s)",
+                        job.name, process.incarnation, f"{silence} (heartbeat timeout {self.heartbeat_timeout:g} s)"
                     )
 
     def disconnect(self, job_name: str, incarnation: str, now: float) -> None:

@@ -203,7 +203,7 @@ def restore(
     silent at its old interval, which its next answer shortens)."""
     core = Core(limits, heartbeat_timeout=heartbeat_timeout)
     core.state_id = body.get("state_id", core.state_id)  # (not in files before it was kept)
-    before = body.get("heartbeat_timeout")  # not in files before it was kept: told none, as far as known
+    before = body.get("heartbeat_timeout", 0.0)  # not in files before it was kept
     for d in body["jobs"]:
         job = Job(
             name=d["name"],
@@ -259,7 +259,7 @@ def restore(
     core.version = body.get("version", 0)
     interval = max((p.heartbeat_interval for j in core.jobs.values() for p in j.processes.values() if p.alive), default=0.0)
     window = 3 * max(interval, _CLIENT_HEARTBEAT_INTERVAL)
-    core.restored, core.restarted_at = (now, min(math.inf if before is None else before, window), before), now
+    core.restored = (now, min(math.inf if before is None else before, window), before)
     return core
 
 
