@@ -828,7 +828,8 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 pb.UnknownProcesses(
                     job=u.job, job_known=u.job_known, processes=u.processes, last_call_age=u.last_call_age, reason=u.reason
                 )
-                for u in self._core.strangers(self._clock()) if not request.job or u.job == request.job
+                for u in ([] if request.rounds_only else self._core.strangers(self._clock()))  # (a client's wait asks)
+                if not request.job or u.job == request.job
             ],
         )
         await self._persist()  # (what it tells, as WaitWorld)
