@@ -786,7 +786,10 @@ class Client:
         attempt = (method, request, deadline, waits, progress, relay, raw)
         began = time.monotonic()
         try:
-            return self._attempt(*attempt)  # the common case, without building a Retrying
+            answer = self._attempt(*attempt)  # the common case, without building a Retrying
+            if _failing:
+                _failing.pop(self.settings.address, None)  # (answered: see _retrying)
+            return answer
         except grpc.RpcError as exc:
             if self._closed:  # cancelled by close(), not refused by the coordinator
                 raise UsageError(self._closed_message()) from exc
@@ -858,7 +861,7 @@ class Client:
         )
         try:
             answer = retrying(self._attempt, *attempt, outage)
-            _failing.pop(self.settings.address, None)  # (answered: an outage that follows is another)
+            _failing.pop(self.settings.address, None)  # (answered: see _retrying)
             return answer
         except grpc.RpcError as exc:
             if self._closed:
@@ -1338,7 +1341,6 @@ class Client:
                     return  # declared dead: nothing left to keep alive
                 continue  # a replaced process, or one a restarted coordinator forgot, may bind again
             refused = None
-            _failing.pop(self.settings.address, None)  # (answered: see _retrying)
             self._heartbeat_timeout = response.heartbeat_timeout
             self._adopt_generation(response.generation)
             self._learn_session_port(response.session_port)

@@ -706,7 +706,7 @@ class Core:
 
     def _new_job(self, name: str, *, insert: bool = True) -> Job:
         self._check_job_name(name)
-        if len(self.jobs) >= self.limits.max_jobs and self._droppable() is None:
+        if len(self.jobs) >= self.limits.max_jobs and not self._droppable():
             # (which ones stay for their keys: a torch URL's ?job= a run fills max_jobs so)
             stores = sorted(j.name for j in self.jobs.values() if not j.processes and j.kv)
             live = sorted(j.name for j in self.jobs.values() if any(p.alive for p in j.processes.values()))
@@ -736,28 +736,26 @@ class Core:
             self._insert_job(job)
         return job
 
-    def _droppable(self) -> Job | None:
-        """The finished job used longest ago: registered processes that are all gone, no
-        round pending; or an empty one (no process, no key, not declared: made by a change
-        that wrote nothing, such as a delete of a missing key). Jobs of keys alone (a torch
-        Store), or declared (``serve --world-size``), stay."""
+    def _droppable(self) -> list[Job]:
+        """The finished jobs, the one used longest ago first: registered processes that are
+        all gone, no round pending; or an empty one (no process, no key, not declared: made
+        by a change that wrote nothing, such as a delete of a missing key). Jobs of keys
+        alone (a torch Store), or declared (``serve --world-size``), stay."""
         finished = [
             job for job in self.jobs.values()
             if not job.pending and job.world_fixed_by != _DECLARED and (
                 not any(p.alive for p in job.processes.values()) if job.processes else not job.kv
             )
         ]
-        return min(finished, key=lambda job: job.used, default=None)
+        return sorted(finished, key=lambda job: job.used)
 
     def _insert_job(self, job: Job) -> None:
         """Adds a new job; at max_jobs the finished job used longest ago is dropped for it
         (a long-lived coordinator serving a job name per run would otherwise fill up), and
         over it (a limit lowered at a restart) every finished job down to it, as they go."""
         self._uses = job.used = self._uses + 1
-        while len(self.jobs) >= self.limits.max_jobs:
-            dropped = self._droppable()
-            if dropped is None:  # (_new_job made sure of one)
-                break
+        excess = len(self.jobs) + 1 - self.limits.max_jobs
+        for dropped in self._droppable()[:excess] if excess > 0 else ():  # (_new_job made sure of one)
             del self.jobs[dropped.name]
             self._changed()
             self._wakeups.append(("dropped", dropped.name, job.name))
@@ -800,10 +798,10 @@ class Core:
                     + ("" if dropped else " (if this process did not restart, two processes on one host share "
                        "one task id and local rank: check PJRT_RENDEZVOUS_TASK_ID, CLOUD_TPU_TASK_ID, "
                        "TPU_WORKER_ID and PJRT_LOCAL_PROCESS_RANK)"),
-                    warn=(  # (once per job: a run of thousands dropped may call on)
-                        ("replaced", job.name), "dead_process_called",
+                    warn=(  # (once per run of the job: a run of thousands dropped may call on)
+                        ("replaced", job.name, job.generation), "dead_process_called",
                         f"refused calls from a process {'dropped' if dropped else 'replaced'} in job {job.name!r}, "
-                        f"which takes no part any more (told once per job): {said}",
+                        f"which takes no part any more (told once per generation): {said}",
                     ),
                 )
             raise self._not_registered(job, incarnation)
@@ -1981,6 +1979,8 @@ class Core:
             f"{process.task_id}) {'left' if left else 'was dropped' if dropped else 'died'}: {reason}"
         )
         self._event(job, "PROCESS_LEFT" if left else "PROCESS_DEAD", process, message, ordinals)
+        if dropped:  # (its run ends: _start_afresh fails its rounds, and drops their payloads once)
+            return
         self._fail_rounds_of_the_dead(job)
         if not any(p.alive for p in job.processes.values()):
             self._drop_payloads(job)
@@ -2132,11 +2132,15 @@ class Core:
             self._remember_replaced(job, p.incarnation, f"job {job.name!r} started afresh ({why}) " + (
                 f"as this process ({p.label()}) {fate(p)}" if relaunch else f"while this process ({p.label()}) was of the run before"
             ))
-            if relaunch:  # (a job killed and relaunched at once left no other word of its processes' end)
-                self.declare_dead(job.name, p.incarnation, (
-                    "its connection closed without a Leave" if p.disconnected is not None
-                    else "it was not heard from since the coordinator restarted"
-                ) + f", and a new run of job {job.name!r} registered before it was heard from again", dropped=True)
+            if relaunch and p.disconnected is not None:  # (a job killed and relaunched at once left no other
+                # word of its processes' end; one merely not heard from since a restart may live on)
+                self.declare_dead(
+                    job.name, p.incarnation,
+                    f"its connection closed without a Leave, and a new run of job {job.name!r} registered before it "
+                    "was heard from again", dropped=True,
+                )
+        if relaunch:
+            self._drop_payloads(job)
         job.processes.clear()
         job.tasks.clear()
         job.members.clear()
@@ -2480,6 +2484,15 @@ class Core:
         """A process this coordinator does not know heartbeats: the refusal ``error``, which
         the operator hears of (in the log, once per job, and from status: ``strangers``)."""
         shown = job_name[: self.limits.max_name_length]
+        job = self.jobs.get(shown)
+        error.warn = (
+            ("unknown process", shown, job.generation) if job else ("unknown job", shown),
+            "unknown_process" if job else "unknown_job",
+            f"refused calls from processes {'not registered in' if job else 'of'} job {shown!r}, "
+            f"which this coordinator does not know: {self._why_unknown(job is not None)}",
+        )
+        if not shown or _control(shown):  # (no job's name: not kept for status)
+            return error
         heard = self.unknown.pop(shown, None) or {}
         self.unknown[shown] = heard  # (the most recently heard last)
         incarnation = incarnation[: self.limits.max_name_length]  # (as its name: a bound on what is kept)
@@ -2489,18 +2502,13 @@ class Core:
             del heard[next(iter(heard))]
         if len(self.unknown) > _UNKNOWN_JOBS_KEPT:
             del self.unknown[next(iter(self.unknown))]
-        known = shown in self.jobs
-        error.warn = (
-            ("unknown process" if known else "unknown job", shown), "unknown_process" if known else "unknown_job",
-            f"refused calls from processes {'not registered in' if known else 'of'} job {shown!r}, "
-            f"which this coordinator does not know: {self._why_unknown(known)}",
-        )
         return error
 
     def _why_unknown(self, job_known: bool) -> str:
         if self.journal is None:
             return (
-                "it has no --state-file, so a restart forgot them (their job made again since): they must register again"
+                "it has no --state-file, so a restart forgot them, or their job was dropped at --max-jobs (made again "
+                "since): they must register again"
                 if job_known else
                 "it has no --state-file, so a restart forgot its jobs, whose processes must start again"
             )

@@ -280,10 +280,10 @@ def test_declaring_another_world_size_starts_the_job_afresh_keeping_its_keys():
         "4 before) while this process (host-0 pid 1000) was of the run before; it takes no part any more",
     ) as refused:
         pod.core.register(0.0, registration(0, 3, 2))  # a process of the last run
-    assert refused.error.warn == (  # (serve logs it once a job: such processes may call on for ever)
-        ("replaced", JOB), "dead_process_called",
-        "refused calls from a process dropped in job 'job', which takes no part any more (told once per job): job "
-        "'job' started afresh "
+    assert refused.error.warn == (  # (serve logs it once a run: such processes may call on for ever)
+        ("replaced", JOB, 2), "dead_process_called",
+        "refused calls from a process dropped in job 'job', which takes no part any more (told once per generation): "
+        "job 'job' started afresh "
         "(the coordinator was given world size 6 for it, 4 before) while this process (host-0 pid 1000) was of the run before",
     )
     pod.core.register(0.0, registration(0, 3, 2, incarnation="new-0"))  # 3 tasks x 2 devices now
@@ -1515,6 +1515,10 @@ def test_strangers_lists_the_processes_not_known_that_heartbeat_by_job():
     assert view.reason == "it has no --state-file, so a restart forgot its jobs, whose processes must start again"
     with raises(Code.NOT_FOUND, "job 'gone' is not known", "; 2 processes of it heartbeat this coordinator, the last 3.0 s ago"):
         core.status(5.0, "gone")
+    for name in ("", "bad\nname"):  # (no job's name: refused, not kept)
+        with raises(Code.NOT_FOUND):
+            core.touch(name, "c", 5.0)
+    assert [v.job for v in core.strangers(5.0)] == ["gone"]
     # b was last heard at 1.0, a at 2.0: each forgotten ten minutes after
     assert [v.processes for v in core.strangers(601.5)] == [1]
     assert core.strangers(602.5) == [] and core.unknown == {}
@@ -1532,11 +1536,12 @@ def test_strangers_lists_the_processes_not_known_that_heartbeat_by_job():
     (view,) = [v for v in core.strangers(721.0) if v.job == "gone-19"]
     assert (view.job_known, view.processes) == (True, 4096)
     assert view.reason == (
-        "it has no --state-file, so a restart forgot them (their job made again since): they must register again"
+        "it has no --state-file, so a restart forgot them, or their job was dropped at --max-jobs (made again since): "
+        "they must register again"
     )
     with raises(Code.FAILED_PRECONDITION, "'p5000' is not registered in job 'gone-19'") as refused:
         core.touch("gone-19", "p5000", 722.0)
-    assert refused.error.warn[:2] == (("unknown process", "gone-19"), "unknown_process")
+    assert refused.error.warn[:2] == (("unknown process", "gone-19", 1), "unknown_process")  # (once a run)
     assert refused.error.warn[2].startswith("refused calls from processes not registered in job 'gone-19', which")
     core.register(723.0, registration(1, 2, 1, job="gone-19", incarnation="p5000"))  # registered again
     (view,) = [v for v in core.strangers(723.0) if v.job == "gone-19"]

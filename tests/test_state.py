@@ -120,13 +120,9 @@ def test_a_job_relaunched_after_a_restore_that_heard_none_of_it_starts_afresh():
     job = restored.jobs["j"]
     assert job.generation == generation + 1 and set(job.processes) == {"new0"}
     assert job.last_run == {1: "h1 pid 101, which was not heard from since the coordinator restarted"}  # (not yet relaunched)
-    # The last run's processes are declared dead as it ends (logged and counted: nothing else told of them).
-    deaths = [(e.pid, e.message) for e in job.events if e.kind == "PROCESS_DEAD" and e.generation == generation]
-    assert deaths == [
-        (100 + task, f"ordinal {task} (h{task} pid {100 + task}, task {task}) was dropped: it was not heard from since the "
-         "coordinator restarted, and a new run of job 'j' registered before it was heard from again")
-        for task in (0, 1)
-    ], deaths
+    # (Not declared dead, as processes whose connections closed are: not heard from since a
+    # restart, one may live on, its call slower to come than the relaunched task's.)
+    assert not [e for e in job.events if e.kind == "PROCESS_DEAD" and e.generation == generation]
     _relaunched(restored, 1, 102.5)  # joins the new run
     assert job.generation == generation + 1 and set(job.processes) == {"new0", "new1"} and job.formed
     # Were one of the old ones alive after all, its calls are told why they are refused.
