@@ -105,6 +105,7 @@ Rules for XLA collectives between threads (measured)
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import hashlib
 import io
@@ -808,7 +809,7 @@ def spawn(
                 )
             process = context.Process(
                 target=_child_main,
-                args=(task, nprocs, child_env, payload, reports),
+                args=(task, nprocs, child_env, payload, reports, os.getpid()),
                 name=f"pjrt-rendezvous-task-{task}",
                 daemon=False,
             )
@@ -1128,8 +1129,9 @@ def _who(ordinal: int) -> str:
     return f"ordinal {ordinal}" if ordinal >= 0 else f"the process of task {-ordinal - 1}"
 
 
-def _child_main(task: int, nprocs: int, env: dict, payload: bytes, reports) -> None:
+def _child_main(task: int, nprocs: int, env: dict, payload: bytes, reports, parent: int) -> None:
     """One process: set the environment before torch_xla starts, then a thread per device."""
+    _stop_with(parent)
     os.environ.update(env)
     put = _reporter(task, reports)
     try:
@@ -1204,6 +1206,23 @@ def _child_main(task: int, nprocs: int, env: dict, payload: bytes, reports) -> N
         thread.join()
     put("done")
     _api.shutdown()
+
+
+def _stop_with(parent: int) -> None:
+    """A child gets SIGTERM, as spawn() stops it, when its parent dies (killed, or a SIGTERM
+    the parent does not catch: a scheduler's, `timeout`'s): it ran on alone, holding its
+    devices, its replicas waiting for siblings that had gone. Linux only (``prctl``'s
+    PR_SET_PDEATHSIG, fired when the thread that started it ends: spawn's, which waits for it)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, signal.SIGTERM, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+            return
+    except (OSError, AttributeError):  # (not Linux)
+        return
+    try:  # (the parent may have gone before that: no signal would come)
+        os.kill(parent, 0)
+    except (ProcessLookupError, PermissionError):  # (gone; or its pid another user's process's)
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _leave_and_die(signum: int, frame) -> None:

@@ -3,11 +3,13 @@ processes x threads, broadcast_master_params, data-parallel training between thr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import pickle
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -943,6 +945,56 @@ def test_spawn_with_fork_after_this_process_used_a_device_is_refused(torch_xla):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PJRT_DEVICE": "CPU"})
     assert "this process has started its XLA runtime" in out.stdout, (out.stdout, out.stderr[-2000:])
+
+
+_ORPHANS = """
+import os, sys, time
+from pjrt_rendezvous.client import xla
+
+def replica(index, folder):
+    open(os.path.join(folder, f"{index}.pid"), "w").write(str(os.getpid()))
+    time.sleep(600)
+
+if __name__ == "__main__":
+    xla.spawn(replica, args=(sys.argv[1],), nprocs=2, timeout=900)
+"""
+
+
+@pytest.mark.xla
+def test_the_processes_of_a_spawn_whose_parent_is_killed_stop(torch_xla, tmp_path):
+    """The parent of a spawn killed (SIGKILL, or a SIGTERM it does not catch: a scheduler's):
+    its children ran on alone for minutes, their replicas waiting, holding their devices
+    (a trial). They get the SIGTERM spawn stops them with, leaving the coordinator."""
+    script = tmp_path / "orphans.py"
+    script.write_text(_ORPHANS)
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env={**os.environ, "PJRT_DEVICE": "CPU"},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("*.pid"))) < 2:  # (2 processes of one device)
+            assert time.monotonic() < deadline and parent.poll() is None, "the replicas did not start"
+            time.sleep(0.2)
+        children = {int(p.read_text()) for p in tmp_path.glob("*.pid")}
+        assert len(children) == 2
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in children):
+            assert time.monotonic() < deadline, f"children still running 30 s after their parent died: {children}"
+            time.sleep(0.2)
+    finally:
+        parent.kill()
+        for pid in {int(p.read_text()) for p in tmp_path.glob("*.pid")}:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:  # (a zombie, its parent gone, waits for init to reap it)
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 # --- one process x 2 threads: XLA collectives between threads -------------------------------------
