@@ -1023,7 +1023,7 @@ def _supervise(
         # Exited on its own without reporting every thread: it crashed (XLA aborts with
         # SIGABRT when a collective waits 10 s for a sibling that never arrives).
         crashed.add(task)
-        error = RuntimeError(f"the process of task {task} (pid {process.pid}) {exited(process)} before reporting{waiting()}")
+        error = _ProcessEnded(f"the process of task {task} (pid {process.pid}) {exited(process)} before reporting{waiting()}")
         for ordinal in unreported(task) or [-(task + 1)]:
             record(ordinal, error, "")
 
@@ -1078,7 +1078,7 @@ def _supervise(
         elif code != 0 and not any(o in failures for o in [*ordinals_of.get(task, []), -(task + 1)]):
             # Every thread reported, then the process died: what its replicas left behind
             # (a collective of their last step that never completed, say) failed.
-            record(-(task + 1), RuntimeError(
+            record(-(task + 1), _ProcessEnded(
                 f"the process of task {task} (pid {process.pid}) {exited(process)} after its replicas returned "
                 "(in what they left running: a last step's collectives, threads, atexit handlers)"
             ), "")
@@ -1103,13 +1103,16 @@ def _spawn_error(results, failures, tracebacks, order, terminated, timed_out, ti
                 groups.append((failures[ordinal], [ordinal]))
         for i, (error, ordinals) in enumerate(groups):
             who = _who(ordinals[0]) if len(ordinals) == 1 else f"ordinals {format_ranges(ordinals)}"
-            said = f"{who} raised {type(error).__name__}: {error}"
+            if isinstance(error, _ProcessEnded):  # (not raised: the text names the process)
+                said = str(error) if ordinals[0] < 0 else f"{who}: {error}"
+            else:
+                said = f"{who} raised {type(error).__name__}" + (f": {error}" if str(error) else "")
             lines.append(f"spawn(): {len(failures)} replica(s) failed; first: {said}" if i == 0 else f"  then {said}")
     if timed_out:
         lines.append(f"spawn(): timed out after {timeout} s")
     known = [o for o in terminated if o >= 0]
     if known:
-        lines.append(f"  stopped while still running: ordinals {format_ranges(known)}")
+        lines.append(f"  stopped while still running: ordinal{'s' if len(known) > 1 else ''} {format_ranges(known)}")
     for unknown in sorted((o for o in terminated if o < 0), reverse=True):
         lines.append(f"  stopped while still starting: {_who(unknown)}")
     if failures and tracebacks.get(order[0]):
@@ -1123,6 +1126,10 @@ def _spawn_error(results, failures, tracebacks, order, terminated, timed_out, ti
     if failures:
         spawn_error.__cause__ = failures[order[0]]
     return spawn_error
+
+
+class _ProcessEnded(RuntimeError):
+    """A failure of spawn's: a process that ended without its replicas' reports, or after."""
 
 
 def _who(ordinal: int) -> str:

@@ -845,7 +845,7 @@ def test_spawn_reports_a_crashed_process_at_once_and_first(torch_xla):
     elapsed = time.monotonic() - started
     error = info.value
     assert list(error.failures) == [1] and error.terminated == [0], (error.failures, error.terminated)
-    assert re.search(r"first: ordinal 1 raised RuntimeError: the process of task 1 \(pid \d+\) was killed by "
+    assert re.search(r"first: ordinal 1: the process of task 1 \(pid \d+\) was killed by "
                      r"signal 9 \(SIGKILL\) before reporting; the coordinator's rounds waiting then: round 0 of "
                      r"all ordinals, tag 'never-completed', missing 1 of 2: ordinal 1 on ", str(error)), str(error)
     assert elapsed < 40, elapsed
@@ -861,7 +861,7 @@ def test_spawn_names_the_rendezvous_a_replica_skipped_when_xla_aborts(torch_xla)
     with pytest.raises(xla.SpawnError) as info:
         xla.spawn(skipping_replica, nprocs=1, devices_per_process=2, timeout=150)
     first = str(info.value).splitlines()[0]
-    assert re.search(r"first: ordinals 0-1 raised RuntimeError: the process of task 0 \(pid \d+\) was killed "
+    assert re.search(r"first: ordinals 0-1: the process of task 0 \(pid \d+\) was killed "
                      r"by signal 6 \(SIGABRT: XLA aborts a process whose collective waits 10 s for a replica that "
                      r"does not join, its log says which; or another abort\) before reporting; the coordinator's rounds waiting then: "
                      r"round 0 of all ordinals, tag 'skipped', missing 1 of 2: ordinal 0 on ", first), first
@@ -945,6 +945,22 @@ def test_spawn_with_fork_after_this_process_used_a_device_is_refused(torch_xla):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PJRT_DEVICE": "CPU"})
     assert "this process has started its XLA runtime" in out.stdout, (out.stdout, out.stderr[-2000:])
+
+
+def test_spawn_error_wording():
+    """An exception without text ends without a bare colon; one ordinal stopped is "ordinal 3";
+    a process that died is not said to have raised the RuntimeError spawn made of it."""
+    from pjrt_rendezvous.client.xla import _ProcessEnded, _spawn_error
+
+    died = _ProcessEnded("the process of task 1 (pid 7) was killed by signal 9 (SIGKILL) before reporting")
+    error = _spawn_error({}, {0: KeyboardInterrupt(), 2: died, 3: died}, {}, [0, 2, 3], [1], False, None)
+    assert str(error).splitlines() == [
+        "spawn(): 3 replica(s) failed; first: ordinal 0 raised KeyboardInterrupt",
+        "  then ordinals 2-3: the process of task 1 (pid 7) was killed by signal 9 (SIGKILL) before reporting",
+        "  stopped while still running: ordinal 1",
+    ]
+    alone = _spawn_error({}, {-2: died}, {}, [-2], [], False, None)
+    assert str(alone) == f"spawn(): 1 replica(s) failed; first: {died}"
 
 
 _ORPHANS = """
