@@ -1003,7 +1003,7 @@ class Core:
                 f"but task {r.task_id} on {r.host} pid {r.pid} declares {declared}; every process "
                 "of a job must agree on the number of tasks and devices per task"
                 + ("" if job.world_fixed_by == _DECLARED else
-                   f" (if those are another job's processes, give each job a name of its own: PJRT_RENDEZVOUS_JOB)"),
+                   " (if those are another job's processes, give each job a name of its own: PJRT_RENDEZVOUS_JOB)"),
             )
         if not afresh and job.devices_per_task is not None and job.devices_per_task != r.devices_per_task:
             raise CoreError(
@@ -2110,8 +2110,8 @@ class Core:
     def _start_afresh(self, job: Job, why: str | None = None) -> None:
         """A new run starts from an empty rank table (keys stay: a new run may have written
         some before registering); the last run's pending rounds fail. Without ``why``, a
-        relaunch: every process of the last run is gone, and those not yet declared dead
-        (their connections closed, or not heard from since a restart) are now."""
+        relaunch: every process of the last run is gone, and those whose connections closed
+        are declared dead now, as dropped."""
         relaunch, why = why is None, why or "every process of the last run is gone"
         error = CoreError(Code.ABORTED, f"job {job.name!r} starts afresh: {why}")
         for rnd in list(job.pending.values()):
@@ -2482,7 +2482,8 @@ class Core:
 
     def _heard_stranger(self, job_name: str, incarnation: str, now: float, error: CoreError) -> CoreError:
         """A process this coordinator does not know heartbeats: the refusal ``error``, which
-        the operator hears of (in the log, once per job, and from status: ``strangers``)."""
+        the operator hears of (in the log, once per job and generation, and from status:
+        ``strangers``)."""
         shown = job_name[: self.limits.max_name_length]
         job = self.jobs.get(shown)
         error.warn = (
