@@ -31,7 +31,7 @@ import tenacity
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 from pjrt_rendezvous.protos.v1 import coordinator_pb2_grpc as pb_grpc
 
-from ._config import _VARIABLES, DEFAULT, FAN_IN_AUTO_HOSTS, TOPOLOGY_VARIABLES, Settings, check_timeout
+from ._config import _VARIABLES, DEFAULT, FAN_IN_AUTO_HOSTS, LAUNCH_VARIABLE, TOPOLOGY_VARIABLES, Settings, check_timeout
 from ._errors import (
     EMBEDDED_STOPPED, STOPPED_HERE, CoordinatorUnavailableError, InvalidArgumentError, MismatchError, ParticipantFailedError,
     RendezvousError, RendezvousTimeout, UnknownJobError, UsageError, connection_hint, from_rpc_error, unchanging,
@@ -44,7 +44,7 @@ from ._wire import Row, decode_payloads, encode_rendezvous
 
 log = logging.getLogger("pjrt_rendezvous.client")
 
-_CLIENT_VARIABLES = frozenset({*_VARIABLES.values(), *TOPOLOGY_VARIABLES})  # (the others: serve's, or unknown)
+_CLIENT_VARIABLES = frozenset({*_VARIABLES.values(), *TOPOLOGY_VARIABLES, LAUNCH_VARIABLE})  # (the others: serve's, or unknown)
 _variables_checked: set[str] = set()  # PJRT_RENDEZVOUS_* names this process has judged
 
 
@@ -1467,6 +1467,7 @@ class Client:
                 runtime_world_size=runtime_world_size,
                 client_version=build(),
                 heartbeat_interval=self.settings.heartbeat_interval,
+                launch=os.environ.get(LAUNCH_VARIABLE, "")[:256],
             )
 
             def register(_left) -> bytes:  # (its age as it is sent: a resend may be much later)

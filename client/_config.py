@@ -50,6 +50,9 @@ TOPOLOGY_VARIABLES = tuple(
     f"PJRT_RENDEZVOUS_{name}"
     for name in ("ADDRESS", "TASK_ID", "NUM_TASKS", "CORES_PER_CHIP", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "METADATA_URL", "NATIVE")
 )
+# The launch that started a process, set by its launcher (xla.spawn) for the coordinator: see
+# RegisterRequest.launch.
+LAUNCH_VARIABLE = "PJRT_RENDEZVOUS_LAUNCH"
 _TEXT = {"job", "fan_in", "transport", "token", "token_file", "tls_ca", "tls_cert", "tls_key"}
 FAN_IN_MODES = ("auto", "host", "off")
 # With fan_in="auto", hosts relay for their processes from this many hosts on.

@@ -125,7 +125,7 @@ from typing import Any, Callable, Sequence
 
 from . import _api
 from ._client import Binding, Client, current_binding, describe_round, how_it_ended, pending_rounds, xm_binding
-from ._config import Settings, check_timeout
+from ._config import LAUNCH_VARIABLE, Settings, check_timeout
 from ._errors import RendezvousError, TopologyError, UsageError
 from ._session import clip
 
@@ -800,6 +800,7 @@ def spawn(
             address = coordinator.address
         if address is not None:
             env["PJRT_RENDEZVOUS_ADDRESS"] = address
+        env[LAUNCH_VARIABLE] = f"xla.spawn {os.getpid()} {time.time_ns()}"  # (one run: see Core._register)
         # else a multi-host TPU slice: every process finds the coordinator at worker 0's default port
         for task in range(nprocs):
             child_env = dict(env)

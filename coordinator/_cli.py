@@ -76,9 +76,12 @@ def known_variables() -> set[str]:
     """Every PJRT_RENDEZVOUS_* variable the package reads: serve and clients warn of any
     other in their environment (a misspelt state file variable was ignored without a word,
     and the restart after lost what it was to keep)."""
-    from pjrt_rendezvous.client._config import _VARIABLES, TOPOLOGY_VARIABLES
+    from pjrt_rendezvous.client._config import _VARIABLES, LAUNCH_VARIABLE, TOPOLOGY_VARIABLES
 
-    return {*SERVE_VARIABLES.values(), TOKEN_VARIABLE, TLS_SERVER_NAME_VARIABLE, *_VARIABLES.values(), *TOPOLOGY_VARIABLES}
+    return {
+        *SERVE_VARIABLES.values(), TOKEN_VARIABLE, TLS_SERVER_NAME_VARIABLE, *_VARIABLES.values(), *TOPOLOGY_VARIABLES,
+        LAUNCH_VARIABLE,
+    }
 
 
 def unknown_variables(env: Mapping[str, str]) -> list[tuple[str, str]]:

@@ -277,6 +277,7 @@ class Process:
     # call does not count, its host relay may resend it past its death).
     disconnected: float | None = None
     heartbeat_interval: float = 0.0
+    launch: str = ""  # the launch that started it, when one said (Registration.launch)
 
     def label(self) -> str:
         return f"{self.host} pid {self.pid}"
@@ -363,6 +364,7 @@ class Registration:
     heartbeat_interval: float = 0.0  # seconds between its heartbeats (0: not told)
     # Seconds since the process started, as it registered (0: not told): see Core._register.
     process_age: float = 0.0
+    launch: str = ""  # the launch that started it, when one says (xla.spawn's): see Core._register
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -990,6 +992,9 @@ class Core:
         afresh = (
             bool(job.processes)
             and (mine is None or not mine.alive)
+            # (a process of the run's own launch, slower to start than its peers that failed at once: it
+            # joins, to learn that they are gone, not to wait for a relaunch of theirs)
+            and not (r.launch and not job.formed and any(p.launch == r.launch for p in job.processes.values()))
             and not any(p.alive and p.disconnected is None and not (unheard and p.restored) for p in job.processes.values())
             and (job.formed or r.task_id in job.tasks or not closed or not self._started_before(r, max(closed), now))
         )
@@ -1126,6 +1131,7 @@ class Core:
                 local_rank=r.local_rank,
                 last_seen=now,
                 client_version=r.client_version[: self.limits.max_name_length],  # (told only: a long one is cut, not refused)
+                launch=r.launch[: self.limits.max_name_length],
             )
             job.tasks[r.task_id] = r.incarnation
             strangers = self.unknown.get(job.name)

@@ -448,6 +448,7 @@ class Servicer(pb_grpc.CoordinatorServicer):
                 client_version=request.client_version,
                 heartbeat_interval=request.heartbeat_interval,
                 process_age=request.process_age,
+                launch=request.launch,
             ),
         )
 

@@ -155,6 +155,7 @@ def snapshot(core: Core, now: float | None = None) -> dict:
                         "ended": [[o, how] for o, how in sorted(p.ended.items())],
                         "client_version": p.client_version,
                         "heartbeat_interval": p.heartbeat_interval,
+                        **({"launch": p.launch} if p.launch else {}),
                         **({"seen_ago": now - p.last_seen} if now is not None and not p.alive else {}),
                     }
                     for p in job.processes.values()
@@ -229,6 +230,7 @@ def restore(
                 ended={o: how for o, how in p.get("ended", ())},  # (not in files before it was kept)
                 client_version=p.get("client_version", ""),  # (nor this)
                 heartbeat_interval=p.get("heartbeat_interval", 0.0),  # (nor this)
+                launch=p.get("launch", ""),  # (nor this)
                 restored=True,
             )
         job.tasks = {int(t): i for t, i in d["tasks"].items()}

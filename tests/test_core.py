@@ -2368,6 +2368,33 @@ def test_a_slower_process_of_the_same_launch_starts_afresh_once_its_peers_are_al
     assert f"missing ordinals 2-3 not registered since the job started afresh (the last run's was host-0 pid 77, which {which})" in pod.error(key).message
 
 
+@pytest.mark.parametrize("how", ["left", "died"])
+def test_a_slower_process_of_a_launch_that_says_so_joins_its_run_to_learn_its_peers_are_gone(how):
+    """As above, but the launch says which it is (xla.spawn: a replica failing at once): task
+    0 joins the run of its own launch and its round fails at once naming what became of task
+    1 (it waited for the run's timeout, or until spawn stopped it); a process of another
+    launch starts afresh."""
+    pod = make_pod(2, devices=2, register=False)
+    pod.core.register(10.0, dataclasses.replace(registration(1, 2, 2, pid=77), launch="spawn-1"))
+    pod.core.end_replicas(JOB, incarnation_of(1), [2], "raised ValueError: bad path", 10.0)
+    if how == "left":
+        pod.core.leave(JOB, incarnation_of(1))
+    else:
+        pod.core.declare_dead(JOB, incarnation_of(1), "killed")
+    registered = pod.core.register(12.0, dataclasses.replace(registration(0, 2, 2), launch="spawn-1"))
+    assert registered.generation == 1
+    key = pod.arrive([0, 1], now=12.0, tag="first", deadline=600.0)
+    assert_message(
+        pod.error(key), Code.ABORTED, "rendezvous 'first' on all ordinals (round 0) cannot complete: a member",
+        f"(ordinals 2-3 on host-0 pid 77: {'its client closed' if how == 'left' else 'killed'}; ordinal 2 on host-0 "
+        "pid 77: its replica raised ValueError: bad path)",
+    )
+    other = make_pod(2, devices=2, register=False)
+    other.core.register(10.0, dataclasses.replace(registration(1, 2, 2), launch="spawn-1"))
+    other.core.leave(JOB, incarnation_of(1))
+    assert other.core.register(12.0, dataclasses.replace(registration(0, 2, 2), launch="spawn-2")).generation == 2
+
+
 def test_a_new_task_joins_a_run_whose_connections_closed_unless_it_started_after_the_last_close():
     """Task 0 waits in round 0 of an unformed run; its connection closes (a network cut, or a
     kill), and task 1 registers before task 0 is declared dead. Started before the close, it

@@ -133,6 +133,15 @@ def test_a_job_relaunched_after_a_restore_that_heard_none_of_it_starts_afresh():
         restored.touch("j", "inc1", 103.0)
 
 
+def test_the_launch_a_process_said_is_kept_in_the_state_file():
+    """(A restart must not make a slower process of a launch start the job afresh.)"""
+    core = Core()
+    core.register(0.0, Registration(job="j", incarnation="a", host="h", pid=1, task_id=0, num_tasks=2, devices_per_task=1,
+                                    local_rank=0, threads=(ThreadRequest(thread_index=0),), launch="spawn-1"))
+    restored = _state.restore(_state.decode(_state.encode(_state.snapshot(core))), now=100.0)
+    assert restored.jobs["j"].processes["a"].launch == "spawn-1"
+
+
 def test_a_new_task_of_an_unformed_run_joins_it_after_a_restore_that_heard_none_of_it():
     """An unformed run restored with one live task not heard from yet (it is heard from again within
     seconds): a task registering for the first time joins that run (it dropped the live

@@ -122,6 +122,14 @@ def failing_replica(index):
     xm.rendezvous("after-the-failure")  # waits for ordinal 2, which never comes
 
 
+def failing_at_once_replica(index):
+    import torch_xla.core.xla_model as xm
+
+    if xm.get_ordinal() == 1:
+        raise ValueError("bad path")  # (its process may leave before the other registers)
+    xm.rendezvous("first")
+
+
 def sleeping_while_its_peer_waits(index):
     import time
 
@@ -820,6 +828,23 @@ def test_spawn_reports_a_failing_replica_with_its_ordinal(torch_xla):
         assert "raised ValueError: ordinal 2 gave up)" in str(error.failures[ordinal]), error.failures[ordinal]
     assert elapsed < 50
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.xla
+def test_a_replica_failing_at_once_fails_a_slower_process_s_rounds_at_once(torch_xla):
+    """A replica raising at its start, its process gone before the other registered (3 runs
+    of 4 in a trial): the other process started the job afresh and waited for it, until
+    spawn's grace ran out ("stopped while still running"), naming "the last run's" process.
+    spawn tells the coordinator the processes are of one launch: the slower one joins the run
+    and its round fails at once, naming the replica that raised."""
+    started = time.monotonic()
+    with pytest.raises(xla.SpawnError) as info:
+        xla.spawn(failing_at_once_replica, nprocs=2, devices_per_process=1, timeout=150, grace=60.0)
+    error = info.value
+    assert list(error.failures)[0] == 1 and isinstance(error.failures[1], ValueError), error.failures
+    assert isinstance(error.failures.get(0), pr.ParticipantFailedError) and not error.terminated, str(error)
+    assert "ordinal 1" in str(error.failures[0]) and "raised ValueError: bad path" in str(error.failures[0]), str(error)
+    assert time.monotonic() - started < 50
 
 
 @pytest.mark.xla

@@ -16,7 +16,7 @@ class ThreadSpec(_message.Message):
     def __init__(self, thread_index: _Optional[int] = ..., runtime_ordinal: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("job", "incarnation", "host", "pid", "task_id", "num_tasks", "devices_per_task", "local_rank", "threads", "runtime_world_size", "client_version", "heartbeat_interval", "process_age")
+    __slots__ = ("job", "incarnation", "host", "pid", "task_id", "num_tasks", "devices_per_task", "local_rank", "threads", "runtime_world_size", "client_version", "heartbeat_interval", "process_age", "launch")
     JOB_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class RegisterRequest(_message.Message):
     CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     PROCESS_AGE_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_FIELD_NUMBER: _ClassVar[int]
     job: str
     incarnation: str
     host: str
@@ -43,7 +44,8 @@ class RegisterRequest(_message.Message):
     client_version: str
     heartbeat_interval: float
     process_age: float
-    def __init__(self, job: _Optional[str] = ..., incarnation: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., task_id: _Optional[int] = ..., num_tasks: _Optional[int] = ..., devices_per_task: _Optional[int] = ..., local_rank: _Optional[int] = ..., threads: _Optional[_Iterable[_Union[ThreadSpec, _Mapping]]] = ..., runtime_world_size: _Optional[int] = ..., client_version: _Optional[str] = ..., heartbeat_interval: _Optional[float] = ..., process_age: _Optional[float] = ...) -> None: ...
+    launch: str
+    def __init__(self, job: _Optional[str] = ..., incarnation: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., task_id: _Optional[int] = ..., num_tasks: _Optional[int] = ..., devices_per_task: _Optional[int] = ..., local_rank: _Optional[int] = ..., threads: _Optional[_Iterable[_Union[ThreadSpec, _Mapping]]] = ..., runtime_world_size: _Optional[int] = ..., client_version: _Optional[str] = ..., heartbeat_interval: _Optional[float] = ..., process_age: _Optional[float] = ..., launch: _Optional[str] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("thread_index", "ordinal", "local_ordinal")
