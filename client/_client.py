@@ -1467,7 +1467,7 @@ class Client:
                 runtime_world_size=runtime_world_size,
                 client_version=build(),
                 heartbeat_interval=self.settings.heartbeat_interval,
-                launch=os.environ.get(LAUNCH_VARIABLE, "")[:256],
+                launch=os.environ.get(LAUNCH_VARIABLE, ""),
             )
 
             def register(_left) -> bytes:  # (its age as it is sent: a resend may be much later)

@@ -984,6 +984,7 @@ class Core:
         # task over and voiding the rounds of those before). A new task of an unformed run
         # joins it: its live processes may not have called again yet.
         mine = job.processes.get(r.incarnation)  # (a live one binding more threads is its run's)
+        launch = r.launch[: self.limits.max_name_length]  # (as its processes keep it)
         unheard = job.formed or r.task_id in job.tasks
         closed = [
             p.last_seen if p.disconnected is None else p.disconnected
@@ -994,7 +995,7 @@ class Core:
             and (mine is None or not mine.alive)
             # (a process of the run's own launch, slower to start than its peers that failed at once: it
             # joins, to learn that they are gone, not to wait for a relaunch of theirs)
-            and not (r.launch and not job.formed and any(p.launch == r.launch for p in job.processes.values()))
+            and not (launch and not job.formed and any(p.launch == launch for p in job.processes.values()))
             and not any(p.alive and p.disconnected is None and not (unheard and p.restored) for p in job.processes.values())
             and (job.formed or r.task_id in job.tasks or not closed or not self._started_before(r, max(closed), now))
         )
@@ -1131,7 +1132,7 @@ class Core:
                 local_rank=r.local_rank,
                 last_seen=now,
                 client_version=r.client_version[: self.limits.max_name_length],  # (told only: a long one is cut, not refused)
-                launch=r.launch[: self.limits.max_name_length],
+                launch=launch,
             )
             job.tasks[r.task_id] = r.incarnation
             strangers = self.unknown.get(job.name)
