@@ -124,7 +124,7 @@ from itertools import chain
 from typing import Any, Callable, Sequence
 
 from . import _api
-from ._client import Binding, Client, current_binding, describe_round, how_it_ended, pending_rounds, xm_binding
+from ._client import Binding, Client, _copy_error, current_binding, describe_round, how_it_ended, pending_rounds, xm_binding
 from ._config import LAUNCH_VARIABLE, Settings, check_timeout
 from ._errors import RendezvousError, TopologyError, UsageError
 from ._session import clip
@@ -492,7 +492,12 @@ def _mesh_reduce(tag: str, data: Any, reduce_fn: Callable[[list], Any]) -> Any:
     except Exception as exc:  # (a lambda, a lock: Python's bare pickling error, naming no call)
         _say_first(exc, f"xm.mesh_reduce({tag!r}): this replica's data cannot be saved with torch.save")
         raise
-    payloads = binding.client.rendezvous(binding, tag, buffer.getvalue())
+    try:
+        payloads = binding.client.rendezvous(binding, tag, buffer.getvalue())
+    except RendezvousError as exc:  # (the coordinator's names a rendezvous: the call was this one)
+        mine = _copy_error(exc)  # (the sending thread's is its siblings' too)
+        _say_first(mine, f"xm.mesh_reduce({tag!r})")
+        raise mine.with_traceback(exc.__traceback__) from exc.__cause__
     copies = []
     for ordinal, payload in enumerate(payloads):
         try:

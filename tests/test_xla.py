@@ -615,6 +615,35 @@ def test_a_mesh_reduce_copy_torch_load_refuses_says_whose_it_is(xm, coordinator)
 
 
 @pytest.mark.xla
+def test_a_mesh_reduce_that_fails_names_itself_not_a_rendezvous(xm, coordinator):
+    """A mesh_reduce another replica skipped timed out as "rendezvous 'total' ... timed out":
+    the coordinator's words, for a call the user never made; its error starts with the call,
+    in each thread that made it (the sender's exception is its siblings' too)."""
+    xla.install()
+    client = _client(coordinator.address, timeout=1.0)
+
+    def replica(index):
+        if index == 0:
+            xm.mesh_reduce("skipped", 1.0, sum)  # ordinal 1 never makes it
+        else:
+            time.sleep(3)
+
+    _, errors = _in_threads(client, replica)
+    client.close()
+    assert list(errors) == [0], errors
+    assert isinstance(errors[0], pr.RendezvousTimeout), repr(errors[0])
+    assert str(errors[0]).startswith("xm.mesh_reduce('skipped'): rendezvous 'skipped' "), errors[0]
+    assert "timed out" in str(errors[0]) and "ordinal 1" in str(errors[0]), errors[0]
+
+    client = _client(coordinator.address, timeout=10.0)  # both make it; one with another tag
+    _, errors = _in_threads(client, lambda index: xm.mesh_reduce("mine" if index else "theirs", 1.0, sum))
+    client.close()
+    assert sorted(errors) == [0, 1], errors
+    assert all(str(error).startswith("xm.mesh_reduce('" + ("mine" if index else "theirs") + "'): ")
+               and str(error).count("xm.mesh_reduce") == 1 for index, error in errors.items()), errors
+
+
+@pytest.mark.xla
 def test_is_master_ordinal_takes_a_bool_or_0_1_and_refuses_other_types(xm, coordinator, no_process_client):
     """local=1/0 and numpy's bools are read as torch_xla reads them (their truth value); a
     str, None or 2 is a TypeError naming local, bound or not, from pr and the patched xm
