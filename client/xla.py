@@ -1163,6 +1163,7 @@ def _child_main(task: int, nprocs: int, env: dict, payload: bytes, reports, pare
         install()
         client = _api.init()
         signal.signal(signal.SIGTERM, _leave_and_die)
+        signal.signal(signal.SIGINT, _leave_and_die)  # (Ctrl-C: the replicas' threads never see it)
         devices = xm.get_xla_supported_devices()
         if len(devices) != client.topology.devices_per_process:
             raise TopologyError(
@@ -1216,7 +1217,8 @@ def _child_main(task: int, nprocs: int, env: dict, payload: bytes, reports, pare
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        while thread.is_alive():  # (a signal another thread took runs its handler here only once
+            thread.join(0.25)     # this thread runs: blocked in join, spawn's SIGTERM waited 5 s for its kill)
     put("done")
     _api.shutdown()
 
@@ -1239,21 +1241,32 @@ def _stop_with(parent: int) -> None:
 
 
 def _leave_and_die(signum: int, frame) -> None:
-    """A child's SIGTERM (spawn() stopping it after a failure or at its timeout, or Ctrl-C):
-    it tells the coordinator it leaves, then dies of the signal. Killed without a word, its
-    ordinals stayed alive on a long-lived coordinator for the heartbeat timeout, so a run
-    started again at once was taken for a restart of some of them and failed its first
-    round, naming the dead run's pids."""
+    """A child's SIGTERM (spawn() stopping it after a failure, at its timeout or on Ctrl-C)
+    or SIGINT (Ctrl-C reaches every process of the terminal's): it tells the coordinator it
+    leaves, then dies of the signal. Killed without a word, its ordinals stayed alive on a
+    long-lived coordinator for the heartbeat timeout, so a run started again at once was
+    taken for a restart of some of them and failed its first round, naming the dead run's
+    pids. (A SIGINT raised KeyboardInterrupt in the main thread, waiting for the replicas'
+    threads: multiprocessing printed "Process pjrt-rendezvous-task-0:" and its traceback, and
+    the process waited for those threads until spawn killed it 5 s later.)"""
+    global _leaving
     signal.signal(signum, signal.SIG_DFL)  # (a second one ends it at once)
+    if _leaving:  # (Ctrl-C's SIGINT, then spawn's SIGTERM: a close within the close hung on its lock)
+        return
+    _leaving = True
     try:
         client = _api._client  # (not through init()'s lock: the main thread may hold it)
         if client is not None:  # (its Leave waits 2 s at most)
             client.close(why=(
+                "its process got SIGINT (Ctrl-C)" if signum == signal.SIGINT else
                 f"its process got {signal.Signals(signum).name} (xla.spawn stops every process once one failed, at "
                 "its timeout, or on Ctrl-C; or from outside)"
             ))
     finally:
         os.kill(os.getpid(), signum)
+
+
+_leaving = False
 
 
 def _pickled_result(result: Any, xlac: Any, ordinal: int) -> bytes:

@@ -1059,6 +1059,42 @@ def test_the_processes_of_a_spawn_whose_parent_is_killed_stop(torch_xla, tmp_pat
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.xla
+def test_ctrl_c_stops_a_spawn_s_processes_each_leaving_the_job_without_a_word(torch_xla, tmp_path, coordinator, caplog):
+    """Ctrl-C (SIGINT to the terminal's process group): a child's main thread, waiting for
+    its replicas' threads, raised KeyboardInterrupt ("Process pjrt-rendezvous-task-0:" and
+    a traceback of multiprocessing's), and often the child neither left the job nor ended
+    until spawn killed it 5 s later: the signal taken by another of its threads left the
+    main one blocked, and spawn's SIGTERM within the handler of the SIGINT hung. Each now
+    leaves, saying why, and ends; the parent raises KeyboardInterrupt."""
+    caplog.set_level(logging.INFO, logger="pjrt_rendezvous.coordinator")
+    script = tmp_path / "interrupted.py"
+    script.write_text(_ORPHANS)
+    runs = 3  # (the hang came in about half of the runs)
+    for run in range(runs):
+        folder = tmp_path / str(run)
+        folder.mkdir()
+        parent = subprocess.Popen(
+            [sys.executable, str(script), str(folder)], start_new_session=True, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PJRT_DEVICE": "CPU", "PJRT_RENDEZVOUS_ADDRESS": coordinator.address,
+                 "PJRT_RENDEZVOUS_JOB": f"interrupted-{run}"},
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while len(list(folder.glob("*.pid"))) < 2:
+                assert time.monotonic() < deadline and parent.poll() is None, "the replicas did not start"
+                time.sleep(0.2)
+            os.killpg(parent.pid, signal.SIGINT)
+            _, err = parent.communicate(timeout=60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(parent.pid, signal.SIGKILL)
+        assert parent.returncode == -signal.SIGINT, err
+        assert "Process pjrt-rendezvous-task" not in err and err.count("Traceback") == 1 and "spawn" in err, err
+        left = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"process left in job 'interrupted-{run}'")]
+        assert len(left) == 2 and all("got SIGINT (Ctrl-C)" in m for m in left), [r.getMessage() for r in caplog.records]
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as stat:  # (a zombie, its parent gone, waits for init to reap it)
