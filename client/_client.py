@@ -1527,6 +1527,7 @@ class Client:
         with self._lock:
             self._bindings.pop(binding.thread_index, None)
             self._local = None
+            self._signal_gathered(None)  # (a sibling's batch waited for it a batch window)
         _bound.binding = None
 
     def _local_ordinals(self) -> frozenset[int]:

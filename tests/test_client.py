@@ -1129,6 +1129,42 @@ def test_a_replica_that_ends_fails_the_rounds_waiting_for_it_at_once(coordinator
             c.close()
 
 
+def test_a_sibling_waiting_for_a_thread_that_unbinds_sends_its_round_at_once(coordinator):
+    """A thread waits in a round for its sibling thread, which unbinds and ends its replica
+    instead (xla.spawn's replica returning): the batch was sent a batch window later, the
+    other processes told of the end at once; the sibling's round fails as soon as theirs."""
+    client = make_client(coordinator.address, devices=2, timeout=60, batch_window=30)
+    outcome: dict = {}
+    bound = threading.Event()
+
+    def waiting() -> None:
+        binding = client.bind_thread(0)
+        bound.wait(30)
+        time.sleep(0.3)
+        try:
+            client.rendezvous(binding, "needs-1")
+        except pr.RendezvousError as exc:
+            outcome["error"] = exc
+
+    def ending() -> None:
+        client.bind_thread(1)
+        bound.set()
+        time.sleep(1.0)  # (thread 0 in its batch, waiting for this one)
+        client.unbind_thread()
+        client.end_replicas([1], "returned")
+
+    try:
+        started = time.monotonic()
+        threads = [in_thread(waiting), in_thread(ending)]
+        for thread in threads:
+            thread.join(20)  # (the batch window is 30 s)
+        assert not any(t.is_alive() for t in threads), "the round waited for the unbound thread"
+        assert isinstance(outcome.get("error"), pr.ParticipantFailedError), outcome
+        assert "its replica returned" in str(outcome["error"]) and time.monotonic() - started < 20, outcome
+    finally:
+        client.close()
+
+
 def test_a_thread_that_leaves_its_binding_on_an_exception_ends_its_replica(coordinator):
     """A thread whose ``with bind_thread(...)`` block raises is out of its rounds: the rounds
     that need it, in another process, fail at once naming the exception (they waited for it
