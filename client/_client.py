@@ -611,10 +611,10 @@ def _retrying(method: str, address: str, exc: BaseException, since: float, budge
         return
     _still_trying_said[address] = now
     details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
-    log.warning(
-        "the coordinator at %s has not answered for %.0f s (%s: %s); trying again for up to %.0f s from this "
-        "call's first failure (connect_timeout).%s", address, now - began, method, details, budget,
-        connection_hint(details),
+    log.warning(  # (the outage may be older than the call: its budget counts from its own first failure)
+        "the coordinator at %s has not answered for %.0f s (%s: %s); this call tries again for up to %.0f s more "
+        "(connect_timeout, %.0f s from its first failure).%s", address, now - began, method, details,
+        max(0.0, since + budget - now), budget, connection_hint(details),
     )
 
 
@@ -896,6 +896,13 @@ class Client:
                 # What the coordinator said first, before it went away (it could not write
                 # its state file, or was stopping): the last attempt only found nobody there.
                 error = CoordinatorUnavailableError(f"{error} (its first failed attempt: {first})")
+            if isinstance(error, CoordinatorUnavailableError) and self._heartbeat_timeout and not gone:
+                unanswered = time.monotonic() - _failing.get(self.settings.address, (outage["since"],))[0]
+                if unanswered > self._heartbeat_timeout:  # (a network cut, not a restart: it judged this process)
+                    error = CoordinatorUnavailableError(
+                        f"{error} (unanswered for {unanswered:.0f} s, longer than its heartbeat timeout of "
+                        f"{self._heartbeat_timeout:g} s: if it ran meanwhile, it has declared this process dead)"
+                    )
             raise _with_rpc(error, exc) from None
 
     def _error(self, exc: grpc.RpcError, method: str) -> RendezvousError:
@@ -1025,7 +1032,9 @@ class Client:
                 if timed_out:
                     log.warning(
                         "%s; using gRPC, and trying the port again in the background from time to "
-                        "time (open the port to the coordinator, or set PJRT_RENDEZVOUS_TRANSPORT=grpc)",
+                        "time (if gRPC gets through, a firewall drops the session port: open it to the "
+                        "coordinator, or set PJRT_RENDEZVOUS_TRANSPORT=grpc; if not, the coordinator's host "
+                        "is out of reach)",
                         exc.details(),
                     )
                 else:

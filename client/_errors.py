@@ -171,6 +171,7 @@ def connection_hint(details: str) -> str:
     for marker, hint in _CERTIFICATE_REFUSED:
         if marker in lowered:
             return f" {hint}"
+    lowered = lowered.replace("tcp handshaker shutdown", "")  # (a TCP connect that timed out: no TLS in it)
     if not any(word in lowered for word in ("handshake", "socket closed", "ssl", "tls")):
         return ""
     return (

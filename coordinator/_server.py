@@ -72,6 +72,18 @@ _OPTIONS = [
 ]
 
 
+def _keepalive(heartbeat_timeout: float | None) -> list[tuple[str, int]]:
+    """The server pings a connection silent this long, closing it unanswered 20 s later: one
+    whose client vanished without a FIN (its host cut off, the client gone meanwhile) stayed
+    open for good (gRPC's default: 2 h), its streams and descriptor kept; the session port's
+    are closed by TCP keepalive (_Connection). Not before the heartbeat timeout: a process
+    stopped (SIGSTOP, a frozen VM) answers no ping, and a closed connection is judged sooner
+    than silence (Core.check_liveness). (The ping's wait is gRPC's ping timeout, 60 s by
+    default; its keepalive timeout alone did not close the connection, gRPC 1.7x.)"""
+    after = int(max(60.0, heartbeat_timeout or 0.0) * 1000)
+    return [("grpc.keepalive_time_ms", after), ("grpc.keepalive_timeout_ms", 20_000), ("grpc.http2.ping_timeout_ms", 20_000)]
+
+
 # A host relay sends one call for its host's ordinals: a TPU host has at most 8 chips of at
 # most 2 cores (v2, v3), so 16 contributions.
 _ITEMS_PER_MESSAGE = 16
@@ -395,7 +407,7 @@ class _Connection(FramedSession):
         super().connection_made(transport)
         self._hello_timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT, self._hello_overdue)
         # A client host that vanished is noticed (its connection and waiting calls freed)
-        # after about two minutes of silence, as with gRPC's keepalive enforcement.
+        # after about two minutes of silence, as on the gRPC port (_OPTIONS' keepalive).
         sock = transport.get_extra_info("socket")
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         for option, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6)):
@@ -716,7 +728,8 @@ async def _serving(options: ServerOptions, core: Core, writer: "_StateWriter | N
     interceptors += [_TokenCheck(token)] if token is not None else []
     max_message = max_message_bytes(options.limits)
     server = grpc.aio.server(
-        options=[*_OPTIONS, ("grpc.max_receive_message_length", max_message)], interceptors=interceptors
+        options=[*_OPTIONS, *_keepalive(options.heartbeat_timeout), ("grpc.max_receive_message_length", max_message)],
+        interceptors=interceptors,
     )
     servicer = Servicer(
         core,

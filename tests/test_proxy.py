@@ -517,3 +517,48 @@ def test_processes_through_the_proxy_complete_each_round_once(coordinator, tmp_p
     assert job.rounds_completed == rounds and not job.pending_rounds
     assert stats.get("dropped", 0) + stats.get("cut", 0) > 0 and set(retried) <= {"UNAVAILABLE"}, (stats, retried)
     print(f"\nproxy processes: {rounds} rounds x 4 ordinals; proxy {stats}; retried {dict(retried)}")
+
+
+def test_a_client_cut_off_longer_than_the_heartbeat_timeout_is_told_it_was_declared_dead():
+    """A client whose coordinator stays out of reach past the heartbeat timeout (a network
+    cut: the coordinator runs on and declares it dead) gave up saying only that the
+    coordinator was unavailable; it says too that it has been declared dead if the
+    coordinator ran meanwhile."""
+    with Coordinator(port=0, heartbeat_timeout=1.0) as coordinator:
+        with Proxy(coordinator.address, session_port=coordinator.session_port) as proxy:
+            client = make_client(proxy.address, tasks=1, connect_timeout=3)
+            try:
+                client.bind_thread(0)
+                proxy.drop(refuse_for=60)
+                with pytest.raises(pr.CoordinatorUnavailableError) as cut:
+                    client.set("k", b"v")
+            finally:
+                client.close()
+    assert re.search(r"\(unanswered for \d+ s, longer than its heartbeat timeout of 1 s: if it ran meanwhile, "
+                     r"it has declared this process dead\)", str(cut.value)), cut.value
+
+
+def test_the_coordinator_closes_a_grpc_connection_whose_client_vanished(monkeypatch):
+    """A client cut off without a FIN (its host partitioned; the client gone meanwhile): the
+    gRPC server kept its connection for good (gRPC's keepalive default, 2 h; a trial on
+    network namespaces found them still open minutes after the partition healed). It pings
+    a connection silent for the heartbeat timeout (60 s at least) and closes it unanswered
+    20 s later, as the session port's TCP keepalive does; here 1 s and 1 s. The channel
+    below has no keepalive of its own."""
+    from pjrt_rendezvous.coordinator import _server
+
+    assert _server._keepalive(None)[0] == _server._keepalive(10)[0] == ("grpc.keepalive_time_ms", 60_000)
+    assert _server._keepalive(600)[0] == ("grpc.keepalive_time_ms", 600_000)  # (a stopped process is judged by it)
+    monkeypatch.setattr(_server, "_keepalive", lambda _: [
+        ("grpc.keepalive_time_ms", 1_000), ("grpc.keepalive_timeout_ms", 1_000), ("grpc.http2.ping_timeout_ms", 1_000),
+    ])
+    with Coordinator(port=0) as coordinator, Proxy(coordinator.address) as proxy:
+        with grpc.insecure_channel(proxy.address) as channel:
+            health = channel.unary_unary("/grpc.health.v1.Health/Check")
+            assert health(b"", timeout=10)  # (connected: SERVING)
+            assert proxy.open_connections == 1
+            proxy.blackhole()
+            deadline = time.monotonic() + 30
+            while proxy.open_connections:
+                assert time.monotonic() < deadline, "the server kept the connection of a client gone silent"
+                time.sleep(0.1)

@@ -285,6 +285,16 @@ def test_tls_server_refuses_plaintext_and_accepts_its_ca(pki):
         assert outcome(client_for(c.address, tls_ca=str(pki / "rogue-ca.pem"))) == "CoordinatorUnavailableError"
 
 
+def test_a_connect_that_timed_out_gets_no_tls_hint():
+    """gRPC's words for a TCP connect that timed out (a partitioned host, a firewall dropping
+    packets) name a "handshaker": the TLS hint came with about half of them."""
+    from pjrt_rendezvous.client._errors import connection_hint
+
+    timed_out = "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.44.0.1:7481: tcp handshaker shutdown"
+    assert connection_hint(timed_out) == ""
+    assert "PJRT_RENDEZVOUS_TLS_CA" in connection_hint(timed_out.replace("tcp handshaker shutdown", "Socket closed"))
+
+
 def test_a_tls_client_of_a_plaintext_coordinator_is_told_so_soon_and_quietly(pki):
     """A client with TLS against a coordinator without: told within seconds (not its 60 s
     connect timeout) that the server does not speak TLS and which variable to unset (the hint
