@@ -282,7 +282,7 @@ done:
 /* A varint into out (room for ten bytes); returns its length. */
 static Py_ssize_t put_varint(uint8_t *out, uint64_t x) {
     Py_ssize_t n = 0;
-    for (; x > 0x7F; x >>= 7) out[n++] = (uint8_t)(x & 0x7F | 0x80);
+    for (; x > 0x7F; x >>= 7) out[n++] = (uint8_t)((x & 0x7F) | 0x80);
     out[n++] = (uint8_t)x;
     return n;
 }

@@ -1347,9 +1347,10 @@ def test_tune_collector_sets_startup_aside_and_still_collects_cycles():
     code = """
 import gc, sys
 from pjrt_rendezvous.coordinator import _server
-assert gc.get_freeze_count() == 0 and gc.get_threshold() != _server.GC_THRESHOLDS
+before = gc.get_freeze_count()  # (0; CPython 3.12.1's own startup froze some 375 objects)
+assert gc.get_threshold() != _server.GC_THRESHOLDS
 _server.tune_collector()
-assert gc.get_freeze_count() > 1000, gc.get_freeze_count()
+assert gc.get_freeze_count() > before + 1000, (before, gc.get_freeze_count())
 assert gc.get_threshold() == _server.GC_THRESHOLDS, gc.get_threshold()
 class Node: pass
 a, b = Node(), Node(); a.peer, b.peer = b, a

@@ -6,6 +6,7 @@ import concurrent.futures
 import contextlib
 import faulthandler
 import gc
+import importlib.util
 import logging
 import multiprocessing
 import os
@@ -145,7 +146,6 @@ def test_settings_spawn_seed_and_store_of_the_wrong_type_are_type_errors(client)
     spawn's counts, seed's base and a Store's prefix were UsageErrors; a value of the right
     type out of range stays a UsageError."""
     from pjrt_rendezvous.client import xla
-    from pjrt_rendezvous.client._store import Store
 
     wrong = [
         (lambda: pr.Settings(address=7481), "address must be a str, got 7481"),
@@ -156,9 +156,14 @@ def test_settings_spawn_seed_and_store_of_the_wrong_type_are_type_errors(client)
         (lambda: xla.spawn(print, nprocs="2"), "nprocs must be a positive int, got '2'"),
         (lambda: xla.spawn(print, grace="1"), "grace must be a number of seconds, got '1'"),
         (lambda: xla.seed("x"), "base_seed must be an int, got 'x'"),
-        (lambda: Store(client, prefix=5), "prefix must be a str, got 5"),
-        (lambda: Store(client, timeout="x"), "timeout must be a timedelta or a number of seconds, got 'x'"),  # (float()'s ValueError)
     ]
+    if importlib.util.find_spec("torch") is not None:  # (a Store is a torch.distributed Store)
+        from pjrt_rendezvous.client._store import Store
+
+        wrong += [
+            (lambda: Store(client, prefix=5), "prefix must be a str, got 5"),
+            (lambda: Store(client, timeout="x"), "timeout must be a timedelta or a number of seconds, got 'x'"),  # (float()'s ValueError)
+        ]
     for call, words in wrong:
         with pytest.raises(TypeError, match=re.escape(words)):
             call()
@@ -2095,6 +2100,7 @@ def test_keys_timeouts_tags_and_closed_clients_are_refused_before_anything_is_se
     and a thread binding on a closed client."""
     from datetime import timedelta
 
+    pytest.importorskip("torch")
     from pjrt_rendezvous.client._store import Store
 
     client = make_client(coordinator.address, tasks=1, devices=2, timeout=10)

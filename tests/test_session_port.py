@@ -721,6 +721,23 @@ def test_a_closed_session_s_keepalive_thread_ends_at_once():
     theirs.close()
 
 
+def test_a_session_opened_where_no_thread_may_start_works_without_its_keepalive(monkeypatch):
+    """CPython 3.12.0-3.12.1 start no thread in the interpreter's exit, where a main thread
+    that died bound ends its replica: the session's keepalive thread raised, the replica's
+    end was never told and its peers waited for the heartbeat timeout. The session goes on
+    without its pings."""
+    def refused(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    with Coordinator(port=0) as coordinator:
+        monkeypatch.setattr(threading.Thread, "start", refused)
+        session = SocketSession.tcp("127.0.0.1", coordinator.session_port, "", 5.0)
+        monkeypatch.undo()
+        answer = session.call("Status", pb.StatusRequest().SerializeToString(), 5.0)
+        assert pb.StatusResponse.FromString(answer).jobs == []
+        session.close()
+
+
 def test_a_large_send_to_a_peer_that_takes_no_bytes_fails_within_the_keepalive():
     """A frozen peer (a host relay under a debugger): a send larger than the socket's buffers
     blocked for ever, holding the send lock the keepalive's ping needs (a 4 MB payload was
