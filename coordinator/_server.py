@@ -73,15 +73,16 @@ _OPTIONS = [
 
 
 def _keepalive(heartbeat_timeout: float | None) -> list[tuple[str, int]]:
-    """The server pings a connection silent this long, closing it unanswered 20 s later: one
-    whose client vanished without a FIN (its host cut off, the client gone meanwhile) stayed
-    open for good (gRPC's default: 2 h), its streams and descriptor kept; the session port's
-    are closed by TCP keepalive (_Connection). Not before the heartbeat timeout: a process
-    stopped (SIGSTOP, a frozen VM) answers no ping, and a closed connection is judged sooner
-    than silence (Core.check_liveness). (The ping's wait is gRPC's ping timeout, 60 s by
-    default; its keepalive timeout alone did not close the connection, gRPC 1.7x.)"""
+    """The server pings a connection silent for the heartbeat timeout (60 s at least) and
+    closes it if the ping is not answered within as long again: one whose client vanished
+    without a FIN (its host cut off, the client gone meanwhile) stayed open for good (gRPC's
+    default: 2 h), its streams and descriptor kept; the session port's are closed by TCP
+    keepalive (_Connection). No sooner: a process stopped (SIGSTOP, a frozen VM) answers no
+    ping, gRPC's own (flow control's) included, and a closed connection is judged sooner
+    than silence (Core.check_liveness). (The wait is gRPC's ping timeout, 60 s by default,
+    for every ping; its keepalive timeout alone did not close the connection, gRPC 1.7x.)"""
     after = int(max(60.0, heartbeat_timeout or 0.0) * 1000)
-    return [("grpc.keepalive_time_ms", after), ("grpc.keepalive_timeout_ms", 20_000), ("grpc.http2.ping_timeout_ms", 20_000)]
+    return [("grpc.keepalive_time_ms", after), ("grpc.keepalive_timeout_ms", after), ("grpc.http2.ping_timeout_ms", after)]
 
 
 # A host relay sends one call for its host's ordinals: a TPU host has at most 8 chips of at
