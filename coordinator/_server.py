@@ -408,7 +408,7 @@ class _Connection(FramedSession):
         super().connection_made(transport)
         self._hello_timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT, self._hello_overdue)
         # A client host that vanished is noticed (its connection and waiting calls freed)
-        # after about two minutes of silence, as on the gRPC port (_OPTIONS' keepalive).
+        # after about two minutes of silence, as on the gRPC port (_keepalive).
         sock = transport.get_extra_info("socket")
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         for option, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6)):
