@@ -2008,16 +2008,17 @@ class Client:
         """The values of ``keys`` in one call, as :meth:`get`: with ``wait``, once every one
         of them is set."""
         deadline = self._deadline(timeout)  # (checked, and bounding the call, without wait too)
+        keys = _key_list(keys, text=True)  # (once: an iterator given is used up)
         if wait and self not in _store_ids:
             # A client's first call that waits learns the job's store first (once): a wait
             # through a restart that lost the keys would otherwise wait for nothing. (Retried
             # as any call, until connect_timeout of an outage or the call's deadline, and given
             # the grace of a wait to answer, as the wait after it is.)
-            request = pb.KvGetRequest(job=self.settings.job, keys=_key_list(keys, text=True))
+            request = pb.KvGetRequest(job=self.settings.job, keys=keys)
             values = [v.value if v.found else None for v in self._kv("KvGet", request, deadline, waits=True).values]
             if all(v is not None for v in values):
                 return values
-        request = pb.KvGetRequest(job=self.settings.job, keys=_key_list(keys, text=True), wait=wait)
+        request = pb.KvGetRequest(job=self.settings.job, keys=keys, wait=wait)
         if deadline is not None and wait:
             request.timeout = max(1e-3, deadline - time.monotonic())
         progress = self._keys_progress(list(request.keys), deadline) if wait else None

@@ -217,6 +217,21 @@ def test_blocking_get_is_released_by_a_later_set(client, coordinator):
     other.close()
 
 
+def test_a_first_waiting_get_of_keys_given_as_an_iterator_waits_for_them(coordinator):
+    """A client's first waiting call asks once without waiting first (to learn the job's
+    store): keys given as an iterator were used up by that ask, and the wait asked for no
+    keys at all, returning [] at once."""
+    waiting, other = make_client(coordinator.address), make_client(coordinator.address)
+    try:
+        setter = threading.Timer(0.3, lambda: other.set("late", b"here"))
+        setter.start()
+        assert waiting.multi_get(iter(["late"]), timeout=10) == [b"here"]
+        setter.join()
+    finally:
+        waiting.close()
+        other.close()
+
+
 def test_get_timeout_names_missing_keys(client):
     """A blocking get that times out says which keys are still missing."""
     client.set("k1", b"")
