@@ -29,7 +29,7 @@ from pjrt_rendezvous.client._errors import UsageError
 from pjrt_rendezvous.client._topology import host_port
 from pjrt_rendezvous.client._version import build
 
-from ._core import MAX_ROUND_BYTES, MIN_HEARTBEAT_TIMEOUT, MIN_NAME_LENGTH, Limits, _plural, format_ranges
+from ._core import MAX_ROUND_BYTES, MIN_HEARTBEAT_TIMEOUT, MIN_NAME_LENGTH, Limits, _ordinals_word, _plural, format_ranges
 from ._monitor import DEFAULT_LATE_AFTER
 from ._server import DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_JOB, DEFAULT_SESSION_PORT, listen_host
 
@@ -798,11 +798,6 @@ def _age(seconds: float) -> str:
     return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60)} min"
 
 
-def _ordinals(ordinals: list[int]) -> str:
-    """``ordinal 3`` or ``ordinals 1-2``."""
-    return f"ordinal{'s' if len(ordinals) > 1 else ''} {format_ranges(ordinals)}"
-
-
 def _pids(
     pids: list[int], dead: set[int] = frozenset(), left: set[int] = frozenset(), closed: set[int] = frozenset(),
     unheard: set[int] = frozenset(), limit: int = 4,
@@ -1072,7 +1067,7 @@ def render_status(response, address: str, job: str = "") -> str:
                     _processes_cell(h),
                     pids,
                     # (ended ordinals named as such: "(2 ended)" read as a count)
-                    h["ranges"] + (f" ({_ordinals(h['endedOrdinals'])} ended)" if h["endedOrdinals"] else ""),
+                    h["ranges"] + (f" ({_ordinals_word(h['endedOrdinals'])} ended)" if h["endedOrdinals"] else ""),
                     f"{_age(h['lastSeenAge'])} ago" + (" (not since the restart)" if every else ""),
                 ]
                 for h in summary["hosts"]

@@ -561,6 +561,10 @@ class Job:
     def complete(self) -> bool:
         return self.world_size is not None and len(self.members) == self.world_size
 
+    def unregistered(self) -> list[int]:
+        """The ordinals of its world not registered (none while its size is not known)."""
+        return [o for o in range(self.world_size or 0) if o not in self.members]
+
 
 class Core:
     """All jobs of one coordinator. See the module docstring for the contract."""
@@ -1368,8 +1372,7 @@ class Core:
         _MESSAGE_CHARACTERS ("" when complete or of no known size)."""
         if job.world_size is None or job.complete:
             return ""
-        missing = [o for o in range(job.world_size) if o not in job.members]
-        return self.with_missing(job, "", missing, now)
+        return self.with_missing(job, "", job.unregistered(), now)
 
     def world_timeout(self, job_name: str, now: float, waited: float) -> CoreError:
         if job_name not in self.jobs:
@@ -1380,14 +1383,13 @@ class Core:
                 Code.DEADLINE_EXCEEDED,
                 f"job {job_name!r} was still empty after {_duration(waited)} s: no process registered",
             )
-        missing = [o for o in range(job.world_size) if o not in job.members]
         return CoreError(
             Code.DEADLINE_EXCEEDED,
             self.with_missing(
                 job,
                 f"job {job_name!r} world incomplete after {_duration(waited)} s: "
                 f"{len(job.members)} of {job.world_size} ordinals registered; missing ",
-                missing,
+                job.unregistered(),
                 now,
             ),
         )

@@ -324,7 +324,7 @@ class Monitor:
             if seen[1] or now - seen[0] < self.late_after:
                 continue
             seen[1] = True
-            missing = [o for o in range(job.world_size) if o not in job.members]
+            missing = job.unregistered()
             log.warning(
                 "world late in job %r: %d of %d ordinals registered after %.1f s; missing %s",
                 name,
