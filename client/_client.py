@@ -213,6 +213,9 @@ _made: "weakref.WeakKeyDictionary[Client, float]" = weakref.WeakKeyDictionary()
 # How many of each client's registrations are under way (changed under its lock; close() reads it
 # without, and waits for them: Client._leave).
 _registering: "weakref.WeakKeyDictionary[Client, int]" = weakref.WeakKeyDictionary()
+# Each client's ordinals whose replica it ended (end_replicas) with their thread still bound:
+# no batch waits for them (Client._gathered) until bound again.
+_ended_bound: "weakref.WeakKeyDictionary[Client, set[int]]" = weakref.WeakKeyDictionary()
 # Bindings whose thread ended bound, said so (Client._wait_for_sender): once each.
 _said_ended: "weakref.WeakSet[Binding]" = weakref.WeakSet()
 # The rounds each client gave up on without an answer, to tell the coordinator (Client._tell_given_up),
@@ -1247,6 +1250,11 @@ class Client:
             raise UsageError(f"ordinals must be in [0, 2**31), got {ordinals!r}")  # (protobuf's "Value out of range")
         if self._closed:  # (its Leave said more)
             return
+        with self._lock:  # a sibling's batch waiting for one still bound goes now (it waited a batch window)
+            ended = self._local_ordinals().intersection(ordinals)
+            if ended:
+                _ended_bound.setdefault(self, set()).update(ended)
+                self._signal_gathered(None)
         request = pb.EndReplicasRequest(job=self.settings.job, incarnation=self.incarnation, ordinals=ordinals, reason=reason)
         try:
             self._call("EndReplicas", request, time.monotonic() + _END_TIMEOUT)
@@ -1520,6 +1528,8 @@ class Client:
             self._bindings[thread_index] = binding
             self._local = None
             self._told.setdefault(binding.ordinal, self._generation)  # (bound again: its sequence goes on)
+            if _ended_bound:
+                _ended_bound.get(self, set()).discard(binding.ordinal)  # (bound again, it is back)
         _bound.binding, _bound.closed = binding, None
         return binding
 
@@ -1640,7 +1650,8 @@ class Client:
                 if first:
                     batch = self._batches[key] = _Batch(group, round_number, self._generation, self._local_ordinals())
                 batch.contributions[ordinal] = (ordinal, tag, payload, "")
-                if deadline is not None and (batch.deadline is None or deadline < batch.deadline):
+                nearer = deadline is not None and (batch.deadline is None or deadline < batch.deadline)
+                if nearer:
                     batch.deadline = deadline
                 self._inside[ordinal] = batch
                 # The thread whose arrival completes the round sends it: no thread is woken to
@@ -1654,6 +1665,9 @@ class Client:
                     batch.waiters.append(waiter)
                     if first:
                         batch.first = waiter
+                    elif nearer and batch.first in batch.waiters:  # its wait was set by a later deadline
+                        batch.waiters.remove(batch.first)
+                        batch.first.release()
                 if len(self._batches) > (not send):  # other open batches (ours is one unless sent)
                     self._signal_gathered(batch)
         if handed:  # from here on an interrupt stops only the wait
@@ -1799,31 +1813,38 @@ class Client:
         left before the batch's deadline, as a host relay holds a round: held until its own
         deadline, the call came after the round's (its peers', called earlier), and the round
         named the ordinals that had come in time missing too."""
-        now = time.monotonic()
-        end = now + self.settings.batch_window
-        if batch.deadline is not None:
-            end = min(end, now + (batch.deadline - now) / 2)
-        released = waiter.acquire(True, max(0.0, end - time.monotonic()))
-        with self._lock:
-            send = self._batches.get(key) is batch
-            if send:  # no sibling sends it: send what arrived
-                del self._batches[key]
-                if waiter in batch.waiters:
-                    batch.waiters.remove(waiter)
-                ended = [
-                    b for b in self._bindings.values()
-                    if b is not None and b.ordinal not in batch.contributions
-                    and (batch.members is None or b.ordinal in batch.members)
-                    and b._thread is not None and not b._thread.is_alive() and b not in _said_ended
-                ]
-                _said_ended.update(ended)
-            elif waiter not in batch.waiters:  # signalled, but a late sibling sends it
-                if batch.done:
-                    return False
-                waiter = _allocate_lock()
-                waiter.acquire()
-                batch.waiters.append(waiter)
-                released = False
+        window_ends = time.monotonic() + self.settings.batch_window
+        while True:
+            now = time.monotonic()
+            end = window_ends if batch.deadline is None else min(window_ends, now + (batch.deadline - now) / 2)
+            released = waiter.acquire(True, max(0.0, end - now))
+            with self._lock:
+                send = self._batches.get(key) is batch
+                if send and released and not self._gathered(batch):
+                    # Woken by a sibling whose deadline is nearer (rendezvous): wait again, less.
+                    waiter = batch.first = _allocate_lock()
+                    waiter.acquire()
+                    batch.waiters.append(waiter)
+                    continue
+                if send:  # no sibling sends it: send what arrived
+                    del self._batches[key]
+                    if waiter in batch.waiters:
+                        batch.waiters.remove(waiter)
+                    ended = [
+                        b for b in self._bindings.values()
+                        if b is not None and b.ordinal not in batch.contributions
+                        and (batch.members is None or b.ordinal in batch.members)
+                        and b._thread is not None and not b._thread.is_alive() and b not in _said_ended
+                    ]
+                    _said_ended.update(ended)
+                elif waiter not in batch.waiters:  # signalled, but a late sibling sends it
+                    if batch.done:
+                        return False
+                    waiter = _allocate_lock()
+                    waiter.acquire()
+                    batch.waiters.append(waiter)
+                    released = False
+            break
         if send:
             for b in ended:  # (a binding may be used from another thread: this only says so)
                 log.warning(
@@ -1860,6 +1881,8 @@ class Client:
             # Blocked in another group's round, it cannot come now; still finishing an
             # earlier round of this group (its result is on the way), it will.
             if inside is None or inside.group == batch.group:
+                if _ended_bound and ordinal in _ended_bound.get(self, ()):
+                    continue  # its replica ended, its thread still bound (end_replicas): it does not come
                 return False
         return True
 
