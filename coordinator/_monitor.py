@@ -26,6 +26,8 @@ Events (the ``event`` field of JSON log lines; registration is logged by the ser
 ``process_left``         INFO     a process closed its client (its ordinals are gone)
 ``replicas_ended``       INFO     a process's replicas ended (``xla.spawn``; logged
                                   by the servicer)
+``events_dropped``       WARNING  more process events came at once than a job keeps
+                                  (_EVENTS_KEPT): how many were not logged one by one
 =======================  =======  ================================================
 
 (``unknown_job`` and ``dead_process_called``, once per job or process, are logged by the
@@ -42,7 +44,7 @@ from typing import Callable, Iterable
 
 from pjrt_rendezvous.client._session import clip
 
-from ._core import ALL, Core, CoreError, Round, _plural, describe_group, format_ranges
+from ._core import _EVENTS_KEPT, ALL, Core, CoreError, Round, _plural, describe_group, format_ranges
 from ._metrics import Metrics
 
 log = logging.getLogger("pjrt_rendezvous.coordinator")
@@ -218,8 +220,15 @@ class Monitor:
         )
 
     def _events(self, job_name: str, now: float) -> None:
-        first, events = self._core.events(job_name, self._events_seen.get(job_name, 0))
+        seen = self._events_seen.get(job_name, 0)
+        first, events = self._core.events(job_name, seen)
         self._events_seen[job_name] = first + len(events)
+        if first > seen:  # (a relaunch dropping thousands of processes at once)
+            log.warning(
+                "%d process events in job %r came at once beyond the %d a job keeps: not logged one by one "
+                "nor counted in process_events_total; the %d latest follow", first - seen, job_name,
+                _EVENTS_KEPT, len(events), extra={"event": "events_dropped", "job": job_name, "count": first - seen},
+            )
         for event in events:
             name = event.kind.lower()  # process_dead, process_left, process_restarted
             if self._metrics is not None:

@@ -2437,6 +2437,32 @@ def test_every_process_of_a_large_run_dropped_by_a_relaunch_is_told_so():
     assert core.strangers(3.0) == []
 
 
+def test_more_process_events_at_once_than_a_job_keeps_are_counted_in_the_log(monkeypatch, caplog):
+    """A relaunch dropping more processes at once than the events a job keeps (1,000; 3
+    here): the monitor logged the latest and nothing of the rest; a line says how many it
+    did not log one by one (nor count)."""
+    from pjrt_rendezvous.coordinator import _core
+    from pjrt_rendezvous.coordinator._metrics import Metrics
+    from pjrt_rendezvous.coordinator._monitor import Monitor
+
+    monkeypatch.setattr(_core, "_EVENTS_KEPT", 3)
+    core = Core(heartbeat_timeout=60.0)
+    metrics = Metrics()
+    monitor = Monitor(core, metrics, clock=lambda: 0.0)
+    for task in range(5):
+        core.register(0.0, registration(task, 5, 1))
+    monitor.woke(core.take_wakeups())
+    for task in range(5):
+        core.disconnect(JOB, incarnation_of(task), 1.0)
+    core.register(2.0, registration(0, 5, 1, incarnation="relaunched-0"))
+    with caplog.at_level("INFO", logger="pjrt_rendezvous.coordinator"):
+        monitor.woke(core.take_wakeups())
+    events = [getattr(r, "event", "") for r in caplog.records]
+    assert events.count("process_dead") == 3 and metrics.process_events == {(JOB, "dead"): 3}, events
+    (line,) = [r for r in caplog.records if getattr(r, "event", "") == "events_dropped"]
+    assert line.count == 2 and line.getMessage().startswith(f"2 process events in job {JOB!r} came at once"), line.getMessage()
+
+
 def test_a_relaunch_of_a_task_the_run_had_starts_afresh_however_old_its_process():
     """A long-lived process (a notebook's) registering a task the run had again, with a new
     client, once the run's processes are all gone: a new run, whenever it started."""
