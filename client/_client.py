@@ -599,15 +599,20 @@ _still_trying_said: dict[str, float] = {}
 _failing: dict[str, tuple[float, float]] = {}
 
 
+def _outage_began(address: str, since: float, now: float) -> float:
+    """When the outage at ``address`` that a call failing since ``since`` is part of began."""
+    began, last = _failing.get(address, (since, -math.inf))
+    if now - last > 2 * _BACKOFF_CAP + 1:  # (none failed a while: answered since, or nothing called)
+        return since
+    return min(began, since)
+
+
 def _retrying(method: str, address: str, exc: BaseException, since: float, budget: float) -> None:
     """Before a call tries again: a debug line, and a warning once the outage has lasted
     _STILL_TRYING_AFTER (then at most as often, per address), so that a coordinator that is
     not there is not waited for in silence for the whole connect_timeout."""
     now = time.monotonic()
-    began, last = _failing.get(address, (since, -math.inf))
-    if now - last > 2 * _BACKOFF_CAP + 1:  # (none failed a while: answered since, or nothing called)
-        began = since
-    began = min(began, since)
+    began = _outage_began(address, since, now)
     _failing[address] = (began, now)
     if now - began < _STILL_TRYING_AFTER or now - _still_trying_said.get(address, -math.inf) < _STILL_TRYING_AFTER:
         log.debug("%s to %s failed (%s); retrying", method, address, exc)
@@ -900,7 +905,8 @@ class Client:
                 # its state file, or was stopping): the last attempt only found nobody there.
                 error = CoordinatorUnavailableError(f"{error} (its first failed attempt: {first})")
             if isinstance(error, CoordinatorUnavailableError) and self._heartbeat_timeout and not gone:
-                unanswered = time.monotonic() - _failing.get(self.settings.address, (outage["since"],))[0]
+                now = time.monotonic()
+                unanswered = now - _outage_began(self.settings.address, outage["since"], now)
                 if unanswered > self._heartbeat_timeout:  # (a network cut, not a restart: it judged this process)
                     error = CoordinatorUnavailableError(
                         f"{error} (unanswered for {unanswered:.0f} s, longer than its heartbeat timeout of "

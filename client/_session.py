@@ -467,8 +467,10 @@ class SocketSession(Session):
         self._over = threading.Event()  # set when broken: the keepalive ends at once (it slept on up to 10 s)
         try:
             threading.Thread(target=self._keepalive, name="pjrt-rendezvous-keepalive", daemon=True).start()
-        except RuntimeError:  # (CPython 3.12.0-3.12.1 start no thread in the interpreter's exit: a
-            pass              # replica ended then is told without the pings, within its call's deadline)
+        except RuntimeError as exc:  # (CPython 3.12.0-3.12.1 start no thread in the interpreter's exit: a
+            if "shutdown" not in str(exc):  # replica ended then is told without the pings, within its call's
+                sock.close()                # deadline; out of threads, the call fails as any would)
+                raise
 
     def _keepalive(self) -> None:
         """A connection that silently stops passing bytes (a dead host, a dropped NAT entry,

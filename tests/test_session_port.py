@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.request
 
 import grpc
@@ -726,16 +727,28 @@ def test_a_session_opened_where_no_thread_may_start_works_without_its_keepalive(
     that died bound ends its replica: the session's keepalive thread raised, the replica's
     end was never told and its peers waited for the heartbeat timeout. The session goes on
     without its pings."""
-    def refused(self):
-        raise RuntimeError("can't create new thread at interpreter shutdown")
+    from pjrt_rendezvous.client import _session
+
+    class Refused(threading.Thread):
+        def start(self):
+            raise RuntimeError(why)
+
+    class NoThreads(types.ModuleType):  # (the session's threading alone: not the coordinator's)
+        Thread = Refused
+
+        def __getattr__(self, name):
+            return getattr(threading, name)
 
     with Coordinator(port=0) as coordinator:
-        monkeypatch.setattr(threading.Thread, "start", refused)
+        monkeypatch.setattr(_session, "threading", NoThreads("threading"))
+        why = "can't create new thread at interpreter shutdown"
         session = SocketSession.tcp("127.0.0.1", coordinator.session_port, "", 5.0)
-        monkeypatch.undo()
         answer = session.call("Status", pb.StatusRequest().SerializeToString(), 5.0)
         assert pb.StatusResponse.FromString(answer).jobs == []
         session.close()
+        why = "can't start new thread"  # (out of threads: as any failure to start one)
+        with pytest.raises(RuntimeError, match=why):
+            SocketSession.tcp("127.0.0.1", coordinator.session_port, "", 5.0)
 
 
 def test_a_large_send_to_a_peer_that_takes_no_bytes_fails_within_the_keepalive():
