@@ -90,10 +90,12 @@ static int read_key(Reader *r, uint64_t *key) {
     return 0;
 }
 
-/* A length-delimited field's bytes: 0, or -1 if they run past the end. */
+/* A length-delimited field's bytes: 0, or -1 if they run past the end or their length
+ * takes more than five bytes or 31 bits (protobuf refuses those; a fuzzer's find). */
 static int read_span(Reader *r, Span *out) {
+    const uint8_t *start = r->p;
     uint64_t n;
-    if (read_varint(r, &n) < 0 || n > (uint64_t)(r->end - r->p)) return -1;
+    if (read_varint(r, &n) < 0 || r->p - start > 5 || n > INT32_MAX || n > (uint64_t)(r->end - r->p)) return -1;
     out->data = r->p;
     out->size = (Py_ssize_t)n;
     r->p += n;
@@ -305,7 +307,7 @@ static int four_fields(Span body, const int wire_types[5], uint64_t values[5], S
                    || (wt == WT_VARINT ? read_varint(&r, &values[field]) : read_span(&r, &spans[field])) < 0) {
             return 0;
         }
-        if (wt == WT_LEN) seen |= 1u << field;
+        if (wt == WT_LEN && field <= 4) seen |= 1u << field;  /* (not an unknown field's: 1u << 32 is undefined) */
     }
     return 1;
 }

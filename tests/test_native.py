@@ -194,6 +194,10 @@ def test_what_protobuf_allows_is_decoded_alike(extra):
         # (these two were taken, where protobuf refuses them: the native review)
         (field(1, 2, _length_delimited(b"\xff")) + BASE, "a job given twice, its first copy not UTF-8"),
         (b"\xc0\x80\x80\x80\x80\x00\x07" + BASE, "a key of six bytes"),
+        # (these three too: a fuzzer under sanitizers)
+        (bytes.fromhex("0a8180808080006a4201074a0174"), "a string's length in six bytes"),
+        (bytes.fromhex("0a016a42818080808000074a0174"), "a packed field's length in six bytes"),
+        (bytes.fromhex("0a016a4201074a0174fa0680808080808080808002"), "an unknown field's length wrapping to 0"),
     ],
 )
 def test_what_it_does_not_take_is_left_to_protobuf(data, why):
@@ -201,8 +205,9 @@ def test_what_it_does_not_take_is_left_to_protobuf(data, why):
 
 
 def test_session_messages_protobuf_refuses_are_left_to_it():
-    """A string given twice with a first copy that is not UTF-8, and an overlong key, were
-    taken by the native decoders (protobuf refuses both: the native review)."""
+    """A string given twice with a first copy that is not UTF-8, an overlong key (the native
+    review) and a length written in more than five bytes (a fuzzer) were taken by the native
+    decoders, where protobuf refuses them."""
     twice = bytes([0x0a, 8, 0x12, 1, 0xff, 0x12, 1, 0x4d, 0x08, 1])  # a SessionCall's method twice
     overlong = bytes([0x8a, 0x80, 0x80, 0x80, 0x80, 0x00, 4, 0x12, 2, 0x4d, 0x4d])  # field 1 with a six-byte key
     answer_twice = bytes([0x0a, 6, 0x1a, 1, 0xff, 0x1a, 1, 0x4d])  # a SessionAnswer's message twice
@@ -212,6 +217,12 @@ def test_session_messages_protobuf_refuses_are_left_to_it():
         (answer_twice, native.decode_answers, pb.SessionResponse),
         (field(1, 2, _length_delimited(b"\xff")) + BASE, native.decode_rendezvous, pb.RendezvousRequest),
         (b"\xc0\x80\x80\x80\x80\x00\x07" + BASE, native.decode_rendezvous, pb.RendezvousRequest),
+        # (lengths in six to ten bytes, taken by every decoder: a fuzzer under sanitizers)
+        (bytes.fromhex("0a83808080800012014d"), native.decode_session_calls, pb.SessionRequest),
+        (bytes.fromhex("0a08128180808080004d"), native.decode_session_calls, pb.SessionRequest),
+        (bytes.fromhex("8a01808080808000"), native.decode_session_calls, pb.SessionRequest),
+        (bytes.fromhex("0a081a8180808080004d"), native.decode_answers, pb.SessionResponse),
+        (bytes.fromhex("0a000a000a000a000a000a000a808080808080808080000a00"), native.decode_payloads, pb.RendezvousResponse),
     ):
         with pytest.raises(DecodeError):
             message.FromString(data)
@@ -303,3 +314,14 @@ def test_payloads_encode_as_protobuf_encodes_them(payloads):
 def test_requests_encode_as_protobuf_encodes_them(job, incarnation, replicas, round_number, timeout, generation, rows):
     args = (job, incarnation, replicas, round_number, timeout, generation, rows)
     assert native.encode_rendezvous(*args) == encode_rendezvous_in_python(*args)
+
+
+def test_an_unknown_field_numbered_past_31_does_not_count_as_a_known_one():
+    """A SessionCall's or SessionAnswer's unknown field 34 set the bit of field 2 (a shift by
+    34 of a 32-bit int: undefined, and taken modulo 32 on x86), so the method (or message)
+    that followed was taken for a second one and the message left to protobuf (UBSan)."""
+    call = bytes.fromhex("0a0692020012014d")  # field 34, then the method 'M'
+    answer = bytes.fromhex("0a069a02001a014d")  # field 35, then the message 'M'
+    assert native.decode_session_calls(call) == [(0, "M", b"", False)]
+    assert [(c.id, c.method) for c in pb.SessionRequest.FromString(call).calls] == [(0, "M")]
+    assert native.decode_answers(answer) == [(0, 0, "M", b"")]
