@@ -33,7 +33,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pjrt_rendezvous.client._config import DEFAULT_JOB, check_token
 from pjrt_rendezvous.client._errors import EMBEDDED_STOPPED, MAX_MESSAGE_RULE, STOPPED_HERE, UsageError
-from pjrt_rendezvous.client._session import MAX_MESSAGE, FramedSession, clip, give_freed_memory_back
+from pjrt_rendezvous.client._session import MAX_MESSAGE, PING_EVERY, FramedSession, clip, give_freed_memory_back
 from pjrt_rendezvous.client._topology import host_port
 from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
@@ -72,6 +72,15 @@ _OPTIONS = [
 ]
 
 
+_SILENT_AFTER = 60.0  # seconds at least before a silent connection is looked into (_keepalive, _Connection)
+
+
+def silent_after(heartbeat_timeout: float | None) -> float:
+    """How long a connection may be silent before it is looked into: the heartbeat timeout,
+    and not less than _SILENT_AFTER (None: no timeout)."""
+    return max(_SILENT_AFTER, heartbeat_timeout or 0.0)
+
+
 def _keepalive(heartbeat_timeout: float | None) -> list[tuple[str, int]]:
     """The server pings a connection silent for the heartbeat timeout (60 s at least) and
     closes it if the ping is not answered within as long again: one whose client vanished
@@ -81,7 +90,7 @@ def _keepalive(heartbeat_timeout: float | None) -> list[tuple[str, int]]:
     ping, gRPC's own (flow control's) included, and a closed connection is judged sooner
     than silence (Core.check_liveness). (The wait is gRPC's ping timeout, 60 s by default,
     for every ping; its keepalive timeout alone did not close the connection, gRPC 1.7x.)"""
-    after = int(max(60.0, heartbeat_timeout or 0.0) * 1000)
+    after = int(silent_after(heartbeat_timeout) * 1000)
     return [("grpc.keepalive_time_ms", after), ("grpc.keepalive_timeout_ms", after), ("grpc.http2.ping_timeout_ms", after)]
 
 
@@ -358,6 +367,7 @@ class _SessionPort:
             max_message=self._max_message,
             max_message_rule=f"the coordinator's max message size: {MAX_MESSAGE_RULE}",
         )
+        connection.silent_after = silent_after(self._servicer._core.heartbeat_timeout)
         if self._servicer._on_call is not None:  # (counted as gRPC's Session streams are)
             connection.on_end = functools.partial(self._servicer._on_call, "Session")
         self._connections.add(connection)
@@ -393,6 +403,11 @@ class _Connection(FramedSession):
     _hello_timer: asyncio.TimerHandle | None = None
     _log = log
     on_end: Callable[[str], None] | None = None
+    # A connection that gets nothing and is answered nothing for this long (a live client
+    # pings every 10 s: PING_EVERY) is closed at the next look, as the gRPC port's unanswered
+    # ping closes one (_keepalive): TCP keepalive cannot close one whose peer's kernel still
+    # answers it (a process stopped, a proxy holding the connection). Set by _SessionPort.
+    silent_after = _SILENT_AFTER
 
     def _refuse(self, code: grpc.StatusCode, message: str) -> bool:
         if self._hello is None:
@@ -406,7 +421,9 @@ class _Connection(FramedSession):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        self._hello_timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT, self._hello_overdue)
+        loop = asyncio.get_running_loop()
+        self._hello_timer = loop.call_later(HELLO_TIMEOUT, self._hello_overdue)
+        self._silence_timer = loop.call_later(self.silent_after, self._look, None)
         # A client host that vanished is noticed (its connection and waiting calls freed)
         # after about two minutes of silence, as on the gRPC port (_keepalive).
         sock = transport.get_extra_info("socket")
@@ -425,7 +442,24 @@ class _Connection(FramedSession):
         # UNAVAILABLE: a client that was this slow resends its calls on a new connection.
         self._refuse(grpc.StatusCode.UNAVAILABLE, f"the session port got no SessionHello within {HELLO_TIMEOUT:g} s of connecting")
 
+    def _look(self, before: tuple | None) -> None:
+        """Closes the connection if nothing came or went since the last look (calls, pings
+        and their answers, a large message arriving in pieces), else looks again later."""
+        if self.transport.is_closing():
+            return
+        now = (self._written, len(self._buffer), self._skip)
+        if now != before:
+            self._silence_timer = asyncio.get_running_loop().call_later(self.silent_after, self._look, now)
+            return
+        log.debug(
+            "closed a session port connection from %s: nothing came or went for %g s (a live client pings "
+            "every %g s: its process stopped, or a proxy holds the connection open)",
+            self.transport.get_extra_info("peername"), self.silent_after, PING_EVERY,
+        )
+        self.transport.abort()
+
     def connection_lost(self, exc) -> None:
+        self._silence_timer.cancel()
         if self._hello_timer is not None:
             self._hello_timer.cancel()
         if self._hello is None:  # its hello was taken: a session, now ended

@@ -751,6 +751,32 @@ def test_a_session_opened_where_no_thread_may_start_works_without_its_keepalive(
             SocketSession.tcp("127.0.0.1", coordinator.session_port, "", 5.0)
 
 
+def test_the_coordinator_closes_a_session_port_connection_silent_past_the_heartbeat_timeout(monkeypatch):
+    """A connection whose peer's kernel still answers TCP keepalive but sends nothing (its
+    process stopped, or a proxy holding it open: a soak trial found 151 kept, their processes
+    long declared dead) stayed for good; one silent (no call, no ping) for the heartbeat
+    timeout (60 s at least; 0.5 s here) is closed at the next look. A client's session,
+    which pings when it has nothing else to say, stays."""
+    from pjrt_rendezvous.client import _session
+
+    monkeypatch.setattr(_server, "_SILENT_AFTER", 0.5)
+    monkeypatch.setattr(_session, "PING_EVERY", 0.1)
+    with Coordinator(port=0, heartbeat_timeout=None) as coordinator:
+        live = SocketSession.tcp("127.0.0.1", coordinator.session_port, "", 5.0)
+        with socket.create_connection(("127.0.0.1", coordinator.session_port)) as silent:
+            silent.sendall(frame(pb.SessionHello().SerializeToString()))
+            silent.settimeout(10)
+            started = time.monotonic()
+            try:
+                assert silent.recv(1) == b""
+            except ConnectionResetError:  # (aborted)
+                pass
+            assert time.monotonic() - started < 5
+        answer = live.call("Status", pb.StatusRequest().SerializeToString(), 5.0)  # (kept open by its pings)
+        assert pb.StatusResponse.FromString(answer).jobs == [] and live.broken is None
+        live.close()
+
+
 def test_a_large_send_to_a_peer_that_takes_no_bytes_fails_within_the_keepalive():
     """A frozen peer (a host relay under a debugger): a send larger than the socket's buffers
     blocked for ever, holding the send lock the keepalive's ping needs (a 4 MB payload was
