@@ -447,9 +447,9 @@ class _Connection(FramedSession):
         and their answers, a large message arriving in pieces), else looks again later."""
         if self.transport.is_closing():
             return
-        now = (self._written, len(self._buffer), self._skip)
-        if now != before:
-            self._silence_timer = asyncio.get_running_loop().call_later(self.silent_after, self._look, now)
+        seen = (self._written, len(self._buffer), self._skip)
+        if seen != before:
+            self._silence_timer = asyncio.get_running_loop().call_later(self.silent_after, self._look, seen)
             return
         log.debug(
             "closed a session port connection from %s: nothing came or went for %g s (a live client pings "
