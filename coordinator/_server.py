@@ -218,6 +218,12 @@ class ServerOptions:
         size = self.world_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(f"world_size must be an int >= 1 or None, got {size!r}")
+        for name in ("tls_cert", "tls_key", "tls_ca"):  # (a path given as str met gRPC's bare TypeError)
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bytes):
+                raise TypeError(
+                    f"{name} must be the PEM file's bytes (pathlib.Path(path).read_bytes()), got {type(value).__name__}"
+                )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both a certificate and its key (--tls-cert and --tls-key)")
         if self.tls_ca is not None and self.tls_cert is None:

@@ -1865,6 +1865,10 @@ def test_an_embedded_coordinator_serves_once_at_a_time_on_a_port_in_range():
     ):
         with pytest.raises(ValueError, match=re.escape(said)):
             Coordinator(**options)
+    for name in ("tls_cert", "tls_key", "tls_ca"):  # (paths, not the PEM bytes: gRPC's TypeError named neither)
+        pem = {"tls_cert": b"cert", "tls_key": b"key", name: "/etc/coordinator/pem"}
+        with pytest.raises(TypeError, match=re.escape(f"{name} must be the PEM file's bytes (pathlib.Path(path).read_bytes()), got str")):
+            Coordinator(**pem)
     Coordinator(grace=None)  # (none: stop() cancels at once)
 
 
