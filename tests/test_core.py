@@ -1380,10 +1380,12 @@ def test_the_round_deadline_is_the_earliest_member_deadline():
     assert pod.error(key).code is Code.DEADLINE_EXCEEDED
 
 
-def test_an_arrival_after_the_deadline_fails_the_round_it_would_have_completed():
+@pytest.mark.parametrize("late", [9.0, 0.0])
+def test_an_arrival_after_the_deadline_fails_the_round_it_would_have_completed(late):
     """A round past its deadline that nobody expired (its waiter went away) fails when the
     next member comes, as it would have at its deadline, instead of completing late; the
-    message gives the time it timed out after, not the time it was noticed."""
+    message gives the time it timed out after, not the time it was noticed. At the deadline
+    itself too, as ``expire`` judges it (a deadline is when the round has failed)."""
     pod = make_pod(2)
     key = pod.arrive(0, now=0.0, deadline=1.0)
     with raises(
@@ -1391,7 +1393,7 @@ def test_an_arrival_after_the_deadline_fails_the_round_it_would_have_completed()
         "ordinal 1 called rendezvous('t') as round 0 of all ordinals, which had failed before it came (its round",
         "timed out after 1.0 s (counted from the first call to reach the coordinator) with 1 of 2 arrived; missing ordinal 1",
     ):
-        pod.arrive(1, now=10.0, deadline=15.0)
+        pod.arrive(1, now=1.0 + late, deadline=15.0)
     assert pod.error(key).code is Code.DEADLINE_EXCEEDED
     assert pod.wakeups("round") == [pod.round_wakeup(ALL, 0)]
     pod.arrive(0, now=11.0, round_number=1)
@@ -1624,6 +1626,7 @@ def test_a_round_far_ahead_of_its_groups_next_unfinished_round_is_refused(monkey
     fresh.arrive(1, replicas=[0, 1], round_number=5000)
     assert fresh.result(key) == [payload_of(0), payload_of(1)]
     fresh.arrive(0, round_number=5005)
+    fresh.arrive(0, round_number=5006)  # (5 ahead of 5001: the most allowed)
     with raises(Code.INVALID_ARGUMENT, "round 5007 of all ordinals is 6 rounds ahead", "(5001)"):
         fresh.arrive(0, round_number=5007)
 
@@ -1715,6 +1718,14 @@ def test_kv_add_treats_a_missing_key_as_zero_and_stores_decimal_text():
     assert core.kv_get(JOB, ["n"]) == [b"-2"]
     core.kv_set(JOB, [("m", b"40")])
     assert core.kv_add(JOB, "m", 2) == 42
+    # The 64-bit range, as torch's stores keep it: its ends are reached, not passed
+    assert core.kv_add(JOB, "top", 2**63 - 1) == 2**63 - 1
+    with raises(Code.INVALID_ARGUMENT, "adding 1 to key 'top' (value 9223372036854775807) leaves the 64-bit integer range"):
+        core.kv_add(JOB, "top", 1)
+    assert core.kv_add(JOB, "bottom", -(2**63)) == -(2**63)
+    with raises(Code.INVALID_ARGUMENT, "leaves the 64-bit integer range"):
+        core.kv_add(JOB, "bottom", -1)
+    assert core.kv_get(JOB, ["top", "bottom"]) == [b"9223372036854775807", b"-9223372036854775808"]
 
 
 def test_kv_add_on_a_non_integer_value_is_invalid_argument():
@@ -2696,6 +2707,14 @@ def test_a_closed_connection_waits_no_longer_than_the_heartbeat_timeout_and_none
     short.core.disconnect(JOB, incarnation_of(1), now=0.5)
     short.core.check_liveness(3.6)  # 3.1 s after the close, 3.6 s silent: the close is named
     assert "not heard from in the 3.1 s after" in short.core.jobs[JOB].processes[incarnation_of(1)].death
+    # Closed within the grace but silent past the timeout: the close is named all the same
+    short.register(1, now=4.0, incarnation="again-1")
+    short.core.touch(JOB, incarnation_of(0), now=7.0)
+    short.core.disconnect(JOB, "again-1", now=6.5)
+    short.core.check_liveness(7.1)
+    assert short.core.jobs[JOB].processes["again-1"].death.startswith(
+        "its connection closed without a Leave and it was not heard from in the 0.6 s after"
+    ), short.core.jobs[JOB].processes["again-1"].death
     off = Pod(Core(heartbeat_timeout=None), 2, 1)
     off.register(0)
     off.register(1)
