@@ -806,18 +806,19 @@ def test_a_task_id_without_a_worker_id_names_its_own_host():
     assert detect_topology({**env, "TPU_WORKER_ID": "0"}, metadata=_no_metadata).host == "a"
 
 
-def test_a_task_id_without_a_local_rank_gives_the_local_rank():
-    """Task 5 of 2 hosts x 4 processes is the second on its host: without a local rank every
-    process of a host was local rank 0 (the same local ordinals, each its host's local master).
-    A local rank given stays as given; so does the default where the worker id given is not
-    the task's host (tasks counted otherwise)."""
-    env = {"TPU_WORKER_HOSTNAMES": "a,b", "CLOUD_TPU_TASK_ID": "5", "PJRT_LOCAL_PROCESS_COUNT": "4",
+@pytest.mark.parametrize("task, local_rank, local_ordinal, ordinal", [(5, 1, 3, 11), (6, 2, 5, 13), (1, 1, 3, 3)])
+def test_a_task_id_without_a_local_rank_gives_the_local_rank(task, local_rank, local_ordinal, ordinal):
+    """Task 5 of 2 hosts x 4 processes is the second on its host (6 the third, 1 the second
+    of the first): without a local rank every process of a host was local rank 0 (the same
+    local ordinals, each its host's local master). A local rank given stays as given; so does
+    the default where the worker id given is not the task's host (tasks counted otherwise)."""
+    env = {"TPU_WORKER_HOSTNAMES": "a,b", "CLOUD_TPU_TASK_ID": str(task), "PJRT_LOCAL_PROCESS_COUNT": "4",
            "TPU_ACCELERATOR_TYPE": "v3-32", "TPU_SKIP_MDS_QUERY": "1"}
     topo = detect_topology(env, metadata=_no_metadata)
-    assert (topo.local_rank, topo.local_ordinal(1), topo.ordinal(1)) == (1, 3, 11)
+    assert (topo.local_rank, topo.local_ordinal(1), topo.ordinal(1)) == (local_rank, local_ordinal, ordinal)
     assert detect_topology({**env, "PJRT_LOCAL_PROCESS_RANK": "0"}, metadata=_no_metadata).local_rank == 0
     # (tasks not counted host by host, as the worker id given says: not derived)
-    assert detect_topology({**env, "TPU_WORKER_ID": "0"}, metadata=_no_metadata).local_rank == 0
+    assert detect_topology({**env, "TPU_WORKER_ID": str(1 - task // 4)}, metadata=_no_metadata).local_rank == 0
 
 
 @pytest.mark.parametrize("address", ["", "   ", "coord:x"])
