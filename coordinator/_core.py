@@ -46,8 +46,13 @@ RoundKey = tuple[int, GroupKey, int]  # (generation, group, number)
 # A finished round is kept so a retried call can fetch its result. A member can be at
 # most one round behind the others of its group (they cannot finish round k+1 without
 # it), so two finished rounds per group are enough, and once round k+1 completed (every
-# member came to it, so had round k's answer), one.
+# member came to it, so had round k's answer), one. Failures are the exception: the others
+# may fail round after round without a member that is late (each times out without it),
+# which then comes to each in turn and is told each one's error. A group keeps its failures
+# in a row, up to _FAILED_ROUNDS_KEPT (a failed round keeps who came and its error, no
+# payloads).
 _FINISHED_ROUNDS_KEPT = 2
+_FAILED_ROUNDS_KEPT = 16
 # Groups (replica subsets) a job keeps, with their finished rounds: past that, those that
 # finished a round longest ago and have none pending are forgotten (Core.record_finished).
 # A forgotten group starts again as a new one, as after a coordinator restart without its
@@ -652,7 +657,15 @@ class Core:
             state.next_round += 1
         # Completed, it had every member: none will ask for an earlier one again (a round of
         # 512 MiB kept the payloads of the one before as well).
-        kept = 1 if rnd.result is not None and rnd.number == state.next_round - 1 else _FINISHED_ROUNDS_KEPT
+        if rnd.result is not None and rnd.number == state.next_round - 1:
+            kept = 1
+        else:  # the failures in a row it ends (a late member comes to each in turn)
+            failures = 0
+            for older in reversed(state.finished.values()):
+                if older.error is None or failures == _FAILED_ROUNDS_KEPT:
+                    break
+                failures += 1
+            kept = max(_FINISHED_ROUNDS_KEPT, failures)
         while len(state.finished) > kept:
             state.finished.popitem(last=False)
         if len(groups) - len(job.pending) > _GROUPS_KEPT:  # (more than that many have none pending)
@@ -1710,7 +1723,8 @@ class Core:
                 f"round {number} of {describe_group(group)} finished long ago and its result "
                 f"is gone (the group is at round {state.next_round}); this caller's round "
                 "counter fell behind its peers (or its answer was lost while its peers' next "
-                "rounds failed without it: a group keeps its last finished round, two when that failed)",
+                f"rounds failed without it: a group keeps its last finished round, and when that failed, up to "
+                f"{_FAILED_ROUNDS_KEPT} failures in a row)",
             )
         rnd = job.pending.get((job.generation, group, number))
         if rnd is not None and rnd.deadline is not None and rnd.deadline <= now:

@@ -368,6 +368,33 @@ def test_payload_over_limit_is_resource_exhausted_for_the_caller_and_its_waiting
     peer.close()
 
 
+def test_a_member_late_for_rounds_its_peer_timed_out_in_gets_each_timeout_then_rounds_run(coordinator):
+    """Ordinal 0 catches its timeouts and goes on, three rounds without ordinal 1 (a data
+    stall, say): ordinal 1, late, gets each one's timeout (RendezvousTimeout, as its peer
+    did, naming itself as missing), then the next round is whole. Round 0 was 'finished long
+    ago and its result is gone', a MismatchError (a group kept two failed rounds)."""
+    client = make_client(coordinator.address, tasks=2, timeout=30)
+    peer = make_client(coordinator.address, tasks=2, task=1, timeout=30)
+    peer_thread = concurrent.futures.ThreadPoolExecutor(1)  # one thread: the late one's, bound there
+    late = peer_thread.submit(peer.bind_thread, 0).result()
+    with client.bind_thread(0) as binding:
+        for step in range(3):
+            with pytest.raises(pr.RendezvousTimeout, match=rf"rendezvous 'step-{step}' .* timed out after 0.2 s"):
+                client.rendezvous(binding, f"step-{step}", b"p0", timeout=0.2)
+        for step in range(3):
+            with pytest.raises(pr.RendezvousTimeout, match=(
+                rf"ordinal 1 called rendezvous\('step-{step}'\) as round {step} of all ordinals, which had failed before it came"
+                r".*missing ordinal 1"
+            )):
+                peer_thread.submit(peer.rendezvous, late, f"step-{step}", b"p1").result(timeout=20)
+        caught_up = peer_thread.submit(peer.rendezvous, late, "step-3", b"p1")
+        assert client.rendezvous(binding, "step-3", b"p0") == [b"p0", b"p1"] == caught_up.result(timeout=20)
+    peer_thread.submit(peer.unbind_thread).result()
+    peer_thread.shutdown()
+    client.close()
+    peer.close()
+
+
 def test_a_round_whose_answer_passes_max_round_bytes_fails_for_every_thread_and_the_next_runs():
     """Each payload within its limit, the round's together over max_round_bytes (the
     answer every member receives): every thread is told, naming the size and the limit,

@@ -885,9 +885,37 @@ def test_a_round_long_finished_cannot_be_resent():
     pod = make_pod(2)
     for number in range(4):
         pod.result(pod.arrive(0, replicas=[0], round_number=number))
-    with raises(Code.FAILED_PRECONDITION, "round 0", "fell behind", "at round 4", "a group keeps its last finished round, two when that failed"):
+    with raises(Code.FAILED_PRECONDITION, "round 0", "fell behind", "at round 4", "a group keeps its last finished round, and when that failed, up to 16 failures in a row"):
         pod.arrive(0, replicas=[0], round_number=0)
     assert pod.result(pod.arrive(0, replicas=[0], round_number=3)) == [b"p0"]
+
+
+@pytest.mark.parametrize("failed", [3, 20])
+def test_a_member_late_for_many_rounds_its_peers_failed_without_it_is_told_each_ones_error(failed):
+    """Ordinal 0 timed out in round after round without ordinal 1 (its peers catch the
+    timeout and go on): ordinal 1, late, then comes to each in turn and is told that
+    round's timeout, not that its counter fell behind (a group kept two finished rounds;
+    a model-based test of the core found it). Up to _FAILED_ROUNDS_KEPT in a row."""
+    from pjrt_rendezvous.coordinator._core import _FAILED_ROUNDS_KEPT
+
+    pod = make_pod(2)
+    for number in range(failed):
+        pod.arrive(0, round_number=number, now=10.0 * number, deadline=10.0 * number + 1)
+        pod.core.expire(10.0 * number + 2)
+    forgotten = max(0, failed - _FAILED_ROUNDS_KEPT)
+    if forgotten:
+        with raises(Code.FAILED_PRECONDITION, f"round {forgotten - 1} of all ordinals finished long ago", f"at round {failed}"):
+            pod.arrive(1, round_number=forgotten - 1, now=1000.0)
+    for number in range(forgotten, failed):
+        with raises(
+            Code.DEADLINE_EXCEEDED,
+            f"ordinal 1 called rendezvous('t') as round {number} of all ordinals, which had failed before it came",
+            f"on all ordinals (round {number}) timed out after 1.0 s", "missing ordinal 1",
+        ):
+            pod.arrive(1, round_number=number, now=1000.0)
+    key = pod.arrive(1, round_number=failed, now=1000.0)  # caught up: the next round is whole
+    assert pod.result(pod.arrive(0, round_number=failed, now=1000.0)) == [b"p0", b"p1"]
+    assert list(pod.core.jobs[JOB].groups[key[:2]].finished) == [failed]  # (completed: one kept)
 
 
 def test_tag_mismatch_fails_the_round_for_everyone_naming_who_brought_what():
