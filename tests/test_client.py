@@ -31,8 +31,8 @@ from pjrt_rendezvous.protos.v1 import coordinator_pb2 as pb
 
 
 @pytest.fixture
-def coordinator():
-    with Coordinator(port=0, limits=Limits(max_payload_bytes=1024)) as c:
+def coordinator(request):
+    with Coordinator(port=0, limits=Limits(max_payload_bytes=1024), **getattr(request, "param", {})) as c:
         yield c
 
 
@@ -230,6 +230,34 @@ def test_a_first_waiting_get_of_keys_given_as_an_iterator_waits_for_them(coordin
     finally:
         waiting.close()
         other.close()
+
+
+@pytest.mark.parametrize("coordinator", [{"heartbeat_timeout": None}], indirect=True)
+def test_gets_waiting_on_one_key_each_end_at_their_own_timeout(coordinator):
+    """Two gets wait for the same key, the first to come with the shorter timeout: each
+    times out at its own (the later deadline must not take the earlier one's place; without
+    a heartbeat timeout no liveness wake-up each second hides it)."""
+    hasty, patient = make_client(coordinator.address), make_client(coordinator.address)
+    ended = {}
+
+    def get(client, name, timeout):
+        started = time.monotonic()
+        with pytest.raises(pr.RendezvousTimeout, match="'shared'"):
+            client.get("shared", timeout=timeout)
+        ended[name] = time.monotonic() - started
+
+    try:
+        first = threading.Thread(target=get, args=(hasty, "hasty", 1.0))
+        first.start()
+        time.sleep(0.3)  # (its wait reaches the coordinator first)
+        second = threading.Thread(target=get, args=(patient, "patient", 4.0))
+        second.start()
+        first.join(20)
+        second.join(20)
+        assert 1.0 <= ended["hasty"] < 3.0 and ended["patient"] >= 4.0, ended
+    finally:
+        hasty.close()
+        patient.close()
 
 
 def test_get_timeout_names_missing_keys(client):
@@ -963,8 +991,11 @@ def test_a_long_wait_keeps_its_full_retry_budget_across_a_coordinator_restart(tm
         second.stop()
 
 
+@pytest.mark.parametrize("coordinator", [{"heartbeat_timeout": None}], indirect=True)
 def test_a_refused_caller_releases_waiting_peers_at_once(coordinator):
-    """A caller outside `replicas` fails the round its peers wait in; they learn it at once, not at their deadline."""
+    """A caller outside `replicas` fails the round its peers wait in; they learn it at once,
+    not at their deadline (without a heartbeat timeout: the liveness watch's wake-up each
+    second hid a refusal that woke nobody)."""
     peer = make_client(coordinator.address, tasks=3, task=0, timeout=30)
     outsider = make_client(coordinator.address, tasks=3, task=2, timeout=30)
     outcome = {}
