@@ -577,6 +577,26 @@ def test_bound_threads_answer_xm_calls_through_the_coordinator(xm, torch_xla, co
     assert not torch_xla._XLAC._xla_runtime_is_initialized()  # no device sync, no compile
 
 
+@pytest.mark.xla
+def test_is_master_ordinal_tells_the_local_master_from_the_global_one(xm, coordinator):
+    """Task 1 of 2 (its host's first process): thread 0 is local ordinal 0 and global
+    ordinal 2, the local master and not the global one; thread 1 neither. (One process of
+    one host answered the same either way.)"""
+    xla.install()
+    topology = pr.detect_topology(
+        {"PJRT_RENDEZVOUS_NUM_TASKS": "2", "PJRT_RENDEZVOUS_TASK_ID": "1", "PJRT_RENDEZVOUS_LOCAL_RANK": "0",
+         "PJRT_RENDEZVOUS_CORES_PER_CHIP": "2"},
+        address=coordinator.address,
+    )
+    client = pr.Client(pr.Settings(address=coordinator.address, timeout=10.0), topology)
+    results, errors = _in_threads(client, lambda index: (
+        xm.get_ordinal(), xm.get_local_ordinal(), xm.is_master_ordinal(), xm.is_master_ordinal(local=False),
+    ))
+    client.close()
+    assert not errors, errors
+    assert results == {0: (2, 0, True, False), 1: (3, 1, False, False)}
+
+
 class _NotWeights:
     """An object torch.load(weights_only=True) refuses."""
 
