@@ -650,24 +650,34 @@ class Core:
         key = (rnd.generation, rnd.group)
         # Re-inserted: groups stay in the order they last finished a round.
         state = groups[key] = groups.pop(key, None) or _Group()
-        for older in state.finished.values():  # its members came to this one: it is answered (else rebuilt)
+        finished = state.finished
+        for older in finished.values():  # its members came to this one: it is answered (else rebuilt)
             older.response = None  # (a round of 512 MiB kept a copy of each of its last two)
-        state.finished[rnd.number] = rnd
-        while state.next_round in state.finished:  # (before any is let go: one may finish out of order)
+        finished[rnd.number] = rnd
+        while state.next_round in finished:  # (before any is let go: one may finish out of order)
             state.next_round += 1
         # Completed, it had every member: none will ask for an earlier one again (a round of
-        # 512 MiB kept the payloads of the one before as well).
+        # 512 MiB kept the payloads of the one before as well); else the failures in a row it
+        # ends (a late member comes to each in turn).
         if rnd.result is not None and rnd.number == state.next_round - 1:
             kept = 1
-        else:  # the failures in a row it ends (a late member comes to each in turn)
+        else:
             failures = 0
-            for older in reversed(state.finished.values()):
+            for older in reversed(finished.values()):
                 if older.error is None or failures == _FAILED_ROUNDS_KEPT:
                     break
                 failures += 1
             kept = max(_FINISHED_ROUNDS_KEPT, failures)
-        while len(state.finished) > kept:
-            state.finished.popitem(last=False)
+        if len(finished) > kept:
+            # Let go in the order they finished, but neither the group's latest round nor one
+            # ahead of its next unfinished round (given up, or failed, out of order): its
+            # members are still to come to them.
+            latest = max(finished)
+            ahead = sum(number >= state.next_round for number in finished)
+            for number in [n for n in finished if n < state.next_round and n != latest]:
+                if len(finished) - ahead <= kept:
+                    break
+                del finished[number]
         if len(groups) - len(job.pending) > _GROUPS_KEPT:  # (more than that many have none pending)
             Core._forget_groups(job)
 

@@ -3160,6 +3160,28 @@ def test_a_round_given_up_before_any_member_came_fails_for_those_who_come():
     assert_message(pod.error(key), Code.ABORTED, "rendezvous 't' on all ordinals (round 3) cannot complete: ordinal 1 on")
 
 
+def test_a_round_failed_ahead_of_its_group_stays_for_its_members_when_earlier_ones_finish():
+    """Round 2 failed (given up) while rounds 0 and 1 were still to finish: as they did, a
+    group keeping one completed round let round 2 go, and a resend of it opened a new round
+    2 (a model-based test of the state file found it). It stays until its members came;
+    the late member is told its failure."""
+    pod = make_pod(2)
+    ahead = pod.arrive(1, replicas=[0, 1], round_number=2, now=1.0)
+    give_up(pod, 0, [0], replicas=[0, 1], round_number=2, now=1.0)
+    assert pod.error(ahead).code is Code.ABORTED
+    for number in (0, 1):
+        pod.arrive(0, round_number=number, now=2.0)
+        assert pod.result(pod.arrive(1, round_number=number, now=2.0)) == [b"p0", b"p1"]
+        assert pod.arrive(1, replicas=[0, 1], round_number=2, now=3.0) == ahead  # (a resend: its answer)
+        assert pod.error(ahead).code is Code.ABORTED and not pod.core.jobs[JOB].pending
+    with raises(Code.ABORTED, "ordinal 0 called rendezvous('t') as round 2 of all ordinals, which had failed before it came",
+                "ordinal 0 on host-0 pid 1000 gave up on it"):
+        pod.arrive(0, round_number=2, now=4.0)
+    pod.arrive(0, round_number=3, now=5.0)
+    assert pod.result(pod.arrive(1, round_number=3, now=5.0)) == [b"p0", b"p1"]
+    assert list(pod.core.jobs[JOB].groups[ahead[:2]].finished) == [3]
+
+
 def test_a_finished_void_or_long_past_round_is_not_failed_by_a_give_up():
     pod = make_pod(2, 1)
     done = pod.arrive([0])
