@@ -94,7 +94,7 @@ def test_exposition_escapes_label_values_and_histograms_are_cumulative():
     """Quotes, backslashes and newlines in a job name are escaped; histogram buckets are
     cumulative with +Inf equal to the count; integers print without a fraction."""
     hist = Histogram([0.1, 1.0])
-    for seconds in (0.05, 0.5, 0.7, 30.0):
+    for seconds in (0.05, 0.5, 1.0, 30.0):  # (1.0 in le="1": a bound counts its own value)
         hist.observe((("job", 'we"ird\\job\n'),), seconds)
     wait = Family("x_wait_seconds", "histogram", "help with \\ and\nnewline")
     hist.fill(wait)
@@ -105,7 +105,7 @@ def test_exposition_escapes_label_values_and_histograms_are_cumulative():
     assert "# HELP x_wait_seconds help with \\\\ and\\nnewline\n" in text
     samples = parse(text)
     key = (("job", 'we"ird\\job\n'),)
-    assert samples["x_wait_seconds_count"][key] == 4 and samples["x_wait_seconds_sum"][key] == pytest.approx(31.25)
+    assert samples["x_wait_seconds_count"][key] == 4 and samples["x_wait_seconds_sum"][key] == pytest.approx(31.55)
     assert samples["x_wait_seconds_bucket"][(("job", 'we"ird\\job\n'), ("le", "1"))] == 3
     assert samples["x_up"][()] == 1 and "x_up 1\n" in text
 
@@ -566,6 +566,26 @@ def test_a_job_run_again_and_again_is_one_entry_of_the_monitor_s(caplog):
     formed = [r.generation for r in caplog.records if getattr(r, "event", "") == "world_formed"]
     assert len(formed) == 20 and len(set(formed)) == 20, formed
     assert len(monitor._formed) == 1
+
+
+def test_a_job_dropped_and_made_again_under_its_name_starts_its_series_afresh():
+    """A finished job dropped at max_jobs (Monitor calls Metrics.forget) and made again under
+    the same name: its counters and its round-wait histogram start at 0, not at the old
+    run's counts."""
+    from pjrt_rendezvous.coordinator import Core
+    from pjrt_rendezvous.coordinator._metrics import Metrics
+
+    core, metrics = Core(), Metrics()
+    core.kv_set("j", [("k", b"v")])
+    metrics.round_completed("j", 0.5)
+    metrics.round_failed("j", "ABORTED", 1.0)
+    metrics.process_event("j", "dead", 1.0)
+    metrics.forget("j")
+    samples = parse(metrics.render(core, 2.0))
+    job = ("rendezvous_job", "j")
+    assert samples["pjrt_rendezvous_rounds_failed_total"][(("code", "ABORTED"), job)] == 0
+    assert samples["pjrt_rendezvous_process_events_total"][(("event", "dead"), job)] == 0
+    assert not any(job in labels for labels in samples.get("pjrt_rendezvous_round_wait_seconds_count", {})), samples
 
 
 def test_every_round_a_death_fails_is_counted_and_logged(caplog):

@@ -1300,6 +1300,8 @@ def test_a_folder_that_cannot_be_synced_does_not_fail_the_writes(tmp_path, monke
     with pytest.raises(OSError, match="Input/output error"):
         files.rewrite(_state.encode(_state.snapshot(core)))
     files.close()
+    # (and the failed write's temporary file is gone: a disk full kept the space it took)
+    assert not [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name], list(tmp_path.iterdir())
 
 
 def test_an_append_journals_what_it_appends_not_the_whole_value(tmp_path, monkeypatch):
