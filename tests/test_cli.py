@@ -613,6 +613,13 @@ def test_render_status_marks_dead_processes_and_groups_hosts_naturally():
     assert _cli._pids([1, 2, 3, 4], dead={4}, left={3}, closed={2}) == "4 (dead), 2 (connection closed), 3 (left), 1"
     assert _cli._processes_cell({"processes": 3, "dead": 1, "left": 1}) == "3 (1 dead, 1 left)"  # (was "3 (1 dead) (1 left)")
     assert _cli._pids([1, 2], unheard={2}) == "2 (not since the restart), 1"
+    # (marked ones before the departed: an unheard pid is not hidden behind four that left)
+    assert _cli._pids([1, 2, 3, 4, 5, 6], unheard={6}, left={2, 3, 4, 5}) == "6 (not since the restart), 2 (left), 3 (left), 4 (left), +2 more"
+    # 8 hosts are shown whatever the lines of ordinals of no process before them
+    hosts = [{"host": f"h{h}", "ordinals": [2 + h], "pids": [h], "deadPids": [], "leftPids": [], "closedPids": [],
+              "unheardPids": [], "lastSeenAge": 1.0} for h in range(_cli._HOSTS_SHOWN)]
+    where = _cli._where([{"host": None, "ordinals": [0, 1]}, *hosts], refused={0})
+    assert where[:2] == ["0 refused (below)", "1 never registered"] and len(where) == 2 + _cli._HOSTS_SHOWN, where
     assert re.search(
         r"7\s+0-1\s+'a'\s+1/2\s+1 h 2 min\s+1 on host-2 \(pid 101 \(dead\), last seen 1 min 15 s ago\)", text
     ), text
