@@ -1362,6 +1362,34 @@ def test_an_over_the_cap_message_with_a_call_id_past_64_bits_ends_its_connection
     assert [(a.id, a.code) for a in answers.answers] == [(0, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])]
 
 
+def test_a_call_id_sent_again_while_its_call_runs_runs_once():
+    """A call id the peer sends again while that call runs (a confused or replaying peer)
+    does not start a second call: one run, one answer (a cancel reached only the second)."""
+    async def main():
+        runs, release = [], asyncio.get_running_loop().create_future()
+
+        async def run(call):
+            runs.append(call[0])
+            await release
+            return session_answer(call[0], response=b"done")
+
+        session = FramedSession(run)
+        transport = _Transport()
+        session.connection_made(transport)
+        message = pb.SessionRequest(calls=[pb.SessionCall(id=7, method="KvSet", request=b"")]).SerializeToString()
+        for _ in range(2):
+            session.data_received(FRAME.pack(len(message)) + message)
+        release.set_result(None)
+        for _ in range(10):
+            await asyncio.sleep(0)
+        answers = pb.SessionResponse()
+        for framed in take_frames(transport.written):
+            answers.MergeFromString(framed)
+        return runs, [(a.id, a.response) for a in answers.answers]
+
+    assert asyncio.run(main()) == ([7], [(7, b"done")])
+
+
 async def _unused_run(call):  # (the test's calls are pings, answered without running)
     raise AssertionError(f"ran {call}")
 
