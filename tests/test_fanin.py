@@ -81,6 +81,9 @@ def test_each_host_sends_one_call_per_round_and_every_result_is_exact(coordinato
     Rendezvous call per host and round, not one per process, naming each process once (the
     coordinator says it reads that form); full and subset rounds are exact; the relay's
     socket is in a folder private to the user."""
+    from pjrt_rendezvous.client import _relay
+
+    monkeypatch.setattr(_relay, "_FORWARDED_KEPT", 5)  # (rounds whose callers a relay remembers)
     clients = make_clients(coordinator.address)
     rounds = 20
 
@@ -118,6 +121,7 @@ def test_each_host_sends_one_call_per_round_and_every_result_is_exact(coordinato
     assert HOSTS * rounds <= calls <= HOSTS * rounds + PROCESSES + 4, calls
     relay = clients[0]._relay
     assert relay is not None and clients[1]._relay is None and clients[2]._relay is not None
+    assert len(relay._forwarded) == 5, relay._forwarded
     assert stat.S_IMODE(os.stat(os.path.dirname(relay.path)).st_mode) == 0o700
     for c in clients:
         c.close()
@@ -863,6 +867,11 @@ def test_a_relay_passes_on_why_the_coordinator_could_not_be_reached():
     assert pickle.loads(pickle.dumps(unreachable.value))._rpc_details == unreachable.value._rpc_details
     answer = pb.SessionAnswer.FromString(_answer(5, unreachable.value)[0])
     assert answer.message.startswith("the host relay could not reach the coordinator: ") and "Is `pjrt-rendezvous serve`" not in answer.message, answer
+    # A call the relay's process cancelled (it closes) or could not send: the caller is told
+    # UNAVAILABLE, and retries on the coordinator directly; the coordinator's own refusals pass
+    for code, told in (("CANCELLED", "UNAVAILABLE"), ("UNAVAILABLE", "UNAVAILABLE"), ("ABORTED", "ABORTED")):
+        answer = pb.SessionAnswer.FromString(_answer(5, pr.RemoteError("the reason", code=code))[0])
+        assert answer.code == grpc.StatusCode[told].value[0] and answer.message.endswith("the reason"), (code, answer)
 
 
 def test_close_while_a_binding_starts_the_relay_closes_the_relay(coordinator, monkeypatch):
