@@ -321,7 +321,8 @@ def test_rpcs_are_counted_by_code_including_refusals():
     """Calls the token check refuses count as UNAUTHENTICATED (a client's Session stream is
     refused as a whole), unknown methods as (unknown), key-value calls carried on a Session
     with their own method names, a session on the session port once as a Session when it
-    ends (it was not: only a wrong token's was) or is refused, a connection that sent no
+    ends (it was not: only a wrong token's was; CANCELLED if a call of it still waited) or
+    is refused, a connection that sent no
     hello (garbage, a port probe) not at all; the endpoint listens on the serve host."""
     with Coordinator(host="127.0.0.1", port=0, metrics_port=0, token="t0ken-xyz") as coordinator:
         anonymous = pr.Client(pr.Settings(address=coordinator.address, connect_timeout=1), pr.detect_topology({}))
@@ -347,16 +348,25 @@ def test_rpcs_are_counted_by_code_including_refusals():
             sock.sendall(frame(pb.SessionHello(authorization="Bearer t0ken-xyz").SerializeToString()))
             sock.sendall(frame(pb.SessionRequest(calls=[pb.SessionCall(id=1)]).SerializeToString()))  # a ping
             assert sock.recv(65536)  # its answer: the session was taken
+        with socket.create_connection(("127.0.0.1", coordinator.session_port), timeout=10) as sock:
+            sock.sendall(frame(pb.SessionHello(authorization="Bearer t0ken-xyz").SerializeToString()))
+            waiting = pb.KvGetRequest(job="default", keys=["never"], wait=True, timeout=60).SerializeToString()
+            sock.sendall(frame(pb.SessionRequest(calls=[pb.SessionCall(id=1, method="KvGet", request=waiting)]).SerializeToString()))
+            time.sleep(0.5)  # (its call waiting, the session ends: CANCELLED, not OK)
         service = "pjrt_rendezvous.v1.Coordinator"
         # The member's gRPC stream, and the session on the session port.
         wait_until(
             lambda: value(scrape(coordinator.metrics_port), "pjrt_rendezvous_rpcs_total", service=service, method="Session", code="OK") == 2,
             what="both sessions counted",
         )
+        wait_until(
+            lambda: value(scrape(coordinator.metrics_port), "pjrt_rendezvous_rpcs_total", service=service, method="Session", code="CANCELLED") == 1,
+            what="the session ended with its call waiting counted",
+        )
         samples = scrape(coordinator.metrics_port)
         # One on gRPC's Session stream, one on the session port.
         assert value(samples, "pjrt_rendezvous_rpcs_total", service=service, method="Session", code="UNAUTHENTICATED") == 2
-        assert sum(samples["pjrt_rendezvous_rpcs_total"][key] for key in samples["pjrt_rendezvous_rpcs_total"] if ("method", "Session") in key) == 4
+        assert sum(samples["pjrt_rendezvous_rpcs_total"][key] for key in samples["pjrt_rendezvous_rpcs_total"] if ("method", "Session") in key) == 5
         assert value(samples, "pjrt_rendezvous_rpcs_total", service=service, method="KvSet", code="UNAUTHENTICATED") == 0
         assert value(samples, "pjrt_rendezvous_rpcs_total", service=service, method="KvSet", code="OK") == 1
         assert value(samples, "pjrt_rendezvous_rpcs_total", service=service, method="KvGet", code="OK") == 1
