@@ -649,6 +649,11 @@ def test_render_status_names_many_finished_jobs_on_one_line():
     assert [line.split()[1] for line in text.splitlines() if line.startswith("job ")] == ["'live':", "'failing':", "'refused':", "'store':"]
     few = _cli.render_status(pb.StatusResponse(jobs=[*runs[:3], jobs[-3]]), "x:1")
     assert "finished jobs" not in few and few.count("\njob 'run-") == 3, few
+    # A finished job whose processes the coordinator does not know still call is shown whole
+    calling = pb.UnknownProcesses(job="run-7", job_known=True, processes=2, last_call_age=1.0, reason="a restart")
+    text = _cli.render_status(pb.StatusResponse(jobs=jobs, unknown_processes=[calling]), "x:1")
+    assert "\njob 'run-7':" in text and "not registered in it, yet calling: " in text and "'run-7'" not in text.splitlines()[-1], text
+    assert "24 finished jobs" in text.splitlines()[-1], text
 
 
 def test_render_status_says_a_process_not_heard_from_since_a_restart():
