@@ -1409,6 +1409,12 @@ def test_a_connection_that_sends_no_hello_is_closed_after_the_hello_timeout(monk
             before = kept.heard
             assert kept.call("", b"", 10.0) == b""  # a ping, past the timeout: answered
             assert kept.heard > before  # (the client's retries read it: an answer ends an outage's count)
+            # TCP keepalive on the coordinator's end (a client host that vanished is noticed)
+            (connection,) = [c for c in coordinator._running._sessions._connections if c._hello is None]  # (its hello taken)
+            sock = connection.transport.get_extra_info("socket")
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            if hasattr(socket, "TCP_KEEPIDLE"):
+                assert [sock.getsockopt(socket.IPPROTO_TCP, getattr(socket, o)) for o in ("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT")] == [60, 10, 6]
             assert kept.broken is None
         finally:
             kept.close()
