@@ -334,14 +334,21 @@ class CoreModel(RuleBasedStateMachine):
     def idle_threads(self, p: ModelProcess):
         return sorted(o for o in p.threads if o not in self.waiting and o not in p.ended)
 
+    def idle_caller(self, data):
+        """A live process with a thread not waiting in a round, and that thread (or None)."""
+        procs = [p for p in self.live_procs() if self.idle_threads(p)]
+        if not procs:
+            return None
+        p = data.draw(st.sampled_from(procs), "proc")
+        return p, data.draw(st.sampled_from(self.idle_threads(p)), "ordinal")
+
     @rule(data=st.data())
     def arrive(self, data):
         """A thread (with others of its process, batched) calls its next round on a group."""
-        procs = [p for p in self.live_procs() if self.idle_threads(p)]
-        if not procs:
+        caller = self.idle_caller(data)
+        if caller is None:
             return
-        p = data.draw(st.sampled_from(procs), "proc")
-        o = data.draw(st.sampled_from(self.idle_threads(p)), "ordinal")
+        p, o = caller
         kind = data.draw(st.sampled_from(["all", "explicit-all", "subset", "subset", "subset"]), "kind")
         if kind == "subset":
             members = sorted(data.draw(st.sets(st.integers(0, self.W - 1), max_size=2), "members") | {o})
@@ -434,19 +441,13 @@ class CoreModel(RuleBasedStateMachine):
     @rule(data=st.data())
     def resend(self, data):
         """A thread resends its latest call: the same round, the same outcome."""
-        candidates = [o for p in self.live_procs() for o in p.threads if self.history[o]
-                      and self.history[o][-1][0][0] == self.gen and self.history[o][-1][3] == p.incarnation]
-        if not candidates:
+        call = self.latest_call(data, self.gen)
+        if call is None:
             return
-        o = data.draw(st.sampled_from(sorted(candidates)), "ordinal")
-        p = self.procs[self.task_of(o)]
-        key, contributions, replicas, _ = self.history[o][-1]
+        p, o, key, replicas, mine = call
         r = self.rounds[key]
-        mine = [c for c in contributions if c.ordinal == o]
         if r.state == "pending" and r.deadline is not None and r.deadline <= self.now:
             self.finish(r, "failed", Code.DEADLINE_EXCEEDED, "timeout")
-        if p.disconnected is None:
-            p.last_seen = self.now
         try:
             rnd = self.core.arrive(self.now, job=JOB, incarnation=p.incarnation, replicas=replicas, round_number=key[2],
                                    contributions=mine, deadline=None, generation=self.gen)
@@ -460,27 +461,40 @@ class CoreModel(RuleBasedStateMachine):
             assert rnd.key == key
             if r.state == "pending":
                 assert not rnd.finished
-            elif r.state == "done":
-                assert rnd.result == r.result, (rnd.result, r.result)
             else:
-                assert rnd.error is not None and rnd.error.code is r.code, (rnd.error, r)
+                self.check_resent(rnd, r)
         self.sync()
+
+    def latest_call(self, data, generation):
+        """A live thread whose latest call was of ``generation``, drawn: (its process, its
+        ordinal, the call's round key and replicas, its contributions), or None."""
+        candidates = [o for p in self.live_procs() for o in p.threads if self.history[o]
+                      and self.history[o][-1][0][0] == generation and self.history[o][-1][3] == p.incarnation]
+        if not candidates:
+            return None
+        o = data.draw(st.sampled_from(sorted(candidates)), "ordinal")
+        p = self.procs[self.task_of(o)]
+        key, contributions, replicas, _ = self.history[o][-1]
+        if p.disconnected is None:
+            p.last_seen = self.now
+        return p, o, key, replicas, [c for c in contributions if c.ordinal == o]
+
+    @staticmethod
+    def check_resent(rnd, r: ModelRound) -> None:
+        """A resent call of a finished round gets its result, or its error."""
+        if r.state == "done":
+            assert rnd.result == r.result, (rnd.result, r.result)
+        else:
+            assert rnd.error is not None and rnd.error.code is r.code, (rnd.error, r)
 
     @rule(data=st.data())
     def resend_old_generation(self, data):
         """A live thread resends its latest call of the generation before: README, a resent call
         of a round that finished before the move gets that round's result (or it is void)."""
-        candidates = [o for p in self.live_procs() for o in p.threads if self.history[o]
-                      and self.history[o][-1][0][0] == self.gen - 1 and self.history[o][-1][3] == p.incarnation]
-        if not candidates:
+        call = self.latest_call(data, self.gen - 1)
+        if call is None:
             return
-        o = data.draw(st.sampled_from(sorted(candidates)), "ordinal")
-        p = self.procs[self.task_of(o)]
-        key, contributions, replicas, _ = self.history[o][-1]
-        r = self.rounds[key]
-        mine = [c for c in contributions if c.ordinal == o]
-        if p.disconnected is None:
-            p.last_seen = self.now
+        p, _, key, replicas, mine = call
         try:
             rnd = self.core.arrive(self.now, job=JOB, incarnation=p.incarnation, replicas=replicas, round_number=key[2],
                                    contributions=mine, deadline=None, generation=key[0])
@@ -488,20 +502,16 @@ class CoreModel(RuleBasedStateMachine):
             assert exc.code is Code.ABORTED and "void" in exc.message, exc
         else:
             assert rnd.key == key and rnd.finished, rnd
-            if r.state == "done":
-                assert rnd.result == r.result, (rnd.result, r.result)
-            else:
-                assert rnd.error is not None and rnd.error.code is r.code, (rnd.error, r)
+            self.check_resent(rnd, self.rounds[key])
         self.sync()
 
     @rule(data=st.data())
     def outsider_call(self, data):
         """README: a caller outside replicas is refused, and fails the round its members wait in."""
-        procs = [p for p in self.live_procs() if self.idle_threads(p)]
-        if not procs:
+        caller = self.idle_caller(data)
+        if caller is None:
             return
-        p = data.draw(st.sampled_from(procs), "proc")
-        o = data.draw(st.sampled_from(self.idle_threads(p)), "ordinal")
+        p, o = caller
         members = sorted(data.draw(st.sets(st.sampled_from([q for q in range(self.W) if q != o]), min_size=1), "members"))
         group = ALL if len(members) == self.W else tuple(members)
         n = data.draw(st.integers(0, 2), "n")
@@ -522,11 +532,10 @@ class CoreModel(RuleBasedStateMachine):
     def bad_replicas(self, data):
         """README: a replica list repeating an ordinal or naming one out of range fails the round
         the call counts as (on the group of its ordinals in range) for every member."""
-        procs = [p for p in self.live_procs() if self.idle_threads(p)]
-        if not procs:
+        caller = self.idle_caller(data)
+        if caller is None:
             return
-        p = data.draw(st.sampled_from(procs), "proc")
-        o = data.draw(st.sampled_from(self.idle_threads(p)), "ordinal")
+        p, o = caller
         members = sorted(data.draw(st.sets(st.integers(0, self.W - 1), max_size=2), "members") | {o})
         group = ALL if len(members) == self.W else tuple(members)
         bad = data.draw(st.sampled_from(["dup", "range"]), "bad")
