@@ -710,6 +710,55 @@ def test_a_session_whose_peer_is_gone_is_broken_for_good_so_the_next_call_opens_
         assert session.broken is not None
 
 
+def test_a_ping_whose_answer_waits_behind_a_large_answer_coming_in_does_not_break_the_session():
+    """The peer is silent for longer than the ping interval, then sends a 2 MB answer slowly
+    (2.4 s, past the ping's 1 s timeout): the ping sent meanwhile is answered after it. Bytes
+    were coming in, so the peer is alive: the session stays, and the call gets its answer."""
+    ours, theirs = socket.socketpair()
+    session = SocketSession(ours, "a slow peer", ping=(0.3, 1.0))
+    calls: list[tuple[int, str]] = []
+
+    def read_calls(block: bool) -> None:
+        theirs.setblocking(block)
+        try:
+            while True:
+                head = theirs.recv(FRAME.size, socket.MSG_WAITALL)
+                if not head:
+                    return
+                theirs.setblocking(True)
+                body = theirs.recv(FRAME.unpack(head)[0], socket.MSG_WAITALL)
+                calls.extend((c.id, c.method) for c in pb.SessionRequest.FromString(body).calls)
+                if block:
+                    return
+                theirs.setblocking(False)
+        except BlockingIOError:
+            pass
+        finally:
+            theirs.setblocking(True)
+
+    def peer() -> None:
+        read_calls(block=True)  # the call
+        time.sleep(0.6)  # silent: the keepalive pings
+        big = frame(pb.SessionResponse(answers=[pb.SessionAnswer(id=calls[0][0], response=b"y" * 2_000_000)]).SerializeToString())
+        for start in range(0, len(big), len(big) // 20 + 1):
+            theirs.sendall(big[start : start + len(big) // 20 + 1])
+            time.sleep(0.12)
+        read_calls(block=False)
+        pings = [call_id for call_id, method in calls if not method]
+        theirs.sendall(frame(pb.SessionResponse(answers=[pb.SessionAnswer(id=i) for i in pings]).SerializeToString()))
+
+    answering = threading.Thread(target=peer)
+    answering.start()
+    try:
+        assert session.call("Heartbeat", pb.HeartbeatRequest(job="j").SerializeToString(), 20.0) == b"y" * 2_000_000
+        answering.join(10)
+        assert any(not method for _, method in calls), calls  # (a ping went out meanwhile)
+        assert session.broken is None, session.broken
+    finally:
+        session.close()
+        theirs.close()
+
+
 def test_a_closed_session_s_keepalive_thread_ends_at_once():
     """It slept out its 10 s between pings first: a process closing clients often (145 a
     second in a soak trial) held 1,467 threads and 183 MB."""
