@@ -1310,12 +1310,19 @@ def test_a_text_log_line_writes_control_characters_escaped():
 
     from pjrt_rendezvous.coordinator import _logging
 
-    stream = io.StringIO()
+    stream, first, as_json = io.StringIO(), io.StringIO(), io.StringIO()
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
+    log = logging.getLogger("pjrt_rendezvous.coordinator")
     try:
-        _logging.configure("INFO", "text", stream)
-        logging.getLogger("pjrt_rendezvous.coordinator").warning("tag %r and %s", "t", "x\r\x1b[2Ky\nz\té")
+        _logging.configure("INFO", "text", first)
+        _logging.configure("INFO", "text", stream)  # (configured again: the first stream gets nothing more)
+        log.warning("tag %r and %s", "t", "x\r\x1b[2Ky\nz\té")
+        _logging.configure("INFO", "json", as_json)
+        try:
+            raise ValueError("the cause")
+        except ValueError:
+            log.exception("a failure", extra={"event": "test"})  # (a JSON line keeps the traceback)
     finally:
         for handler in list(root.handlers):
             root.removeHandler(handler)
@@ -1323,6 +1330,9 @@ def test_a_text_log_line_writes_control_characters_escaped():
             root.addHandler(handler)
         root.setLevel(level)
     assert stream.getvalue().endswith("tag 't' and x\\r\\x1b[2Ky\\nz\\té\n"), stream.getvalue()
+    assert first.getvalue() == "", first.getvalue()
+    line = json.loads(as_json.getvalue())
+    assert line["event"] == "test" and "Traceback" in line["exception"] and "ValueError: the cause" in line["exception"], line
 
 
 @pytest.mark.parametrize("json_by", ["flag", "variable"])

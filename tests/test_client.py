@@ -170,6 +170,14 @@ def test_settings_spawn_seed_and_store_of_the_wrong_type_are_type_errors(client)
     for call in (lambda: pr.Settings(address="127.0.0.1:1", batch_window=-1.0), lambda: xla.spawn(print, nprocs=0)):
         with pytest.raises(pr.UsageError):
             call()
+    # Half of mutual TLS, and no address, are refused by name
+    for settings, said in (
+        ({"address": ""}, "address must be 'host:port', got ''"),
+        ({"tls_ca": "ca.pem", "tls_cert": "c.pem"}, "mutual TLS needs both tls_cert and tls_key"),
+        ({"tls_cert": "c.pem", "tls_key": "k.pem"}, "a client certificate needs tls_ca too"),
+    ):
+        with pytest.raises(pr.UsageError, match=re.escape(said)):
+            pr.Settings(**{"address": "127.0.0.1:1", **settings})
     # What None means, where it may be given (heartbeat_interval=0 said "None waits forever", then refused None).
     for name, means in [("timeout", "None waits forever"), ("progress_interval", "None: never")]:
         with pytest.raises(pr.UsageError, match=re.escape(f"{name} must be > 0 seconds ({means}), got 0")):
@@ -713,6 +721,7 @@ def test_settings_from_environment():
     env = {"PJRT_RENDEZVOUS_JOB": "envjob", "PJRT_RENDEZVOUS_TIMEOUT": "none", "PJRT_RENDEZVOUS_BATCH_WINDOW": "0"}
     s = Settings.resolve(env, address="h:1")
     assert (s.job, s.timeout, s.batch_window, s.connect_timeout) == ("envjob", None, 0.0, 60.0)
+    assert (s.heartbeat_interval, s.progress_interval) == (5.0, 60.0)  # (README's defaults)
     s = Settings.resolve(env, address="h:1", job="kw", timeout=5)
     assert (s.job, s.timeout) == ("kw", 5.0)
     with pytest.raises(pr.UsageError, match="PJRT_RENDEZVOUS_TIMEOUT must be > 0"):
