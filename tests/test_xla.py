@@ -4,6 +4,7 @@ processes x threads, broadcast_master_params, data-parallel training between thr
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import multiprocessing
 import os
@@ -163,8 +164,9 @@ def dying_replica(index):
     return "returned"
 
 
-def crashing_replica(index):
-    """Ordinal 1's process is killed (a segfault, an XLA abort) while ordinal 0 waits for it."""
+def crashing_replica(index, how="killed"):
+    """Ordinal 1's process is killed (a segfault, an XLA abort) while ordinal 0 waits for it,
+    or ``how="exited"``: it exits (code 0, as os._exit(0) in a library would) without reporting."""
     import signal
     import time
 
@@ -174,6 +176,8 @@ def crashing_replica(index):
         client = pr.get_client()
         while not [r for job in client.status().jobs for r in job.pending_rounds]:  # (ordinal 0 waits in it)
             time.sleep(0.05)
+        if how == "exited":
+            os._exit(0)
         os.kill(os.getpid(), signal.SIGKILL)
     xm.rendezvous("never-completed")
 
@@ -908,19 +912,20 @@ def test_spawn_reports_a_process_that_dies_after_its_replicas_returned(torch_xla
 
 
 @pytest.mark.xla
-def test_spawn_reports_a_crashed_process_at_once_and_first(torch_xla):
+@pytest.mark.parametrize("how, said", [("killed", r"was killed by signal 9 \(SIGKILL\)"), ("exited", "exited with code 0")])
+def test_spawn_reports_a_crashed_process_at_once_and_first(torch_xla, how, said):
     """A process killed while its peer waits for it: spawn saw the exit only once every
     process had exited, so the peer waited for the coordinator's heartbeat timeout (60 s),
     and its ParticipantFailedError was named first. The crash is now a failure when it is
-    seen: the peer is stopped after the grace, the crash named first."""
+    seen: the peer is stopped after the grace, the crash named first. One that exits with
+    code 0 without reporting is said so (not "killed by signal 0")."""
     started = time.monotonic()
     with pytest.raises(xla.SpawnError) as info:
-        xla.spawn(crashing_replica, nprocs=2, devices_per_process=1, timeout=150, grace=2.0)
+        xla.spawn(functools.partial(crashing_replica, how=how), nprocs=2, devices_per_process=1, timeout=150, grace=2.0)
     elapsed = time.monotonic() - started
     error = info.value
     assert list(error.failures) == [1] and error.terminated == [0], (error.failures, error.terminated)
-    assert re.search(r"first: ordinal 1: the process of task 1 \(pid \d+\) was killed by "
-                     r"signal 9 \(SIGKILL\) before reporting; the coordinator's rounds waiting then: round 0 of "
+    assert re.search(r"first: ordinal 1: the process of task 1 \(pid \d+\) " + said + " before reporting; the coordinator's rounds waiting then: round 0 of "
                      r"all ordinals, tag 'never-completed', missing 1 of 2: ordinal 1 on ", str(error)), str(error)
     assert elapsed < 40, elapsed
     assert not multiprocessing.active_children()
@@ -1438,6 +1443,7 @@ def test_xla_device_defaults_the_thread_and_unbound_calls_follow_the_runtime(tor
 
 
 _XMP_SCRIPT = """
+import functools
 import os
 import torch_xla.core.xla_model as xm
 import torch_xla.distributed.xla_multiprocessing as xmp
