@@ -498,6 +498,9 @@ def test_a_coordinator_restarted_with_a_shorter_heartbeat_timeout_keeps_its_proc
             status = clients[0].status()
             assert all(p.alive for p in status.jobs[0].participants), status
             assert not clients[0].events and not clients[1].events
+            # (the new timeout taken from the answers; heartbeats within a third of it)
+            assert [c._heartbeat_timeout for c in clients] == [2.0, 2.0]
+            assert max(p.last_seen_age for p in clients[0].status().jobs[0].participants) < 2.0, status
         finally:
             second.stop(grace=0)
 
