@@ -1117,7 +1117,11 @@ def test_ctrl_c_stops_a_spawn_s_processes_each_leaving_the_job_without_a_word(to
         assert parent.returncode == -signal.SIGINT, err
         assert "Process pjrt-rendezvous-task" not in err and err.count("Traceback") == 1 and "spawn" in err, err
         left = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"process left in job 'interrupted-{run}'")]
-        assert len(left) == 2 and all("got SIGINT (Ctrl-C)" in m for m in left), [r.getMessage() for r in caplog.records]
+        # (a child may take spawn's SIGTERM, sent on the parent's SIGINT, before its own SIGINT:
+        # seen once in a CI run; it says so)
+        assert len(left) == 2 and any("got SIGINT (Ctrl-C)" in m for m in left) and all(
+            "got SIGINT (Ctrl-C)" in m or "got SIGTERM (xla.spawn stops every process" in m for m in left
+        ), [r.getMessage() for r in caplog.records]
 
 
 def _alive(pid: int) -> bool:
