@@ -325,7 +325,7 @@ def rendezvous(
             generation since this thread's last round (once per move: the next call is
             of the new generation).
         RendezvousTimeout: the deadline passed; the message names every missing
-            ordinal with its host and when it was last seen.
+            ordinal with its host, its process's pid and when it was last seen.
         CoordinatorUnavailableError: the coordinator could not be reached within
             ``connect_timeout`` (one restarted within it is found again).
     """

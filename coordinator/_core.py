@@ -1310,7 +1310,7 @@ class Core:
         return sorted({p.host for p in (self._owner(job, o) for o in ordinals) if p is not None})
 
     def describe_missing(self, job: Job, ordinals: Sequence[int], now: float, *, budget: int | None = None) -> str:
-        """Missing ordinals as ranges with their hosts and how long ago each was seen. With
+        """Missing ordinals as ranges with their hosts, pids and how long ago each was seen. With
         ``budget`` (characters), the hosts that fit, then a count of the rest: an error's
         message has to fit in a gRPC trailer (client/_session.py, clip), which cut it
         anywhere and named nobody past the cut."""
@@ -1321,6 +1321,7 @@ class Core:
         ages: dict[tuple[str, str], float] = {}
         hosts_of: dict[tuple[str, str], str] = {}
         closed_ages: dict[tuple[str, str], float] = {}
+        pids: dict[tuple[str, str], set[int]] = collections.defaultdict(set)
         for ordinal in ordinals:
             process = self._owner(job, ordinal)
             if process is None:
@@ -1341,18 +1342,21 @@ class Core:
             by_where[key].append(ordinal)
             ages[key] = max(ages.get(key, 0.0), now - process.last_seen)
             hosts_of[key] = process.host
+            if process.pid:  # (0: not known, a process restored from an older state file)
+                pids[key].add(process.pid)
             if closed is not None:
                 closed_ages[key] = max(closed_ages.get(key, 0.0), now - closed)
         parts = []
         for key, group in sorted(by_where.items(), key=lambda item: min(item[1])):
             where, how = key
             tail = f" {where}"
+            pid = f"pid{'s' if len(pids[key]) > 1 else ''} {', '.join(map(str, sorted(pids[key])))}, " if pids[key] else ""
             if how == "closed":
-                tail += f", connection closed {_duration(closed_ages[key])} s ago without a Leave (last seen {_duration(ages[key])} s ago)"
+                tail += f", connection closed {_duration(closed_ages[key])} s ago without a Leave ({pid}last seen {_duration(ages[key])} s ago)"
             elif how == "unheard":
-                tail += f" (not heard from since the coordinator restarted {_duration(ages[key])} s ago)"
+                tail += f" ({pid}not heard from since the coordinator restarted {_duration(ages[key])} s ago)"
             elif how == "seen":
-                tail += f" (last seen {_duration(ages[key])} s ago)"
+                tail += f" ({pid}last seen {_duration(ages[key])} s ago)"
             parts.append((group, tail, hosts_of.get(key)))
         described = "; ".join(format_ranges(group) + tail for group, tail, _ in parts)
         if budget is None or len(described) <= budget:
@@ -1956,6 +1960,9 @@ class Core:
             if now - self.restored[0] <= self.restored[1]:
                 return  # just restored: its processes may not have been told the timeout yet
             self.restored = None
+        # A round whose deadline passed before a death noticed now timed out first (its
+        # alarm and this check may fall due together): its own error, not the death's.
+        self.expire(now)
         for job in self.jobs.values():
             for process in list(job.processes.values()):
                 if not process.alive:

@@ -706,7 +706,7 @@ def test_world_timeout_lists_missing_ordinals_as_ranges():
         "5 of 8 ordinals registered",
         "missing ordinals 2-3, 7",
         "2-3 never registered",
-        "7 on host-0 (last seen 30.0 s ago)",
+        "7 on host-0 (pid 1003, last seen 30.0 s ago)",
         "30.0 s",
     )
 
@@ -719,7 +719,7 @@ def test_world_timeout_says_a_missing_ordinal_s_process_left_not_died():
     pod.register(1, threads=[0])
     pod.core.leave(JOB, incarnation_of(1))
     message = pod.core.world_timeout(JOB, now=30.0, waited=30.0).message
-    assert "missing ordinal 3 on host-0 (left) (last seen 30.0 s ago)" in message, message
+    assert "missing ordinal 3 on host-0 (left) (pid 1001, last seen 30.0 s ago)" in message, message
 
 
 def test_a_wait_for_the_ordinals_of_a_refused_registration_says_why_they_are_missing():
@@ -1298,8 +1298,8 @@ def test_expire_fails_an_overdue_round_naming_missing_ordinals_hosts_and_ages():
         "reach the coordinator) with",
         "3 of 8 arrived",
         "missing ordinals 2-3, 5-7",
-        "2-3 on host-0 (last seen 7.0 s ago)",
-        "5, 7 on host-1 (last seen 2.0 s ago)",
+        "2-3 on host-0 (pids 1002, 1003, last seen 7.0 s ago)",
+        "5, 7 on host-1 (pids 1005, 1007, last seen 2.0 s ago)",
         "6 never registered",
     )
     assert pod.wakeups("round") == [pod.round_wakeup(ALL, 0)]
@@ -1318,7 +1318,7 @@ def test_a_timeout_in_a_large_pod_names_hosts_within_what_a_client_keeps():
             pod.arrive(task, deadline=5.0)
     pod.core.expire(5.0)
     message = clip(pod.error(pod.key(ALL, 0)).message)
-    assert "1024 of 2048 arrived; missing 1024 ordinals (4-7 on host-1 (last seen" in message, message[:300]
+    assert "1024 of 2048 arrived; missing 1024 ordinals (4-7 on host-1 (pids 1004, 1005, 1006, 1007, last seen" in message, message[:300]
     assert re.findall(r"on host-\d+", message)[:3] == ["on host-1", "on host-3", "on host-5"]
 
 
@@ -1338,11 +1338,11 @@ def test_a_timeout_missing_many_hosts_names_those_that_fit_and_counts_the_rest()
     for task in sorted(set(range(tasks)) - silent):
         key = pod.arrive([task * 2, task * 2 + 1], now=1.0, deadline=10.0)
     (waiting,) = pod.core.status(5.0, JOB, participants=False)[0].pending_rounds
-    assert set(re.findall(r"on (t1v-n-\d+) \(last seen", waiting.missing_summary)) == everywhere
+    assert set(re.findall(r"on (t1v-n-\d+) \(pids? [, 0-9]+, last seen", waiting.missing_summary)) == everywhere
     pod.core.expire(11.0)
     message = pod.error(key).message
     assert len(message) <= 2000 and clip(message) == message, len(message)
-    named = re.findall(r"([-, 0-9]+) on (t1v-n-\d+) \(last seen", message.split("(", 1)[1])
+    named = re.findall(r"([-, 0-9]+) on (t1v-n-\d+) \(pids? [, 0-9]+, last seen", message.split("(", 1)[1])
     rest, hosts = re.search(r"; and (\d+) more ordinals on (\d+) more hosts \(`pjrt-rendezvous status` lists them all\)\)$", message).groups()
     assert {host for _, host in named} < everywhere and len(named) + int(hosts) == len(everywhere), message
     ranges = [r.split("-") for text, _ in named for r in text.strip(" ;").split(", ")]
@@ -1363,7 +1363,7 @@ def test_a_host_whose_missing_ordinals_do_not_fit_is_named_with_them_cut_short()
     pod.core.expire(11.0)
     message = pod.error(key).message
     assert len(message) <= 2000, len(message)
-    cut = re.search(r"missing 1000 ordinals \((2001, 2003, [-, 0-9]+), \.\.\. \(1000 ordinals\) on t1v-n-0 \(last seen 10.0 s ago\)\)$", message)
+    cut = re.search(r"missing 1000 ordinals \((2001, 2003, [-, 0-9]+), \.\.\. \(1000 ordinals\) on t1v-n-0 \(pid 1001, last seen 10.0 s ago\)\)$", message)
     assert cut and len(cut.group(1)) > 1500, message
 
 
@@ -2011,7 +2011,8 @@ def test_status_reports_pending_rounds_with_tags_arrivals_and_missing():
     assert first.missing == [1, 2, 3, 5, 6, 7]
     assert first.waiting_seconds == pytest.approx(8.0)
     assert first.missing_summary == (
-        "1-3 on host-0 (last seen 10.0 s ago); 5 on host-1 (last seen 10.0 s ago); 6-7 never registered"
+        "1-3 on host-0 (pids 1001, 1002, 1003, last seen 10.0 s ago); 5 on host-1 (pid 1005, last seen 10.0 s ago); "
+        "6-7 never registered"
     )
     assert (second.group, second.tags, second.arrived, second.missing) == ((2, 3), {"pair": [2]}, [2], [3])
     assert second.waiting_seconds == pytest.approx(6.0)
@@ -2643,6 +2644,22 @@ def test_a_silent_process_is_declared_dead_and_every_round_needing_it_fails_nami
     assert pod.core.kv_get(JOB, ["after"]) == [b"death"]
 
 
+def test_a_round_past_its_deadline_times_out_rather_than_failing_for_a_death_noticed_after():
+    """A round's deadline passed, then a member's silence passed the heartbeat timeout, and
+    the liveness check came before the round's alarm (both due at once): the round failed
+    ABORTED for the death, where it had timed out first."""
+    pod = Pod(Core(heartbeat_timeout=10), 2, 1)
+    pod.register(0)
+    pod.register(1)
+    key = pod.arrive(0, now=1.0, deadline=9.0)
+    pod.core.touch(JOB, incarnation_of(0), now=10.0)
+    pod.core.check_liveness(11.0)
+    assert_message(
+        pod.error(key), Code.DEADLINE_EXCEEDED, "timed out after 8.0 s", "missing ordinal 1 on host-0 (pid 1001, last seen 11.0 s ago)"
+    )
+    assert [p.alive for p in pod.core.status(11.0, JOB)[0].participants] == [True, False]  # (and it died)
+
+
 def test_a_process_whose_connection_closed_is_declared_dead_after_the_grace_unless_it_calls():
     """Its event watch ended without a Leave (killed, crashed): the waiters hear of it after
     DISCONNECTED_GRACE, not after the whole heartbeat timeout; meanwhile who is missing says
@@ -2655,7 +2672,9 @@ def test_a_process_whose_connection_closed_is_declared_dead_after_the_grace_unle
     pod.core.disconnect(JOB, incarnation_of(2), now=2.0)
     pod.core.disconnect(JOB, incarnation_of(2), now=5.0)  # (the first close counts)
     (view,) = pod.core.status(4.0, JOB)[0].pending_rounds
-    assert view.missing_summary == "1-2 on host-0, connection closed 2.0 s ago without a Leave (last seen 4.0 s ago)"
+    assert view.missing_summary == (
+        "1-2 on host-0, connection closed 2.0 s ago without a Leave (pids 1001, 1002, last seen 4.0 s ago)"
+    )
     pod.core.touch(JOB, incarnation_of(2), now=6.0)  # back: its client opened its watch again
     pod.core.check_liveness(2.0 + DISCONNECTED_GRACE)
     assert pod.outcome(key) is None

@@ -523,7 +523,7 @@ def test_a_world_still_incomplete_after_late_after_is_logged_once_naming_who_is_
     (line,) = late()
     assert line.getMessage() == (
         "world late in job 'j': 3 of 6 ordinals registered after 10.5 s; missing ordinals 3-5 "
-        "(3 on h1 (last seen 10.5 s ago); 4-5 never registered)"
+        "(3 on h1 (pid 1, last seen 10.5 s ago); 4-5 never registered)"
     ), line.getMessage()
     assert (line.job, line.generation, line.registered, line.expected, line.missing, line.missing_count) == (
         "j", 1, 3, 6, "3-5", 3

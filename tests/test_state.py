@@ -79,11 +79,12 @@ def test_a_dead_process_keeps_how_long_ago_it_was_seen_across_a_restore():
     restored = _state.restore(_state.decode(_state.encode(_state.snapshot(core, 3601.0))), now=50.0)
     # (a live one not heard from since was "last seen 2.0 s ago", as if it had called since)
     assert restored.describe_missing(restored.jobs["j"], [0, 1], 52.0) == (
-        "0 on h0 (not heard from since the coordinator restarted 2.0 s ago); 1 on h1 (dead) (last seen 3602.0 s ago)"
+        "0 on h0 (pid 100, not heard from since the coordinator restarted 2.0 s ago); "
+        "1 on h1 (dead) (pid 101, last seen 3602.0 s ago)"
     )
     assert [p.unheard_since_restart for p in restored.status(52.0, "j")[0].participants] == [True, False]  # (status says it too)
     restored.touch("j", "inc0", 53.0)  # (a heartbeat)
-    assert restored.describe_missing(restored.jobs["j"], [0], 54.0) == "0 on h0 (last seen 1.0 s ago)"
+    assert restored.describe_missing(restored.jobs["j"], [0], 54.0) == "0 on h0 (pid 100, last seen 1.0 s ago)"
     assert not restored.status(54.0, "j")[0].participants[0].unheard_since_restart
 
 
@@ -92,12 +93,12 @@ def test_a_host_s_restored_processes_heard_and_unheard_since_are_told_apart():
     the coordinator restarted" was said of both (one group per host)."""
     core = Core()
     for task in range(2):
-        core.register(0.0, Registration(job="j", incarnation=f"i{task}", host="h", pid=task, task_id=task, num_tasks=2,
+        core.register(0.0, Registration(job="j", incarnation=f"i{task}", host="h", pid=100 + task, task_id=task, num_tasks=2,
                                         devices_per_task=1, local_rank=task, threads=(ThreadRequest(thread_index=0),)))
     restored = _state.restore(_state.snapshot(core), now=100.0)
     restored.touch("j", "i0", 101.0)
     assert restored.describe_missing(restored.jobs["j"], [0, 1], 103.0) == (
-        "0 on h (last seen 2.0 s ago); 1 on h (not heard from since the coordinator restarted 3.0 s ago)"
+        "0 on h (pid 100, last seen 2.0 s ago); 1 on h (pid 101, not heard from since the coordinator restarted 3.0 s ago)"
     )
 
 
