@@ -1716,7 +1716,7 @@ def test_a_process_holds_a_round_for_a_sibling_at_most_half_the_time_left_before
     try:
         assert sorted(errors) == [0, 2, 3], errors
         for ordinal, message in errors.items():
-            assert "with 3 of 4 arrived; missing ordinal 1 on vm (last seen" in message, (ordinal, message)
+            assert re.search(r"with 3 of 4 arrived; missing ordinal 1 on vm \(pid \d+, last seen", message), (ordinal, message)
     finally:
         for client in clients:
             client.close()
@@ -2281,6 +2281,60 @@ def test_close_while_calls_wait_says_the_client_was_closed_on_both_transports(co
         client.close()
         waiting.join(10)
         assert outcome and isinstance(outcome[0], pr.UsageError) and "was closed" in str(outcome[0]), (transport, outcome)
+
+
+def test_close_ends_a_call_s_wait_between_retries_at_once():
+    """A call retrying an unreachable coordinator waits between attempts (its backoff); a
+    close() meanwhile ends that wait and the call, saying the client was closed, instead of
+    after the wait (up to the backoff's cap; stretched here to a minute)."""
+    client = make_client(f"127.0.0.1:{_unused_port()}", timeout=30, connect_timeout=120)
+    waits = []
+    retry_wait = client._retry_wait
+
+    def long_wait(seconds):
+        waits.append(seconds)
+        retry_wait(60.0)
+
+    client._retry_wait = long_wait
+    outcome = []
+    calling = threading.Thread(target=lambda: outcome.append(_raised(lambda: client.set("k", b"v"))))
+    calling.start()
+    deadline = time.monotonic() + 20
+    while not waits:
+        assert time.monotonic() < deadline, "the call did not retry"
+        time.sleep(0.05)
+    time.sleep(0.2)
+    client.close()
+    calling.join(10)
+    assert not calling.is_alive(), "close() did not end the wait between retries"
+    assert len(waits) == 1 and isinstance(outcome[0], pr.UsageError) and "was closed" in str(outcome[0]), (waits, outcome)
+
+
+def test_a_call_s_waits_between_retries_end_by_its_deadline():
+    """Against an unreachable coordinator (connect_timeout 120 s), a get with a 0.5 s timeout
+    retries until its deadline, and no wait between attempts outlasts it (the backoff, up to
+    2 s, is cut to what is left), so the call ends at its deadline, not up to 2 s after."""
+    client = make_client(f"127.0.0.1:{_unused_port()}", connect_timeout=120)
+    deadlines, late = [], []
+    deadline_of, retry_wait = client._deadline, client._retry_wait
+
+    def noted_deadline(timeout):
+        deadlines.append(deadline_of(timeout))
+        return deadlines[-1]
+
+    def noted_wait(seconds):
+        late.append(time.monotonic() + seconds - deadlines[-1])
+        retry_wait(seconds)
+
+    client._deadline, client._retry_wait = noted_deadline, noted_wait
+    try:
+        for _ in range(4):
+            with pytest.raises(pr.RendezvousError):
+                client.get("k", timeout=0.5)
+    finally:
+        client.close()
+    assert len(deadlines) == 4 and len(late) > 4, (deadlines, late)
+    assert max(late) < 0.05, late  # (a wait ends by the deadline, give or take the time to start it)
 
 
 def _raised(call):

@@ -505,6 +505,39 @@ def test_a_coordinator_restarted_with_a_shorter_heartbeat_timeout_keeps_its_proc
             second.stop(grace=0)
 
 
+def test_a_process_declared_dead_stops_heartbeating():
+    """Its heartbeat held up past the timeout (a stalled host), the process is declared dead
+    and its next heartbeat refused (ABORTED): nothing is left to keep alive, so its
+    heartbeats end there, where they went on being refused every third of the timeout."""
+    with Coordinator(port=0, heartbeat_timeout=1.0) as coordinator:
+        client = pair_client(coordinator.address, 0)
+        sent, refused = [], []
+        call = client._call
+
+        def counted(method, request, *args, **kwargs):
+            if method != "Heartbeat":
+                return call(method, request, *args, **kwargs)
+            sent.append(method)
+            if len(sent) == 2:
+                time.sleep(2.0)  # (held up: silent past the timeout)
+            try:
+                return call(method, request, *args, **kwargs)
+            except pr.RendezvousError as exc:
+                refused.append(exc.code)
+                raise
+
+        client._call = counted
+        with bound((client,)):
+            process = coordinator.core.jobs["default"].processes[client.incarnation]
+            deadline = time.monotonic() + 20
+            while not refused:
+                assert time.monotonic() < deadline, (sent, refused)
+                time.sleep(0.05)
+            assert not process.alive and refused == ["ABORTED"], (process, refused)
+            time.sleep(2.0)  # (six heartbeat intervals)
+            assert len(sent) == 2 and refused == ["ABORTED"], (sent, refused)
+
+
 def test_a_job_killed_while_the_coordinator_restarted_is_relaunched_afresh(tmp_path):
     """A slice's maintenance: the coordinator (with its state file) and every process of a
     formed job go down together, and the job is launched again at once. Its processes,
@@ -581,6 +614,29 @@ def test_a_live_process_whose_watch_connection_breaks_for_longer_than_the_grace_
                 assert time.monotonic() < deadline, "the idle process did not watch again"
                 time.sleep(0.1)
             assert process.alive and process.disconnected is None
+
+
+def test_a_watch_stream_opened_again_resumes_after_its_last_event():
+    """A process's Watch stream (through a proxy) is cut after an event came (its peer left)
+    and opened again: it resumes after that event, which the process heard once."""
+    from _proxy import Proxy
+
+    with Coordinator(port=0, heartbeat_timeout=60, session_port=0) as coordinator, Proxy(coordinator.address) as proxy:
+        watcher, peer = pair_client(proxy.address, 0), pair_client(coordinator.address, 1)
+        with bound((watcher, peer)):
+            until_watching(coordinator, watcher.incarnation)
+            peer.close()
+            deadline = time.monotonic() + 20
+            while not watcher.events:
+                assert time.monotonic() < deadline, "the watcher did not hear its peer leave"
+                time.sleep(0.05)
+            assert proxy.drop() > 0
+            while proxy.open_connections < 1:  # (its gRPC channel again: the Watch stream)
+                assert time.monotonic() < deadline, "the watcher did not watch again"
+                time.sleep(0.05)
+            until_watching(coordinator, watcher.incarnation)
+            time.sleep(1.0)
+            assert [e.kind for e in watcher.events] == [pb.WatchEvent.PROCESS_LEFT], watcher.events
 
 
 def test_a_process_counts_as_disconnected_only_when_its_last_watch_stream_ends():
