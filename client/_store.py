@@ -276,8 +276,12 @@ class Store(dist.Store):
         self._url: tuple | None = None  # (address, job, timeout) when made for a URL (rendezvous_handler)
         self.prefix = prefix
         self._root = prefix.rstrip("/") + "/" if prefix else ""
-        # (at least a millisecond before timedelta rounds it: under half a microsecond became 0, no timeout)
-        self.set_timeout(timedelta(0) if seconds is None else timedelta(seconds=max(seconds, _AT_ONCE)))
+        # (a timedelta kept as given: one of 21 days or more read as 0; seconds at least a
+        # millisecond before timedelta rounds them: under half a microsecond became 0, no timeout)
+        self.set_timeout(
+            timeout if isinstance(timeout, timedelta)
+            else timedelta(0) if seconds is None else timedelta(seconds=max(seconds, _AT_ONCE))
+        )
         with _kept_lock:
             _kept.append(self)
 

@@ -176,6 +176,15 @@ def test_a_timeout_under_a_millisecond_expires_and_is_not_no_timeout(client, sto
     assert store.timeout == datetime.timedelta(0)
 
 
+def test_a_store_made_with_a_timeout_of_21_days_or_more_keeps_it(client, store):
+    """Such a timeout waits without a limit, as ours do; the constructor reported it as 0 (no
+    timeout) and its clones inherited that, where set_timeout and a TCPStore keep it."""
+    month = datetime.timedelta(days=30)
+    made = Store(client, prefix=store.prefix, timeout=month)
+    assert made.timeout == month and made.clone().timeout == month
+    assert made._wait_seconds() is None  # (no limit on the wire)
+
+
 def test_a_negative_timeout_given_to_a_wait_expires_at_once(store):
     """A negative timeout given to wait (C++ passes any: PrefixStore.wait, a deadline already
     past) expires at once, as a negative store timeout does and as in torch's stores: keys
