@@ -1342,7 +1342,7 @@ class Core:
             by_where[key].append(ordinal)
             ages[key] = max(ages.get(key, 0.0), now - process.last_seen)
             hosts_of[key] = process.host
-            if process.pid:  # (0: not known, a process restored from an older state file)
+            if process.pid:  # (0: not given, by a caller of the gRPC API of its own)
                 pids[key].add(process.pid)
             if closed is not None:
                 closed_ages[key] = max(closed_ages.get(key, 0.0), now - closed)
