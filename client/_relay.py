@@ -12,7 +12,8 @@ to every caller. The coordinator still checks every contribution's owner and acc
 ordinal.
 
 - The relay waits for a round's calls from the host's processes it has heard from that have
-  not called in it yet, at most ``batch_window`` and at most half the time left before the
+  not called in it yet (with any list of its replicas), but not for their ordinals waiting
+  in another group's round, at most ``batch_window`` and at most half the time left before the
   round's earliest deadline; a later process's contributions follow in a call of their own,
   at once when nobody else of the host is awaited. A process that called is not waited for
   again: its own client held its threads' contributions for the batch window already (and
@@ -148,17 +149,26 @@ def _same_file(fd: int, path: str) -> bool:
     return (held.st_dev, held.st_ino) == (info.st_dev, info.st_ino)
 
 
+def _round_of(request: pb.RendezvousRequest) -> tuple:
+    """The coordinator's round a call is in: its group as a set (lists in another order or
+    with repeats name the same round, as the client's round counters count them)."""
+    return (request.job, request.generation, tuple(sorted(set(request.replicas))), request.round)
+
+
 @dataclasses.dataclass
 class _HostRound:
-    """The calls of the host's processes at one round, until they are sent on."""
+    """The calls of the host's processes with one replicas list at one round, until they
+    are sent on (calls with another list of the same group go apart: the coordinator judges
+    each list)."""
 
+    round: tuple  # _round_of its calls
     requests: list[pb.RendezvousRequest] = dataclasses.field(default_factory=list)
     rows: list[Row] = dataclasses.field(default_factory=list)  # their contributions, each naming its process
     answers: list[asyncio.Future] = dataclasses.field(default_factory=list)
     deadlines: list[float | None] = dataclasses.field(default_factory=list)  # each request's own
-    # The task ids of the host's processes that called, and of those that called in the
-    # round sent on already (a later process's call goes at once when nobody else of the
-    # host is awaited).
+    # The task ids of the host's processes that called in its round (with any list: the set
+    # is shared by the host rounds of one round), and in it once sent on (a later process's
+    # call goes at once when nobody else of the host is awaited).
     called: set[int] = dataclasses.field(default_factory=set)
     deadline: float | None = None  # the earliest of them
     timer: asyncio.TimerHandle | None = None
@@ -181,8 +191,12 @@ class Relay:
         self._devices = client.topology.devices_per_process
         self._tasks: dict[str, int] = {}  # incarnation -> task id, of processes with an open connection
         self._rounds: dict[tuple, _HostRound] = {}
-        # The callers of the latest rounds sent on (_FORWARDED_KEPT), by round key.
+        # The callers of the latest rounds sent on (_FORWARDED_KEPT), by _round_of.
         self._forwarded: collections.OrderedDict[tuple, set[int]] = collections.OrderedDict()
+        # Ordinal -> the groups (job, generation, members) of its calls at the relay now, each
+        # with their count: an ordinal waiting in another group's round cannot come to this
+        # one's (as in Client._gathered).
+        self._inside: dict[int, dict[tuple, int]] = {}
         # Sending blocks a thread until the round ends; rounds of different groups can be
         # pending at once, so the pool must not be what bounds them.
         self._senders = _DaemonExecutor("pjrt-rendezvous-relay-send")
@@ -291,7 +305,30 @@ class Relay:
         host_round = self._rounds.get(key)
         now = time.monotonic()
         if host_round is None:
-            host_round = self._rounds[key] = _HostRound(called=set(self._forwarded.get(key, ())), first_at=now)
+            its_round = _round_of(request)
+            called = next((r.called for r in self._rounds.values() if r.round == its_round), None)
+            if called is None:
+                called = self._forwarded.get(its_round) or set()
+            host_round = self._rounds[key] = _HostRound(round=its_round, called=called, first_at=now)
+        group, ordinals = host_round.round[:3], {row[0] for row in rows}
+        for ordinal in ordinals:
+            inside = self._inside.setdefault(ordinal, {})
+            inside[group] = inside.get(group, 0) + 1
+        try:
+            return _answer(call_id, await self._hold(key, host_round, request, rows, task, now))
+        finally:
+            for ordinal in ordinals:
+                inside = self._inside[ordinal]
+                if inside[group] > 1:
+                    inside[group] -= 1
+                else:
+                    del inside[group]
+
+    def _hold(self, key: tuple, host_round: _HostRound, request: pb.RendezvousRequest, rows, task: int, now: float):
+        """Adds a call to its host round, which is sent on once nobody else of the host is
+        awaited, or held (its timer); so is any other held round nobody is awaited in any
+        more (its processes called it with another list, or wait in this group's round).
+        Returns the future of the call's outcome."""
         answer = self._loop.create_future()
         deadline = now + request.timeout if request.HasField("timeout") else None
         host_round.requests.append(request)
@@ -301,7 +338,9 @@ class Relay:
         host_round.called.add(task)
         if deadline is not None:
             host_round.deadline = deadline if host_round.deadline is None else min(host_round.deadline, deadline)
-        if not self._awaited(request.replicas, host_round.called) or request.generation < self._client.generation:
+        for other in [k for k, r in self._rounds.items() if k != key and not self._awaited(r)]:
+            self._send_on(other)
+        if not self._awaited(host_round) or request.generation < self._client.generation:
             self._send_on(key)  # (a call of an older generation: no sibling joins it, see Client._moved)
         else:
             # Held at most the window, and at most half the time left before its deadline
@@ -315,7 +354,7 @@ class Relay:
                     host_round.timer.cancel()
                 host_round.send_at = send_at
                 host_round.timer = self._loop.call_later(max(0.0, send_at - now), self._send_on, key)
-        return _answer(call_id, await answer)
+        return answer
 
     def generation_moved(self, generation: int) -> None:
         """(Any thread) The job moved to ``generation``: the rounds held for an older one are
@@ -331,11 +370,16 @@ class Relay:
         except RuntimeError:  # closed
             pass
 
-    def _awaited(self, replicas, called: set[int]) -> list[int]:
-        """The group's ordinals of the host's processes heard from that have not called."""
-        group = set(replicas)
-        waiting = set(self._tasks.values()) - called
-        return sorted(o for t in waiting for o in range(t * self._devices, (t + 1) * self._devices) if not group or o in group)
+    def _awaited(self, host_round: _HostRound) -> list[int]:
+        """The round's ordinals of the host's processes heard from that have not called in
+        it, but those waiting in another group's round (they cannot come now)."""
+        group = host_round.round[:3]
+        members, inside = set(group[2]), self._inside
+        waiting = set(self._tasks.values()) - host_round.called
+        return sorted(
+            o for t in waiting for o in range(t * self._devices, (t + 1) * self._devices)
+            if (not members or o in members) and not (inside.get(o) and any(g != group for g in inside[o]))
+        )
 
     def _send_on(self, key: tuple) -> None:
         host_round = self._rounds.pop(key, None)
@@ -344,9 +388,9 @@ class Relay:
         if host_round.timer is not None:
             host_round.timer.cancel()
         host_round.held = time.monotonic() - host_round.first_at
-        host_round.absent = self._awaited(host_round.requests[0].replicas, host_round.called)
-        self._forwarded[key] = host_round.called
-        self._forwarded.move_to_end(key)
+        host_round.absent = self._awaited(host_round)
+        self._forwarded[host_round.round] = host_round.called
+        self._forwarded.move_to_end(host_round.round)
         if len(self._forwarded) > _FORWARDED_KEPT:
             self._forwarded.popitem(last=False)
 

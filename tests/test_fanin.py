@@ -232,6 +232,57 @@ def test_a_relay_does_not_wait_again_for_a_thread_its_process_held_its_call_for(
         c.close()
 
 
+def test_a_round_called_with_its_replicas_in_another_order_is_not_held_for_its_callers(coordinator):
+    """Process 0 lists the group as [2, 1, 0], process 1 as [0, 1, 2]: the same round, but
+    the relay held each list's call for the process that had not called with that list, for
+    the whole batch window (a schedule of shuffled lists ran 190 times slower with fan-in)."""
+    clients = make_clients(coordinator.address, processes=2, hosts=1, batch_window=30.0)
+    run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
+
+    def body(client, binding):
+        if binding.ordinal == 3:
+            return None
+        started = time.monotonic()
+        replicas = [2, 1, 0] if binding.ordinal < 2 else [0, 1, 2]
+        got = client.rendezvous(binding, "sub", b"%d" % binding.ordinal, replicas=replicas, timeout=60)
+        return got, time.monotonic() - started
+
+    results = run_threads(clients, body)
+    for ordinal in range(3):
+        got, took = results[ordinal]
+        assert got == [b"0", b"1", b"2"] and took < 10, (ordinal, results)  # (held 30 s)
+    for c in clients:
+        c.close()
+
+
+def test_a_relay_holds_no_round_for_a_process_waiting_in_another_group_s_round(coordinator):
+    """Ordinal 2 (host 0) calls round Y then X, ordinal 6 (host 1) X then Y, so neither
+    round can complete, which the coordinator finds at once; but host 0's relay held
+    ordinal 0's call of X for ordinal 2's process (waiting in Y), and host 1's ordinal 4's
+    of Y for 6's, for the batch window: ordinals 0 and 4 heard of it 30 s later."""
+    clients = make_clients(coordinator.address, batch_window=30.0)
+    run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
+    x, y = [0, 2, 6], [2, 4, 6]
+    calls = {0: [x], 2: [y, x], 4: [y], 6: [x, y]}
+
+    def body(client, binding):
+        started = time.monotonic()
+        try:
+            for replicas in calls.get(binding.ordinal, []):
+                client.rendezvous(binding, "t", replicas=replicas, timeout=60)
+        except pr.RendezvousError as exc:
+            return exc, time.monotonic() - started
+        return None
+
+    results = run_threads(clients, body)
+    for ordinal in calls:
+        error, took = results[ordinal]
+        assert isinstance(error, pr.MismatchError) and "wait on each other" in str(error), (ordinal, error)
+        assert took < 10, (ordinal, took)  # (held 30 s)
+    for c in clients:
+        c.close()
+
+
 def test_a_relay_holds_a_round_at_most_half_the_time_left_before_its_deadline(coordinator):
     """A round with a timeout far shorter than the batch window, whose sibling process never
     comes: the relay sends it on within half its time left, so it ends at its timeout,
@@ -672,7 +723,7 @@ def test_a_relay_resends_no_process_s_call_once_the_round_s_deadline_passed(coor
     sent = []
     failure = StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer to Rendezvous within 15 s")
     monkeypatch.setattr(relay, "_send_one", lambda request, deadline: sent.append(request.incarnation) or failure)
-    host_round = _HostRound(deadline=time.monotonic() - 1.0)
+    host_round = _HostRound(round=("default", 0, (), 7), deadline=time.monotonic() - 1.0)
     for task, c in enumerate(clients[:2]):
         host_round.requests.append(pb.RendezvousRequest(job="default", incarnation=c.incarnation, round=7))
         host_round.rows.append((task * THREADS, "r", b"", c.incarnation))
