@@ -193,10 +193,10 @@ class Relay:
         self._rounds: dict[tuple, _HostRound] = {}
         # The callers of the latest rounds sent on (_FORWARDED_KEPT), by _round_of.
         self._forwarded: collections.OrderedDict[tuple, set[int]] = collections.OrderedDict()
-        # Ordinal -> the groups (job, generation, members) of its calls at the relay now, each
-        # with their count: an ordinal waiting in another group's round cannot come to this
-        # one's (as in Client._gathered).
-        self._inside: dict[int, dict[tuple, int]] = {}
+        # Group (job, generation, members) -> the ordinals of each of its calls at the relay
+        # now: an ordinal waiting in another group's round cannot come to this one's (as in
+        # Client._gathered).
+        self._inside: dict[tuple, list[list[int]]] = {}
         # Sending blocks a thread until the round ends; rounds of different groups can be
         # pending at once, so the pool must not be what bounds them.
         self._senders = _DaemonExecutor("pjrt-rendezvous-relay-send")
@@ -310,19 +310,15 @@ class Relay:
             if called is None:
                 called = self._forwarded.get(its_round) or set()
             host_round = self._rounds[key] = _HostRound(round=its_round, called=called, first_at=now)
-        group, ordinals = host_round.round[:3], {row[0] for row in rows}
-        for ordinal in ordinals:
-            inside = self._inside.setdefault(ordinal, {})
-            inside[group] = inside.get(group, 0) + 1
+        group, ordinals = host_round.round[:3], [row[0] for row in rows]
+        calls = self._inside.setdefault(group, [])
+        calls.append(ordinals)
         try:
             return _answer(call_id, await self._hold(key, host_round, request, rows, task, now))
         finally:
-            for ordinal in ordinals:
-                inside = self._inside[ordinal]
-                if inside[group] > 1:
-                    inside[group] -= 1
-                else:
-                    del inside[group]
+            calls.remove(ordinals)
+            if not calls:
+                del self._inside[group]
 
     def _hold(self, key: tuple, host_round: _HostRound, request: pb.RendezvousRequest, rows, task: int, now: float):
         """Adds a call to its host round, which is sent on once nobody else of the host is
@@ -374,11 +370,12 @@ class Relay:
         """The round's ordinals of the host's processes heard from that have not called in
         it, but those waiting in another group's round (they cannot come now)."""
         group = host_round.round[:3]
-        members, inside = set(group[2]), self._inside
+        members = set(group[2])
         waiting = set(self._tasks.values()) - host_round.called
+        elsewhere = {o for g, calls in self._inside.items() if g != group for call in calls for o in call}
         return sorted(
             o for t in waiting for o in range(t * self._devices, (t + 1) * self._devices)
-            if (not members or o in members) and not (inside.get(o) and any(g != group for g in inside[o]))
+            if (not members or o in members) and o not in elsewhere
         )
 
     def _send_on(self, key: tuple) -> None:
