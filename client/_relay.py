@@ -149,19 +149,13 @@ def _same_file(fd: int, path: str) -> bool:
     return (held.st_dev, held.st_ino) == (info.st_dev, info.st_ino)
 
 
-def _round_of(request: pb.RendezvousRequest) -> tuple:
-    """The coordinator's round a call is in: its group as a set (lists in another order or
-    with repeats name the same round, as the client's round counters count them)."""
-    return (request.job, request.generation, tuple(sorted(set(request.replicas))), request.round)
-
-
 @dataclasses.dataclass
 class _HostRound:
     """The calls of the host's processes with one replicas list at one round, until they
     are sent on (calls with another list of the same group go apart: the coordinator judges
     each list)."""
 
-    round: tuple  # _round_of its calls
+    round: tuple  # Relay._round_of its calls
     requests: list[pb.RendezvousRequest] = dataclasses.field(default_factory=list)
     rows: list[Row] = dataclasses.field(default_factory=list)  # their contributions, each naming its process
     answers: list[asyncio.Future] = dataclasses.field(default_factory=list)
@@ -188,7 +182,7 @@ class Relay:
         self._client = client
         self.path = path
         self._window = client.settings.batch_window
-        self._devices = client.topology.devices_per_process
+        self._devices, self._world = client.topology.devices_per_process, client.topology.world_size
         self._tasks: dict[str, int] = {}  # incarnation -> task id, of processes with an open connection
         self._rounds: dict[tuple, _HostRound] = {}
         # The callers of the latest rounds sent on (_FORWARDED_KEPT), by _round_of.
@@ -305,7 +299,7 @@ class Relay:
         host_round = self._rounds.get(key)
         now = time.monotonic()
         if host_round is None:
-            its_round = _round_of(request)
+            its_round = self._round_of(request)
             called = next((r.called for r in self._rounds.values() if r.round == its_round), None)
             if called is None:
                 called = self._forwarded.get(its_round) or set()
@@ -365,6 +359,15 @@ class Relay:
             self._loop.call_soon_threadsafe(send_older)
         except RuntimeError:  # closed
             pass
+
+    def _round_of(self, request: pb.RendezvousRequest) -> tuple:
+        """The coordinator's round a call is in: its group as the client's round counters
+        count it (a list in another order or with repeats, or naming every ordinal, is the
+        same group as another; ordinals out of range are not counted)."""
+        replicas, world = request.replicas, self._world
+        members = sorted({r for r in replicas if 0 <= r < world}) if replicas else []
+        group = () if not replicas or len(members) == world else tuple(members)
+        return (request.job, request.generation, group, request.round)
 
     def _awaited(self, host_round: _HostRound) -> list[int]:
         """The round's ordinals of the host's processes heard from that have not called in

@@ -235,22 +235,26 @@ def test_a_relay_does_not_wait_again_for_a_thread_its_process_held_its_call_for(
 def test_a_round_called_with_its_replicas_in_another_order_is_not_held_for_its_callers(coordinator):
     """Process 0 lists the group as [2, 1, 0], process 1 as [0, 1, 2]: the same round, but
     the relay held each list's call for the process that had not called with that list, for
-    the whole batch window (a schedule of shuffled lists ran 190 times slower with fan-in)."""
+    the whole batch window (a schedule of shuffled lists ran 190 times slower with fan-in);
+    so with [] and a list of every ordinal."""
     clients = make_clients(coordinator.address, processes=2, hosts=1, batch_window=30.0)
     run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
 
     def body(client, binding):
-        if binding.ordinal == 3:
-            return None
-        started = time.monotonic()
-        replicas = [2, 1, 0] if binding.ordinal < 2 else [0, 1, 2]
-        got = client.rendezvous(binding, "sub", b"%d" % binding.ordinal, replicas=replicas, timeout=60)
-        return got, time.monotonic() - started
+        got = []
+        for first, second in (([2, 1, 0], [0, 1, 2]), ([], [3, 0, 1, 2])):  # (the second: all four)
+            if binding.ordinal in first or not first:
+                started = time.monotonic()
+                replicas = first if binding.ordinal < 2 else second
+                payloads = client.rendezvous(binding, "sub", b"%d" % binding.ordinal, replicas=replicas, timeout=60)
+                got.append((payloads, time.monotonic() - started))
+        return got
 
     results = run_threads(clients, body)
-    for ordinal in range(3):
-        got, took = results[ordinal]
-        assert got == [b"0", b"1", b"2"] and took < 10, (ordinal, results)  # (held 30 s)
+    for ordinal in range(4):
+        expected = [[b"0", b"1", b"2"]] * (ordinal < 3) + [[b"0", b"1", b"2", b"3"]]
+        assert [payloads for payloads, _ in results[ordinal]] == expected, (ordinal, results)
+        assert all(took < 10 for _, took in results[ordinal]), (ordinal, results)  # (held 30 s)
     for c in clients:
         c.close()
 
