@@ -727,7 +727,7 @@ def test_a_relay_resends_no_process_s_call_once_the_round_s_deadline_passed(coor
     sent = []
     failure = StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer to Rendezvous within 15 s")
     monkeypatch.setattr(relay, "_send_one", lambda request, deadline: sent.append(request.incarnation) or failure)
-    host_round = _HostRound(round=("default", 0, (), 7), deadline=time.monotonic() - 1.0)
+    host_round = _HostRound(deadline=time.monotonic() - 1.0)
     for task, c in enumerate(clients[:2]):
         host_round.requests.append(pb.RendezvousRequest(job="default", incarnation=c.incarnation, round=7))
         host_round.rows.append((task * THREADS, "r", b"", c.incarnation))
