@@ -12,9 +12,9 @@ to every caller. The coordinator still checks every contribution's owner and acc
 ordinal.
 
 - The relay waits for a round's calls from the host's processes it has heard from that have
-  not called in it yet, but not for their ordinals waiting in another group's round (or
-  the same group's with its replicas listed otherwise), at most ``batch_window`` and at
-  most half the time left before the
+  not called in it yet (with any list of its replicas; or whose call of it is still under
+  way), but not for their ordinals waiting in another group's round, at most
+  ``batch_window`` and at most half the time left before the
   round's earliest deadline; a later process's contributions follow in a call of their own,
   at once when nobody else of the host is awaited. A process that called is not waited for
   again: its own client held its threads' contributions for the batch window already (and
@@ -152,16 +152,18 @@ def _same_file(fd: int, path: str) -> bool:
 
 @dataclasses.dataclass
 class _HostRound:
-    """The calls of the host's processes at one round, with one replicas list (the
-    coordinator judges each list), until they are sent on."""
+    """The calls of the host's processes with one replicas list at one round, until they
+    are sent on (calls with another list of the same group go apart: the coordinator judges
+    each list)."""
 
+    round: tuple  # Relay._round_of its calls
     requests: list[pb.RendezvousRequest] = dataclasses.field(default_factory=list)
     rows: list[Row] = dataclasses.field(default_factory=list)  # their contributions, each naming its process
     answers: list[asyncio.Future] = dataclasses.field(default_factory=list)
     deadlines: list[float | None] = dataclasses.field(default_factory=list)  # each request's own
-    # The task ids of the host's processes that called, and of those that called in the
-    # round sent on already (a later process's call goes at once when nobody else of the
-    # host is awaited).
+    # The task ids of the host's processes that called in its round (with any list: the set
+    # is shared by the host rounds of one round), and in it once sent on (a later process's
+    # call goes at once when nobody else of the host is awaited).
     called: set[int] = dataclasses.field(default_factory=set)
     deadline: float | None = None  # the earliest of them
     timer: asyncio.TimerHandle | None = None
@@ -181,15 +183,15 @@ class Relay:
         self._client = client
         self.path = path
         self._window = client.settings.batch_window
-        self._devices = client.topology.devices_per_process
+        self._devices, self._world = client.topology.devices_per_process, client.topology.world_size
         self._tasks: dict[str, int] = {}  # incarnation -> task id, of processes with an open connection
         self._rounds: dict[tuple, _HostRound] = {}
-        # The callers of the latest rounds sent on (_FORWARDED_KEPT), by round key.
+        # The callers of the latest rounds sent on (_FORWARDED_KEPT), by _round_of.
         self._forwarded: collections.OrderedDict[tuple, set[int]] = collections.OrderedDict()
-        # Group (job, generation, replicas as listed) -> the ordinals of each of its calls at
-        # the relay now: an ordinal waiting in another group's round cannot come to this
-        # one's (as in Client._gathered; nor one of the same group listed otherwise, which
-        # names the same round: a sibling's call of it is not held for them).
+        # Round (_round_of) -> the ordinals of each of its calls at the relay now: an ordinal
+        # waiting in another group's round cannot come to this one's (as in Client._gathered),
+        # and one in this very round has called (its process may be forgotten among the
+        # rounds _forwarded keeps).
         self._inside: dict[tuple, list[list[int]]] = {}
         # Sending blocks a thread until the round ends; rounds of different groups can be
         # pending at once, so the pool must not be what bounds them.
@@ -299,21 +301,25 @@ class Relay:
         host_round = self._rounds.get(key)
         now = time.monotonic()
         if host_round is None:
-            host_round = self._rounds[key] = _HostRound(called=set(self._forwarded.get(key, ())), first_at=now)
-        group, ordinals = key[:3], [row[0] for row in rows]
-        calls = self._inside.setdefault(group, [])
+            its_round = self._round_of(request)
+            called = next((r.called for r in self._rounds.values() if r.round == its_round), None)
+            if called is None:
+                called = self._forwarded.get(its_round) or set()
+            host_round = self._rounds[key] = _HostRound(round=its_round, called=called, first_at=now)
+        its_round, ordinals = host_round.round, [row[0] for row in rows]
+        calls = self._inside.setdefault(its_round, [])
         calls.append(ordinals)
         try:
             return _answer(call_id, await self._hold(key, host_round, request, rows, task, now))
         finally:
             calls.remove(ordinals)
             if not calls:
-                del self._inside[group]
+                del self._inside[its_round]
 
     def _hold(self, key: tuple, host_round: _HostRound, request: pb.RendezvousRequest, rows, task: int, now: float):
         """Adds a call to its host round, which is sent on once nobody else of the host is
         awaited, or held (its timer); so is any other held round nobody is awaited in any
-        more (they wait in this call's round).
+        more (its processes called it with another list, or wait in another group's round).
         Returns the future of the call's outcome."""
         answer = self._loop.create_future()
         deadline = now + request.timeout if request.HasField("timeout") else None
@@ -324,9 +330,9 @@ class Relay:
         host_round.called.add(task)
         if deadline is not None:
             host_round.deadline = deadline if host_round.deadline is None else min(host_round.deadline, deadline)
-        for other in [k for k, r in self._rounds.items() if k != key and not self._awaited(k, r)]:
+        for other in [k for k, r in self._rounds.items() if k != key and not self._awaited(r)]:
             self._send_on(other)
-        if not self._awaited(key, host_round) or request.generation < self._client.generation:
+        if not self._awaited(host_round) or request.generation < self._client.generation:
             self._send_on(key)  # (a call of an older generation: no sibling joins it, see Client._moved)
         else:
             # Held at most the window, and at most half the time left before its deadline
@@ -356,16 +362,28 @@ class Relay:
         except RuntimeError:  # closed
             pass
 
-    def _awaited(self, key: tuple, host_round: _HostRound) -> list[int]:
+    def _round_of(self, request: pb.RendezvousRequest) -> tuple:
+        """The coordinator's round a call is in: its group as the client's round counters
+        count it (a list in another order or with repeats, or naming every ordinal, is the
+        same group as another; ordinals out of range are not counted)."""
+        replicas, world = request.replicas, self._world
+        members = sorted({r for r in replicas if 0 <= r < world}) if replicas else []
+        group = () if not replicas or len(members) == world else tuple(members)
+        return (request.job, request.generation, group, request.round)
+
+    def _awaited(self, host_round: _HostRound) -> list[int]:
         """The round's ordinals of the host's processes heard from that have not called in
-        it, but those waiting in another group's round (they cannot come now)."""
-        group = key[:3]
-        members = set(group[2])
+        it, but those waiting in another group's round (they cannot come now). One waiting
+        in an earlier round of this group is awaited: its result is on the way."""
+        its_round = host_round.round
+        group, members = its_round[:3], set(its_round[2])
         waiting = set(self._tasks.values()) - host_round.called
-        elsewhere = {o for g, calls in self._inside.items() if g != group for call in calls for o in call}
+        if not waiting:
+            return []
+        away = {o for r, calls in self._inside.items() if r[:3] != group or r == its_round for call in calls for o in call}
         return sorted(
             o for t in waiting for o in range(t * self._devices, (t + 1) * self._devices)
-            if (not members or o in members) and o not in elsewhere
+            if (not members or o in members) and o not in away
         )
 
     def _send_on(self, key: tuple) -> None:
@@ -375,9 +393,9 @@ class Relay:
         if host_round.timer is not None:
             host_round.timer.cancel()
         host_round.held = time.monotonic() - host_round.first_at
-        host_round.absent = self._awaited(key, host_round)
-        self._forwarded[key] = host_round.called
-        self._forwarded.move_to_end(key)
+        host_round.absent = self._awaited(host_round)
+        self._forwarded[host_round.round] = host_round.called
+        self._forwarded.move_to_end(host_round.round)
         if len(self._forwarded) > _FORWARDED_KEPT:
             self._forwarded.popitem(last=False)
 

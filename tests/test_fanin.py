@@ -259,6 +259,62 @@ def test_a_round_called_with_its_replicas_in_another_order_is_not_held_for_its_c
         c.close()
 
 
+def test_a_relay_does_not_wait_for_a_process_whose_call_of_the_round_it_let_go_of(coordinator, monkeypatch):
+    """Process 0 calls a round early; its sibling does more rounds of another group than the
+    relay remembers callers of (_FORWARDED_KEPT), then calls that round: process 0, whose
+    call of it still waits, was waited for again, for the batch window."""
+    from pjrt_rendezvous.client import _relay
+
+    monkeypatch.setattr(_relay, "_FORWARDED_KEPT", 5)
+    clients = make_clients(coordinator.address, processes=2, hosts=1, batch_window=30.0)
+    run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
+
+    def body(client, binding):
+        if client is clients[1]:
+            for k in range(12):
+                client.rendezvous(binding, f"r{k}", replicas=[2, 3])
+        started = time.monotonic()
+        client.rendezvous(binding, "bye", timeout=20)
+        return time.monotonic() - started
+
+    took = run_threads(clients, body)
+    assert took[2] < 5 and took[3] < 5, took  # (held 10 s: half the time left)
+    for c in clients:
+        c.close()
+
+
+def test_a_relay_does_not_wait_for_a_process_that_called_the_round_listed_otherwise_and_was_answered(coordinator):
+    """Ordinal 3's replica ended: ordinal 0 calls the round of [0, 2, 3] listed [3, 2, 0] and
+    fails; ordinal 2, of the other process of its host, calls it listed [0, 2, 3] later and
+    was held for process 0 (its call of the round answered already) before failing too."""
+    clients = make_clients(coordinator.address, processes=2, hosts=1, batch_window=30.0)
+    run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
+    ended = threading.Event()
+
+    def body(client, binding):
+        if binding.ordinal == 3:
+            client.end_replicas([3], "ended on purpose")
+            ended.set()
+        if binding.ordinal not in (0, 2):
+            return None
+        assert ended.wait(10)
+        if binding.ordinal == 2:
+            time.sleep(3.0)  # (after ordinal 0's call failed)
+        started = time.monotonic()
+        with pytest.raises(pr.ParticipantFailedError, match="ended on purpose|failed before it came"):
+            if binding.ordinal == 0:  # (held for ordinal 2 half its timeout, then failed)
+                client.rendezvous(binding, "x", replicas=[3, 2, 0], timeout=2)
+            else:
+                client.rendezvous(binding, "x", replicas=[0, 2, 3], timeout=20)
+        return time.monotonic() - started
+
+    took = run_threads(clients, body)
+    assert not any(isinstance(t, Exception) for t in took.values()), took
+    assert took[2] < 5, took  # (held 10 s)
+    for c in clients:
+        c.close()
+
+
 def test_a_relay_holds_no_round_for_a_process_waiting_in_another_group_s_round(coordinator):
     """Ordinal 2 (host 0) calls round Y then X, ordinal 6 (host 1) X then Y, so neither
     round can complete, which the coordinator finds at once; but host 0's relay held
@@ -727,7 +783,7 @@ def test_a_relay_resends_no_process_s_call_once_the_round_s_deadline_passed(coor
     sent = []
     failure = StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer to Rendezvous within 15 s")
     monkeypatch.setattr(relay, "_send_one", lambda request, deadline: sent.append(request.incarnation) or failure)
-    host_round = _HostRound(deadline=time.monotonic() - 1.0)
+    host_round = _HostRound(round=("default", 0, (), 7), deadline=time.monotonic() - 1.0)
     for task, c in enumerate(clients[:2]):
         host_round.requests.append(pb.RendezvousRequest(job="default", incarnation=c.incarnation, round=7))
         host_round.rows.append((task * THREADS, "r", b"", c.incarnation))
