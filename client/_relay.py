@@ -373,8 +373,9 @@ class Relay:
 
     def _awaited(self, host_round: _HostRound) -> list[int]:
         """The round's ordinals of the host's processes heard from that have not called in
-        it, but those waiting in another group's round (they cannot come now). One waiting
-        in an earlier round of this group is awaited: its result is on the way."""
+        it, but those whose call of it is under way and those waiting in another group's
+        round (they cannot come now). One waiting in an earlier round of this group is
+        awaited: its result is on the way."""
         its_round = host_round.round
         group, members = its_round[:3], set(its_round[2])
         waiting = set(self._tasks.values()) - host_round.called
