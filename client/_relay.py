@@ -12,9 +12,8 @@ to every caller. The coordinator still checks every contribution's owner and acc
 ordinal.
 
 - The relay waits for a round's calls from the host's processes it has heard from that have
-  not called in it yet (with any list of its replicas; or whose call of it is still under
-  way), but not for their ordinals waiting in another group's round, at most
-  ``batch_window`` and at most half the time left before the
+  not called in it yet (with any list of its replicas, the call perhaps still under way), at
+  most ``batch_window`` and at most half the time left before the
   round's earliest deadline; a later process's contributions follow in a call of their own,
   at once when nobody else of the host is awaited. A process that called is not waited for
   again: its own client held its threads' contributions for the batch window already (and
@@ -188,10 +187,8 @@ class Relay:
         self._rounds: dict[tuple, _HostRound] = {}
         # The callers of the latest rounds sent on (_FORWARDED_KEPT), by _round_of.
         self._forwarded: collections.OrderedDict[tuple, set[int]] = collections.OrderedDict()
-        # Round (_round_of) -> the ordinals of each of its calls at the relay now: an ordinal
-        # waiting in another group's round cannot come to this one's (as in Client._gathered),
-        # and one in this very round has called (its process may be forgotten among the
-        # rounds _forwarded keeps).
+        # Round (_round_of) -> the ordinals of each of its calls at the relay now: they have
+        # called in it (their process may be forgotten among the rounds _forwarded keeps).
         self._inside: dict[tuple, list[list[int]]] = {}
         # Sending blocks a thread until the round ends; rounds of different groups can be
         # pending at once, so the pool must not be what bounds them.
@@ -318,9 +315,8 @@ class Relay:
 
     def _hold(self, key: tuple, host_round: _HostRound, request: pb.RendezvousRequest, rows, task: int, now: float):
         """Adds a call to its host round, which is sent on once nobody else of the host is
-        awaited, or held (its timer); so is any other held round nobody is awaited in any
-        more (its processes called it with another list, or wait in another group's round).
-        Returns the future of the call's outcome."""
+        awaited, or held (its timer); so is a held call of the round with another list that
+        awaited this call's process. Returns the future of the call's outcome."""
         answer = self._loop.create_future()
         deadline = now + request.timeout if request.HasField("timeout") else None
         host_round.requests.append(request)
@@ -330,7 +326,8 @@ class Relay:
         host_round.called.add(task)
         if deadline is not None:
             host_round.deadline = deadline if host_round.deadline is None else min(host_round.deadline, deadline)
-        for other in [k for k, r in self._rounds.items() if k != key and not self._awaited(r)]:
+        its_round = host_round.round
+        for other in [k for k, r in self._rounds.items() if k != key and r.round == its_round and not self._awaited(r)]:
             self._send_on(other)
         if not self._awaited(host_round) or request.generation < self._client.generation:
             self._send_on(key)  # (a call of an older generation: no sibling joins it, see Client._moved)
@@ -373,18 +370,15 @@ class Relay:
 
     def _awaited(self, host_round: _HostRound) -> list[int]:
         """The round's ordinals of the host's processes heard from that have not called in
-        it, but those whose call of it is under way and those waiting in another group's
-        round (they cannot come now). One waiting in an earlier round of this group is
-        awaited: its result is on the way."""
-        its_round = host_round.round
-        group, members = its_round[:3], set(its_round[2])
+        it (with any list, the call perhaps still under way)."""
         waiting = set(self._tasks.values()) - host_round.called
         if not waiting:
             return []
-        away = {o for r, calls in self._inside.items() if r[:3] != group or r == its_round for call in calls for o in call}
+        members = set(host_round.round[2])
+        called = {o for call in self._inside.get(host_round.round, ()) for o in call}
         return sorted(
             o for t in waiting for o in range(t * self._devices, (t + 1) * self._devices)
-            if (not members or o in members) and o not in away
+            if (not members or o in members) and o not in called
         )
 
     def _send_on(self, key: tuple) -> None:

@@ -315,34 +315,6 @@ def test_a_relay_does_not_wait_for_a_process_that_called_the_round_listed_otherw
         c.close()
 
 
-def test_a_relay_holds_no_round_for_a_process_waiting_in_another_group_s_round(coordinator):
-    """Ordinal 2 (host 0) calls round Y then X, ordinal 6 (host 1) X then Y, so neither
-    round can complete, which the coordinator finds at once; but host 0's relay held
-    ordinal 0's call of X for ordinal 2's process (waiting in Y), and host 1's ordinal 4's
-    of Y for 6's, for the batch window: ordinals 0 and 4 heard of it 30 s later."""
-    clients = make_clients(coordinator.address, batch_window=30.0)
-    run_threads(clients, lambda client, binding: client.rendezvous(binding, "warm"))
-    x, y = [0, 2, 6], [2, 4, 6]
-    calls = {0: [x], 2: [y, x], 4: [y], 6: [x, y]}
-
-    def body(client, binding):
-        started = time.monotonic()
-        try:
-            for replicas in calls.get(binding.ordinal, []):
-                client.rendezvous(binding, "t", replicas=replicas, timeout=60)
-        except pr.RendezvousError as exc:
-            return exc, time.monotonic() - started
-        return None
-
-    results = run_threads(clients, body)
-    for ordinal in calls:
-        error, took = results[ordinal]
-        assert isinstance(error, pr.MismatchError) and "wait on each other" in str(error), (ordinal, error)
-        assert took < 10, (ordinal, took)  # (held 30 s)
-    for c in clients:
-        c.close()
-
-
 def test_a_relay_holds_a_round_at_most_half_the_time_left_before_its_deadline(coordinator):
     """A round with a timeout far shorter than the batch window, whose sibling process never
     comes: the relay sends it on within half its time left, so it ends at its timeout,
