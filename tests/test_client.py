@@ -2334,7 +2334,7 @@ def test_a_call_s_waits_between_retries_end_by_its_deadline():
     finally:
         client.close()
     assert len(deadlines) == 4 and len(late) > 4, (deadlines, late)
-    assert max(late) < 0.05, late  # (a wait ends by the deadline, give or take the time to start it)
+    assert max(late) < 0.2, late  # (a wait ends by the deadline, give or take the time to start it)
 
 
 def _raised(call):
