@@ -1960,9 +1960,6 @@ class Core:
             if now - self.restored[0] <= self.restored[1]:
                 return  # just restored: its processes may not have been told the timeout yet
             self.restored = None
-        # A round whose deadline passed before a death noticed now timed out first (its
-        # alarm and this check may fall due together): its own error, not the death's.
-        self.expire(now)
         for job in self.jobs.values():
             for process in list(job.processes.values()):
                 if not process.alive:

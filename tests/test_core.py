@@ -2644,22 +2644,6 @@ def test_a_silent_process_is_declared_dead_and_every_round_needing_it_fails_nami
     assert pod.core.kv_get(JOB, ["after"]) == [b"death"]
 
 
-def test_a_round_past_its_deadline_times_out_rather_than_failing_for_a_death_noticed_after():
-    """A round's deadline passed, then a member's silence passed the heartbeat timeout, and
-    the liveness check came before the round's alarm (both due at once): the round failed
-    ABORTED for the death, where it had timed out first."""
-    pod = Pod(Core(heartbeat_timeout=10), 2, 1)
-    pod.register(0)
-    pod.register(1)
-    key = pod.arrive(0, now=1.0, deadline=9.0)
-    pod.core.touch(JOB, incarnation_of(0), now=10.0)
-    pod.core.check_liveness(11.0)
-    assert_message(
-        pod.error(key), Code.DEADLINE_EXCEEDED, "timed out after 8.0 s", "missing ordinal 1 on host-0 (pid 1001, last seen 11.0 s ago)"
-    )
-    assert [p.alive for p in pod.core.status(11.0, JOB)[0].participants] == [True, False]  # (and it died)
-
-
 def test_a_process_whose_connection_closed_is_declared_dead_after_the_grace_unless_it_calls():
     """Its event watch ended without a Leave (killed, crashed): the waiters hear of it after
     DISCONNECTED_GRACE, not after the whole heartbeat timeout; meanwhile who is missing says

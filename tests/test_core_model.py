@@ -617,9 +617,7 @@ class CoreModel(RuleBasedStateMachine):
     @rule()
     def check_liveness(self):
         """README: silent for the heartbeat timeout, or its connection closed and not heard
-        from within the grace, a process is dead. (In the order the core checks them; a
-        round whose deadline passed before timed out first.)"""
-        self.time_out_overdue()
+        from within the grace, a process is dead. (In the order the core checks them.)"""
         job = self.core.jobs.get(JOB)
         order = list(job.processes) if job is not None else []
         for p in sorted(self.procs.values(), key=lambda p: order.index(p.incarnation)):
@@ -635,14 +633,11 @@ class CoreModel(RuleBasedStateMachine):
         for t, p in self.procs.items():
             assert self.core.jobs[JOB].processes[p.incarnation].alive == p.alive, (t, p)
 
-    def time_out_overdue(self):
+    @rule()
+    def expire(self):
         for r in list(self.pending().values()):
             if r.deadline is not None and r.deadline <= self.now:
                 self.finish(r, "failed", Code.DEADLINE_EXCEEDED, "timeout")
-
-    @rule()
-    def expire(self):
-        self.time_out_overdue()
         self.core.expire(self.now)
         self.sync()
 
